@@ -1,0 +1,115 @@
+"""Plain PyTorch kernels: the CPU path and the oracle for every Triton kernel test.
+
+Every function here has a Triton twin in `kernels/triton/` with the same signature.
+Shapes use these names:
+  T  tokens in the flat batch        S  sequences in the batch
+  H  query heads   KH  kv heads      D  head dim
+  NB KV blocks     BS  block size    MB max blocks per sequence
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = x / rms(x) * weight, computed in float32 like HF (weight applied in x.dtype)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual' = x + residual (in x.dtype); returns (rms_norm(residual'), residual')."""
+    new_residual = x + residual
+    return rms_norm(new_residual, weight, eps), new_residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [..., 2*I] -> silu(x[..., :I]) * x[..., I:]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # [T] int
+    query: torch.Tensor,  # [T, H, D]
+    key: torch.Tensor,  # [T, KH, D]
+    cos_sin_cache: torch.Tensor,  # [max_pos, rot_dim] float32: cos in [:rot_dim/2], sin after
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotary embedding on the first rot_dim dims of each head; returns new (q, k)."""
+    rot_dim = cos_sin_cache.shape[-1]
+    cos, sin = cos_sin_cache[positions.long()].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rot/2]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        rot, rest = x[..., :rot_dim].float(), x[..., rot_dim:]
+        x1, x2 = rot.chunk(2, dim=-1)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        return torch.cat((out, rest), dim=-1) if rest.numel() else out
+
+    return rotate(query), rotate(key)
+
+
+def store_kv_cache(
+    key: torch.Tensor,  # [T, KH, D]
+    value: torch.Tensor,  # [T, KH, D]
+    k_cache: torch.Tensor,  # [NB, BS, KH, D]
+    v_cache: torch.Tensor,  # [NB, BS, KH, D]
+    slot_mapping: torch.Tensor,  # [T] int; slot = block * BS + offset; < 0 means skip (padding)
+) -> None:
+    """Write each token's K and V into its cache slot, in place."""
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    block_size = k_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = key[valid].to(k_cache.dtype)
+    v_cache[blocks, offsets] = value[valid].to(v_cache.dtype)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [NB, BS, KH, D]
+    v_cache: torch.Tensor,  # [NB, BS, KH, D]
+    block_tables: torch.Tensor,  # [S, MB] int32
+    query_start_loc: torch.Tensor,  # [S + 1] int32: sequence s owns query rows [qsl[s], qsl[s+1])
+    seq_lens: torch.Tensor,  # [S] int32: KV length of s after this step (cached context + new tokens)
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    out: torch.Tensor | None = None,  # [T, H, D]
+) -> torch.Tensor:
+    """Causal attention of every query token over its sequence's paged KV (already stored).
+
+    The query rows of sequence s are its last q_len tokens, so row i sits at position
+    seq_len - q_len + i and sees KV positions [0, that position]. Works for prefill chunks with
+    cached context and for decode (q_len == 1) alike; GQA by repeating KV heads.
+    max_query_len / max_seq_len are host-side upper bounds (kernels size grids with them).
+    """
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(query)
+    qsl = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for s, seq_len in enumerate(lens):
+        q_start, q_end = qsl[s], qsl[s + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        num_blocks = (seq_len + block_size - 1) // block_size
+        blocks = block_tables[s, :num_blocks].long()
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        k = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
+        v = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+        q = query[q_start:q_end].float().transpose(0, 1)  # [H, q_len, D]
+        scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [H, q_len, L]
+        q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
+        k_pos = torch.arange(seq_len).unsqueeze(0)
+        scores.masked_fill_(k_pos > q_pos, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q_start:q_end] = torch.matmul(probs, v).transpose(0, 1).to(out.dtype)
+    return out
