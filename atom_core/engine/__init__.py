@@ -1,0 +1,1 @@
+"""The engine: scheduler, KV cache, model runner, and the APIs over them."""

@@ -1,0 +1,125 @@
+"""EngineCore: scheduler + KV manager + model runner, advanced one step() at a time.
+
+The core speaks token ids only; text lives with its consumer (OutputProcessor). It runs
+in-process under LLMEngine and in its own process under the server.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from atom_core.config import EngineConfig
+from atom_core.engine.kv_cache import KVCacheManager
+from atom_core.engine.model_runner import ModelRunner
+from atom_core.engine.output_processor import CoreOutput
+from atom_core.engine.scheduler import Scheduler
+from atom_core.engine.sequence import FinishReason, Sequence
+from atom_core.loader import resolve_model_files
+from atom_core.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CoreStats:
+    num_running: int
+    num_waiting: int
+    num_kv_blocks: int
+    num_free_blocks: int
+    prefix_hit_rate: float
+    num_preemptions: int
+
+
+def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    if config.max_model_len is None:
+        if limit is None:
+            raise ValueError("config.json has no max_position_embeddings; pass max_model_len")
+        return limit
+    if limit is not None and config.max_model_len > limit:
+        raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings={limit}")
+    return config.max_model_len
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        start = time.perf_counter()
+        self.config = config
+        self.files = resolve_model_files(config.model, config.tokenizer)
+        self.max_model_len = resolve_max_model_len(config, self.files.hf_config)
+        self.runner = ModelRunner(config, self.files, self.max_model_len)
+        self.kv = KVCacheManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+            self.files.eos_token_ids, config.enable_chunked_prefill,
+        )
+        self.vocab_size = self.files.hf_config.vocab_size
+        self.profiler = None
+        self.startup_seconds = time.perf_counter() - start
+        logger.info("engine core ready in %.1f s", self.startup_seconds)
+
+    # ---- requests -------------------------------------------------------------------
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError for a request that can never run; nothing is queued then."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens; max_model_len is {self.max_model_len} (the prompt plus at least one generated token must fit)")
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} exceeds max_model_len {self.max_model_len}"
+            )
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.validate_request(prompt_token_ids, params)
+        seq = Sequence(request_id, list(prompt_token_ids), params)
+        if seq.wants_prompt_logprobs:
+            seq.prompt_logprobs = [None]
+        self.scheduler.add(seq)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, FinishReason.ABORT)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step -------------------------------------------------------------------
+    def step(self) -> list[CoreOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        result = self.runner.execute(batch)
+        for i, entries in result.prompt_logprobs.items():
+            batch.seqs[i].prompt_logprobs.extend(entries)
+        for i, entry in result.logprobs.items():
+            batch.seqs[i].output_logprobs.append(entry)
+        self.scheduler.update_from_output(batch, result.sampled)
+        return [self._output(seq, i, result) for i, seq in enumerate(batch.seqs) if result.sampled[i] is not None]
+
+    def _output(self, seq: Sequence, i: int, result) -> CoreOutput:
+        first = seq.num_output_tokens == 1
+        return CoreOutput(
+            request_id=seq.request_id,
+            new_token_ids=[result.sampled[i]],
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            stop_token_id=seq.stop_token_id,
+            new_logprobs=[result.logprobs[i]] if i in result.logprobs else [],
+            prompt_logprobs=list(seq.prompt_logprobs) if first and seq.wants_prompt_logprobs else None,
+            num_cached_tokens=seq.num_cached_tokens,
+        )
+
+    def stats(self) -> CoreStats:
+        return CoreStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_kv_blocks=self.kv.num_blocks,
+            num_free_blocks=self.kv.num_free_blocks,
+            prefix_hit_rate=self.kv.prefix_hit_rate,
+            num_preemptions=self.scheduler.num_preemptions,
+        )

@@ -1,0 +1,115 @@
+"""LLMEngine: the synchronous, in-process Python API over the engine core."""
+from __future__ import annotations
+
+import itertools
+from typing import Callable, Sequence as Seq
+
+from atom_core.config import EngineConfig
+from atom_core.engine.core import EngineCore
+from atom_core.engine.output_processor import OutputProcessor, RequestState
+from atom_core.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLMEngine:
+    """`LLMEngine(model=..., **config_fields)`; `generate(prompts, sampling_params)`.
+
+    Prompts are strings (tokenized here) or token-id lists. `add_request` + `step` give
+    streaming control; `stream_callback(output_dict_so_far, new_token_ids, new_text)` is called
+    for every new token of its request.
+    """
+
+    def __init__(self, model: str, **config_fields):
+        self.config = EngineConfig.from_kwargs(model, **config_fields)
+        self.core = EngineCore(self.config)
+        self.tokenizer = self.core.files.load_tokenizer() if self.core.files.tokenizer_path else None
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+        self._finished: dict[str, RequestState] = {}
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    # ---- requests -------------------------------------------------------------------
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass token ids or a tokenizer directory")
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
+            raise ValueError("a prompt must be a string or a list of token ids")
+        return list(prompt)
+
+    def add_request(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                    stream_callback: Callable | None = None) -> list[str]:
+        """Queue one or more prompts; returns their request ids. Validates all before queueing any."""
+        prompts = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompts))
+        token_lists = [self.tokenize(p) for p in prompts]
+        for ids, sp in zip(token_lists, params):
+            self.core.validate_request(ids, sp)
+        request_ids = []
+        for prompt, ids, sp in zip(prompts, token_lists, params):
+            rid = str(next(self._ids))
+            self.outputs.new_state(rid, prompt if isinstance(prompt, str) else None, ids, sp, stream_callback)
+            self.core.add_request(rid, ids, sp)
+            request_ids.append(rid)
+        return request_ids
+
+    def abort_request(self, request_id: str) -> None:
+        self.core.abort_requests([request_id])
+        self.outputs.abort(request_id)
+
+    def step(self) -> list[RequestState]:
+        """Run one engine step; returns the requests that got new tokens (finished ones included)."""
+        updated, to_abort = self.outputs.process(self.core.step())
+        if to_abort:
+            self.core.abort_requests(to_abort)
+        for state in updated:
+            if state.stream_callback is not None:
+                text, ids = state.take_delta()
+                state.stream_callback(state.as_dict(), ids, text)
+            if state.finished:
+                self._finished[state.request_id] = state
+        return updated
+
+    def is_finished(self) -> bool:
+        return not self.core.has_unfinished()
+
+    def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[dict]:
+        """Run prompts to completion; one output dict per prompt, in prompt order."""
+        request_ids = self.add_request(prompts, sampling_params)
+        while not all(rid in self._finished for rid in request_ids):
+            self.step()
+        return [self._finished.pop(rid).as_dict() for rid in request_ids]
+
+    # ---- profiling ------------------------------------------------------------------
+    def start_profile(self) -> None:
+        self.core.start_profile()
+
+    def stop_profile(self) -> list[str]:
+        return self.core.stop_profile()
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("no prompts given")
+    return prompts
+
+
+def _as_params_list(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+    return params

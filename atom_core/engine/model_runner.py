@@ -1,0 +1,169 @@
+"""ModelRunner: owns the model, the KV cache tensors and the sampler; runs one step.
+
+`execute(batch)` builds the flat batch, runs the forward (eager, compiled, or a CUDA graph
+replay for decode-only batches), computes logits only for rows that need them, samples, and
+returns plain Python results. The only host-device synchronisation is fetching the sampled
+token ids (plus logprobs when a request asked for them).
+"""
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from atom_core.config import EngineConfig
+from atom_core.engine.batch_builder import FlatBatch, build_flat_batch, build_sampling_batch
+from atom_core.engine.scheduler import ScheduledBatch
+from atom_core.loader import ModelFiles, init_dummy_weights, load_weights
+from atom_core.model_ops.attention import Attention
+from atom_core.model_ops.forward_context import set_attention_metadata
+from atom_core.model_ops.sampler import Sampler
+from atom_core.models.registry import resolve_model_class
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    sampled: list[int | None]  # per batch entry; None for prefill chunks that do not sample
+    logprobs: dict[int, tuple[float, dict[int, float]]] = field(default_factory=dict)  # batch idx -> ...
+    prompt_logprobs: dict[int, list] = field(default_factory=dict)  # batch idx -> new entries
+
+
+def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
+    from atom_core.models.common import head_dim_of
+
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    per_token = 2 * hf_config.num_hidden_layers * kv_heads * head_dim_of(hf_config)
+    return per_token * block_size * torch.finfo(dtype).bits // 8
+
+
+class ModelRunner:
+    """Contract: single-threaded; `execute` never mutates sequences (the scheduler does)."""
+
+    def __init__(self, config: EngineConfig, files: ModelFiles, max_model_len: int):
+        self.config = config
+        self.files = files
+        self.device = config.torch_device
+        self.hf_config = files.hf_config
+        self.dtype = config.resolve_dtype(_config_dtype(self.hf_config))
+        self.max_model_len = max_model_len
+        self.block_size = config.block_size
+        self.vocab_size = self.hf_config.vocab_size
+        self.rng = random.Random(config.seed)
+        torch.manual_seed(config.seed)
+        start = time.perf_counter()
+        self.model = self._load_model()
+        self.load_seconds = time.perf_counter() - start
+        self.sampler = Sampler()
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.num_kv_blocks = self._num_kv_blocks()
+        self._allocate_kv_cache()
+        self.graphs = None
+        if config.use_cuda_graphs:
+            from atom_core.engine.cuda_graph import CUDAGraphRunner
+
+            self.graphs = CUDAGraphRunner(self, config.sorted_capture_sizes)
+            self.graphs.capture_all()
+
+    # ---- setup ----------------------------------------------------------------------
+    def _load_model(self) -> torch.nn.Module:
+        model_cls = resolve_model_class(self.hf_config)
+        old_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = model_cls(self.hf_config)
+        finally:
+            torch.set_default_dtype(old_dtype)
+        if self.config.load_format == "dummy":
+            init_dummy_weights(model, self.config.seed)
+        else:
+            load_weights(model, self.files.path)
+        return model.eval()
+
+    def _num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        per_block = kv_bytes_per_block(self.hf_config, self.block_size, self.dtype)
+        if self.device.type == "cuda":
+            from atom_core.engine.memory import profile_kv_budget
+
+            budget = profile_kv_budget(self)
+        else:
+            budget = int(self.config.kv_cache_memory_gb * (1 << 30))
+        num = budget // per_block
+        needed = (self.max_model_len + self.block_size - 1) // self.block_size
+        if num < needed:
+            raise ValueError(
+                f"KV cache too small: {num} blocks of {self.block_size} tokens cannot hold one "
+                f"{self.max_model_len}-token sequence; raise the memory budget or lower max_model_len"
+            )
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens", num, self.block_size, num * self.block_size)
+        return num
+
+    def _allocate_kv_cache(self) -> None:
+        layer = self.attention_layers[0]
+        shape = (2, len(self.attention_layers), self.num_kv_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        for i, attn in enumerate(self.attention_layers):
+            attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+
+    # ---- one step -------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> StepResult:
+        flat = build_flat_batch(batch, self.block_size, self.device)
+        hidden = self._forward(flat, batch)
+        result = StepResult(sampled=[None] * len(batch))
+        if not flat.sample_seq_idx and not flat.prompt_logprob_spans:
+            return result
+        logits = self.model.compute_logits(hidden[flat.logit_rows]).float()
+        if flat.sample_seq_idx:
+            sb = build_sampling_batch(batch, flat.sample_seq_idx, self.vocab_size, self.files.eos_token_ids, self.device, self.rng)
+            out = self.sampler(logits[flat.sample_rows], sb)
+            token_ids = out.token_ids.tolist()  # the step's one host-device sync
+            for i, tok in zip(flat.sample_seq_idx, token_ids):
+                result.sampled[i] = tok
+            if out.logprobs is not None:
+                self._collect_logprobs(result, batch, flat, out)
+        for i, row, first, count in flat.prompt_logprob_spans:
+            k = batch.seqs[i].sampling_params.prompt_logprobs
+            targets = torch.tensor(batch.seqs[i].token_ids[first : first + count], device=self.device)
+            result.prompt_logprobs[i] = _token_logprobs(logits[row : row + count], targets, k)
+        return result
+
+    def _forward(self, flat: FlatBatch, batch: ScheduledBatch) -> torch.Tensor:
+        if self.graphs is not None and batch.is_decode_only and self.graphs.can_run(len(batch)):
+            return self.graphs.replay(flat)
+        with set_attention_metadata(flat.attn):
+            return self.model(flat.input_ids, flat.positions)
+
+    def _collect_logprobs(self, result: StepResult, batch: ScheduledBatch, flat: FlatBatch, out) -> None:
+        chosen = out.logprobs.tolist()
+        tops = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
+        for r, i in enumerate(flat.sample_seq_idx):
+            k = batch.seqs[i].sampling_params.logprobs
+            if k is None:
+                continue
+            top = dict(zip(top_ids[r][:k], tops[r][:k])) if tops is not None and k > 0 else {}
+            result.logprobs[i] = (chosen[r], top)
+
+
+def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> list:
+    logprobs = logits.log_softmax(dim=-1)
+    chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+    if k <= 0:
+        return [(c, {}) for c in chosen]
+    top_vals, top_ids = logprobs.topk(k, dim=-1)
+    return [(c, dict(zip(ids, vals))) for c, ids, vals in zip(chosen, top_ids.tolist(), top_vals.tolist())]
+
+
+def _config_dtype(hf_config) -> torch.dtype | None:
+    dtype = getattr(hf_config, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else None

@@ -1,0 +1,185 @@
+"""Continuous batching: each step spends a token budget on running and waiting sequences.
+
+The scheduler thinks in tokens, not phases: a sequence has `num_tokens` known and
+`num_computed_tokens` in the KV cache; each step computes some of the difference. A decode is
+one token, a prefill chunk many; both share a step. When blocks run out the newest running
+sequence is preempted (its blocks freed, recomputed later from its tokens, output unchanged).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from atom_core.engine.kv_cache import KVCacheManager
+from atom_core.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """What the runner computes this step: seqs[i] advances by num_new_tokens[i] tokens."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(
+            n == 1 and s.num_computed_tokens + 1 == s.num_tokens and s.num_output_tokens > 0
+            for s, n in zip(self.seqs, self.num_new_tokens)
+        )
+
+    def samples(self, i: int) -> bool:
+        """Whether sequence i reaches its last known token this step, so it samples a new one."""
+        seq = self.seqs[i]
+        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
+
+
+class Scheduler:
+    """FCFS continuous batching with chunked prefill and preemption by recompute.
+
+    Contract: `schedule()` mutates block tables (through the KV manager) and queues;
+    `update_from_output()` advances sequences by what the runner computed and returns the
+    sequences that finished. `finish_requests` ends requests from outside (abort, stop string).
+    """
+
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, eos_token_ids: set[int], enable_chunked_prefill: bool = True):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.requests: dict[str, Sequence] = {}
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        if seq.request_id in self.requests:
+            raise ValueError(f"duplicate request id {seq.request_id!r}")
+        self.requests[seq.request_id] = seq
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- scheduling ----------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.kv.can_append_slots(seq, seq.num_computed_tokens + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                self.kv.append_slots(seq, seq.num_computed_tokens + n)
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(n)
+                budget -= n
+                i += 1
+        if not preempted:
+            budget = self._schedule_waiting(batch, budget)
+        return batch
+
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            remaining = seq.num_tokens - self.kv.get_prefix_hit_tokens(seq)
+            n = min(remaining, budget)
+            if n < remaining and not self.enable_chunked_prefill:
+                break
+            if not self.kv.can_allocate(seq, n):
+                break
+            self.waiting.popleft()
+            num_cached = self.kv.allocate(seq, n)
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = num_cached
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        return budget
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # ---- after the step ------------------------------------------------------------
+    def update_from_output(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
+        """Advance each scheduled sequence; append sampled tokens; return newly finished ones."""
+        finished = []
+        for seq, n, token_id in zip(batch.seqs, batch.num_new_tokens, sampled):
+            if seq.is_finished:  # aborted while the step ran
+                continue
+            seq.num_computed_tokens += n
+            self.kv.cache_full_blocks(seq)
+            if token_id is None:
+                continue
+            seq.append_token(token_id)
+            reason = self._check_stop(seq, token_id)
+            if reason is not None:
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _check_stop(self, seq: Sequence, token_id: int) -> FinishReason | None:
+        params = seq.sampling_params
+        if seq.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                seq.stop_token_id = token_id
+                return FinishReason.STOP
+            if token_id in params.stop_token_ids:
+                seq.stop_token_id = token_id
+                return FinishReason.STOP
+        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            return FinishReason.LENGTH
+        if seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        seq.finish(reason)
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.kv.free(seq)
+        self.kv.forget(seq)
+        del self.requests[seq.request_id]
+
+    def finish_requests(self, request_ids: list[str], reason: FinishReason) -> list[Sequence]:
+        """End requests from outside the step (client abort, stop string); unknown ids ignored."""
+        done = []
+        for rid in request_ids:
+            seq = self.requests.get(rid)
+            if seq is not None and not seq.is_finished:
+                self._finish(seq, reason)
+                done.append(seq)
+        return done

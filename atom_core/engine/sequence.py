@@ -1,0 +1,85 @@
+"""A request's state inside the engine core: tokens, progress, blocks, timings."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from atom_core.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len
+    ABORT = "abort"
+
+
+@dataclass
+class Sequence:
+    """One request. `token_ids` is the single source of truth for its tokens.
+
+    Tokens [0, num_computed_tokens) have their KV in the cache; the rest are known but not
+    yet computed (the prompt's unprocessed part, or the last sampled token).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = field(default_factory=time.perf_counter)
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache, first schedule
+    block_table: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    # Per output token: (chosen logprob, {token_id: logprob} of the top-k); when requested.
+    output_logprobs: list = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling_params.prompt_logprobs is not None
+
+    def append_token(self, token_id: int) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+        self.token_ids.append(token_id)
+
+    def finish(self, reason: FinishReason) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.finish_time = time.perf_counter()

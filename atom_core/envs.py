@@ -1,0 +1,68 @@
+"""Every ATOM_* environment variable, typed and read in one place.
+
+Read once at startup (`read_envs()`), then passed on as config; nothing else in the package
+reads `os.environ` for ATOM_* names. A malformed value is a ValueError naming the variable.
+
+To add a variable: a field on `AtomEnvs`, a line in `ENV_VARS`, a line in `read_envs`.
+
+Booleans accept 1/0, true/false, yes/no, on/off (any case); unset or empty means the default.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+ENV_VARS: dict[str, str] = {
+    "ATOM_TORCH_PROFILER_DIR": "default for --torch-profiler-dir: where torch profiler traces go",
+    "ATOM_PROFILER_DETAILED": "0/1: record shapes, Python stacks and memory in traces",
+    "ATOM_MARK_TRACE": "0/1: wrap every model module in a named profiler range (eager mode only)",
+}
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class AtomEnvs:
+    """The ATOM_* settings of this process; the defaults are what an empty environment gives."""
+
+    torch_profiler_dir: str | None = None
+    profiler_detailed: bool = False
+    mark_trace: bool = False
+
+
+def read_envs(environ: Mapping[str, str] | None = None) -> AtomEnvs:
+    """Parse the ATOM_* variables of `environ` (default: os.environ)."""
+    env = os.environ if environ is None else environ
+    return AtomEnvs(
+        torch_profiler_dir=env_str(env, "ATOM_TORCH_PROFILER_DIR"),
+        profiler_detailed=env_bool(env, "ATOM_PROFILER_DETAILED", False),
+        mark_trace=env_bool(env, "ATOM_MARK_TRACE", False),
+    )
+
+
+def env_str(env: Mapping[str, str], name: str) -> str | None:
+    value = env.get(name, "").strip()
+    return value or None
+
+
+def env_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    value = env.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"invalid {name}={env[name]!r}; expected one of: 0, 1 (or true/false, yes/no, on/off)")
+
+
+def env_int(env: Mapping[str, str], name: str, default: int) -> int:
+    value = env.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"invalid {name}={env[name]!r}; expected an integer") from None

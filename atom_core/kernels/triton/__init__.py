@@ -1,0 +1,11 @@
+"""Triton kernels for CUDA and ROCm GPUs; same names and signatures as `kernels.torch_ref`."""
+from atom_core.kernels.triton.activation import silu_and_mul
+from atom_core.kernels.triton.attention import paged_attention
+from atom_core.kernels.triton.kv_store import store_kv_cache
+from atom_core.kernels.triton.norm import fused_add_rms_norm, rms_norm
+from atom_core.kernels.triton.rotary import rotary_embedding
+
+__all__ = [
+    "fused_add_rms_norm", "paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul",
+    "store_kv_cache",
+]

@@ -1,0 +1,349 @@
+"""Paged attention (Triton): one launch for a flat batch of prefill chunks and decode rows.
+
+Work split
+  A program owns BLOCK_M "rows": BLOCK_Q consecutive query tokens of one sequence times the
+  GROUP query heads that share one KV head (row r = token r // GROUP_P, head r % GROUP_P).
+  So each K/V tile is read once per (sequence, kv head, query tile) and serves every head of
+  the group; for decode (BLOCK_Q = 1) that is once per (sequence, kv head).
+  Grid = (num_seqs * cdiv(max_query_len, BLOCK_Q), num_kv_heads, num_splits). Programs whose
+  query tile lies past their sequence's q_len return at once: this is how a program finds its
+  rows without any host sync (max_query_len only sizes the grid).
+
+Inner loop
+  Flash-attention online softmax (base-2, fp32 running max / sum / accumulator) over BLOCK_N
+  KV positions at a time; each position's physical block comes from the block table, so
+  BLOCK_N is independent of the cache block size. Tiles that lie entirely before the tile's
+  first query position need no causal or length mask and take an unmasked path.
+
+Split-KV (flash-decoding)
+  When (seqs x q tiles x kv heads) is too few programs to fill the GPU and contexts are long,
+  each program's KV range is cut into num_splits equal runs of tiles; partial (out, lse) go
+  to fp32 scratch and a second kernel merges them. The ranges are computed on the device
+  from seq_lens, so the result is right for any seq_lens even when the host's max_seq_len
+  (used only for the heuristic) is stale, e.g. captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from atom_core.kernels.triton.common import (
+    check_dim, check_float, check_int, check_last_dim_contiguous, check_same_device, next_pow2,
+)
+
+LOG2E = 1.4426950408889634
+# Split only while one split keeps at least this many KV positions: below it the merge
+# costs more than the extra parallelism gains.
+MIN_KV_PER_SPLIT = 256
+MAX_KV_SPLITS = 16
+# Scratch for split partials is fp32 [splits, T, H, D]; beyond this, use fewer splits.
+MAX_SPLIT_SCRATCH_BYTES = 256 << 20
+
+
+@triton.jit
+def _attend_tile(
+    acc, l_i, m_i, q, q_pos, tile, kv_end,
+    block_table_row, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs, scale_log2e,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+):
+    """One online-softmax step over KV positions [tile * BLOCK_N, (tile + 1) * BLOCK_N)."""
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    n_ok = offs_n < kv_end
+    if MASKED:
+        block_ids = tl.load(block_table_row + offs_n // KV_BLOCK_SIZE, mask=n_ok, other=0)
+        k_mask = n_ok[None, :] & d_ok[:, None]
+        v_mask = n_ok[:, None] & d_ok[None, :]
+    else:
+        block_ids = tl.load(block_table_row + offs_n // KV_BLOCK_SIZE)
+        k_mask = d_ok[:, None]
+        v_mask = d_ok[None, :]
+    # int64: block id * block stride overflows int32 for caches beyond 2^31 elements.
+    block_ids = block_ids.to(tl.int64)
+    in_block = offs_n % KV_BLOCK_SIZE
+    k_ptrs = k_base + block_ids[None, :] * stride_kb + in_block[None, :] * stride_ks + offs_d[:, None]
+    v_ptrs = v_base + block_ids[:, None] * stride_vb + in_block[:, None] * stride_vs + offs_d[None, :]
+    if HEAD_DIM == BLOCK_D and not MASKED:
+        k = tl.load(k_ptrs)  # [BLOCK_D, BLOCK_N]
+        v = tl.load(v_ptrs)  # [BLOCK_N, BLOCK_D]
+    else:
+        k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+    if DOT_IN_FP32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_M, BLOCK_N], log2 units
+    if MASKED:
+        s = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row may see no position in a masked tile (e.g. a later split); keep exp2 finite.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+    scale_log2e, num_tokens, num_q_blocks, num_splits,
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_ot, stride_oh, stride_bt,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = pid // num_q_blocks
+    q_block = pid % num_q_blocks
+
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_len = seq_len - q_len  # tokens cached before this step's query rows
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_idx = q_block * BLOCK_Q + offs_m // GROUP_P  # query row within the sequence
+    head = kv_head * GROUP + offs_m % GROUP_P
+    row_ok = (q_idx < q_len) & (offs_m % GROUP_P < GROUP)
+    q_pos = ctx_len + q_idx  # the row's absolute position: it sees KV positions <= q_pos
+    token = (q_start + q_idx).to(tl.int64)
+    io_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=io_mask, other=0.0)
+    if DOT_IN_FP32:
+        q = q.to(tl.float32)
+
+    # KV range of this program: up to the last row's position, cut into equal runs of tiles.
+    first_pos = ctx_len + q_block * BLOCK_Q
+    kv_end = tl.minimum(seq_len, ctx_len + tl.minimum(q_len, (q_block + 1) * BLOCK_Q))
+    num_tiles = tl.cdiv(kv_end, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    # Tiles ending at or before first_pos + 1 are visible to every row: no mask needed.
+    tile_mid = tl.maximum(tl.minimum(tile_hi, (first_pos + 1) // BLOCK_N), tile_lo)
+
+    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_vh
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for tile in range(tile_lo, tile_mid):
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, q_pos, tile, kv_end, block_table_row, k_base, v_base,
+            stride_kb, stride_ks, stride_vb, stride_vs, scale_log2e,
+            HEAD_DIM, BLOCK_D, KV_BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, DOT_IN_FP32)
+    for tile in range(tile_mid, tile_hi):
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, q_pos, tile, kv_end, block_table_row, k_base, v_base,
+            stride_kb, stride_ks, stride_vb, stride_vs, scale_log2e,
+            HEAD_DIM, BLOCK_D, KV_BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, DOT_IN_FP32)
+
+    # l_i == 0 only for an empty range (seq_len 0 padding rows, empty splits): output 0.
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    if IS_SPLIT:
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
+        row = (split * num_tokens + token) * NUM_HEADS + head  # [splits, T, H] row-major
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=io_mask)
+        tl.store(part_lse_ptr + row, lse, mask=row_ok)
+    else:
+        o_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, query_start_loc_ptr,
+    num_seqs, num_tokens, num_splits, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_P: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    # Rows past the last sequence (CUDA-graph padding) own no partials; leave them untouched
+    # like the unsplit path does.
+    if token >= tl.load(query_start_loc_ptr + num_seqs):
+        return
+    offs_s = tl.arange(0, SPLITS_P)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < num_splits
+    row = (offs_s.to(tl.int64) * num_tokens + token) * NUM_HEADS + head
+    lse = tl.load(part_lse_ptr + row, mask=s_ok, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    w = tl.math.exp2(lse - lse_max)  # 0 for empty splits
+    parts = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=s_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    w_sum = tl.sum(w, 0)
+    o = tl.sum(parts * w[:, None], 0) / tl.where(w_sum == 0.0, 1.0, w_sum)
+    o_ptrs = out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + offs_d
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+# Triton's CPU interpreter (TRITON_INTERPRET=1) multiplies bf16 dot operands as raw uint16
+# (triton 3.9 interpreter.create_dot); there, and only there, the kernel upcasts them first.
+_INTERPRETED = not isinstance(_paged_attention_kernel, triton.runtime.jit.JITFunction)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # Triton interpreter on the CPU: any small number keeps the heuristic exercised
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+class _TileConfig:
+    """Launch shape for one (max_query_len, group, head_dim) class; see module docstring."""
+
+    def __init__(self, max_query_len: int, group_p: int, head_dim: int):
+        self.block_d = max(16, next_pow2(head_dim))
+        self.block_n = 64 if self.block_d <= 128 else 32
+        if max_query_len == 1:  # decode: one token x the whole head group per program
+            self.block_q = 1
+            self.num_stages = 3
+        else:
+            rows = 128 if self.block_d <= 64 else 64
+            self.block_q = max(1, min(next_pow2(max_query_len), rows // group_p))
+            self.num_stages = 2
+        self.block_m = max(16, self.block_q * group_p)  # tl.dot needs M >= 16
+        self.num_warps = 8 if self.block_m * self.block_d >= 128 * 128 else 4
+
+
+def choose_num_kv_splits(num_programs: int, max_seq_len: int, device: torch.device,
+                         scratch_bytes_per_split: int) -> int:
+    """How many KV splits to use: enough programs for ~4 waves, each split >= MIN_KV_PER_SPLIT."""
+    target = 4 * _sm_count(device)
+    if num_programs >= target:
+        return 1
+    splits = min(triton.cdiv(target, num_programs), max_seq_len // MIN_KV_PER_SPLIT, MAX_KV_SPLITS)
+    while splits > 1 and splits * scratch_bytes_per_split > MAX_SPLIT_SCRATCH_BYTES:
+        splits //= 2
+    return max(1, splits)
+
+
+def _check_attention_args(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out):
+    check_dim("query", query, 3)
+    check_dim("k_cache", k_cache, 4)
+    check_float("query", query)
+    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} {k_cache.dtype} and v_cache "
+                         f"{tuple(v_cache.shape)} {v_cache.dtype} must match")
+    if k_cache.dtype != query.dtype:
+        raise ValueError(f"kv cache dtype {k_cache.dtype} must equal query dtype {query.dtype}")
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"query [T, {num_heads}, {head_dim}] does not fit kv cache "
+                         f"{tuple(k_cache.shape)}: need equal head_dim and num_heads % kv_heads == 0")
+    for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache),
+                    ("block_tables", block_tables)):
+        check_last_dim_contiguous(name, t)
+    check_dim("block_tables", block_tables, 2)
+    for name, t in (("block_tables", block_tables), ("query_start_loc", query_start_loc),
+                    ("seq_lens", seq_lens)):
+        check_int(name, t)
+    num_seqs = seq_lens.shape[0]
+    if query_start_loc.shape != (num_seqs + 1,) or block_tables.shape[0] < num_seqs:
+        raise ValueError(f"need query_start_loc [S+1] and block_tables [>=S, MB] for S={num_seqs}, got "
+                         f"{tuple(query_start_loc.shape)} and {tuple(block_tables.shape)}")
+    if out is not None:
+        if out.shape != query.shape or out.dtype != query.dtype:
+            raise ValueError(f"out must be {tuple(query.shape)} {query.dtype}, got {tuple(out.shape)} {out.dtype}")
+        check_last_dim_contiguous("out", out)
+    check_same_device(query=query, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
+                      query_start_loc=query_start_loc, seq_lens=seq_lens)
+
+
+def launch_paged_attention(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_query_len: int,
+    max_seq_len: int, out: torch.Tensor | None = None, *, num_kv_splits: int | None = None,
+) -> torch.Tensor:
+    """`paged_attention` with an optional override of the split count (tests, benchmarks)."""
+    _check_attention_args(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out)
+    if out is None:
+        out = torch.empty_like(query)
+    num_tokens, num_heads, head_dim = query.shape
+    num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
+    if num_tokens == 0 or num_seqs == 0 or max_query_len <= 0:
+        return out
+    group = num_heads // num_kv_heads
+    cfg = _TileConfig(max_query_len, next_pow2(group), head_dim)
+    num_q_blocks = triton.cdiv(max_query_len, cfg.block_q)
+    num_programs = num_seqs * num_q_blocks * num_kv_heads
+    split_bytes = num_tokens * num_heads * (head_dim + 1) * 4
+    if num_kv_splits is None:
+        num_kv_splits = choose_num_kv_splits(num_programs, max_seq_len, query.device, split_bytes)
+    is_split = num_kv_splits > 1
+    if is_split:
+        part_out = torch.empty((num_kv_splits, num_tokens, num_heads, head_dim),
+                               dtype=torch.float32, device=query.device)
+        part_lse = torch.empty((num_kv_splits, num_tokens, num_heads), dtype=torch.float32, device=query.device)
+    else:
+        part_out = part_lse = out  # unused by the kernel when IS_SPLIT is False
+
+    grid = (num_seqs * num_q_blocks, num_kv_heads, num_kv_splits)
+    _paged_attention_kernel[grid](
+        query, k_cache, v_cache, out, part_out, part_lse,
+        block_tables, query_start_loc, seq_lens,
+        scale * LOG2E, num_tokens, num_q_blocks, num_kv_splits,
+        query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1), block_tables.stride(0),
+        NUM_HEADS=num_heads, GROUP=group, GROUP_P=next_pow2(group),
+        HEAD_DIM=head_dim, BLOCK_D=cfg.block_d, KV_BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
+        IS_SPLIT=is_split, DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
+        DOT_IN_FP32=_INTERPRETED and query.dtype == torch.bfloat16,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if is_split:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            part_out, part_lse, out, query_start_loc,
+            num_seqs, num_tokens, num_kv_splits, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=cfg.block_d,
+            SPLITS_P=max(2, next_pow2(num_kv_splits)), num_warps=4,
+        )
+    return out
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [NB, BS, KH, D]
+    v_cache: torch.Tensor,  # [NB, BS, KH, D]
+    block_tables: torch.Tensor,  # [S, MB] int32
+    query_start_loc: torch.Tensor,  # [S + 1] int32
+    seq_lens: torch.Tensor,  # [S] int32
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    out: torch.Tensor | None = None,  # [T, H, D]
+) -> torch.Tensor:
+    """Causal paged attention; same contract as `torch_ref.paged_attention`.
+
+    Host work reads only shapes and the two host ints, so it is CUDA-graph safe.
+    max_query_len must bound every q_len (it sizes the grid; longer rows would be skipped);
+    max_seq_len only steers the split-KV heuristic. Rows of `out` owned by no sequence
+    (T beyond query_start_loc[S]) are left untouched, as in the reference.
+    """
+    return launch_paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+                                  scale, max_query_len, max_seq_len, out)

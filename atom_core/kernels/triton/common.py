@@ -1,0 +1,41 @@
+"""Shared argument checks for the Triton kernel wrappers.
+
+The wrappers run inside CUDA-graph capture, so every check here looks only at host-side
+metadata (dtype, shape, stride, device) and never at tensor values.
+"""
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def check_float(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name} has dtype {t.dtype}; expected one of: float16, bfloat16, float32")
+
+
+def check_int(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} has dtype {t.dtype}; expected int32 or int64")
+
+
+def check_dim(name: str, t: torch.Tensor, ndim: int) -> None:
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+
+
+def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    # Kernels index rows through strides but assume unit stride inside a row (vector loads).
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} needs a contiguous last dim, got strides {t.stride()}")
+
+
+def check_same_device(**tensors: torch.Tensor) -> None:
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"tensors are on different devices: {devices}")

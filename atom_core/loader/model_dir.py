@@ -1,0 +1,80 @@
+"""Resolve `--model` (a local HF directory or preset:NAME) into config, tokenizer and EOS ids."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+PRESET_DIR = Path(__file__).resolve().parent.parent / "presets"
+DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "demo_model"
+
+
+def list_presets() -> list[str]:
+    return sorted(p.name for p in PRESET_DIR.iterdir() if (p / "config.json").exists())
+
+
+def resolve_model_path(model: str) -> Path:
+    if model.startswith("preset:"):
+        name = model.split(":", 1)[1]
+        path = PRESET_DIR / name
+        if not (path / "config.json").exists():
+            raise ValueError(f"unknown preset {name!r}; available: {', '.join(list_presets())}")
+        return path
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"model directory not found: {model} (model hubs are not used; pass a local directory or preset:NAME)")
+    if not (path / "config.json").exists():
+        raise ValueError(f"no config.json in model directory {model}")
+    return path
+
+
+@dataclass
+class ModelFiles:
+    path: Path
+    hf_config: object
+    tokenizer_path: Path | None
+    eos_token_ids: set[int]
+    has_weights: bool
+
+    def load_tokenizer(self):
+        if self.tokenizer_path is None:
+            raise ValueError(f"model {self.path} has no tokenizer files; pass --tokenizer DIR")
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(self.tokenizer_path))
+
+
+def _has_tokenizer(path: Path) -> bool:
+    return any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
+
+
+def _eos_ids(path: Path, hf_config) -> set[int]:
+    ids: set[int] = set()
+
+    def add(value) -> None:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+
+    gen = path / "generation_config.json"
+    if gen.exists():
+        add(json.loads(gen.read_text()).get("eos_token_id"))
+    if not ids:
+        add(getattr(hf_config, "eos_token_id", None))
+    return ids
+
+
+def resolve_model_files(model: str, tokenizer: str | None = None) -> ModelFiles:
+    from transformers import AutoConfig
+
+    path = resolve_model_path(model)
+    try:
+        hf_config = AutoConfig.from_pretrained(str(path))
+    except (ValueError, KeyError, OSError) as e:
+        raise ValueError(f"cannot read config.json of {path}: {e}") from e
+    tok_path = Path(tokenizer) if tokenizer else (path if _has_tokenizer(path) else None)
+    if tok_path is not None and not tok_path.is_dir():
+        raise ValueError(f"tokenizer directory not found: {tok_path}")
+    has_weights = any(path.glob("*.safetensors"))
+    return ModelFiles(path, hf_config, tok_path, _eos_ids(path, hf_config), has_weights)

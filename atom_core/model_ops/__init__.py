@@ -1,0 +1,1 @@
+"""torch.nn building blocks the models are written in."""

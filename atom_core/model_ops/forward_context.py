@@ -1,0 +1,46 @@
+"""Per-step attention metadata, set by the model runner around each forward.
+
+Attention layers read it instead of threading it through every model signature; the runner
+sets it before the forward (or before a CUDA graph replay's capture) and clears it after.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """The flat batch's layout. Tensors live on the model's device.
+
+    query_start_loc [S+1] int32, seq_lens [S] int32 (KV length after this step),
+    block_tables [S, MB] int32, slot_mapping [T] int64 (-1 = padding, not stored).
+    max_query_len / max_seq_len are host ints, upper bounds for kernel grids.
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+
+
+_current: AttentionMetadata | None = None
+
+
+def get_attention_metadata() -> AttentionMetadata:
+    assert _current is not None, "attention called outside of set_attention_metadata()"
+    return _current
+
+
+@contextmanager
+def set_attention_metadata(metadata: AttentionMetadata):
+    global _current
+    previous, _current = _current, metadata
+    try:
+        yield
+    finally:
+        _current = previous

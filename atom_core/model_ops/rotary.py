@@ -1,0 +1,60 @@
+"""Rotary position embedding (neox style) with the rope scalings our models use."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from atom_core.kernels import kernel_ops
+
+
+def rope_parameters(config) -> tuple[float, dict | None]:
+    """(rope_theta, scaling dict or None) from an HF config: new style (rope_parameters) or old (rope_scaling)."""
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        scaling = params
+    else:
+        theta = getattr(config, "rope_theta", 10000.0)
+        scaling = getattr(config, "rope_scaling", None)
+    if scaling is not None and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = None
+    return float(theta), scaling
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1 frequency-dependent scaling: long wavelengths slowed by `factor`, short kept."""
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    mid = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_mid, mid, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to q [T, H, D] and k [T, KH, D] at `positions` from a float32 cos/sin cache."""
+
+    def __init__(self, head_dim: int, rotary_dim: int, max_position: int, base: float, scaling: dict | None = None):
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device="cpu") / rotary_dim))
+        kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+        if kind == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        elif kind == "linear":
+            inv_freq = inv_freq / scaling["factor"]
+        elif kind is not None:
+            raise ValueError(f"unsupported rope scaling {kind!r}; expected one of: llama3, linear")
+        t = torch.arange(max_position, dtype=torch.float32, device="cpu")
+        freqs = torch.outer(t, inv_freq)
+        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        self.register_buffer("cos_sin_cache", cache.to(torch.get_default_device()), persistent=False)
+        self.ops = kernel_ops(torch.get_default_device())
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        return self.ops.rotary_embedding(positions, q, k, self.cos_sin_cache)

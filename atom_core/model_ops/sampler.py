@@ -1,0 +1,136 @@
+"""Token sampling on the logits' device, with no host synchronisation.
+
+Randomness: unseeded rows draw exponential noise from the device RNG (exponential-race
+sampling: argmax(p / E) with E ~ Exp(1) samples from p). When any row has a seed, every row's
+noise comes instead from a counter-based hash of (seed, output index, token id), so a seeded
+request samples the same tokens alone or in any batch, and after preemption.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser (lowbias32) on int64 tensors holding values < 2**32."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32  # low 32 bits stay exact even if the int64 product wraps
+    return x ^ (x >> 16)
+
+
+def hashed_exponential(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Exp(1) noise [B, V] that depends only on (seed, position, token id)."""
+    lo, hi = seeds & _MASK32, (seeds >> 32) & _MASK32
+    row = _mix32(lo ^ _mix32(hi ^ _mix32(positions & _MASK32)))  # [B]
+    cols = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
+    x = _mix32(row[:, None] ^ ((cols * 0x9E3779B1) & _MASK32)[None, :])
+    x = _mix32(x ^ 0x5BD1E995)
+    u = ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # uniform in (0, 1)
+    return -torch.log(u)
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling tensors [B] on the device, plus host-side flags that pick code paths."""
+
+    temperatures: torch.Tensor  # float32; 0 = greedy
+    top_ks: torch.Tensor | None  # int64; vocab size = off
+    top_ps: torch.Tensor | None  # float32
+    min_ps: torch.Tensor | None  # float32
+    seeds: torch.Tensor | None  # int64; set when any row is seeded (others get random seeds)
+    positions: torch.Tensor | None  # int64 output index of the token being sampled
+    all_greedy: bool
+    any_greedy: bool
+    repetition_penalties: torch.Tensor | None = None
+    presence_penalties: torch.Tensor | None = None
+    frequency_penalties: torch.Tensor | None = None
+    prompt_mask: torch.Tensor | None = None  # [B, V] bool
+    output_counts: torch.Tensor | None = None  # [B, V] float32
+    banned_mask: torch.Tensor | None = None  # [B, V] bool: EOS/stop ids before min_tokens
+    max_num_logprobs: int = -1  # -1: none requested
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None = None  # [B] logprob of the chosen token (raw model distribution)
+    top_logprobs: torch.Tensor | None = None  # [B, k]
+    top_token_ids: torch.Tensor | None = None  # [B, k]
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    if batch.repetition_penalties is not None:
+        seen = batch.prompt_mask | (batch.output_counts > 0)
+        p = batch.repetition_penalties[:, None]
+        penalised = torch.where(logits > 0, logits / p, logits * p)
+        logits = torch.where(seen, penalised, logits)
+    if batch.frequency_penalties is not None:
+        logits = logits - batch.frequency_penalties[:, None] * batch.output_counts
+    if batch.presence_penalties is not None:
+        logits = logits - batch.presence_penalties[:, None] * (batch.output_counts > 0)
+    return logits
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps: torch.Tensor | None) -> torch.Tensor:
+    """Mask logits outside each row's top-k and nucleus (top-p) sets with -inf."""
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    vocab = logits.shape[-1]
+    if top_ks is not None:
+        kth = sorted_logits.gather(1, (vocab - top_ks.clamp(1, vocab)).unsqueeze(1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if top_ps is not None:
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum <= (1 - top_ps).unsqueeze(1)
+        drop[:, -1] = False  # always keep the most likely token
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+class Sampler(nn.Module):
+    """logits [B, V] (float32) + SamplingBatch -> SamplerOutput."""
+
+    def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        logits = logits.float()
+        out = SamplerOutput(token_ids=torch.empty(0))
+        if batch.max_num_logprobs >= 0:
+            raw = logits.log_softmax(dim=-1)
+        if batch.repetition_penalties is not None or batch.frequency_penalties is not None or batch.presence_penalties is not None:
+            logits = apply_penalties(logits, batch)
+        if batch.banned_mask is not None:
+            logits = logits.masked_fill(batch.banned_mask, float("-inf"))
+        greedy = logits.argmax(dim=-1)
+        if batch.all_greedy:
+            out.token_ids = greedy
+        else:
+            out.token_ids = self._sample(logits, batch, greedy)
+        if batch.max_num_logprobs >= 0:
+            out.logprobs = raw.gather(1, out.token_ids.unsqueeze(1)).squeeze(1)
+            if batch.max_num_logprobs > 0:
+                out.top_logprobs, out.top_token_ids = raw.topk(batch.max_num_logprobs, dim=-1)
+        return out
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch, greedy: torch.Tensor) -> torch.Tensor:
+        temps = batch.temperatures
+        if batch.any_greedy:
+            temps = torch.where(temps > 0, temps, torch.ones_like(temps))
+        logits = logits / temps.unsqueeze(1)
+        if batch.top_ks is not None or batch.top_ps is not None:
+            logits = apply_top_k_top_p(logits, batch.top_ks, batch.top_ps)
+        probs = logits.softmax(dim=-1)
+        if batch.min_ps is not None:
+            floor = batch.min_ps.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+            probs = probs.masked_fill(probs < floor, 0.0)
+        if batch.seeds is not None:
+            noise = hashed_exponential(batch.seeds, batch.positions, probs.shape[-1])
+        else:
+            noise = torch.empty_like(probs).exponential_()
+        sampled = (probs / noise).argmax(dim=-1)
+        if batch.any_greedy:
+            sampled = torch.where(batch.temperatures > 0, sampled, greedy)
+        return sampled

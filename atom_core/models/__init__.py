@@ -1,0 +1,1 @@
+"""Model families, looked up by HF architecture name through `registry`."""

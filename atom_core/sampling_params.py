@@ -1,0 +1,84 @@
+"""SamplingParams: how one request picks its tokens and when it stops."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling knobs, validated on construction (ValueError names the field).
+
+    temperature == 0 means greedy. Penalties follow vLLM: repetition_penalty (HF style, over
+    prompt and output tokens, 1.0 = off), presence/frequency penalties over output tokens.
+    `seed` makes the request's samples reproducible whatever else shares its batch.
+    `logprobs` = k returns the chosen token's logprob and the top-k per step (0: chosen only);
+    `prompt_logprobs` = k returns the same for every prompt token (first one is None).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+
+    def _validate(self) -> None:
+        def fail(name: str, why: str) -> None:
+            raise ValueError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}")
+
+        if not self.temperature >= 0:
+            fail("temperature", "must be >= 0")
+        if not 0 < self.top_p <= 1:
+            fail("top_p", "must be in (0, 1]")
+        if self.top_k == 0 or self.top_k < -1:
+            fail("top_k", "must be -1 (off) or >= 1")
+        if not 0 <= self.min_p <= 1:
+            fail("min_p", "must be in [0, 1]")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            fail("max_tokens", "must be >= 1")
+        if self.min_tokens < 0:
+            fail("min_tokens", "must be >= 0")
+        if not self.repetition_penalty > 0:
+            fail("repetition_penalty", "must be > 0")
+        if not -2 <= self.presence_penalty <= 2:
+            fail("presence_penalty", "must be in [-2, 2]")
+        if not -2 <= self.frequency_penalty <= 2:
+            fail("frequency_penalty", "must be in [-2, 2]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 20:
+                fail(name, "must be between 0 and 20")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            fail("seed", "must be a non-negative 64-bit integer")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            fail("stop", "stop strings must be non-empty strings")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
