@@ -55,9 +55,26 @@ class EngineCore:
             self.files.eos_token_ids, config.enable_chunked_prefill,
         )
         self.vocab_size = self.files.hf_config.vocab_size
-        self.profiler = None
+        self.profiler = self._make_profiler()
+        if config.mark_trace:
+            from atom_core.profiling.profiler import mark_modules
+
+            mark_modules(self.runner.model)
         self.startup_seconds = time.perf_counter() - start
         logger.info("engine core ready in %.1f s", self.startup_seconds)
+
+    def _make_profiler(self):
+        from atom_core.profiling.profiler import ProfilerConfig, TorchProfiler
+
+        cfg = ProfilerConfig(self.config.torch_profiler_dir, self.config.profiler_detailed, self.config.mark_trace)
+        return TorchProfiler(cfg, self.files.path.name)
+
+    def start_profile(self) -> None:
+        """Start the torch profiler; ValueError when no profiler dir is configured."""
+        self.profiler.start()
+
+    def stop_profile(self) -> list[str]:
+        return self.profiler.stop()
 
     # ---- requests -------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -93,13 +110,26 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        result = self.runner.execute(batch)
+        if self.profiler.is_active:
+            result = self._profiled_execute(batch)
+        else:
+            result = self.runner.execute(batch)
         for i, entries in result.prompt_logprobs.items():
             batch.seqs[i].prompt_logprobs.extend(entries)
         for i, entry in result.logprobs.items():
             batch.seqs[i].output_logprobs.append(entry)
         self.scheduler.update_from_output(batch, result.sampled)
         return [self._output(seq, i, result) for i, seq in enumerate(batch.seqs) if result.sampled[i] is not None]
+
+    def _profiled_execute(self, batch):
+        from torch.profiler import record_function
+
+        from atom_core.profiling.conventions import step_range_name
+
+        phase = "decode" if batch.is_decode_only else "prefill"
+        graph_bs = self.runner.graph_batch_size(batch) if phase == "decode" else None
+        with record_function(step_range_name(phase, len(batch), batch.total_tokens, graph_bs)):
+            return self.runner.execute(batch)
 
     def _output(self, seq: Sequence, i: int, result) -> CoreOutput:
         first = seq.num_output_tokens == 1

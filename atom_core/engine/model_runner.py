@@ -135,6 +135,12 @@ class ModelRunner:
             result.prompt_logprobs[i] = _token_logprobs(logits[row : row + count], targets, k)
         return result
 
+    def graph_batch_size(self, batch: ScheduledBatch) -> int | None:
+        """The captured size a decode batch would replay with, or None when it runs eagerly."""
+        if self.graphs is None or not batch.is_decode_only or not self.graphs.can_run(len(batch)):
+            return None
+        return self.graphs.padded_size(len(batch))
+
     def _forward(self, flat: FlatBatch, batch: ScheduledBatch) -> torch.Tensor:
         if self.graphs is not None and batch.is_decode_only and self.graphs.can_run(len(batch)):
             return self.graphs.replay(flat)

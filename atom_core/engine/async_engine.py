@@ -1,0 +1,338 @@
+"""AsyncEngine: the server's client of an engine core that runs in its own process.
+
+Process and thread layout:
+
+    API process (asyncio loop)                         core process (spawned)
+      AsyncEngine.generate() --- in_q: add/abort/rpc --->  run_core(): drain in_q (block when
+      per-request asyncio.Queue                            idle), core.step(), put outputs
+      OutputProcessor (detokenize, stop strings)
+      reader thread <--------- out_q: outputs/replies ---  one message per step
+
+The reader thread only moves messages from out_q onto the event loop
+(`loop.call_soon_threadsafe`); everything else (OutputProcessor, request queues, RPC futures)
+is touched on the loop thread alone, so nothing here needs a lock. Requests cross as token
+ids + SamplingParams, outputs come back as CoreOutput token deltas.
+
+Failure contract: when the core process dies (or its step raises), `is_healthy` turns False,
+every pending request and RPC gets EngineDeadError, and new ones are refused with it.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing as mp
+import queue
+import signal
+import threading
+import traceback
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from atom_core.config import EngineConfig
+from atom_core.engine.output_processor import CoreOutput, OutputProcessor, RequestState
+from atom_core.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.2  # how often the reader notices a dead core, and the idle core a dead parent
+_STARTUP_TIMEOUT_S = 600.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core process is gone; no request can be served any more."""
+
+
+@dataclass(frozen=True)
+class CoreInfo:
+    """What the API process learns from the core at startup (the handshake)."""
+
+    max_model_len: int
+    vocab_size: int
+    num_kv_blocks: int
+    eos_token_ids: frozenset[int]
+
+
+# ---- the core process -----------------------------------------------------------------
+def run_core(config: EngineConfig, in_q: mp.Queue, out_q: mp.Queue) -> None:
+    """Entry point of the core process: build the core, hand back CoreInfo, then loop.
+
+    Commands on in_q: ("add", rid, ids, params), ("abort", [rid]), ("call", call_id, name)
+    with name in stats/start_profile/stop_profile, ("shutdown",). Messages on out_q:
+    ("ready", CoreInfo) or ("startup_error", msg), then ("outputs", [CoreOutput]),
+    ("reply", call_id, ok, value), ("request_error", rid, msg) and ("fatal", traceback).
+    """
+    # Ctrl-C reaches the whole process group; the API process decides when the core stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from atom_core.engine.core import EngineCore
+
+    try:
+        core = EngineCore(config)
+    except Exception as e:  # noqa: BLE001 - the process boundary: report, the parent raises it
+        out_q.put(("startup_error", f"{type(e).__name__}: {e}"))
+        return
+    info = CoreInfo(core.max_model_len, core.vocab_size, core.kv.num_blocks, frozenset(core.files.eos_token_ids))
+    out_q.put(("ready", info))
+    try:
+        _core_loop(core, in_q, out_q)
+    except Exception:  # noqa: BLE001 - a failed step ends the core; the API process must know why
+        out_q.put(("fatal", traceback.format_exc()))
+        raise
+
+
+def _core_loop(core, in_q: mp.Queue, out_q: mp.Queue) -> None:
+    parent = mp.parent_process()
+    while True:
+        for cmd in _drain(in_q, block=not core.has_unfinished(), parent=parent):
+            if cmd[0] == "shutdown":
+                return
+            _handle(core, cmd, out_q)
+        if core.has_unfinished():
+            outputs = core.step()
+            if outputs:
+                out_q.put(("outputs", outputs))
+
+
+def _drain(in_q: mp.Queue, block: bool, parent) -> list[tuple]:
+    """All queued commands; when idle, wait for one first (and exit if the parent died)."""
+    cmds = []
+    while block and not cmds:
+        try:
+            cmds.append(in_q.get(timeout=_POLL_S))
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():
+                return [("shutdown",)]
+    while True:
+        try:
+            cmds.append(in_q.get_nowait())
+        except queue.Empty:
+            return cmds
+
+
+def _handle(core, cmd: tuple, out_q: mp.Queue) -> None:
+    kind = cmd[0]
+    if kind == "add":
+        _, rid, ids, params = cmd
+        try:
+            core.add_request(rid, ids, params)
+        except ValueError as e:  # the API process validates first; this is the safety net
+            out_q.put(("request_error", rid, str(e)))
+    elif kind == "abort":
+        core.abort_requests(cmd[1])
+    elif kind == "call":
+        _, call_id, name = cmd
+        try:
+            value = getattr(core, name)()
+        except ValueError as e:
+            out_q.put(("reply", call_id, False, str(e)))
+        else:
+            out_q.put(("reply", call_id, True, value))
+    else:
+        raise AssertionError(f"unknown core command {kind!r}")
+
+
+# ---- the API-process side -------------------------------------------------------------
+class AsyncEngine:
+    """Client of a core process. `start()` spawns it and blocks until it is ready;
+    `attach(loop)` starts the reader thread; then the async methods run on that loop only.
+    """
+
+    def __init__(self, config: EngineConfig, tokenizer):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.processor = OutputProcessor(tokenizer)
+        self.info: CoreInfo | None = None
+        self._ctx = mp.get_context("spawn")
+        self._in_q = self._ctx.Queue()
+        self._out_q = self._ctx.Queue()
+        self._proc: mp.Process | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._reader: threading.Thread | None = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._dead_reason: str | None = None
+        self._closing = False
+
+    # ---- lifecycle --------------------------------------------------------------------
+    def start(self, timeout: float = _STARTUP_TIMEOUT_S) -> CoreInfo:
+        self._proc = self._ctx.Process(target=run_core, args=(self.config, self._in_q, self._out_q),
+                                       name="atom-engine-core", daemon=True)
+        self._proc.start()
+        waited = 0.0
+        while True:
+            try:
+                msg = self._out_q.get(timeout=_POLL_S)
+                break
+            except queue.Empty:
+                waited += _POLL_S
+                if not self._proc.is_alive():
+                    raise RuntimeError(f"engine core process exited during startup (exit code {self._proc.exitcode})") from None
+                if waited > timeout:
+                    self._proc.kill()
+                    raise RuntimeError(f"engine core not ready after {timeout:.0f} s") from None
+        if msg[0] == "startup_error":
+            self._proc.join(5)
+            raise ValueError(msg[1])
+        self.info = msg[1]
+        return self.info
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start delivering core messages to `loop` (call from inside it, once)."""
+        assert self.info is not None, "start() the engine before attaching it to a loop"
+        self._loop = loop
+        self._reader = threading.Thread(target=self._read_loop, name="atom-core-reader", daemon=True)
+        self._reader.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the core process (politely, then by force) and the reader thread."""
+        self._closing = True
+        if self._proc is not None and self._proc.is_alive():
+            self._in_q.put(("shutdown",))
+            self._proc.join(timeout)
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join(timeout)
+        if self._reader is not None:
+            self._reader.join(timeout)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._dead_reason is None and self._proc is not None and self._proc.is_alive()
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._queues)
+
+    def check_health(self) -> None:
+        if self._dead_reason is not None:
+            raise EngineDeadError(self._dead_reason)
+        if not self.is_healthy:
+            raise EngineDeadError(f"engine core process is not running (exit code {self._proc.exitcode})")
+
+    # ---- requests ---------------------------------------------------------------------
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """The core's own rules (EngineCore.validate_request), checked here before sending."""
+        from atom_core.engine.core import EngineCore
+
+        EngineCore.validate_request(self.info, prompt_token_ids, params)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       prompt: str | None = None) -> AsyncIterator[RequestState]:
+        """Yield the request's RequestState each time it advances, the last one finished.
+
+        Raises ValueError (invalid request) before anything is queued, EngineDeadError when
+        the core dies. Closing the generator early (client gone) aborts the request.
+        """
+        self.check_health()
+        self.validate_request(prompt_token_ids, params)
+        assert request_id not in self._queues, f"duplicate request id {request_id}"
+        state = self.processor.new_state(request_id, prompt, prompt_token_ids, params)
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = q
+        self._in_q.put(("add", request_id, list(prompt_token_ids), params))
+        try:
+            while True:
+                item = await q.get()
+                while isinstance(item, RequestState) and not q.empty():
+                    item = q.get_nowait()  # coalesce: the state object already holds every update
+                if isinstance(item, Exception) and not state.finished:
+                    raise item
+                yield state
+                if state.finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not state.finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self.processor.abort(request_id)
+        self._queues.pop(request_id, None)
+        if self._dead_reason is None:
+            self._in_q.put(("abort", [request_id]))
+
+    # ---- calls into the core ----------------------------------------------------------
+    async def stats(self):
+        return await self._call("stats")
+
+    async def start_profile(self) -> None:
+        await self._call("start_profile")
+
+    async def stop_profile(self) -> list[str]:
+        return await self._call("stop_profile")
+
+    async def _call(self, name: str):
+        """Run a core method between steps; its ValueError is re-raised here."""
+        self.check_health()
+        call_id = next(self._call_ids)
+        future = self._loop.create_future()
+        self._calls[call_id] = future
+        self._in_q.put(("call", call_id, name))
+        try:
+            return await future
+        finally:
+            self._calls.pop(call_id, None)
+
+    # ---- messages from the core (reader thread -> loop thread) -------------------------
+    def _read_loop(self) -> None:
+        while not self._closing:
+            try:
+                msg = self._out_q.get(timeout=_POLL_S)
+            except queue.Empty:
+                if not self._proc.is_alive():
+                    reason = f"engine core process died (exit code {self._proc.exitcode})"
+                    self._post(self._on_dead, reason)
+                    return
+                continue
+            except (EOFError, OSError) as e:
+                self._post(self._on_dead, f"lost the engine core connection: {e}")
+                return
+            self._post(self._on_message, msg)
+
+    def _post(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop closed during shutdown; nobody is waiting any more
+            pass
+
+    def _on_message(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "outputs":
+            self._on_outputs(msg[1])
+        elif kind == "reply":
+            _, call_id, ok, value = msg
+            future = self._calls.get(call_id)
+            if future is not None and not future.done():
+                future.set_result(value) if ok else future.set_exception(ValueError(value))
+        elif kind == "request_error":
+            _, rid, message = msg
+            self.processor.abort(rid)
+            if (q := self._queues.get(rid)) is not None:
+                q.put_nowait(ValueError(message))
+        elif kind == "fatal":
+            logger.error("engine core failed:\n%s", msg[1])
+            self._on_dead(f"engine core failed: {msg[1].strip().splitlines()[-1]}")
+
+    def _on_outputs(self, outputs: list[CoreOutput]) -> None:
+        updated, to_abort = self.processor.process(outputs)
+        if to_abort:  # stop strings end requests here; the core must stop them too
+            self._in_q.put(("abort", to_abort))
+        for state in updated:
+            if (q := self._queues.get(state.request_id)) is not None:
+                q.put_nowait(state)
+
+    def _on_dead(self, reason: str) -> None:
+        if self._dead_reason is not None or self._closing:
+            return
+        logger.error("%s; failing %d pending request(s)", reason, len(self._queues))
+        self._dead_reason = reason
+        for q in self._queues.values():
+            q.put_nowait(EngineDeadError(reason))
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(reason))

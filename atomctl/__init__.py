@@ -1,0 +1,1 @@
+"""atomctl: the command line over atom_core."""

@@ -1,0 +1,74 @@
+"""Engine options shared by every command that starts an engine (generate, serve, bench, profile).
+
+`@with_engine_options` appends the options to a command's signature and hands the command
+one dict, `engine_args`, of EngineConfig fields the user actually set.
+"""
+import functools
+import inspect
+from typing import Optional
+
+import typer
+
+from atom_core.loader.model_dir import DEMO_MODEL_DIR
+
+DEFAULT_MODEL = "demo"
+
+ENGINE_OPTIONS = {
+    "model": (str, typer.Option(DEFAULT_MODEL, "--model", "-m", help="Local HF model directory, preset:NAME, or 'demo' (the built-in model).")),
+    "tokenizer": (Optional[str], typer.Option(None, help="Tokenizer directory (default: the model's).")),
+    "dtype": (str, typer.Option("auto", help="auto, bfloat16, float16 or float32.")),
+    "device": (str, typer.Option("auto", help="auto, cpu or cuda.")),
+    "load_format": (str, typer.Option("auto", help="auto (safetensors) or dummy (random weights, for benchmarks).")),
+    "seed": (int, typer.Option(0, help="Engine seed.")),
+    "max_model_len": (Optional[int], typer.Option(None, help="Max tokens per sequence (default: the model's).")),
+    "max_num_seqs": (int, typer.Option(256, help="Max sequences per step.")),
+    "max_num_batched_tokens": (int, typer.Option(8192, help="Token budget per step.")),
+    "block_size": (int, typer.Option(16, help="KV cache block size in tokens.")),
+    "num_kv_blocks": (Optional[int], typer.Option(None, help="Fix the KV cache size in blocks.")),
+    "gpu_memory_utilization": (float, typer.Option(0.9, help="Fraction of GPU memory the engine may use.")),
+    "kv_cache_memory_gb": (float, typer.Option(1.0, help="KV cache size on the CPU, in GiB.")),
+    "enable_prefix_caching": (bool, typer.Option(True, "--enable-prefix-caching/--no-enable-prefix-caching")),
+    "enable_chunked_prefill": (bool, typer.Option(True, "--enable-chunked-prefill/--no-enable-chunked-prefill")),
+    "enforce_eager": (bool, typer.Option(False, "--enforce-eager", help="No CUDA graphs, no torch.compile.")),
+    "level": (int, typer.Option(3, help="0 eager, 1 CUDA graphs, 2 torch.compile, 3 compile + graphs.")),
+    "cudagraph_capture_sizes": (Optional[str], typer.Option(None, help="Comma-separated decode batch sizes to capture.")),
+    "async_scheduling": (bool, typer.Option(True, "--async-scheduling/--no-async-scheduling")),
+    "torch_profiler_dir": (Optional[str], typer.Option(None, envvar="ATOM_TORCH_PROFILER_DIR", help="Write torch profiler traces here.")),
+}
+
+
+def resolve_model_arg(model: str) -> str:
+    return str(DEMO_MODEL_DIR) if model == DEFAULT_MODEL else model
+
+
+def engine_kwargs(values: dict) -> dict:
+    """Option values -> EngineConfig keyword arguments (defaults left out)."""
+    out = {}
+    for name, (_, option) in ENGINE_OPTIONS.items():
+        value = values[name]
+        if name == "cudagraph_capture_sizes" and value is not None:
+            try:
+                value = tuple(int(v) for v in value.split(",") if v.strip())
+            except ValueError:
+                raise ValueError(f"invalid --cudagraph-capture-sizes {values[name]!r}; expected e.g. 1,2,4,8") from None
+        if name == "model":
+            value = resolve_model_arg(value)
+        if value != option.default or name == "model":
+            out[name] = value
+    return out
+
+
+def with_engine_options(fn):
+    sig = inspect.signature(fn)
+    params = [p for p in sig.parameters.values() if p.name != "engine_args"]
+    for name, (annotation, option) in ENGINE_OPTIONS.items():
+        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation))
+
+    @functools.wraps(fn)
+    def wrapper(**kwargs):
+        values = {name: kwargs.pop(name) for name in ENGINE_OPTIONS}
+        return fn(engine_args=values, **kwargs)
+
+    wrapper.__signature__ = sig.replace(parameters=params)
+    wrapper.__annotations__ = {p.name: p.annotation for p in params}
+    return wrapper

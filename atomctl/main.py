@@ -1,0 +1,26 @@
+"""`atomctl`: serve, generate, bench, profile, parse-trace, eval."""
+import logging
+
+import typer
+
+from atomctl.errors import DEBUG
+
+app = typer.Typer(help="atomctl: a small, fast LLM inference engine and its tools.", no_args_is_help=True,
+                  pretty_exceptions_enable=False)
+
+
+@app.callback()
+def main(debug: bool = typer.Option(False, "--debug", help="Show tracebacks and debug logs."),
+         log_level: str = typer.Option("WARNING", help="Python log level for atom_core.")):
+    DEBUG["enabled"] = debug
+    logging.basicConfig(level=logging.DEBUG if debug else getattr(logging, log_level.upper(), logging.WARNING),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _register() -> None:
+    from atomctl import generate
+
+    generate.register(app)
+
+
+_register()
