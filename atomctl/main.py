@@ -22,5 +22,17 @@ def _register() -> None:
 
     generate.register(app)
 
+    from atomctl import bench, bench_offline
+
+    bench_offline.register(bench.bench_app)
+    app.add_typer(bench.bench_app, name="bench")
+    from atomctl import serve
+
+    serve.register(app)
+
 
 _register()
+
+
+if __name__ == "__main__":
+    app()

@@ -62,8 +62,10 @@ def run_core(config: EngineConfig, in_q: mp.Queue, out_q: mp.Queue) -> None:
     ("ready", CoreInfo) or ("startup_error", msg), then ("outputs", [CoreOutput]),
     ("reply", call_id, ok, value), ("request_error", rid, msg) and ("fatal", traceback).
     """
-    # Ctrl-C reaches the whole process group; the API process decides when the core stops.
+    # Ctrl-C and a SIGTERM to the process group reach the core too; the API process decides
+    # when it stops (after draining), and the core exits by itself if that process dies.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from atom_core.engine.core import EngineCore
 
     try:
@@ -137,10 +139,10 @@ class AsyncEngine:
     `attach(loop)` starts the reader thread; then the async methods run on that loop only.
     """
 
-    def __init__(self, config: EngineConfig, tokenizer):
+    def __init__(self, config: EngineConfig):
         self.config = config
-        self.tokenizer = tokenizer
-        self.processor = OutputProcessor(tokenizer)
+        self.tokenizer = None
+        self.processor: OutputProcessor | None = None
         self.info: CoreInfo | None = None
         self._ctx = mp.get_context("spawn")
         self._in_q = self._ctx.Queue()
@@ -156,9 +158,19 @@ class AsyncEngine:
 
     # ---- lifecycle --------------------------------------------------------------------
     def start(self, timeout: float = _STARTUP_TIMEOUT_S) -> CoreInfo:
+        """Spawn the core, load the tokenizer meanwhile, and wait for the core's handshake."""
+        from atom_core.loader import resolve_model_files
+
         self._proc = self._ctx.Process(target=run_core, args=(self.config, self._in_q, self._out_q),
                                        name="atom-engine-core", daemon=True)
         self._proc.start()
+        try:
+            files = resolve_model_files(self.config.model, self.config.tokenizer)
+            self.tokenizer = files.load_tokenizer() if files.tokenizer_path is not None else None
+        except Exception:
+            self._proc.kill()
+            raise
+        self.processor = OutputProcessor(self.tokenizer)
         waited = 0.0
         while True:
             try:

@@ -48,18 +48,14 @@ class EngineCore:
         self.config = config
         self.files = resolve_model_files(config.model, config.tokenizer)
         self.max_model_len = resolve_max_model_len(config, self.files.hf_config)
-        self.runner = ModelRunner(config, self.files, self.max_model_len)
+        self.profiler = self._make_profiler()
+        self.runner = ModelRunner(config, self.files, self.max_model_len, self.profiler)
         self.kv = KVCacheManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
             self.files.eos_token_ids, config.enable_chunked_prefill,
         )
         self.vocab_size = self.files.hf_config.vocab_size
-        self.profiler = self._make_profiler()
-        if config.mark_trace:
-            from atom_core.profiling.profiler import mark_modules
-
-            mark_modules(self.runner.model)
         self.startup_seconds = time.perf_counter() - start
         logger.info("engine core ready in %.1f s", self.startup_seconds)
 

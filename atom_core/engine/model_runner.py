@@ -44,7 +44,7 @@ def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
 class ModelRunner:
     """Contract: single-threaded; `execute` never mutates sequences (the scheduler does)."""
 
-    def __init__(self, config: EngineConfig, files: ModelFiles, max_model_len: int):
+    def __init__(self, config: EngineConfig, files: ModelFiles, max_model_len: int, profiler=None):
         self.config = config
         self.files = files
         self.device = config.torch_device
@@ -58,11 +58,23 @@ class ModelRunner:
         start = time.perf_counter()
         self.model = self._load_model()
         self.load_seconds = time.perf_counter() - start
+        if config.mark_trace:  # before graph capture, so capture traces carry module ranges
+            from atom_core.profiling.profiler import mark_modules
+
+            mark_modules(self.model)
         self.sampler = Sampler()
+        self.profiler = profiler
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.num_kv_blocks = self._num_kv_blocks()
-        self._allocate_kv_cache()
         self.graphs = None
+        self.compile_seconds = 0.0
+        if config.use_compile:
+            from atom_core.engine.compile import compile_model
+
+            start = time.perf_counter()
+            compile_model(self)
+            self.compile_seconds = time.perf_counter() - start
+        self.num_kv_blocks = self._num_kv_blocks()
+        self.allocate_kv_cache(self.num_kv_blocks)
         if config.use_cuda_graphs:
             from atom_core.engine.cuda_graph import CUDAGraphRunner
 
@@ -95,7 +107,9 @@ class ModelRunner:
             budget = profile_kv_budget(self)
         else:
             budget = int(self.config.kv_cache_memory_gb * (1 << 30))
-        num = budget // per_block
+        # More blocks than max_num_seqs full-length sequences can use only serve the prefix cache.
+        useful = self.config.max_num_seqs * ((self.max_model_len + self.block_size - 1) // self.block_size)
+        num = min(budget // per_block, useful)
         needed = (self.max_model_len + self.block_size - 1) // self.block_size
         if num < needed:
             raise ValueError(
@@ -105,12 +119,18 @@ class ModelRunner:
         logger.info("KV cache: %d blocks x %d tokens = %d tokens", num, self.block_size, num * self.block_size)
         return num
 
-    def _allocate_kv_cache(self) -> None:
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """One tensor [2, layers, blocks, block_size, kv_heads, head_dim]; layers get views."""
         layer = self.attention_layers[0]
-        shape = (2, len(self.attention_layers), self.num_kv_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+        shape = (2, len(self.attention_layers), num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for i, attn in enumerate(self.attention_layers):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+
+    def release_kv_cache(self) -> None:
+        for attn in self.attention_layers:
+            attn.k_cache = attn.v_cache = torch.empty(0)
+        self.kv_cache = None
 
     # ---- one step -------------------------------------------------------------------
     @torch.inference_mode()

@@ -8,11 +8,31 @@ from atom_core.kernels import kernel_ops
 from atom_core.model_ops.forward_context import get_attention_metadata
 
 
+def _store_and_attend(q, k, v, k_cache, v_cache, scale: float) -> torch.Tensor:
+    meta = get_attention_metadata()
+    ops = kernel_ops(q.device)
+    ops.store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    return ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                               scale, meta.max_query_len, meta.max_seq_len)
+
+
+@torch.library.custom_op("atom::paged_attention", mutates_args=("k_cache", "v_cache"))
+def paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+    """Opaque to torch.compile: the graph splits here (metadata comes from the forward context)."""
+    return _store_and_attend(q, k, v, k_cache, v_cache, scale)
+
+
+@paged_attention_op.register_fake
+def _(q, k, v, k_cache, v_cache, scale):
+    return torch.empty_like(q)
+
+
 class Attention(nn.Module):
-    """q [T, H*D], k/v [T, KH*D] -> out [T, H*D] for the flat batch in the forward context.
+    """q [T, H, D], k/v [T, KH, D] -> out [T, H*D] for the flat batch in the forward context.
 
     The runner assigns `k_cache`/`v_cache` ([NB, BS, KH, D] views of one big cache tensor)
-    before the first forward. Without a cache (profiling a bare module) it raises.
+    before the first forward. `use_custom_op` (set when compiling) routes through the opaque op.
     """
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
@@ -20,17 +40,15 @@ class Attention(nn.Module):
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale = scale
         self.k_cache = self.v_cache = torch.empty(0)
-        self.ops = kernel_ops(torch.get_default_device())
+        self.use_custom_op = False
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        meta = get_attention_metadata()
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        assert self.k_cache.numel(), "KV cache not allocated for this attention layer"
-        self.ops.store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        out = self.ops.paged_attention(
-            q, self.k_cache, self.v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-            self.scale, meta.max_query_len, meta.max_seq_len,
-        )
-        return out.view(-1, self.num_heads * self.head_dim)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.use_custom_op:
+            out = paged_attention_op(q, k, v, self.k_cache, self.v_cache, self.scale)
+        else:
+            assert self.k_cache.numel(), "KV cache not allocated for this attention layer"
+            out = _store_and_attend(q, k, v, self.k_cache, self.v_cache, self.scale)
+        return out.reshape(-1, self.num_heads * self.head_dim)

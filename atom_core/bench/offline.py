@@ -1,0 +1,120 @@
+"""Offline benchmarks on LLMEngine: throughput (nano-vllm's workload) and fixed-batch latency.
+
+Workloads reproduce the reference runs exactly (see ANCHORS in the docs):
+- throughput: `random.seed(seed)`; per request, prompt length randint(min_in, max_in) then
+  that many ids randint(0, 10000); then per request max_tokens randint(min_out, max_out);
+  temperature 0.6, ignore_eos. Defaults give 256 requests and 133,966 output tokens.
+- latency: batch B of `input_len` random ids, greedy, ignore_eos; TTFT = median time of a
+  max_tokens=1 run; TPOT = (median T(output_len) - TTFT) / (output_len - 1).
+"""
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field, replace
+
+from atom_core.sampling_params import SamplingParams
+
+
+@dataclass
+class ThroughputWorkload:
+    num_prompts: int = 256
+    min_input_len: int = 100
+    max_input_len: int = 1024
+    min_output_len: int = 100
+    max_output_len: int = 1024
+    temperature: float = 0.6
+    seed: int = 0
+    max_token_id: int = 10000
+
+    def __post_init__(self) -> None:
+        if self.num_prompts < 1:
+            raise ValueError(f"invalid num_prompts={self.num_prompts}: must be >= 1")
+        for lo, hi, name in ((self.min_input_len, self.max_input_len, "input"),
+                             (self.min_output_len, self.max_output_len, "output")):
+            if not 1 <= lo <= hi:
+                raise ValueError(f"invalid {name} length range [{lo}, {hi}]: need 1 <= min <= max")
+
+    def build(self) -> tuple[list[list[int]], list[SamplingParams]]:
+        rng = random.Random(self.seed)
+        prompts = [[rng.randint(0, self.max_token_id) for _ in range(rng.randint(self.min_input_len, self.max_input_len))]
+                   for _ in range(self.num_prompts)]
+        params = [SamplingParams(temperature=self.temperature, ignore_eos=True,
+                                 max_tokens=rng.randint(self.min_output_len, self.max_output_len))
+                  for _ in range(self.num_prompts)]
+        return prompts, params
+
+
+@dataclass
+class ThroughputResult:
+    num_requests: int
+    input_tokens: int
+    output_tokens: int
+    elapsed_s: float
+    startup_s: float
+    output_throughput: float
+    total_throughput: float
+    request_throughput: float
+
+
+def run_throughput(engine, workload: ThroughputWorkload, startup_s: float = 0.0) -> ThroughputResult:
+    # Token ids stay below the vocab (only tiny test models have fewer than 10,001 tokens).
+    workload = replace(workload, max_token_id=min(workload.max_token_id, engine.core.vocab_size - 1))
+    prompts, params = workload.build()
+    engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4))  # warm-up
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    n_in = sum(len(p) for p in prompts)
+    n_out = sum(o["num_tokens_output"] for o in outputs)
+    return ThroughputResult(len(prompts), n_in, n_out, elapsed, startup_s, n_out / elapsed,
+                            (n_in + n_out) / elapsed, len(prompts) / elapsed)
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
+    return {"mean": statistics.fmean(values), "median": statistics.median(values), "p99": p99}
+
+
+@dataclass
+class LatencyResult:
+    batch_size: int
+    input_len: int
+    output_len: int
+    num_iters: int
+    startup_s: float
+    ttft_s: dict = field(default_factory=dict)
+    e2e_s: dict = field(default_factory=dict)
+    tpot_s: float = 0.0
+    output_tokens_per_s: float = 0.0
+
+
+def run_latency(engine, batch_size: int, input_len: int, output_len: int, num_iters: int = 3,
+                num_warmup: int = 1, seed: int = 0, startup_s: float = 0.0) -> LatencyResult:
+    if batch_size < 1 or input_len < 1 or output_len < 1 or num_iters < 1 or num_warmup < 0:
+        raise ValueError("batch_size, input_len, output_len and num_iters must be >= 1, num_warmup >= 0")
+    rng = random.Random(seed)
+    max_id = min(10000, engine.core.vocab_size - 1)
+
+    def timed(max_tokens: int) -> float:
+        # Fresh prompts every run: repeated ones would be prefix-cache hits and skip the prefill.
+        prompts = [[rng.randint(0, max_id) for _ in range(input_len)] for _ in range(batch_size)]
+        params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=max_tokens)
+        start = time.perf_counter()
+        engine.generate(prompts, params)
+        return time.perf_counter() - start
+
+    for _ in range(num_warmup):
+        timed(output_len)
+    ttfts = [timed(1) for _ in range(num_iters)]
+    e2es = [timed(output_len) for _ in range(num_iters)]
+    ttft = statistics.median(ttfts)
+    tpot = (statistics.median(e2es) - ttft) / max(output_len - 1, 1)
+    return LatencyResult(batch_size, input_len, output_len, num_iters, startup_s, _stats(ttfts), _stats(e2es),
+                         tpot, batch_size * output_len / statistics.median(e2es))
+
+
+def as_json(result) -> dict:
+    return asdict(result)

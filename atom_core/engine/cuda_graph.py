@@ -1,0 +1,115 @@
+"""CUDA graphs for decode-only batches.
+
+One graph per capture size, all sharing one memory pool and one set of persistent input
+buffers sized for the largest. A batch of B decode tokens replays the graph of the smallest
+captured size >= B: the real rows are copied into the buffers, padded rows point at slot -1
+(their KV is never stored) and read one cached token (their output is ignored). Attention
+inside a graph sizes its grid from max_model_len, so any context length replays correctly.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from atom_core.model_ops.forward_context import AttentionMetadata, set_attention_metadata
+
+if TYPE_CHECKING:
+    from atom_core.engine.batch_builder import FlatBatch
+    from atom_core.engine.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def padded_batch_size(sizes: tuple[int, ...], batch_size: int) -> int | None:
+    """Smallest captured size >= batch_size (sizes sorted), or None when it is too large."""
+    i = bisect.bisect_left(sizes, batch_size)
+    return sizes[i] if i < len(sizes) else None
+
+
+class CUDAGraphRunner:
+    """Captures `runner.model` forward for each decode batch size; replays with padding.
+
+    Contract: `capture_all()` once after the KV cache exists; `replay(flat)` only for
+    decode-only batches with `can_run(len)`; returns hidden states [B, hidden] (a view of a
+    persistent buffer, valid until the next replay).
+    """
+
+    def __init__(self, runner: "ModelRunner", sizes: tuple[int, ...]):
+        self.runner = runner
+        self.sizes = tuple(sorted(sizes))
+        self.max_bs = self.sizes[-1]
+        device = runner.device
+        max_blocks = (runner.max_model_len + runner.block_size - 1) // runner.block_size
+        self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((self.max_bs,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(self.max_bs, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(self.max_bs + 1, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(self.max_bs, max_blocks, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+        self.capture_seconds = 0.0
+
+    def can_run(self, batch_size: int) -> bool:
+        return batch_size <= self.max_bs
+
+    def padded_size(self, batch_size: int) -> int | None:
+        return padded_batch_size(self.sizes, batch_size)
+
+    def _metadata(self, bs: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            query_start_loc=self.query_start_loc[: bs + 1],
+            seq_lens=self.seq_lens[:bs],
+            block_tables=self.block_tables[:bs],
+            slot_mapping=self.slot_mapping[:bs],
+            max_query_len=1,
+            max_seq_len=self.runner.max_model_len,
+        )
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        start = time.perf_counter()
+        model = self.runner.model
+        profiler = getattr(self.runner, "profiler", None)
+        for bs in reversed(self.sizes):  # largest first: later graphs reuse its pool memory
+            meta = self._metadata(bs)
+            with set_attention_metadata(meta):
+                model(self.input_ids[:bs], self.positions[:bs])  # warm-up (compiles, autotunes)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+
+                def capture(graph=graph, bs=bs):
+                    with torch.cuda.graph(graph, pool=self.pool):
+                        self.outputs[bs] = model(self.input_ids[:bs], self.positions[:bs])
+
+                if profiler is not None:
+                    profiler.record_graph_capture(bs, capture)
+                else:
+                    capture()
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - start
+        logger.info("captured %d CUDA graphs (bs %d..%d) in %.1f s", len(self.sizes), self.sizes[0], self.max_bs, self.capture_seconds)
+
+    def replay(self, flat: "FlatBatch") -> torch.Tensor:
+        bs = flat.num_tokens
+        padded = self.padded_size(bs)
+        meta = flat.attn
+        self.input_ids[:bs].copy_(flat.input_ids, non_blocking=True)
+        self.positions[:bs].copy_(flat.positions, non_blocking=True)
+        self.slot_mapping[:bs].copy_(meta.slot_mapping, non_blocking=True)
+        self.seq_lens[:bs].copy_(meta.seq_lens, non_blocking=True)
+        width = meta.block_tables.shape[1]
+        self.block_tables[:bs, :width].copy_(meta.block_tables, non_blocking=True)
+        if padded > bs:
+            self.slot_mapping[bs:padded].fill_(-1)
+            self.seq_lens[bs:padded].fill_(1)
+        self.graphs[padded].replay()
+        return self.outputs[padded][:bs]

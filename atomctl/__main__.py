@@ -1,0 +1,3 @@
+from atomctl.main import app
+
+app()

@@ -1,0 +1,95 @@
+"""`atomctl bench offline` and `atomctl bench latency`: engine benchmarks without a server."""
+import json
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from atomctl.engine_options import engine_kwargs, with_engine_options
+from atomctl.errors import friendly_errors
+
+
+def _start_engine(engine_args: dict):
+    from atom_core import LLMEngine
+
+    start = time.perf_counter()
+    engine = LLMEngine(**engine_kwargs(engine_args))
+    return engine, time.perf_counter() - start
+
+
+def _show(title: str, rows: list[tuple[str, str]], output_json: Optional[Path], data: dict) -> None:
+    table = Table(title=title)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for name, value in rows:
+        table.add_row(name, value)
+    Console().print(table)
+    if output_json is not None:
+        output_json.parent.mkdir(parents=True, exist_ok=True)
+        output_json.write_text(json.dumps(data, indent=2))
+
+
+@friendly_errors
+@with_engine_options
+def offline_cmd(
+    num_prompts: int = typer.Option(256, help="Requests in the workload."),
+    min_input_len: int = typer.Option(100), max_input_len: int = typer.Option(1024),
+    min_output_len: int = typer.Option(100), max_output_len: int = typer.Option(1024),
+    temperature: float = typer.Option(0.6),
+    workload_seed: int = typer.Option(0, help="random.seed of the workload (nano-vllm: 0)."),
+    output_json: Optional[Path] = typer.Option(None, help="Write the result as JSON."),
+    engine_args: dict = None,
+):
+    """Offline throughput: nano-vllm's workload by default (256 requests, lengths in [100, 1024])."""
+    from atom_core.bench.offline import ThroughputWorkload, as_json, run_throughput
+
+    workload = ThroughputWorkload(num_prompts, min_input_len, max_input_len, min_output_len, max_output_len,
+                                  temperature, workload_seed)
+    engine, startup = _start_engine(engine_args)
+    result = run_throughput(engine, workload, startup)
+    _show("atomctl bench offline", [
+        ("requests", f"{result.num_requests}"),
+        ("input tokens", f"{result.input_tokens}"),
+        ("output tokens", f"{result.output_tokens}"),
+        ("elapsed (s)", f"{result.elapsed_s:.2f}"),
+        ("output tok/s", f"{result.output_throughput:,.0f}"),
+        ("total tok/s", f"{result.total_throughput:,.0f}"),
+        ("requests/s", f"{result.request_throughput:.2f}"),
+        ("start to ready (s)", f"{result.startup_s:.1f}"),
+    ], output_json, {"workload": as_json(workload), **as_json(result), "engine_args": engine_kwargs(engine_args)})
+
+
+@friendly_errors
+@with_engine_options
+def latency_cmd(
+    batch_size: int = typer.Option(1, "--batch-size", "--bs"),
+    input_len: int = typer.Option(128),
+    output_len: int = typer.Option(256),
+    num_iters: int = typer.Option(3, help="Timed iterations (medians reported)."),
+    num_iters_warmup: int = typer.Option(1),
+    output_json: Optional[Path] = typer.Option(None, help="Write the result as JSON."),
+    engine_args: dict = None,
+):
+    """Latency at a fixed batch: TTFT, TPOT, end-to-end and tokens/s (greedy, ignore_eos)."""
+    from atom_core.bench.offline import as_json, run_latency
+
+    if min(batch_size, input_len, output_len, num_iters) < 1 or num_iters_warmup < 0:
+        raise ValueError("--batch-size, --input-len, --output-len and --num-iters must be >= 1")
+    engine, startup = _start_engine(engine_args)
+    r = run_latency(engine, batch_size, input_len, output_len, num_iters, num_iters_warmup, startup_s=startup)
+    ms = lambda s: f"{s * 1000:.2f}"  # noqa: E731
+    _show(f"atomctl bench latency (bs={batch_size}, in={input_len}, out={output_len})", [
+        ("TTFT ms mean / median / p99", f"{ms(r.ttft_s['mean'])} / {ms(r.ttft_s['median'])} / {ms(r.ttft_s['p99'])}"),
+        ("TPOT ms", ms(r.tpot_s)),
+        ("end-to-end ms mean / median / p99", f"{ms(r.e2e_s['mean'])} / {ms(r.e2e_s['median'])} / {ms(r.e2e_s['p99'])}"),
+        ("output tok/s", f"{r.output_tokens_per_s:,.1f}"),
+        ("start to ready (s)", f"{r.startup_s:.1f}"),
+    ], output_json, {**as_json(r), "engine_args": engine_kwargs(engine_args)})
+
+
+def register(bench_app: typer.Typer) -> None:
+    bench_app.command("offline")(offline_cmd)
+    bench_app.command("latency")(latency_cmd)
