@@ -22,6 +22,10 @@ def _register() -> None:
 
     generate.register(app)
 
+    from atomctl import profile
+
+    profile.register(app)
+
     from atomctl import bench, bench_offline
 
     bench_offline.register(bench.bench_app)

@@ -26,6 +26,8 @@ class FlatBatch:
     sample_seq_idx: list[int]  # which batch entries sample
     prompt_logprob_spans: list[tuple[int, int, int, int]]  # (seq idx, logit row start, first token idx, count)
     num_tokens: int
+    placeholder_rows: list[int]  # flat rows whose input token is still on the GPU
+    placeholder_seqs: list[int]  # the batch index of each such row's sequence
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -36,28 +38,36 @@ def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 def build_flat_batch(batch: ScheduledBatch, block_size: int, device: torch.device) -> FlatBatch:
-    num_seqs = len(batch)
-    total = batch.total_tokens
-    input_ids = np.empty(total, dtype=np.int64)
-    positions = np.empty(total, dtype=np.int64)
-    slot_mapping = np.empty(total, dtype=np.int64)
-    query_start_loc = np.zeros(num_seqs + 1, dtype=np.int32)
-    seq_lens = np.empty(num_seqs, dtype=np.int32)
-    max_blocks = max(len(s.block_table) for s in batch.seqs)
-    block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
+    """Plain Python lists per token (cheaper than many small numpy ops), one array each at the end."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slot_mapping: list[int] = []
+    query_start_loc = [0]
+    seq_lens: list[int] = []
+    tables = [seq.block_table for seq in batch.seqs]
+    width = max(len(t) for t in tables)
     logit_rows: list[int] = []
     sample_rows, sample_seq_idx, spans = [], [], []
+    placeholder_rows: list[int] = []
+    placeholder_seqs: list[int] = []
     offset = 0
     for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
         start = seq.num_computed_tokens
-        input_ids[offset : offset + n] = seq.token_ids[start : start + n]
-        pos = np.arange(start, start + n)
-        positions[offset : offset + n] = pos
-        table = np.asarray(seq.block_table, dtype=np.int64)
-        block_tables[i, : len(table)] = table
-        slot_mapping[offset : offset + n] = table[pos // block_size] * block_size + pos % block_size
-        seq_lens[i] = start + n
-        query_start_loc[i + 1] = offset + n
+        table = seq.block_table
+        if n == 1:
+            token = seq.token_ids[start]
+            if token < 0:  # PLACEHOLDER: the runner fills it from the previous step's samples
+                placeholder_rows.append(offset)
+                placeholder_seqs.append(i)
+            input_ids.append(token)
+            positions.append(start)
+            slot_mapping.append(table[start // block_size] * block_size + start % block_size)
+        else:
+            input_ids.extend(seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
+        seq_lens.append(start + n)
+        query_start_loc.append(offset + n)
         if seq.wants_prompt_logprobs:
             # logits at position p score prompt token p + 1
             first = max(start + 1, len(seq.prompt_logprobs))
@@ -65,28 +75,31 @@ def build_flat_batch(batch: ScheduledBatch, block_size: int, device: torch.devic
             if last >= first:
                 spans.append((i, len(logit_rows), first, last - first + 1))
                 logit_rows.extend(range(offset + first - 1 - start, offset + last - start))
-        if batch.samples(i):
+        if start + n == seq.num_tokens:  # reaches its last known token: samples the next one
             sample_seq_idx.append(i)
             sample_rows.append(len(logit_rows))
             logit_rows.append(offset + n - 1)
         offset += n
+    block_tables = np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int32)
     attn = AttentionMetadata(
-        query_start_loc=_to_device(query_start_loc, device),
-        seq_lens=_to_device(seq_lens, device),
+        query_start_loc=_to_device(np.array(query_start_loc, dtype=np.int32), device),
+        seq_lens=_to_device(np.array(seq_lens, dtype=np.int32), device),
         block_tables=_to_device(block_tables, device),
-        slot_mapping=_to_device(slot_mapping, device),
+        slot_mapping=_to_device(np.array(slot_mapping, dtype=np.int64), device),
         max_query_len=max(batch.num_new_tokens),
-        max_seq_len=int(seq_lens.max()),
+        max_seq_len=max(seq_lens),
     )
     return FlatBatch(
-        input_ids=_to_device(input_ids, device),
-        positions=_to_device(positions, device),
+        input_ids=_to_device(np.array(input_ids, dtype=np.int64), device),
+        positions=_to_device(np.array(positions, dtype=np.int64), device),
         attn=attn,
-        logit_rows=_to_device(np.asarray(logit_rows, dtype=np.int64), device),
+        logit_rows=_to_device(np.array(logit_rows, dtype=np.int64), device),
         sample_rows=sample_rows,
         sample_seq_idx=sample_seq_idx,
         prompt_logprob_spans=spans,
-        num_tokens=total,
+        num_tokens=offset,
+        placeholder_rows=placeholder_rows,
+        placeholder_seqs=placeholder_seqs,
     )
 
 

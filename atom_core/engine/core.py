@@ -56,6 +56,7 @@ class EngineCore:
             self.files.eos_token_ids, config.enable_chunked_prefill,
         )
         self.vocab_size = self.files.hf_config.vocab_size
+        self.pending = None  # the launched step not yet resolved (async scheduling)
         self.startup_seconds = time.perf_counter() - start
         logger.info("engine core ready in %.1f s", self.startup_seconds)
 
@@ -103,21 +104,51 @@ class EngineCore:
 
     # ---- the step -------------------------------------------------------------------
     def step(self) -> list[CoreOutput]:
+        """Schedule, run and post-process one step; returns the new tokens per request.
+
+        With async scheduling the step launched here is resolved by the next call, so the CPU
+        schedules and builds step N+1 while the device still runs step N.
+        """
+        if not self.config.async_scheduling:
+            pending = self._launch_next(None)
+            return self._resolve(pending) if pending is not None else []
+        previous, self.pending = self.pending, None
+        outputs: list[CoreOutput] = []
+        if previous is not None and self._needs_known_tokens():
+            outputs, previous = self._resolve(previous), None
+        self.pending = self._launch_next(previous)
+        if previous is not None:
+            outputs += self._resolve(previous)
+        return outputs
+
+    def _needs_known_tokens(self) -> bool:
+        """Penalties read every output token on the host: such steps cannot run ahead."""
+        return any(s.sampling_params.has_penalties for s in self.scheduler.running)
+
+    def _launch_next(self, previous):
         batch = self.scheduler.schedule()
         if not batch:
-            return []
+            return None
         if self.profiler.is_active:
-            result = self._profiled_execute(batch)
+            pending = self._profiled_launch(batch, previous)
         else:
-            result = self.runner.execute(batch)
+            pending = self.runner.launch(batch, previous)
+        self.scheduler.advance(batch)
+        return pending
+
+    def _resolve(self, pending) -> list[CoreOutput]:
+        result = self.runner.resolve(pending)
+        batch = pending.batch
         for i, entries in result.prompt_logprobs.items():
             batch.seqs[i].prompt_logprobs.extend(entries)
         for i, entry in result.logprobs.items():
             batch.seqs[i].output_logprobs.append(entry)
-        self.scheduler.update_from_output(batch, result.sampled)
-        return [self._output(seq, i, result) for i, seq in enumerate(batch.seqs) if result.sampled[i] is not None]
+        live = [not seq.is_finished for seq in batch.seqs]
+        self.scheduler.resolve(batch, result.sampled)
+        return [self._output(seq, i, result) for i, seq in enumerate(batch.seqs)
+                if result.sampled[i] is not None and live[i]]
 
-    def _profiled_execute(self, batch):
+    def _profiled_launch(self, batch, previous):
         from torch.profiler import record_function
 
         from atom_core.profiling.conventions import step_range_name
@@ -125,10 +156,13 @@ class EngineCore:
         phase = "decode" if batch.is_decode_only else "prefill"
         graph_bs = self.runner.graph_batch_size(batch) if phase == "decode" else None
         with record_function(step_range_name(phase, len(batch), batch.total_tokens, graph_bs)):
-            return self.runner.execute(batch)
+            pending = self.runner.launch(batch, previous)
+            if pending.event is not None:  # keep the step's kernels inside its range
+                pending.event.synchronize()
+            return pending
 
     def _output(self, seq: Sequence, i: int, result) -> CoreOutput:
-        first = seq.num_output_tokens == 1
+        first = seq.num_known_output_tokens == 1
         return CoreOutput(
             request_id=seq.request_id,
             new_token_ids=[result.sampled[i]],

@@ -166,7 +166,7 @@ class KVCacheManager:
         """Publish the hashes of `seq`'s blocks whose tokens are now all computed."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        num_full = min(seq.num_computed_tokens, seq.num_known_tokens) // self.block_size
         if num_full <= seq.num_hashed_blocks:
             return
         hashes = self._full_block_hashes(seq, num_full * self.block_size)

@@ -33,6 +33,27 @@ class StepResult:
     prompt_logprobs: dict[int, list] = field(default_factory=dict)  # batch idx -> new entries
 
 
+@dataclass
+class PendingStep:
+    """A launched step whose samples may still be on the device."""
+
+    batch: ScheduledBatch
+    flat: FlatBatch
+    sampled: torch.Tensor | None = None  # [R] on the device
+    sampled_host: torch.Tensor | None = None  # pinned host copy, valid after `event`
+    sampler_out: object = None
+    event: object = None
+    row_of: dict = field(default_factory=dict)  # request id -> row of `sampled`
+    prompt_logprobs: dict = field(default_factory=dict)
+
+
+def _to_host_async(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type != "cuda":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
+
+
 def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
     from atom_core.models.common import head_dim_of
 
@@ -135,24 +156,62 @@ class ModelRunner:
     # ---- one step -------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:
+        """Launch and wait: the synchronous step."""
+        return self.resolve(self.launch(batch))
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, previous: "PendingStep | None" = None) -> "PendingStep":
+        """Enqueue the step on the device and return without waiting for it.
+
+        Input tokens that are still PLACEHOLDERs are gathered on the device from `previous`,
+        the step launched just before, whose samples have not reached the host yet.
+        """
         flat = build_flat_batch(batch, self.block_size, self.device)
+        if flat.placeholder_rows:
+            self._fill_placeholders(flat, batch, previous)
         hidden = self._forward(flat, batch)
-        result = StepResult(sampled=[None] * len(batch))
+        pending = PendingStep(batch, flat)
         if not flat.sample_seq_idx and not flat.prompt_logprob_spans:
-            return result
+            return pending
         logits = self.model.compute_logits(hidden[flat.logit_rows]).float()
         if flat.sample_seq_idx:
             sb = build_sampling_batch(batch, flat.sample_seq_idx, self.vocab_size, self.files.eos_token_ids, self.device, self.rng)
-            out = self.sampler(logits[flat.sample_rows], sb)
-            token_ids = out.token_ids.tolist()  # the step's one host-device sync
-            for i, tok in zip(flat.sample_seq_idx, token_ids):
-                result.sampled[i] = tok
-            if out.logprobs is not None:
-                self._collect_logprobs(result, batch, flat, out)
-        for i, row, first, count in flat.prompt_logprob_spans:
+            # Without prompt logprobs the logit rows are exactly the sampling rows, in order;
+            # skipping the list index avoids a host-to-device copy that would sync the stream.
+            sample_logits = logits if not flat.prompt_logprob_spans else logits[flat.sample_rows]
+            out = self.sampler(sample_logits, sb)
+            pending.sampled = out.token_ids
+            pending.sampler_out = out
+            pending.row_of = {batch.seqs[i].request_id: r for r, i in enumerate(flat.sample_seq_idx)}
+            pending.sampled_host = _to_host_async(out.token_ids)
+            if self.device.type == "cuda":
+                pending.event = torch.cuda.Event()
+                pending.event.record()
+        for i, row, first, count in flat.prompt_logprob_spans:  # rare (echo + logprobs): synchronous
             k = batch.seqs[i].sampling_params.prompt_logprobs
             targets = torch.tensor(batch.seqs[i].token_ids[first : first + count], device=self.device)
-            result.prompt_logprobs[i] = _token_logprobs(logits[row : row + count], targets, k)
+            pending.prompt_logprobs[i] = _token_logprobs(logits[row : row + count], targets, k)
+        return pending
+
+    def _fill_placeholders(self, flat: FlatBatch, batch: ScheduledBatch, previous: "PendingStep | None") -> None:
+        assert previous is not None and previous.sampled is not None, "placeholder input without a previous step"
+        rows = [previous.row_of[batch.seqs[i].request_id] for i in flat.placeholder_seqs]
+        src = torch.tensor(rows, dtype=torch.int64, pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
+        dst = torch.tensor(flat.placeholder_rows, dtype=torch.int64, pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
+        flat.input_ids.index_copy_(0, dst, previous.sampled.index_select(0, src))
+
+    def resolve(self, pending: "PendingStep") -> StepResult:
+        """Wait for the step's samples (the step's one host-device sync) and return them."""
+        batch, flat = pending.batch, pending.flat
+        result = StepResult(sampled=[None] * len(batch), prompt_logprobs=pending.prompt_logprobs)
+        if pending.sampled is None:
+            return result
+        if pending.event is not None:
+            pending.event.synchronize()
+        for i, tok in zip(flat.sample_seq_idx, pending.sampled_host.tolist()):
+            result.sampled[i] = tok
+        if pending.sampler_out.logprobs is not None:
+            self._collect_logprobs(result, batch, flat, pending.sampler_out)
         return result
 
     def graph_batch_size(self, batch: ScheduledBatch) -> int | None:

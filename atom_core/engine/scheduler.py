@@ -87,6 +87,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if self._awaiting_finish(seq):
+                i += 1
+                continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.kv.can_append_slots(seq, seq.num_computed_tokens + n):
                 victim = self.running.pop()
@@ -132,35 +135,57 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # ---- after the step ------------------------------------------------------------
-    def update_from_output(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
-        """Advance each scheduled sequence; append sampled tokens; return newly finished ones."""
-        finished = []
-        for seq, n, token_id in zip(batch.seqs, batch.num_new_tokens, sampled):
-            if seq.is_finished:  # aborted while the step ran
+    def advance(self, batch: ScheduledBatch) -> None:
+        """Right after launch: count the computed tokens; each sampling sequence gets a
+        placeholder for its new token, so the next step can be scheduled before it is known."""
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            if seq.is_finished:
                 continue
+            samples = seq.num_computed_tokens + n == seq.num_tokens
             seq.num_computed_tokens += n
+            if samples:
+                seq.append_placeholder()
+
+    def resolve(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
+        """The step's tokens arrived: fill placeholders, publish full blocks, stop sequences."""
+        finished = []
+        for seq, token_id in zip(batch.seqs, sampled):
+            if seq.is_finished:  # aborted or stopped while the step ran
+                continue
+            if token_id is not None:
+                seq.resolve_placeholder(token_id)
             self.kv.cache_full_blocks(seq)
             if token_id is None:
                 continue
-            seq.append_token(token_id)
             reason = self._check_stop(seq, token_id)
             if reason is not None:
                 self._finish(seq, reason)
                 finished.append(seq)
         return finished
 
+    def update_from_output(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
+        """Synchronous form of advance + resolve."""
+        self.advance(batch)
+        return self.resolve(batch, sampled)
+
+    def _awaiting_finish(self, seq: Sequence) -> bool:
+        """Its in-flight token is its last (max_tokens / max_model_len): nothing to schedule."""
+        max_tokens = seq.sampling_params.max_tokens
+        return (max_tokens is not None and seq.num_output_tokens >= max_tokens) or seq.num_tokens >= self.max_model_len
+
     def _check_stop(self, seq: Sequence, token_id: int) -> FinishReason | None:
         params = seq.sampling_params
-        if seq.num_output_tokens >= params.min_tokens:
+        num_outputs = seq.num_known_output_tokens
+        if num_outputs >= params.min_tokens:
             if not params.ignore_eos and token_id in self.eos_token_ids:
                 seq.stop_token_id = token_id
                 return FinishReason.STOP
             if token_id in params.stop_token_ids:
                 seq.stop_token_id = token_id
                 return FinishReason.STOP
-        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+        if params.max_tokens is not None and num_outputs >= params.max_tokens:
             return FinishReason.LENGTH
-        if seq.num_tokens >= self.max_model_len:
+        if seq.num_known_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 

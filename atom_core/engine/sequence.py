@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from atom_core.sampling_params import SamplingParams
 
 
+PLACEHOLDER = -1  # a sampled token still on the GPU
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -25,7 +28,8 @@ class Sequence:
     """One request. `token_ids` is the single source of truth for its tokens.
 
     Tokens [0, num_computed_tokens) have their KV in the cache; the rest are known but not
-    yet computed (the prompt's unprocessed part, or the last sampled token).
+    yet computed (the prompt's unprocessed part, or the last sampled token). The last
+    `num_placeholders` entries are PLACEHOLDER: sampled on the GPU, not yet copied back.
     """
 
     request_id: str
@@ -41,6 +45,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
     num_preemptions: int = 0
+    num_placeholders: int = 0  # sampled tokens still on the GPU (async scheduling), at the end
     first_token_time: float | None = None
     finish_time: float | None = None
     # Per output token: (chosen logprob, {token_id: logprob} of the top-k); when requested.
@@ -59,6 +64,14 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def num_known_tokens(self) -> int:
+        return len(self.token_ids) - self.num_placeholders
+
+    @property
+    def num_known_output_tokens(self) -> int:
+        return self.num_known_tokens - self.num_prompt_tokens
+
+    @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
 
@@ -74,10 +87,17 @@ class Sequence:
     def wants_prompt_logprobs(self) -> bool:
         return self.sampling_params.prompt_logprobs is not None
 
-    def append_token(self, token_id: int) -> None:
+    def append_placeholder(self) -> None:
+        self.token_ids.append(PLACEHOLDER)
+        self.num_placeholders += 1
+
+    def resolve_placeholder(self, token_id: int) -> None:
+        """Replace the oldest placeholder with the token the GPU sampled."""
+        assert self.num_placeholders > 0, f"{self.request_id}: no placeholder to resolve"
+        self.token_ids[len(self.token_ids) - self.num_placeholders] = token_id
+        self.num_placeholders -= 1
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter()
-        self.token_ids.append(token_id)
 
     def finish(self, reason: FinishReason) -> None:
         self.status = SequenceStatus.FINISHED

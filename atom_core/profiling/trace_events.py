@@ -105,16 +105,21 @@ def innermost_enclosing(ranges: Iterable[TraceEvent], points: Sequence[TraceEven
     return result
 
 
-def leaf_events(events: Sequence[TraceEvent]) -> list[TraceEvent]:
-    """The events with no other event of the list nested inside them on the same thread."""
+def self_times(events: Sequence[TraceEvent]) -> list[tuple[TraceEvent, float]]:
+    """Each event with its self time: its duration less that of the events nested directly
+    inside it on the same thread. Self times of nested events add up to the outer duration."""
     by_thread: dict[tuple, list[TraceEvent]] = defaultdict(list)
     for e in events:
         by_thread[e.thread].append(e)
-    leaves = []
+    own: dict[int, float] = {}
     for items in by_thread.values():
         items.sort(key=lambda e: (e.ts, -e.dur))
-        for current, following in zip(items, items[1:] + [None]):
-            if following is None or following.ts >= current.end:
-                leaves.append(current)
-    leaves.sort(key=lambda e: e.ts)
-    return leaves
+        stack: list[TraceEvent] = []
+        for e in items:
+            while stack and stack[-1].end < e.ts:
+                stack.pop()
+            own[id(e)] = e.dur
+            if stack:  # ops nest properly: an op starting inside another is its child
+                own[id(stack[-1])] -= e.dur
+            stack.append(e)
+    return sorted(((e, own[id(e)]) for e in events), key=lambda pair: pair[0].ts)

@@ -14,9 +14,11 @@ Rules, in order:
    size (`graph_bs=` of the step, else `bs=`) from a capture trace (profiler.py explains the
    capture). Without a matching capture (none given, none beside the trace, or a different
    kernel count) the kernels are reported under the module `<cuda graph>`.
-4. CPU traces (no GPU events at all): CPU ops (cat `cpu_op`) with no child CPU op on their
-   thread stand in for kernels; their own start time gives step and module. Leaf durations
-   leave out the time parents spend outside their children, so module sums are lower bounds.
+4. CPU traces (no GPU events at all): every CPU op (cat `cpu_op`) stands in for a kernel with
+   its self time (its duration less that of the CPU ops directly inside it); ops with no self
+   time are left out. The op's start gives step and module. Self times add up without double
+   counting, so a module's sum is the time its ops took. (Leaf ops alone would not do: on the
+   CPU `aten::mm` calls `aten::resolve_conj`, so the leaf is the no-op and the matmul is lost.)
 5. A kernel with no module range around its launch gets the module `<no module>`.
 """
 from __future__ import annotations
@@ -34,7 +36,7 @@ from atom_core.profiling.conventions import (
     parse_graph_capture_name,
     parse_step_name,
 )
-from atom_core.profiling.trace_events import TraceEvent, innermost_enclosing, leaf_events, load_trace
+from atom_core.profiling.trace_events import TraceEvent, innermost_enclosing, load_trace, self_times
 
 GPU_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 LAUNCH_CATS = frozenset({"cuda_runtime", "cuda_driver", "hip_runtime"})
@@ -167,12 +169,13 @@ def _step_ranges(events: list[TraceEvent]) -> list[TraceEvent]:
 
 
 def _attribute_cpu(events: list[TraceEvent], steps: list[Step]) -> Attribution:
-    leaves = leaf_events([e for e in events if e.cat == CPU_OP_CAT])
-    step_of = _step_index_of(events, steps, leaves)
-    module_of = innermost_enclosing(_module_ranges(events), leaves)
+    ops = [(op, own) for op, own in self_times([e for e in events if e.cat == CPU_OP_CAT]) if own > 0]
+    points = [op for op, _ in ops]
+    step_of = _step_index_of(events, steps, points)
+    module_of = innermost_enclosing(_module_ranges(events), points)
     kernels = [
-        KernelRecord(step_of[i], module_of[i].name if module_of[i] else NO_MODULE, op.name, op.ts, op.dur)
-        for i, op in enumerate(leaves)
+        KernelRecord(step_of[i], module_of[i].name if module_of[i] else NO_MODULE, op.name, op.ts, own)
+        for i, (op, own) in enumerate(ops)
         if step_of[i] is not None
     ]
     return Attribution(steps, kernels, uses_cpu_rule=True)

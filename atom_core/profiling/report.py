@@ -1,0 +1,91 @@
+"""Output of parse-trace: xlsx workbooks, rich tables on the terminal, PNG bar charts."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+from rich.console import Console
+from rich.table import Table
+
+from atom_core.profiling.breakdown import PhaseBreakdown, TraceBreakdown
+
+
+def write_workbooks(breakdown: TraceBreakdown, out_dir: str | Path) -> list[Path]:
+    """`{phase}_breakdown.xlsx` per phase found; the sheets are listed in breakdown.py."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for phase, pb in breakdown.phases.items():
+        path = out_dir / f"{phase}_breakdown.xlsx"
+        with pd.ExcelWriter(path, engine="openpyxl") as writer:
+            for sheet, table in pb.sheets.items():
+                table.to_excel(writer, sheet_name=sheet, index=False)
+        paths.append(path)
+    return paths
+
+
+def write_plots(breakdown: TraceBreakdown, out_dir: str | Path, top: int = 25) -> list[Path]:
+    """`{phase}_breakdown.png`: per-module time of the average layer (or per module type when
+    the trace has no layer ranges), largest first."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for phase, pb in breakdown.phases.items():
+        labels, values, what = _plot_series(pb, top)
+        fig, ax = plt.subplots(figsize=(10, 0.35 * len(labels) + 1.5))
+        ax.barh(labels[::-1], values[::-1])
+        ax.set_xlabel("time (us)")
+        ax.set_title(f"{phase}: {what} ({pb.num_steps_averaged} of {pb.num_steps} steps averaged)")
+        fig.tight_layout()
+        path = out_dir / f"{phase}_breakdown.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def _plot_series(pb: PhaseBreakdown, top: int) -> tuple[list[str], list[float], str]:
+    table = pb.all_layers_table
+    if len(table):
+        per_module = table.groupby("cpu_module", sort=False)["duration_us"].sum().sort_values(ascending=False)
+        per_module = per_module.head(top)
+        return list(per_module.index), list(per_module.values), "time per module, average layer"
+    summary = pb.summary[pb.summary["module_type"] != "total"]
+    return list(summary["module_type"]), list(summary["duration_us"]), "time per module type"
+
+
+def print_breakdown(breakdown: TraceBreakdown, console: Console | None = None, top: int = 20) -> None:
+    """The first `top` rows of each phase's layer sheet, and its summary."""
+    console = console or Console()
+    for phase, pb in breakdown.phases.items():
+        table = pb.layer_table
+        title = (
+            f"{phase}: layer {pb.layer}, first {min(top, len(table))} of {len(table)} kernels "
+            f"({pb.num_steps_averaged} of {pb.num_steps} steps averaged)"
+        )
+        console.print(_rich_table(title, table.head(top)))
+        console.print(_rich_table(f"{phase}: whole step per module type", pb.summary))
+    for note in breakdown.notes:
+        console.print(f"[yellow]note:[/yellow] {note}")
+
+
+def _rich_table(title: str, frame: pd.DataFrame) -> Table:
+    table = Table(title=title, title_justify="left")
+    for column in frame.columns:
+        numeric = pd.api.types.is_numeric_dtype(frame[column])
+        table.add_column(str(column), justify="right" if numeric else "left", overflow="fold")
+    for row in frame.itertuples(index=False):
+        table.add_row(*(_cell(v) for v in row))
+    return table
+
+
+def _cell(value: object) -> str:
+    if isinstance(value, float):
+        return "" if pd.isna(value) else f"{value:,.1f}"
+    text = str(value)
+    return text if len(text) <= 90 else text[:87] + "..."  # C++ kernel names run to kilobytes
