@@ -94,10 +94,14 @@ def paged_attention(
         out = torch.empty_like(query)
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
+    decode = [s for s in range(len(lens)) if qsl[s + 1] - qsl[s] == 1]
+    if len(decode) > 1:
+        _decode_rows(query, k_cache, v_cache, block_tables, qsl, lens, decode, scale, out)
+    decode_set = set(decode) if len(decode) > 1 else set()
     for s, seq_len in enumerate(lens):
         q_start, q_end = qsl[s], qsl[s + 1]
         q_len = q_end - q_start
-        if q_len == 0:
+        if q_len == 0 or s in decode_set:
             continue
         num_blocks = (seq_len + block_size - 1) // block_size
         blocks = block_tables[s, :num_blocks].long()
@@ -113,3 +117,25 @@ def paged_attention(
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.matmul(probs, v).transpose(0, 1).to(out.dtype)
     return out
+
+
+def _decode_rows(query, k_cache, v_cache, block_tables, qsl, lens, seqs, scale, out) -> None:
+    """All single-token rows at once: gather each sequence's KV padded to the longest, mask the pad."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    idx = torch.tensor(seqs)
+    seq_lens = torch.tensor([lens[s] for s in seqs])
+    max_len = int(seq_lens.max())
+    num_blocks = (max_len + block_size - 1) // block_size
+    blocks = block_tables[idx, :num_blocks].long()  # [B, nb]
+    k = k_cache[blocks].reshape(len(seqs), -1, num_kv_heads, head_dim)[:, :max_len].float()  # [B, L, KH, D]
+    v = v_cache[blocks].reshape(len(seqs), -1, num_kv_heads, head_dim)[:, :max_len].float()
+    rows = torch.tensor([qsl[s] for s in seqs])
+    q = query[rows].float().view(len(seqs), num_kv_heads, group, head_dim)  # [B, KH, G, D]
+    scores = torch.einsum("bkgd,blkd->bkgl", q, k) * scale
+    pad = torch.arange(max_len)[None, :] >= seq_lens[:, None]  # [B, L]
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    o = torch.einsum("bkgl,blkd->bkgd", probs, v).reshape(len(seqs), num_heads, head_dim)
+    out[rows] = o.to(out.dtype)
