@@ -154,7 +154,7 @@ class AsyncEngine:
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._dead_reason: str | None = None
-        self._closing = False
+        self._stopping = False  # set by shutdown(): the core's exit is expected from then on
 
     # ---- lifecycle --------------------------------------------------------------------
     def start(self, timeout: float = _STARTUP_TIMEOUT_S) -> CoreInfo:
@@ -197,8 +197,12 @@ class AsyncEngine:
         self._reader.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the core process (politely, then by force) and the reader thread."""
-        self._closing = True
+        """Stop the core process (politely, then by force), then the reader thread.
+
+        The reader keeps draining out_q until the core is gone: a core exits only after its
+        queue's feeder thread has flushed, which needs a reader on the other end.
+        """
+        self._stopping = True
         if self._proc is not None and self._proc.is_alive():
             self._in_q.put(("shutdown",))
             self._proc.join(timeout)
@@ -228,10 +232,10 @@ class AsyncEngine:
 
     # ---- requests ---------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """The core's own rules (EngineCore.validate_request), checked here before sending."""
-        from atom_core.engine.core import EngineCore
+        """The core's own rules (core.validate_request), checked here before sending."""
+        from atom_core.engine.core import validate_request
 
-        EngineCore.validate_request(self.info, prompt_token_ids, params)
+        validate_request(prompt_token_ids, params, self.info.max_model_len, self.info.vocab_size)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        prompt: str | None = None) -> AsyncIterator[RequestState]:
@@ -292,13 +296,13 @@ class AsyncEngine:
 
     # ---- messages from the core (reader thread -> loop thread) -------------------------
     def _read_loop(self) -> None:
-        while not self._closing:
+        while True:
             try:
                 msg = self._out_q.get(timeout=_POLL_S)
             except queue.Empty:
                 if not self._proc.is_alive():
-                    reason = f"engine core process died (exit code {self._proc.exitcode})"
-                    self._post(self._on_dead, reason)
+                    if not self._stopping:
+                        self._post(self._on_dead, f"engine core process died (exit code {self._proc.exitcode})")
                     return
                 continue
             except (EOFError, OSError) as e:
@@ -339,7 +343,7 @@ class AsyncEngine:
                 q.put_nowait(state)
 
     def _on_dead(self, reason: str) -> None:
-        if self._dead_reason is not None or self._closing:
+        if self._dead_reason is not None or self._stopping:
             return
         logger.error("%s; failing %d pending request(s)", reason, len(self._queues))
         self._dead_reason = reason

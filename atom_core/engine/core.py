@@ -42,6 +42,22 @@ def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
     return config.max_model_len
 
 
+def validate_request(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int) -> None:
+    """Raise ValueError for a request that can never run; nothing is queued then."""
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise ValueError("the prompt is empty")
+    if n >= max_model_len:
+        raise ValueError(f"prompt has {n} tokens; max_model_len is {max_model_len} (the prompt plus at least one generated token must fit)")
+    if params.max_tokens is not None and n + params.max_tokens > max_model_len:
+        raise ValueError(
+            f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} exceeds max_model_len {max_model_len}"
+        )
+    bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig):
         start = time.perf_counter()
@@ -75,19 +91,7 @@ class EngineCore:
 
     # ---- requests -------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError for a request that can never run; nothing is queued then."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        if n >= self.max_model_len:
-            raise ValueError(f"prompt has {n} tokens; max_model_len is {self.max_model_len} (the prompt plus at least one generated token must fit)")
-        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} exceeds max_model_len {self.max_model_len}"
-            )
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        validate_request(prompt_token_ids, params, self.max_model_len, self.vocab_size)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.validate_request(prompt_token_ids, params)

@@ -1,0 +1,237 @@
+"""OpenAI request models, their translation into SamplingParams, and the OpenAI error body.
+
+Requests are strict: a field this server does not know is a 400 naming it, and fields it knows
+but does not implement are accepted only at their no-op value (`best_of: 1`, empty
+`logit_bias`, `response_format: {"type": "text"}`, ...). A field that would change results
+is never silently ignored.
+"""
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
+
+from atom_core.sampling_params import SamplingParams
+
+MAX_N = 128
+
+
+class APIError(Exception):
+    """An error the client caused (or a server state it must know about), as HTTP + OpenAI body."""
+
+    def __init__(self, message: str, status_code: int = 400, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message, self.status_code, self.type, self.param, self.code = message, status_code, type, param, code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def sampling_error(e: ValueError) -> APIError:
+    """A SamplingParams / validate_request ValueError as a 400 naming the parameter if it can."""
+    match = re.match(r"invalid sampling parameter (\w+)=", str(e))
+    return APIError(str(e), param=match.group(1) if match else None)
+
+
+# ---- request models -------------------------------------------------------------------
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class ContentPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    # Extra keys (name, tool_call_id, ...) reach the chat template as they came.
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+    def for_template(self) -> dict:
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            message["content"] = "".join(part.text for part in self.content)
+        return message
+
+
+TokenIds = list[Annotated[StrictInt, Field(ge=0)]]
+
+
+class _SamplingRequest(_Strict):
+    """Fields the chat and completions endpoints share."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: TokenIds | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # Accepted for compatibility; they never change results.
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    # Known but not implemented: only their no-op value passes (see _reject_unsupported).
+    best_of: int | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _reject_unsupported(self):
+        if not 1 <= self.n <= MAX_N:
+            raise _field_error("n", f"n must be between 1 and {MAX_N}, got {self.n}")
+        if self.best_of not in (None, 1, self.n):
+            raise _field_error("best_of", "best_of other than n is not supported")
+        if self.logit_bias:
+            raise _field_error("logit_bias", "logit_bias is not supported")
+        if self.response_format not in (None, {"type": "text"}):
+            raise _field_error("response_format", "response_format other than {'type': 'text'} is not supported")
+        if self.stream_options is not None and not self.stream:
+            raise _field_error("stream_options", "stream_options is only allowed with stream=true")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
+                        choice: int) -> SamplingParams:
+        """SamplingParams for choice `choice` of n: a seeded request gets seed + choice."""
+        try:
+            return SamplingParams(
+                temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                seed=None if self.seed is None else self.seed + choice, max_tokens=max_tokens,
+                min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, stop=self.stop or [],
+                stop_token_ids=self.stop_token_ids or [], include_stop_str_in_output=self.include_stop_str_in_output,
+                repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                skip_special_tokens=self.skip_special_tokens,
+            )
+        except ValueError as e:
+            raise sampling_error(e) from None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    # Tools are not implemented: only "no tools" passes.
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _check_chat(self):
+        if self.tools:
+            raise _field_error("tools", "tool calling is not supported")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise _field_error("tool_choice", "tool calling is not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise _field_error("top_logprobs", "top_logprobs needs logprobs=true")
+        return self
+
+    def to_sampling_params(self, choice: int) -> SamplingParams:
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        if self.max_completion_tokens is None:
+            return self.sampling_params(self.max_tokens, logprobs, None, choice)
+        try:
+            return self.sampling_params(self.max_completion_tokens, logprobs, None, choice)
+        except APIError as e:
+            if e.param == "max_tokens":
+                e.param = "max_completion_tokens"
+            raise
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
+    max_tokens: int | None = 16  # the OpenAI default for completions
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _check_completion(self):
+        if self.suffix:
+            raise _field_error("suffix", "suffix is not supported")
+        if self.prompt == [] or self.prompt == "" or any(p in ("", []) for p in self._prompt_list()):
+            raise _field_error("prompt", "the prompt is empty")
+        return self
+
+    def _prompt_list(self) -> list:
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]
+        return list(self.prompt)
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: a string or a token-id list."""
+        return self._prompt_list()
+
+    def to_sampling_params(self, choice: int) -> SamplingParams:
+        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        return self.sampling_params(self.max_tokens, self.logprobs, prompt_logprobs, choice)
+
+
+class _FieldError(ValueError):
+    """Raised inside validators; pydantic turns it into a validation error at `param`."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _field_error(param: str, message: str) -> _FieldError:
+    return _FieldError(param, message)
+
+
+def validation_error_to_api_error(errors: list[dict]) -> APIError:
+    """The first pydantic/FastAPI validation error as a 400 with `param` set."""
+    if not errors:
+        return APIError("invalid request")
+    err = errors[0]
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    ctx_error = (err.get("ctx") or {}).get("error")
+    if isinstance(ctx_error, _FieldError):
+        return APIError(str(ctx_error), param=ctx_error.param)
+    if err.get("type") == "json_invalid":
+        return APIError(f"invalid JSON body: {err.get('msg', '')}".rstrip(": "))
+    if err.get("type") == "extra_forbidden":
+        return APIError(f"unsupported field '{'.'.join(loc)}'", param=".".join(loc) or None)
+    if err.get("type") == "missing" and not loc:
+        return APIError("the request body is missing; send a JSON object")
+    param = ".".join(_first_field(loc))
+    return APIError(f"{param or 'body'}: {err.get('msg', 'invalid value')}", param=param or None)
+
+
+def _first_field(loc: list[str]) -> list[str]:
+    """Drop pydantic's union-branch names (`str`, `list[int]`, ...) from an error location."""
+    return [p for p in loc if not (p in ("str", "int") or "[" in p or p.startswith(("function-", "constrained-")))]

@@ -1,0 +1,301 @@
+"""The OpenAI endpoints' work: request -> engine requests -> OpenAI responses or SSE chunks.
+
+One HTTP request becomes `len(prompts) * n` engine requests (choice index = prompt * n + j).
+All of them are validated before any is queued, so a bad request never leaves work behind.
+A client that goes away cancels the handler; closing the engine generators aborts their
+requests in the core, which frees their KV blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from atom_core.engine.async_engine import AsyncEngine, EngineDeadError
+from atom_core.engine.output_processor import RequestState
+from atom_core.sampling_params import SamplingParams
+from atom_core.server.logprobs import LogprobFormatter
+from atom_core.server.metrics import ServerMetrics
+from atom_core.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass
+class EngineRequest:
+    """One choice of one prompt, as sent to the engine."""
+
+    index: int  # the choice index in the response
+    prompt_index: int
+    request_id: str
+    prompt_text: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+def sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+def engine_error(e: Exception) -> APIError:
+    if isinstance(e, EngineDeadError):
+        return APIError(str(e), 503, "server_error", code="engine_dead")
+    if isinstance(e, ValueError):
+        return APIError(str(e))
+    return APIError(f"internal error: {type(e).__name__}: {e}", 500, "server_error")
+
+
+class OpenAIServing:
+    """Chat and text completions over an AsyncEngine (runs on the event loop only)."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics):
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = metrics
+        self.tokenizer = engine.tokenizer
+        self.logprobs = LogprobFormatter(engine.tokenizer)
+
+    # ---- endpoints --------------------------------------------------------------------
+    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        self._check_model(req.model)
+        text = self._apply_chat_template(req)
+        ids = self._require_tokenizer("chat completions").encode(text, add_special_tokens=False)
+        subs = self._engine_requests("chatcmpl", req, [(text, ids)])
+        response_id = subs[0].request_id.rsplit("-", 1)[0]
+        if req.stream:
+            return self._stream(self._chat_chunks(response_id, req, subs))
+        states = await _unless_disconnected(raw, self._run(subs))
+        choices = [self._chat_choice(sub, state, req) for sub, state in zip(subs, states)]
+        return JSONResponse(self._envelope(response_id, "chat.completion", choices) | {"usage": self._usage(subs, states)})
+
+    async def completions(self, req: CompletionRequest, raw: Request) -> Response:
+        self._check_model(req.model)
+        prompts = [self._completion_prompt(p) for p in req.prompts]
+        subs = self._engine_requests("cmpl", req, prompts)
+        response_id = subs[0].request_id.rsplit("-", 1)[0]
+        if req.stream:
+            return self._stream(self._completion_chunks(response_id, req, subs))
+        states = await _unless_disconnected(raw, self._run(subs))
+        choices = [self._completion_choice(sub, state, req) for sub, state in zip(subs, states)]
+        return JSONResponse(self._envelope(response_id, "text_completion", choices) | {"usage": self._usage(subs, states)})
+
+    # ---- requests ---------------------------------------------------------------------
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(f"the model '{model}' does not exist; this server serves '{self.model_name}'",
+                           404, param="model", code="model_not_found")
+
+    def _require_tokenizer(self, what: str):
+        if self.tokenizer is None:
+            raise APIError(f"{what} need a tokenizer; this model has none (start the server with --tokenizer)")
+        return self.tokenizer
+
+    def _apply_chat_template(self, req: ChatCompletionRequest) -> str:
+        tok = self._require_tokenizer("chat completions")
+        if not getattr(tok, "chat_template", None):
+            raise APIError("this model's tokenizer has no chat template; use /v1/completions")
+        try:
+            return tok.apply_chat_template([m.for_template() for m in req.messages], tokenize=False,
+                                           add_generation_prompt=req.add_generation_prompt,
+                                           **(req.chat_template_kwargs or {}))
+        except Exception as e:  # noqa: BLE001 - template errors (jinja raise_exception, bad kwargs) are the client's
+            raise APIError(f"cannot apply the chat template: {type(e).__name__}: {e}", param="messages") from None
+
+    def _completion_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self._require_tokenizer("text prompts").encode(prompt)
+        return None, list(prompt)
+
+    def _engine_requests(self, prefix: str, req, prompts: list[tuple[str | None, list[int]]]) -> list[EngineRequest]:
+        """Build and validate every choice of every prompt; nothing is queued yet."""
+        try:
+            self.engine.check_health()
+        except EngineDeadError as e:
+            raise engine_error(e) from None
+        response_id = f"{prefix}-{uuid.uuid4().hex}"
+        subs = []
+        for p, (text, ids) in enumerate(prompts):
+            for j in range(req.n):
+                index = p * req.n + j
+                params = req.to_sampling_params(j)
+                try:
+                    self.engine.validate_request(ids, params)
+                except ValueError as e:
+                    raise APIError(str(e), param="messages" if prefix == "chatcmpl" else "prompt") from None
+                subs.append(EngineRequest(index, p, f"{response_id}-{index}", text, ids, params))
+        return subs
+
+    # ---- running ----------------------------------------------------------------------
+    async def _merged(self, subs: list[EngineRequest]) -> AsyncIterator[tuple[EngineRequest, RequestState]]:
+        """Updates of all engine requests as they come; each finished state exactly once."""
+        updates: asyncio.Queue = asyncio.Queue()
+        tasks = [asyncio.create_task(self._pump(sub, updates)) for sub in subs]
+        done: set[int] = set()
+        try:
+            while len(done) < len(subs):
+                sub, item = await updates.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if sub.index in done:
+                    continue
+                if item.finished:
+                    done.add(sub.index)
+                yield sub, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _pump(self, sub: EngineRequest, updates: asyncio.Queue) -> None:
+        state = None
+        try:
+            async with aclosing(self.engine.generate(sub.request_id, sub.prompt_ids, sub.params, sub.prompt_text)) as gen:
+                async for state in gen:
+                    updates.put_nowait((sub, state))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which turns it into an error body
+            updates.put_nowait((sub, e))
+        finally:
+            if state is not None:
+                self.metrics.observe_finished(state, state.finish_reason if state.finished else "abort")
+
+    async def _run(self, subs: list[EngineRequest]) -> list[RequestState]:
+        final: dict[int, RequestState] = {}
+        try:
+            async for sub, state in self._merged(subs):
+                if state.finished:
+                    final[sub.index] = state
+        except (EngineDeadError, ValueError) as e:
+            raise engine_error(e) from None
+        return [final[sub.index] for sub in subs]
+
+    def _stream(self, chunks: AsyncIterator[str]) -> StreamingResponse:
+        return StreamingResponse(_with_error_event(chunks), media_type="text/event-stream", headers=SSE_HEADERS)
+
+    # ---- response shapes --------------------------------------------------------------
+    def _envelope(self, response_id: str, obj: str, choices: list[dict]) -> dict:
+        return {"id": response_id, "object": obj, "created": int(time.time()), "model": self.model_name, "choices": choices}
+
+    def _usage(self, subs: list[EngineRequest], states: list[RequestState]) -> dict:
+        prompt_tokens = sum({sub.prompt_index: len(sub.prompt_ids) for sub in subs}.values())  # once per prompt
+        completion_tokens = sum(len(s.token_ids) for s in states)
+        n = max(len(states), 1)
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(s.num_cached_tokens for s in states)},
+            "ttft_s": sum(s.ttft for s in states) / n,
+            "tpot_s": sum(s.tpot for s in states) / n,
+            "latency_s": sum(s.latency for s in states) / n,
+        }
+
+    def _chat_choice(self, sub: EngineRequest, state: RequestState, req: ChatCompletionRequest) -> dict:
+        logprobs = None
+        if req.logprobs:
+            logprobs = {"content": self.logprobs.chat(state.token_ids, state.logprobs, req.top_logprobs or 0)}
+        return {"index": sub.index, "message": {"role": "assistant", "content": state.text},
+                "logprobs": logprobs, "finish_reason": state.finish_reason}
+
+    def _completion_choice(self, sub: EngineRequest, state: RequestState, req: CompletionRequest) -> dict:
+        text, ids, entries = state.text, list(state.token_ids), list(state.logprobs)
+        if req.echo:
+            text = self._prompt_text(sub) + text
+            ids = sub.prompt_ids + ids
+            entries = (state.prompt_logprobs or [None] * len(sub.prompt_ids)) + entries
+        logprobs = self.logprobs.completion(ids, entries, 0)[0] if req.logprobs is not None else None
+        return {"index": sub.index, "text": text, "logprobs": logprobs, "finish_reason": state.finish_reason}
+
+    def _prompt_text(self, sub: EngineRequest) -> str:
+        if sub.prompt_text is not None:
+            return sub.prompt_text
+        return self.tokenizer.decode(sub.prompt_ids) if self.tokenizer is not None else ""
+
+    # ---- streams ----------------------------------------------------------------------
+    async def _chat_chunks(self, response_id: str, req: ChatCompletionRequest, subs: list[EngineRequest]) -> AsyncIterator[str]:
+        head = self._envelope(response_id, "chat.completion.chunk", [])
+        for sub in subs:
+            yield sse(head | {"choices": [{"index": sub.index, "delta": {"role": "assistant", "content": ""},
+                                           "logprobs": None, "finish_reason": None}]})
+        final = {}
+        async for sub, state in self._merged(subs):
+            start = state.sent_tokens
+            text, ids = state.take_delta()
+            if not text and not state.finished and not (req.logprobs and ids):
+                continue
+            logprobs = None
+            if req.logprobs:
+                entries = state.logprobs[start : start + len(ids)]
+                logprobs = {"content": self.logprobs.chat(ids, entries, req.top_logprobs or 0)}
+            delta = {"content": text} if text else {}
+            yield sse(head | {"choices": [{"index": sub.index, "delta": delta, "logprobs": logprobs,
+                                           "finish_reason": state.finish_reason if state.finished else None}]})
+            if state.finished:
+                final[sub.index] = state
+        if req.include_usage:
+            yield sse(head | {"choices": [], "usage": self._usage(subs, [final[s.index] for s in subs])})
+        yield sse("[DONE]")
+
+    async def _completion_chunks(self, response_id: str, req: CompletionRequest, subs: list[EngineRequest]) -> AsyncIterator[str]:
+        head = self._envelope(response_id, "text_completion", [])
+        final, offsets, echoed = {}, {}, set()
+        async for sub, state in self._merged(subs):
+            start = state.sent_tokens
+            text, ids = state.take_delta()
+            entries = state.logprobs[start : start + len(ids)]
+            if req.echo and sub.index not in echoed:  # the prompt goes out with the first token
+                echoed.add(sub.index)
+                text = self._prompt_text(sub) + text
+                entries = (state.prompt_logprobs or [None] * len(sub.prompt_ids)) + entries
+                ids = sub.prompt_ids + ids
+            if not text and not state.finished and not (req.logprobs is not None and ids):
+                continue
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs, offsets[sub.index] = self.logprobs.completion(ids, entries, offsets.get(sub.index, 0))
+            yield sse(head | {"choices": [{"index": sub.index, "text": text, "logprobs": logprobs,
+                                           "finish_reason": state.finish_reason if state.finished else None}]})
+            if state.finished:
+                final[sub.index] = state
+        if req.include_usage:
+            yield sse(head | {"choices": [], "usage": self._usage(subs, [final[s.index] for s in subs])})
+        yield sse("[DONE]")
+
+
+async def _with_error_event(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Once the 200 and the first bytes are out, an error can only travel inside the stream."""
+    async with aclosing(chunks):
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except (EngineDeadError, ValueError) as e:
+            err = engine_error(e)
+            yield sse(error_body(err.message, err.type, err.param, err.code))
+            yield sse("[DONE]")
+
+
+async def _unless_disconnected(raw: Request, work):
+    """Await `work`, cancelling it (and so aborting its engine requests) if the client leaves."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(raw))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watcher.cancel()
+    if not task.done() or task.cancelled():
+        await asyncio.gather(task, return_exceptions=True)
+        raise APIError("client disconnected", 499, code="client_disconnected")
+    return task.result()
+
+
+async def _wait_for_disconnect(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass

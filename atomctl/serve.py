@@ -1,0 +1,29 @@
+"""`atomctl serve`: the OpenAI-compatible HTTP server (engine core in its own process)."""
+from typing import Optional
+
+import typer
+
+from atomctl.engine_options import engine_kwargs, with_engine_options
+from atomctl.errors import friendly_errors
+
+
+@friendly_errors
+@with_engine_options
+def serve_cmd(
+    host: str = typer.Option("127.0.0.1", help="Address to bind; pass 0.0.0.0 to listen on every interface."),
+    port: int = typer.Option(8000, help="TCP port."),
+    api_key: Optional[str] = typer.Option(None, help="Require 'Authorization: Bearer KEY' on /v1 and profiling endpoints."),
+    served_model_name: Optional[str] = typer.Option(None, help="The model name clients send (default: the --model value)."),
+    access_log: bool = typer.Option(False, "--access-log/--no-access-log", help="Log every HTTP request."),
+    engine_args: dict = None,
+):
+    """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models) plus /health and /metrics."""
+    from atom_core.config import EngineConfig
+    from atom_core.server.app import run_server
+
+    config = EngineConfig.from_kwargs(**engine_kwargs(engine_args))
+    run_server(config, host, port, served_model_name or engine_args["model"], api_key=api_key, access_log=access_log)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve")(serve_cmd)

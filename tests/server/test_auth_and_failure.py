@@ -1,0 +1,95 @@
+"""--api-key, and what clients see when the engine core process dies (one keyed server).
+
+The engine-death test kills the module's engine core, so it stays last in the file.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import MAX_MODEL_LEN, start_server
+
+KEY = "sk-test-1234"
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tiny_llama, tmp_path_factory):
+    srv = start_server(tiny_llama, tmp_path_factory.mktemp("serve_keyed"), api_key=KEY)
+    yield srv
+    srv.stop()
+
+
+class TestApiKey:
+    @pytest.mark.parametrize("path", ["/v1/models", "/v1/completions", "/v1/chat/completions", "/start_profile"])
+    def test_missing_or_wrong_key_is_401(self, keyed_server, path):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            r = httpx.post(f"{keyed_server.url}{path}", json={"prompt": "x"}, headers=headers, timeout=10) \
+                if path != "/v1/models" else httpx.get(f"{keyed_server.url}{path}", headers=headers, timeout=10)
+            assert r.status_code == 401, (path, headers, r.text)
+            assert r.json()["error"]["code"] == "invalid_api_key"
+
+    def test_sdk_with_key_works(self, keyed_server):
+        client = keyed_server.openai()
+        assert [m.id for m in client.models.list().data] == [keyed_server.model_name]
+        resp = client.completions.create(model=keyed_server.model_name, prompt="Hello", max_tokens=3)
+        assert resp.usage.completion_tokens >= 1
+
+    def test_sdk_without_key_fails(self, keyed_server):
+        import openai as sdk
+
+        client = sdk.OpenAI(base_url=f"{keyed_server.url}/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            client.models.list()
+
+    def test_health_and_metrics_stay_open(self, keyed_server):
+        assert httpx.get(f"{keyed_server.url}/health", timeout=10).status_code == 200
+        assert httpx.get(f"{keyed_server.url}/metrics", timeout=10).status_code == 200
+
+
+class TestEngineDeath:
+    def test_dead_core_fails_health_and_requests(self, keyed_server):
+        srv = keyed_server
+        outcome: dict = {}
+        running = threading.Event()
+
+        def long_stream():
+            body = {"prompt": "Hello", "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, headers=srv.headers, timeout=30) as r:
+                lines = []
+                for line in r.iter_lines():
+                    lines.append(line)
+                    running.set()
+                outcome["stream"] = lines
+
+        def long_request():
+            body = {"prompt": "Hello world", "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True}
+            outcome["plain"] = httpx.post(f"{srv.url}/v1/completions", json=body, headers=srv.headers, timeout=30)
+
+        threads = [threading.Thread(target=long_stream), threading.Thread(target=long_request)]
+        for t in threads:
+            t.start()
+        assert running.wait(30)
+        time.sleep(0.2)
+        os.kill(srv.core_pid(), signal.SIGKILL)
+        for t in threads:
+            t.join(30)
+            assert not t.is_alive(), "a request hung after the engine core died"
+
+        assert outcome["plain"].status_code == 503
+        assert outcome["plain"].json()["error"]["code"] == "engine_dead"
+        stream = [line for line in outcome["stream"] if line]
+        assert '"engine_dead"' in stream[-2] and stream[-1] == "data: [DONE]"  # the error travels in the stream
+        health = httpx.get(f"{srv.url}/health", timeout=10)
+        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
+        with pytest.raises(openai.InternalServerError):
+            srv.openai().completions.create(model=srv.model_name, prompt="Hello", max_tokens=2)
+        r = httpx.post(f"{srv.url}/v1/chat/completions", headers=srv.headers, timeout=10,
+                       json={"messages": [{"role": "user", "content": "hi"}], "stream": True})
+        assert r.status_code == 503
+        assert srv.proc.poll() is None  # the API process stays up to report the failure

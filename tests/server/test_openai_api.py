@@ -1,0 +1,377 @@
+"""The OpenAI API of `atomctl serve`, through the OpenAI SDK and httpx, on one shared server.
+
+The last test (SIGTERM drain) stops the module's server, so it stays last in the file.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from atom_core import SamplingParams
+from tests.server.conftest import MAX_MODEL_LEN
+
+PROMPT = "The quick brown fox"
+CHAT = [{"role": "user", "content": "Hello world! This is a tiny test."}]
+
+
+def chat_prompt_ids(engine, messages) -> list[int]:
+    text = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return engine.tokenizer.encode(text, add_special_tokens=False)
+
+
+def sse_events(lines) -> list:
+    """`data:` payloads of an SSE body: dicts, and the final "[DONE]"."""
+    events = []
+    for line in lines:
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def wait_until(predicate, timeout: float = 15.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def engine_idle(server) -> bool:
+    m = server.metrics()
+    return (m["atom_num_requests_running"] == 0 and m["atom_num_requests_waiting"] == 0
+            and m["atom_kv_cache_blocks_free"] == m["atom_kv_cache_blocks_total"])
+
+
+# ---- basics ---------------------------------------------------------------------------
+class TestModels:
+    def test_lists_the_served_model(self, server):
+        models = server.openai().models.list()
+        assert [m.id for m in models.data] == [server.model_name]
+
+    def test_unknown_model_is_404(self, server):
+        with pytest.raises(openai.NotFoundError) as e:
+            server.openai().completions.create(model="nope", prompt=PROMPT, max_tokens=2)
+        assert e.value.body["code"] == "model_not_found"
+
+
+class TestChat:
+    def test_served_text_equals_llm_engine(self, server, reference_engine):
+        resp = server.openai().chat.completions.create(model=server.model_name, messages=CHAT, max_tokens=12, temperature=0)
+        ids = chat_prompt_ids(reference_engine, CHAT)
+        [ref] = reference_engine.generate([ids], SamplingParams(temperature=0, max_tokens=12))
+        choice = resp.choices[0]
+        assert resp.id.startswith("chatcmpl-") and resp.object == "chat.completion"
+        assert choice.message.role == "assistant" and choice.message.content == ref["text"]
+        assert choice.finish_reason == ref["finish_reason"]
+        usage = resp.usage.model_dump()
+        assert usage["prompt_tokens"] == len(ids)
+        assert usage["completion_tokens"] == ref["num_tokens_output"]
+        assert usage["total_tokens"] == len(ids) + ref["num_tokens_output"]
+        assert 0 < usage["ttft_s"] <= usage["latency_s"] and usage["tpot_s"] >= 0
+
+    def test_stream_matches_non_stream(self, server):
+        client = server.openai()
+        full = client.chat.completions.create(model=server.model_name, messages=CHAT, max_tokens=10, temperature=0)
+        chunks = list(client.chat.completions.create(model=server.model_name, messages=CHAT, max_tokens=10, temperature=0,
+                                                     stream=True, stream_options={"include_usage": True}))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert text == full.choices[0].message.content
+        assert finishes == [full.choices[0].finish_reason]
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+        assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+    def test_logprobs(self, server):
+        resp = server.openai().chat.completions.create(model=server.model_name, messages=CHAT, max_tokens=6, temperature=0,
+                                                       logprobs=True, top_logprobs=3)
+        content = resp.choices[0].logprobs.content
+        assert len(content) == resp.usage.completion_tokens
+        for entry in content:
+            assert entry.logprob <= 0 and entry.bytes == list(entry.token.encode())
+            tops = [t.logprob for t in entry.top_logprobs]
+            assert len(tops) == 3 and tops == sorted(tops, reverse=True)
+            assert math.isclose(entry.logprob, tops[0], abs_tol=1e-5)  # greedy: the chosen token is the top one
+
+    def test_n2_with_seed_is_reproducible(self, server):
+        kw = dict(model=server.model_name, messages=CHAT, max_tokens=8, temperature=1.0, n=2, seed=1234,
+                  extra_body={"ignore_eos": True})
+        client = server.openai()
+        first = client.chat.completions.create(**kw)
+        again = client.chat.completions.create(**kw)
+        assert [c.index for c in first.choices] == [0, 1]
+        assert [c.message.content for c in first.choices] == [c.message.content for c in again.choices]
+        assert first.choices[0].message.content != first.choices[1].message.content  # seeds are offset per choice
+        assert first.usage.completion_tokens == 16
+        single = client.chat.completions.create(model=server.model_name, messages=CHAT, max_tokens=1)
+        assert first.usage.prompt_tokens == single.usage.prompt_tokens  # counted once, not per choice
+        other_seed = client.chat.completions.create(**(kw | {"seed": 99}))
+        assert [c.message.content for c in other_seed.choices] != [c.message.content for c in first.choices]
+
+    def test_n2_stream(self, server):
+        chunks = list(server.openai().chat.completions.create(
+            model=server.model_name, messages=CHAT, max_tokens=5, temperature=1.0, n=2, stream=True))
+        roles = [c.choices[0].index for c in chunks if c.choices[0].delta.role == "assistant"]
+        finished = sorted(c.choices[0].index for c in chunks if c.choices[0].finish_reason)
+        assert sorted(roles) == [0, 1] and finished == [0, 1]
+
+    def test_chat_template_kwargs_and_max_completion_tokens(self, server):
+        resp = server.openai().chat.completions.create(
+            model=server.model_name, messages=CHAT, max_completion_tokens=3, temperature=0,
+            extra_body={"chat_template_kwargs": {"enable_thinking": False}, "ignore_eos": True})
+        assert resp.usage.completion_tokens == 3 and resp.choices[0].finish_reason == "length"
+
+
+class TestCompletions:
+    @pytest.mark.parametrize("prompt", [PROMPT, "naïve café 東京 🚀"])
+    def test_served_text_equals_llm_engine(self, server, reference_engine, prompt):
+        resp = server.openai().completions.create(model=server.model_name, prompt=prompt, max_tokens=16, temperature=0)
+        [ref] = reference_engine.generate([prompt], SamplingParams(temperature=0, max_tokens=16))
+        assert resp.id.startswith("cmpl-") and resp.object == "text_completion"
+        assert resp.choices[0].text == ref["text"]
+        assert resp.usage.prompt_tokens == ref["num_tokens_input"]
+        assert resp.usage.completion_tokens == ref["num_tokens_output"]
+
+    def test_stream_matches_non_stream(self, server):
+        client = server.openai()
+        kw = dict(model=server.model_name, prompt=PROMPT, max_tokens=12, temperature=0)
+        full = client.completions.create(**kw)
+        chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+        assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+    def test_prompt_forms(self, server, reference_engine):
+        client = server.openai()
+        ids = reference_engine.tokenizer.encode(PROMPT)
+        by_text = client.completions.create(model=server.model_name, prompt=PROMPT, max_tokens=6, temperature=0)
+        by_ids = client.completions.create(model=server.model_name, prompt=ids, max_tokens=6, temperature=0)
+        batch = client.completions.create(model=server.model_name, prompt=[ids, ids[:2]], max_tokens=6, temperature=0, n=2)
+        strings = client.completions.create(model=server.model_name, prompt=[PROMPT, "Hello"], max_tokens=6, temperature=0)
+        assert by_ids.choices[0].text == by_text.choices[0].text
+        assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+        assert batch.choices[0].text == by_text.choices[0].text == batch.choices[1].text
+        assert batch.usage.prompt_tokens == len(ids) + 2
+        assert strings.choices[0].text == by_text.choices[0].text and len(strings.choices) == 2
+
+    def test_stop_string_cuts_text(self, server):
+        client = server.openai()
+        kw = dict(model=server.model_name, prompt=PROMPT, max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+        full = client.completions.create(**kw).choices[0].text
+        k = next(i for i in range(3, len(full) - 2)
+                 if full.find(full[i:i + 2]) == i and "\ufffd" not in full[i:i + 2] and full[i:i + 2].strip())
+        stop = full[k:k + 2]
+        resp = client.completions.create(**kw, stop=[stop])
+        assert resp.choices[0].text == full[:k] and resp.choices[0].finish_reason == "stop"
+        streamed = list(client.completions.create(**kw, stop=stop, stream=True))
+        assert "".join(c.choices[0].text for c in streamed) == full[:k]
+        assert streamed[-1].choices[0].finish_reason == "stop"
+        assert wait_until(lambda: engine_idle(server), what="the stopped request to leave the core")
+
+    def test_logprobs_shape(self, server):
+        resp = server.openai().completions.create(model=server.model_name, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2)
+        lp = resp.choices[0].logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+        assert lp.text_offset[0] == 0
+        for token, chosen, tops in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+            assert chosen <= 0 and token in tops and max(tops.values()) == pytest.approx(chosen, abs=1e-5)
+
+    def test_echo_logprobs_equal_llm_engine_prompt_logprobs(self, server, reference_engine):
+        # lm-eval's loglikelihood request: echo the prompt, score it, generate one token.
+        resp = server.openai().completions.create(model=server.model_name, prompt=PROMPT, max_tokens=1, temperature=0,
+                                                  logprobs=1, echo=True)
+        ids = reference_engine.tokenizer.encode(PROMPT)
+        [ref] = reference_engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1, logprobs=1))
+        choice = resp.choices[0]
+        lp = choice.logprobs
+        assert choice.text == PROMPT + ref["text"]
+        assert len(lp.tokens) == len(ids) + 1
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        expected = [entry[0] for entry in ref["prompt_logprobs"][1:]] + [ref["logprobs"][0][0]]
+        assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+        assert "".join(lp.tokens[: len(ids)]) == PROMPT
+        assert resp.usage.prompt_tokens == len(ids) and resp.usage.completion_tokens == 1
+
+    def test_echo_stream_sends_prompt_first(self, server):
+        chunks = list(server.openai().completions.create(model=server.model_name, prompt=PROMPT, max_tokens=3, temperature=0,
+                                                         echo=True, stream=True))
+        assert chunks[0].choices[0].text.startswith(PROMPT)
+
+
+# ---- operations -----------------------------------------------------------------------
+class TestOperations:
+    def test_metrics_names(self, server):
+        m = server.metrics()
+        for name in ("atom_num_requests_running", "atom_num_requests_waiting", "atom_kv_cache_blocks_free",
+                     "atom_kv_cache_blocks_used", "atom_prefix_cache_hit_rate", "atom_prompt_tokens_total",
+                     "atom_generation_tokens_total", "atom_time_to_first_token_seconds_count",
+                     "atom_time_per_output_token_seconds_count", "atom_e2e_request_latency_seconds_count"):
+            assert name in m, name
+        assert m["atom_generation_tokens_total"] > 0
+
+    def test_profile_without_dir_is_400(self, server):
+        r = httpx.post(f"{server.url}/start_profile", timeout=10)
+        assert r.status_code == 400 and "profiler dir" in r.json()["error"]["message"]
+        r = httpx.post(f"{server.url}/stop_profile", timeout=10)
+        assert r.status_code == 400
+
+    def test_health(self, server):
+        assert httpx.get(f"{server.url}/health", timeout=10).json() == {"status": "ok"}
+
+
+class TestConcurrency:
+    NUM_STREAMS = 200
+    MAX_TOKENS = 6
+
+    def test_200_concurrent_streams_complete(self, server):
+        async def one(client: httpx.AsyncClient, i: int):
+            body = {"model": server.model_name, "prompt": f"Hello world {i}", "max_tokens": self.MAX_TOKENS,
+                    "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            async with client.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                return i, sse_events([line async for line in r.aiter_lines()])
+
+        async def run_all():
+            limits = httpx.Limits(max_connections=self.NUM_STREAMS + 10)
+            async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+                return await asyncio.gather(*(one(client, i) for i in range(self.NUM_STREAMS)))
+
+        results = asyncio.run(run_all())
+        assert len(results) == self.NUM_STREAMS
+        for i, events in results:
+            assert events[-1] == "[DONE]"
+            chunks, usage = events[:-2], events[-2]["usage"]
+            assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
+            assert sum(1 for c in chunks if c["choices"][0]["finish_reason"]) == 1
+            assert usage["completion_tokens"] == self.MAX_TOKENS
+            assert usage["prompt_tokens"] == usage["total_tokens"] - self.MAX_TOKENS
+        assert engine_idle(server)
+        assert server.metrics()["atom_num_api_requests_in_flight"] == 0
+
+
+class TestDisconnect:
+    def test_dropped_stream_is_aborted_and_frees_blocks(self, server):
+        aborted_before = server.metrics().get('atom_request_success_total{finished_reason="abort"}', 0)
+        body = {"model": server.model_name, "prompt": PROMPT, "max_tokens": MAX_MODEL_LEN - 16, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(6)]  # a few tokens in: the request is running
+            assert any(line.startswith("data: ") for line in got)
+            assert server.metrics()["atom_num_requests_running"] == 1
+        # Leaving the block closed the connection mid-stream.
+        wait_until(lambda: engine_idle(server), timeout=10, what="the aborted request's blocks to be freed")
+        assert server.metrics()['atom_request_success_total{finished_reason="abort"}'] == aborted_before + 1
+
+    def test_dropped_non_stream_request_is_aborted(self, server):
+        body = {"model": server.model_name, "prompt": PROMPT, "max_tokens": MAX_MODEL_LEN - 16, "temperature": 0,
+                "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(10, read=1.0))
+        wait_until(lambda: engine_idle(server), timeout=10, what="the abandoned request to be aborted")
+
+
+# ---- bad input ------------------------------------------------------------------------
+LONG = "The quick brown fox jumps over the lazy dog. " * 60  # well over MAX_MODEL_LEN tokens
+BAD_INPUTS = [
+    # (id, path, body (dict, or raw str), status, error param, message fragment)
+    ("invalid_json", "/v1/completions", '{"prompt": "x",', 400, None, "invalid JSON"),
+    ("body_not_object", "/v1/completions", "[1, 2]", 400, None, ""),
+    ("missing_prompt", "/v1/completions", {"max_tokens": 2}, 400, "prompt", "required"),
+    ("max_tokens_wrong_type", "/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens", "integer"),
+    ("temperature_wrong_type", "/v1/chat/completions", {"messages": CHAT, "temperature": "hot"}, 400, "temperature", ""),
+    ("messages_not_list", "/v1/chat/completions", {"messages": "hi"}, 400, "messages", ""),
+    ("empty_messages", "/v1/chat/completions", {"messages": []}, 400, "messages", "at least 1"),
+    ("bad_role", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role", ""),
+    ("image_content", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, None, ""),
+    ("empty_prompt", "/v1/completions", {"prompt": ""}, 400, "prompt", "empty"),
+    ("empty_prompt_list", "/v1/completions", {"prompt": []}, 400, "prompt", "empty"),
+    ("prompt_mixed_types", "/v1/completions", {"prompt": ["a", 1]}, 400, "prompt", ""),
+    ("token_id_out_of_range", "/v1/completions", {"prompt": [1, 10**6]}, 400, "prompt", "out of range"),
+    ("prompt_too_long", "/v1/completions", {"prompt": LONG, "max_tokens": 1}, 400, "prompt", "max_model_len"),
+    ("prompt_plus_max_tokens_too_long", "/v1/completions", {"prompt": PROMPT, "max_tokens": MAX_MODEL_LEN}, 400,
+     "prompt", "exceeds max_model_len"),
+    ("chat_too_long", "/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, 400, "messages", "max_model_len"),
+    ("negative_max_tokens", "/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens", ">= 1"),
+    ("negative_max_completion_tokens", "/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": -5}, 400,
+     "max_completion_tokens", ">= 1"),
+    ("n_zero", "/v1/completions", {"prompt": "x", "n": 0}, 400, "n", "between"),
+    ("n_too_big", "/v1/chat/completions", {"messages": CHAT, "n": 1000}, 400, "n", "between"),
+    ("top_p_zero", "/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", "top_p"),
+    ("negative_temperature", "/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature", ""),
+    ("logprobs_too_many", "/v1/completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs", ""),
+    ("top_logprobs_without_logprobs", "/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs", ""),
+    ("stop_wrong_type", "/v1/completions", {"prompt": "x", "stop": 5}, 400, "stop", ""),
+    ("unknown_field", "/v1/completions", {"prompt": "x", "frobnicate": True}, 400, "frobnicate", "unsupported"),
+    ("tools_unsupported", "/v1/chat/completions",
+     {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "not supported"),
+    ("logit_bias_unsupported", "/v1/completions", {"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias", ""),
+    ("best_of_unsupported", "/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of", ""),
+    ("json_mode_unsupported", "/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}},
+     400, "response_format", ""),
+    ("stream_options_without_stream", "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}},
+     400, "stream_options", ""),
+    ("unknown_model", "/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model", "does not exist"),
+    ("unknown_path", "/v1/embeddings", {"input": "x"}, 404, None, ""),
+]
+
+
+class TestBadInput:
+    @pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+    def test_rejected_with_openai_error_then_good_request_works(self, server, case):
+        _, path, body, status, param, fragment = case
+        kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, str) else {"json": body}
+        r = httpx.post(f"{server.url}{path}", timeout=30, **kw)
+        assert r.status_code == status, r.text
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["message"] and error["type"]
+        if param is not None:
+            assert error["param"] == param, error
+        assert fragment in error["message"], error
+        ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=30)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+# ---- shutdown (stops the module's server: keep last) ------------------------------------
+class TestShutdown:
+    def test_sigterm_drains_in_flight_streams(self, server):
+        num_tokens = 40
+        results: dict[int, list] = {}
+        first_token = threading.Barrier(4)
+
+        def stream(i: int):
+            body = {"model": server.model_name, "prompt": f"{PROMPT} {i}", "max_tokens": num_tokens, "temperature": 0,
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            lines = []
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    lines.append(line)
+                    if len(lines) == 2:
+                        first_token.wait(30)
+            results[i] = sse_events(lines)
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        first_token.wait(30)
+        server.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+        assert server.proc.wait(60) == 0, server.log()
+        for events in results.values():
+            assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == num_tokens
+        assert len(results) == 3
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{server.url}/health", timeout=2)

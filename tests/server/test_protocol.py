@@ -1,0 +1,117 @@
+"""Pure protocol pieces: request models -> SamplingParams, error mapping, logprob shapes, metrics."""
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from atom_core.server.logprobs import LogprobFormatter
+from atom_core.server.metrics import Histogram, ServerMetrics
+from atom_core.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    validation_error_to_api_error,
+)
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+def api_error_of(model, **body) -> APIError:
+    with pytest.raises(ValidationError) as e:
+        model(**body)
+    return validation_error_to_api_error(e.value.errors())
+
+
+class TestCompletionRequest:
+    @pytest.mark.parametrize("prompt, expected", [
+        ("a", ["a"]), (["a", "b"], ["a", "b"]), ([1, 2], [[1, 2]]), ([[1], [2, 3]], [[1], [2, 3]]),
+    ])
+    def test_prompt_forms(self, prompt, expected):
+        assert CompletionRequest(prompt=prompt).prompts == expected
+
+    def test_defaults_to_16_tokens(self):
+        assert CompletionRequest(prompt="a").to_sampling_params(0).max_tokens == 16
+
+    def test_seed_is_offset_per_choice(self):
+        req = CompletionRequest(prompt="a", n=3, seed=10)
+        assert [req.to_sampling_params(j).seed for j in range(3)] == [10, 11, 12]
+        assert CompletionRequest(prompt="a", n=2).to_sampling_params(1).seed is None
+
+    def test_echo_with_logprobs_asks_for_prompt_logprobs(self):
+        assert CompletionRequest(prompt="a", echo=True, logprobs=2).to_sampling_params(0).prompt_logprobs == 2
+        assert CompletionRequest(prompt="a", logprobs=2).to_sampling_params(0).prompt_logprobs is None
+
+    def test_bools_are_not_token_ids(self):
+        assert api_error_of(CompletionRequest, prompt=[True, False]).param == "prompt"
+
+
+class TestChatRequest:
+    def test_max_completion_tokens_wins(self):
+        req = ChatCompletionRequest(messages=CHAT, max_tokens=5, max_completion_tokens=7)
+        assert req.to_sampling_params(0).max_tokens == 7
+
+    def test_logprobs_mapping(self):
+        assert ChatCompletionRequest(messages=CHAT).to_sampling_params(0).logprobs is None
+        assert ChatCompletionRequest(messages=CHAT, logprobs=True).to_sampling_params(0).logprobs == 0
+        assert ChatCompletionRequest(messages=CHAT, logprobs=True, top_logprobs=4).to_sampling_params(0).logprobs == 4
+
+    def test_text_parts_are_joined_for_the_template(self):
+        req = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                         {"type": "text", "text": "b"}]}])
+        assert req.messages[0].for_template() == {"role": "user", "content": "ab"}
+
+    @pytest.mark.parametrize("body, param", [
+        ({"n": 0}, "n"), ({"tools": [{"type": "function"}]}, "tools"), ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logit_bias": {"1": 1.0}}, "logit_bias"), ({"bogus": 1}, "bogus"), ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ])
+    def test_unsupported_values_name_the_field(self, body, param):
+        assert api_error_of(ChatCompletionRequest, messages=CHAT, **body).param == param
+
+    def test_sampling_errors_name_the_field(self):
+        with pytest.raises(APIError) as e:
+            ChatCompletionRequest(messages=CHAT, top_k=0).to_sampling_params(0)
+        assert e.value.param == "top_k" and e.value.status_code == 400
+
+
+class FakeTokenizer:
+    """Token id i decodes to PIECES[i]; two ids decode to the same replacement character."""
+
+    PIECES = ["He", "llo", "\ufffd", "\ufffd", " w"]
+
+    def decode(self, ids, **_):
+        return "".join(self.PIECES[i] for i in ids)
+
+
+class TestLogprobFormatter:
+    def test_completion_shape_with_echo_and_offsets(self):
+        fmt = LogprobFormatter(FakeTokenizer())
+        out, end = fmt.completion([0, 1, 4], [None, (-1.0, {1: -1.0, 4: -2.0}), (-0.5, {})], 0)
+        assert out == {"tokens": ["He", "llo", " w"], "token_logprobs": [None, -1.0, -0.5],
+                       "top_logprobs": [None, {"llo": -1.0, " w": -2.0}, {" w": -0.5}], "text_offset": [0, 2, 5]}
+        assert end == 7
+        more, _ = fmt.completion([1], [(-3.0, {})], end)
+        assert more["text_offset"] == [7]
+
+    def test_tokens_that_decode_alike_keep_the_likelier(self):
+        out, _ = LogprobFormatter(FakeTokenizer()).completion([2], [(-1.0, {2: -1.0, 3: -2.0})], 0)
+        assert out["top_logprobs"] == [{"\ufffd": -1.0}]
+
+    def test_chat_shape(self):
+        [entry] = LogprobFormatter(FakeTokenizer()).chat([4], [(-0.5, {4: -0.5, 0: -1.5, 1: -2.5})], 2)
+        assert entry == {"token": " w", "logprob": -0.5, "bytes": [32, 119], "top_logprobs": [
+            {"token": " w", "logprob": -0.5, "bytes": [32, 119]}, {"token": "He", "logprob": -1.5, "bytes": [72, 101]}]}
+
+
+class TestMetrics:
+    def test_histogram_is_cumulative(self):
+        h = Histogram("x", "help", (1.0, 2.0))
+        for v in (0.5, 1.5, 3.0):
+            h.observe(v)
+        lines = h.render('m="a"')
+        assert 'x_bucket{m="a",le="1.0"} 1' in lines and 'x_bucket{m="a",le="2.0"} 2' in lines
+        assert 'x_bucket{m="a",le="+Inf"} 3' in lines and 'x_count{m="a"} 3' in lines
+
+    def test_render_without_core_stats_marks_unhealthy(self):
+        text = ServerMetrics('we"ird').render(None, 0)
+        assert 'atom_engine_healthy{model_name="we\\"ird"} 0' in text
+        assert "atom_num_requests_running" not in text
