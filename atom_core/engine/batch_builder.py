@@ -28,6 +28,7 @@ class FlatBatch:
     num_tokens: int
     placeholder_rows: list[int]  # flat rows whose input token is still on the GPU
     placeholder_seqs: list[int]  # the batch index of each such row's sequence
+    logits_all_rows: bool = False  # every row needs logits, in order (decode): skip the gather
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -100,6 +101,7 @@ def build_flat_batch(batch: ScheduledBatch, block_size: int, device: torch.devic
         num_tokens=offset,
         placeholder_rows=placeholder_rows,
         placeholder_seqs=placeholder_seqs,
+        logits_all_rows=len(logit_rows) == offset,
     )
 
 

@@ -173,7 +173,8 @@ class ModelRunner:
         pending = PendingStep(batch, flat)
         if not flat.sample_seq_idx and not flat.prompt_logprob_spans:
             return pending
-        logits = self.model.compute_logits(hidden[flat.logit_rows]).float()
+        rows = hidden if flat.logits_all_rows else hidden[flat.logit_rows]
+        logits = self.model.compute_logits(rows).float()
         if flat.sample_seq_idx:
             sb = build_sampling_batch(batch, flat.sample_seq_idx, self.vocab_size, self.files.eos_token_ids, self.device, self.rng)
             # Without prompt logprobs the logit rows are exactly the sampling rows, in order;

@@ -104,10 +104,10 @@ class Sampler(nn.Module):
             logits = apply_penalties(logits, batch)
         if batch.banned_mask is not None:
             logits = logits.masked_fill(batch.banned_mask, float("-inf"))
-        greedy = logits.argmax(dim=-1)
         if batch.all_greedy:
-            out.token_ids = greedy
+            out.token_ids = logits.argmax(dim=-1)
         else:
+            greedy = logits.argmax(dim=-1) if batch.any_greedy else None
             out.token_ids = self._sample(logits, batch, greedy)
         if batch.max_num_logprobs >= 0:
             out.logprobs = raw.gather(1, out.token_ids.unsqueeze(1)).squeeze(1)
