@@ -42,8 +42,12 @@ def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
     return config.max_model_len
 
 
-def validate_request(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int) -> None:
-    """Raise ValueError for a request that can never run; nothing is queued then."""
+def validate_request(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int,
+                     num_kv_tokens: int | None = None) -> None:
+    """Raise ValueError for a request that can never run; nothing is queued then.
+
+    num_kv_tokens: the whole KV cache in tokens; a request needing more would wait forever.
+    """
     n = len(prompt_token_ids)
     if n == 0:
         raise ValueError("the prompt is empty")
@@ -56,6 +60,10 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, max_mo
     bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
+    needed = min(n + (params.max_tokens or max_model_len), max_model_len)
+    if num_kv_tokens is not None and needed > num_kv_tokens:
+        raise ValueError(f"request needs KV for {needed} tokens but the whole cache holds {num_kv_tokens}; "
+                         "raise the KV cache size or lower max_tokens")
 
 
 class EngineCore:
@@ -91,7 +99,8 @@ class EngineCore:
 
     # ---- requests -------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        validate_request(prompt_token_ids, params, self.max_model_len, self.vocab_size)
+        validate_request(prompt_token_ids, params, self.max_model_len, self.vocab_size,
+                         self.kv.num_blocks * self.kv.block_size)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.validate_request(prompt_token_ids, params)

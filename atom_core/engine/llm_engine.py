@@ -26,7 +26,8 @@ class LLMEngine:
         self.tokenizer = self.core.files.load_tokenizer() if self.core.files.tokenizer_path else None
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
-        self._finished: dict[str, RequestState] = {}
+        self._finished: dict[str, RequestState] = {}  # only for requests generate() waits on
+        self._awaited: set[str] = set()
 
     @property
     def max_model_len(self) -> int:
@@ -71,7 +72,7 @@ class LLMEngine:
             if state.stream_callback is not None:
                 text, ids = state.take_delta()
                 state.stream_callback(state.as_dict(), ids, text)
-            if state.finished:
+            if state.finished and state.request_id in self._awaited:
                 self._finished[state.request_id] = state
         return updated
 
@@ -81,8 +82,10 @@ class LLMEngine:
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[dict]:
         """Run prompts to completion; one output dict per prompt, in prompt order."""
         request_ids = self.add_request(prompts, sampling_params)
+        self._awaited.update(request_ids)
         while not all(rid in self._finished for rid in request_ids):
             self.step()
+        self._awaited.difference_update(request_ids)
         return [self._finished.pop(rid).as_dict() for rid in request_ids]
 
     # ---- profiling ------------------------------------------------------------------

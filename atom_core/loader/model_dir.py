@@ -68,11 +68,19 @@ def _eos_ids(path: Path, hf_config) -> set[int]:
 def resolve_model_files(model: str, tokenizer: str | None = None) -> ModelFiles:
     from transformers import AutoConfig
 
+    from atom_core.models.registry import check_architectures
+
     path = resolve_model_path(model)
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read config.json of {path}: {e}") from e
+    check_architectures(raw.get("architectures"))
     try:
         hf_config = AutoConfig.from_pretrained(str(path))
     except (ValueError, KeyError, OSError) as e:
-        raise ValueError(f"cannot read config.json of {path}: {e}") from e
+        message = " ".join(str(e).split())  # one line for the CLI
+        raise ValueError(f"cannot read config.json of {path}: {message}") from e
     tok_path = Path(tokenizer) if tokenizer else (path if _has_tokenizer(path) else None)
     if tok_path is not None and not tok_path.is_dir():
         raise ValueError(f"tokenizer directory not found: {tok_path}")

@@ -19,8 +19,11 @@ def _store_and_attend(q, k, v, k_cache, v_cache, scale: float) -> torch.Tensor:
 @torch.library.custom_op("atom::paged_attention", mutates_args=("k_cache", "v_cache"))
 def paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-    """Opaque to torch.compile: the graph splits here (metadata comes from the forward context)."""
-    return _store_and_attend(q, k, v, k_cache, v_cache, scale)
+    """Opaque to torch.compile: the graph splits here (metadata comes from the forward context).
+
+    Inductor may hand the op strided views (slices of the fused QKV output); kernels want rows.
+    """
+    return _store_and_attend(q.contiguous(), k.contiguous(), v.contiguous(), k_cache, v_cache, scale)
 
 
 @paged_attention_op.register_fake

@@ -16,13 +16,17 @@ def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
 
-def resolve_model_class(config) -> type[nn.Module]:
-    names = getattr(config, "architectures", None) or []
-    for name in names:
+def check_architectures(names: list[str] | None) -> str:
+    """The first supported name in a config's `architectures`; ValueError listing ours otherwise."""
+    for name in names or []:
         if name in _MODELS:
-            module, cls = _MODELS[name]
-            return getattr(importlib.import_module(module), cls)
+            return name
     raise ValueError(
         f"unsupported model architecture {names or '(none in config.json)'}; "
         f"supported: {', '.join(supported_architectures())}"
     )
+
+
+def resolve_model_class(config) -> type[nn.Module]:
+    module, cls = _MODELS[check_architectures(getattr(config, "architectures", None))]
+    return getattr(importlib.import_module(module), cls)

@@ -8,7 +8,7 @@ fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 git rev-parse --short HEAD 2>/dev/null
-atomctl() { python3 -m atomctl.main "$@"; }
+
 
 mode=${1:-all}
 summary=()
@@ -27,12 +27,12 @@ case $mode in
     step kernel-tests 240 python3 -m pytest -q -x tests/kernels -p no:cacheprovider
     step engine-gpu-tests 300 python3 -m pytest -q -x tests/gpu -p no:cacheprovider ;;&
   bench-small|all)
-    step lat-q06-bs1 200 atomctl bench latency "${q06[@]}" --bs 1 --output-json "$OUT/lat_q06_bs1.json"
-    step off-q06 300 atomctl bench offline "${q06[@]}" --output-json "$OUT/off_q06.json" ;;&
+    step lat-q06-bs1 200 python3 -m atomctl.main bench latency "${q06[@]}" --bs 1 --output-json "$OUT/lat_q06_bs1.json"
+    step off-q06 300 python3 -m atomctl.main bench offline "${q06[@]}" --output-json "$OUT/off_q06.json" ;;&
   bench-8b|all)
-    step lat-l8-bs1 200 atomctl bench latency "${l8[@]}" --bs 1 --output-json "$OUT/lat_l8_bs1.json"
-    step lat-l8-bs32 200 atomctl bench latency "${l8[@]}" --bs 32 --output-json "$OUT/lat_l8_bs32.json"
-    step off-l8 400 atomctl bench offline "${l8[@]}" --output-json "$OUT/off_l8.json" ;;&
+    step lat-l8-bs1 200 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-json "$OUT/lat_l8_bs1.json"
+    step lat-l8-bs32 200 python3 -m atomctl.main bench latency "${l8[@]}" --bs 32 --output-json "$OUT/lat_l8_bs32.json"
+    step off-l8 400 python3 -m atomctl.main bench offline "${l8[@]}" --output-json "$OUT/off_l8.json" ;;&
   *) ;;
 esac
 echo "=== summary"
