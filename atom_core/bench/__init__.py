@@ -1,0 +1,1 @@
+"""Benchmarks: the online serving client (serve_*), its datasets, sweeps and plots."""

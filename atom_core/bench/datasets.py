@@ -148,10 +148,14 @@ def sample_random(
 
 
 def _content_token_ids(tokenizer: Any) -> np.ndarray:
-    """Ids that decode to ordinary text: no special or added tokens."""
+    """Ids that decode on their own to ordinary text: no special or added tokens, and no
+    partial UTF-8 pieces (byte tokens), which decode to U+FFFD and re-tokenize as several tokens."""
     special = set(tokenizer.all_special_ids)
-    ids = np.array([i for i in range(tokenizer.vocab_size) if i not in special], dtype=np.int64)
-    assert len(ids) > 0, "tokenizer has no ordinary tokens"
+    candidates = [i for i in range(tokenizer.vocab_size) if i not in special]
+    texts = tokenizer.batch_decode([[i] for i in candidates])
+    ids = np.array([i for i, text in zip(candidates, texts) if text.strip() and "\ufffd" not in text], dtype=np.int64)
+    if len(ids) == 0:
+        raise ValueError("the tokenizer has no ordinary text tokens to build random prompts from")
     return ids
 
 
@@ -183,24 +187,35 @@ def _fit_text(
     wrap,
     add_special_tokens: bool = True,
 ) -> str:
-    """Random text `body` such that wrap(head + body) counts `num_tokens` tokens."""
+    """Random text `body` such that wrap(head + body) counts `num_tokens` tokens.
+
+    Decode random ids and re-encode them to get the text's own (canonical) ids; keep the first
+    k of those, correcting k by the measured error (merges at the seam make it off by a few);
+    if that does not settle, draw new ids.
+    """
     if num_tokens <= 0:
         return ""
-    body_ids: list[int] = []
-    best, best_err = "", None
+
+    def count(body: str) -> int:
+        return _count_tokens(tokenizer, wrap(head + body), add_special_tokens)
+
+    base = count("")
+    best, best_err = "", base - num_tokens
     for _ in range(_MAX_FIT_ROUNDS):
-        body = tokenizer.decode(body_ids)
-        err = _count_tokens(tokenizer, wrap(head + body), add_special_tokens) - num_tokens
-        if best_err is None or abs(err) < abs(best_err):
-            best, best_err = body, err
-        if err == 0:
-            return body
-        # Work on the canonical ids of the text, so trimming removes whole, stable pieces.
-        body_ids = tokenizer.encode(body, add_special_tokens=False)
-        if err < 0:
-            body_ids += rng.choice(pool, size=-err).tolist()
-        else:
-            body_ids = body_ids[: max(0, len(body_ids) - err)]
+        if best_err == 0:
+            return best
+        draw = rng.choice(pool, size=num_tokens - base + 16).tolist()
+        ids = tokenizer.encode(tokenizer.decode(draw), add_special_tokens=False)
+        k = min(len(ids), max(0, num_tokens - base))
+        for _ in range(4):
+            body = tokenizer.decode(ids[:k])
+            err = count(body) - num_tokens
+            if abs(err) < abs(best_err):
+                best, best_err = body, err
+            next_k = min(len(ids), max(0, k - err))
+            if err == 0 or next_k == k:
+                break
+            k = next_k
     if abs(best_err) > length_tolerance(num_tokens):
         raise ValueError(
             f"could not build a random prompt of {num_tokens} tokens (closest: {num_tokens + best_err}); "
@@ -318,7 +333,9 @@ def sample_prefix_repetition(
     rng = np.random.default_rng(seed)
     pool = _content_token_ids(tokenizer)
     keep = lambda text: text  # noqa: E731
-    prefixes = [_fit_text(tokenizer, rng, pool, "", prefix_len, keep, add_special_tokens=False) for _ in range(num_prefixes)]
+    prefixes = [
+        _fit_text(tokenizer, rng, pool, "", prefix_len, keep, add_special_tokens=False) for _ in range(num_prefixes)
+    ]
     requests = []
     for i in range(num_requests):
         prefix = prefixes[i % num_prefixes]

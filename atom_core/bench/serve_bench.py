@@ -12,6 +12,7 @@ kept on an absolute schedule, so slow event-loop turns do not stretch the run.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import time
@@ -31,6 +32,7 @@ from atom_core.bench.serve_client import (
     REQUEST_FUNCS,
     RequestInput,
     RequestOutput,
+    auth_headers,
     check_endpoint,
     default_endpoint,
 )
@@ -133,10 +135,18 @@ def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
         raise ValueError(f"cannot load tokenizer '{name}': {str(err).splitlines()[0]}") from err
 
 
+def check_server(base_url: str, timeout_s: float = 10.0) -> None:
+    """Fail fast (before loading a tokenizer) when nothing answers at base_url; any HTTP status will do."""
+    try:
+        httpx.get(base_url + "/", headers=auth_headers(), timeout=timeout_s)
+    except httpx.TransportError as err:
+        raise BenchmarkError(f"cannot reach the server at {base_url}: {type(err).__name__}: {err}") from err
+
+
 def fetch_model_id(base_url: str, timeout_s: float = 10.0) -> str:
     """The first model the server lists at /v1/models."""
     try:
-        response = httpx.get(base_url + "/v1/models", timeout=timeout_s)
+        response = httpx.get(base_url + "/v1/models", headers=auth_headers(), timeout=timeout_s)
         response.raise_for_status()
         return response.json()["data"][0]["id"]
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as err:
@@ -156,6 +166,7 @@ def run_benchmark(
     `cfg.dataset`; pass them to reuse across runs (as sweeps do).
     """
     console = console or Console()
+    check_server(cfg.base_url)
     model_id = cfg.model or fetch_model_id(cfg.base_url)
     tokenizer_id = cfg.tokenizer or model_id
     if tokenizer is None:
@@ -206,7 +217,8 @@ async def benchmark(
             await _run_requests(client, request_func, [inputs[0]] * cfg.num_warmups, np.zeros(cfg.num_warmups),
                                 cfg.max_concurrency, None)
         if cfg.profile:
-            await _profile_call(client, cfg.base_url, "start_profile", console)
+            await _profile_call(client, cfg.base_url, "start_profile")
+            console.print("Profiler started")
         console.print(
             f"Traffic request rate: {cfg.request_rate}, burstiness: {cfg.burstiness}, "
             f"max concurrency: {cfg.max_concurrency}"
@@ -217,7 +229,11 @@ async def benchmark(
             outputs = await _run_requests(client, request_func, inputs, arrivals, cfg.max_concurrency, advance)
             duration = time.perf_counter() - start
         if cfg.profile:
-            await _profile_call(client, cfg.base_url, "stop_profile", console)
+            try:  # the measurements stand even if the profiler fails to stop
+                await _profile_call(client, cfg.base_url, "stop_profile")
+                console.print("Profiler stopped")
+            except BenchmarkError as err:
+                console.print(f"[bold red]WARNING: {err}[/]", highlight=False)
     return build_result(requests, outputs, duration, tokenizer, cfg)
 
 
@@ -244,33 +260,26 @@ async def _run_requests(client, request_func, inputs, arrivals, max_concurrency,
     return list(await asyncio.gather(*tasks))
 
 
-async def _profile_call(client: httpx.AsyncClient, base_url: str, verb: str, console: Console) -> None:
+async def _profile_call(client: httpx.AsyncClient, base_url: str, verb: str) -> None:
     url = f"{base_url}/{verb}"
     try:
-        response = await client.post(url)
+        response = await client.post(url, headers=auth_headers())
     except httpx.HTTPError as err:
-        raise BenchmarkError(f"--profile: POST {url} failed: {err}") from err
+        raise BenchmarkError(f"--profile: POST {url} failed: {type(err).__name__}: {err}") from err
     if response.status_code != 200:
         raise BenchmarkError(f"--profile: POST {url} returned HTTP {response.status_code}: {response.text[:200]}")
-    console.print(f"Profiler: {verb.replace('_', ' ')} ok")
 
 
-class _progress:
-    """A rich progress bar, or nothing; yields the callback that advances it."""
-
-    def __init__(self, console: Console, total: int, enabled: bool) -> None:
-        self.progress = Progress(
-            TextColumn("benchmark"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            console=console, disable=not enabled,
-        )
-        self.task = self.progress.add_task("requests", total=total)
-
-    def __enter__(self):
-        self.progress.start()
-        return lambda: self.progress.advance(self.task)
-
-    def __exit__(self, *exc) -> None:
-        self.progress.stop()
+@contextlib.contextmanager
+def _progress(console: Console, total: int, enabled: bool):
+    """A rich progress bar (or nothing); yields the callback that advances it by one request."""
+    bar = Progress(
+        TextColumn("benchmark"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=console, disable=not enabled,
+    )
+    task = bar.add_task("requests", total=total)
+    with bar:
+        yield lambda: bar.advance(task)
 
 
 def build_result(
@@ -327,7 +336,9 @@ def default_result_filename(result: dict[str, Any]) -> str:
     return f"{result['backend']}-{rate_str}qps{concurrency_str}-{model}-{result['date']}.json"
 
 
-def save_result(result: dict[str, Any], result_dir: str | Path | None = None, result_filename: str | None = None) -> Path:
+def save_result(
+    result: dict[str, Any], result_dir: str | Path | None = None, result_filename: str | None = None
+) -> Path:
     path = Path(result_dir or ".") / (result_filename or default_result_filename(result))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))

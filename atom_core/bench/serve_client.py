@@ -69,7 +69,8 @@ def check_endpoint(backend: str, endpoint: str) -> None:
         raise ValueError(f"backend '{backend}' needs a completions endpoint (…/completions), got '{endpoint}'")
 
 
-def _headers() -> dict[str, str]:
+def auth_headers() -> dict[str, str]:
+    """Bearer auth from OPENAI_API_KEY (the OpenAI clients' convention), if set."""
     api_key = os.environ.get("OPENAI_API_KEY")
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
@@ -126,7 +127,7 @@ async def _post_stream(client: httpx.AsyncClient, inp: RequestInput, payload: di
     output = RequestOutput(prompt_len=inp.prompt_len)
     timer = _StreamTimer(output)
     try:
-        async with client.stream("POST", inp.api_url, json=payload, headers=_headers()) as response:
+        async with client.stream("POST", inp.api_url, json=payload, headers=auth_headers()) as response:
             if response.status_code != 200:
                 body = (await response.aread()).decode("utf-8", "replace").strip()
                 output.error = f"HTTP {response.status_code}: {body[:500]}"

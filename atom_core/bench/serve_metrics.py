@@ -68,7 +68,9 @@ def parse_metric_percentiles(spec: str) -> tuple[float, ...]:
         try:
             value = float(item)
         except ValueError:
-            raise ValueError(f"bad percentile '{item}' in --metric-percentiles; expected numbers like 50,90,99") from None
+            raise ValueError(
+                f"bad percentile '{item}' in --metric-percentiles; expected numbers like 50,90,99"
+            ) from None
         if not 0.0 <= value <= 100.0:
             raise ValueError(f"percentile {item} is out of range; expected 0 to 100")
         values.append(value)

@@ -18,6 +18,7 @@ from rich.console import Console
 from atom_core.bench.datasets import sample_requests
 from atom_core.bench.serve_bench import (
     ServeBenchConfig,
+    check_server,
     fetch_model_id,
     load_tokenizer,
     report,
@@ -65,6 +66,7 @@ def run_sweep(
     if (max_concurrency_list is None) == (request_rate_list is None):
         raise ValueError("give exactly one of --max-concurrency-list and --request-rate-list")
     console = console or Console()
+    check_server(cfg.base_url)
     model_id = cfg.model or fetch_model_id(cfg.base_url)
     # The plot needs median TTFT and TPOT whatever the user selected for the table.
     selected = tuple(dict.fromkeys((*cfg.percentile_metrics, "ttft", "tpot")))
@@ -104,21 +106,24 @@ def load_result_set(path: str | Path, label: str | None = None) -> ResultSet:
     """A directory (its *.json result files) or a single result file, as one plot line."""
     path = Path(path)
     if path.is_dir():
-        files = sorted(path.glob("*.json"))
-    elif path.is_file():
-        files = [path]
-    else:
-        raise ValueError(f"result path '{path}' does not exist")
+        return result_set_from_files(sorted(path.glob("*.json")), label or path.name, skip_other_json=True)
+    if path.is_file():
+        return result_set_from_files([path], label or path.stem)
+    raise ValueError(f"result path '{path}' does not exist")
+
+
+def result_set_from_files(files: Sequence[Path], label: str, skip_other_json: bool = False) -> ResultSet:
+    """Result files as one plot line; `skip_other_json` ignores JSON files that are not results."""
     loaded = []
-    for file in files:
+    for file in map(Path, files):
         try:
             data = json.loads(file.read_text())
         except (OSError, json.JSONDecodeError) as err:
             raise ValueError(f"cannot read result file '{file}': {err}") from err
         if not isinstance(data, dict) or "output_throughput" not in data:
-            if path.is_file():
-                raise ValueError(f"'{file}' is not a benchmark result (no output_throughput)")
-            continue  # a directory may hold other JSON
+            if skip_other_json:
+                continue
+            raise ValueError(f"'{file}' is not a benchmark result (no output_throughput)")
         missing = [k for k in _PLOT_KEYS if data.get(k) is None]
         if missing:
             raise ValueError(
@@ -126,13 +131,10 @@ def load_result_set(path: str | Path, label: str | None = None) -> ResultSet:
             )
         loaded.append((_load_key(data), file, data))
     if not loaded:
-        raise ValueError(f"no benchmark result JSON files in '{path}'")
+        where = f"'{Path(files[0]).parent}'" if files else "the given paths"
+        raise ValueError(f"no benchmark result JSON files in {where}")
     loaded.sort(key=lambda item: item[0])
-    return ResultSet(
-        label=label or (path.name if path.is_dir() else path.stem),
-        results=[data for _, _, data in loaded],
-        paths=[file for _, file, _ in loaded],
-    )
+    return ResultSet(label=label, results=[data for _, _, data in loaded], paths=[file for _, file, _ in loaded])
 
 
 def plot_result_sets(result_sets: Sequence[ResultSet], output_png: str | Path, title: str | None = None) -> Path:
@@ -158,8 +160,9 @@ def plot_result_sets(result_sets: Sequence[ResultSet], output_png: str | Path, t
         ax.set_ylabel("output throughput (tok/s)")
         ax.grid(True, alpha=0.3)
         ax.legend()
-    first = result_sets[0].results[0]
-    fig.suptitle(title or f"Output throughput vs latency - {first.get('model_id', '')}")
+    models = sorted({str(r.get("model_id", "")) for s in result_sets for r in s.results} - {""})
+    default_title = "Output throughput vs latency" + (f" - {models[0]}" if len(models) == 1 else "")
+    fig.suptitle(title or default_title)
     output_png = Path(output_png)
     output_png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(output_png, format="png")
