@@ -34,6 +34,10 @@ def _register() -> None:
 
     serve.register(app)
 
+    from atomctl import eval_cmd
+
+    eval_cmd.register(app)
+
 
 _register()
 
