@@ -1,6 +1,8 @@
 """Paged attention layer: stores this step's K/V, then attends over the block-table cache."""
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -16,18 +18,23 @@ def _store_and_attend(q, k, v, k_cache, v_cache, scale: float) -> torch.Tensor:
                                scale, meta.max_query_len, meta.max_seq_len)
 
 
-@torch.library.custom_op("atom::paged_attention", mutates_args=("k_cache", "v_cache"))
-def paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-    """Opaque to torch.compile: the graph splits here (metadata comes from the forward context).
+# Layers by key, so the compiled graph passes an int, not the cache tensors: cache tensors as
+# op arguments would be "mutated inputs" to functionalize, i.e. copied back after every call.
+_LAYERS: "weakref.WeakValueDictionary[int, Attention]" = weakref.WeakValueDictionary()
 
+
+@torch.library.custom_op("atom::paged_attention", mutates_args=())
+def paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_key: int) -> torch.Tensor:
+    """Opaque to torch.compile: the graph splits here. The KV store inside is a side effect on
+    the layer's cache, which the compiler never sees (metadata comes from the forward context).
     Inductor may hand the op strided views (slices of the fused QKV output); kernels want rows.
     """
-    return _store_and_attend(q.contiguous(), k.contiguous(), v.contiguous(), k_cache, v_cache, scale)
+    layer = _LAYERS[layer_key]
+    return _store_and_attend(q.contiguous(), k.contiguous(), v.contiguous(), layer.k_cache, layer.v_cache, layer.scale)
 
 
 @paged_attention_op.register_fake
-def _(q, k, v, k_cache, v_cache, scale):
+def _(q, k, v, layer_key):
     return torch.empty_like(q)
 
 
@@ -44,13 +51,15 @@ class Attention(nn.Module):
         self.scale = scale
         self.k_cache = self.v_cache = torch.empty(0)
         self.use_custom_op = False
+        self.layer_key = id(self)
+        _LAYERS[self.layer_key] = self
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.use_custom_op:
-            out = paged_attention_op(q, k, v, self.k_cache, self.v_cache, self.scale)
+            out = paged_attention_op(q, k, v, self.layer_key)
         else:
             assert self.k_cache.numel(), "KV cache not allocated for this attention layer"
             out = _store_and_attend(q, k, v, self.k_cache, self.v_cache, self.scale)
