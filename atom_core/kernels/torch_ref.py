@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """y = x / rms(x) * weight, computed in float32 like HF (weight applied in x.dtype)."""
+    """y = weight * (x / rms(x)), the normalisation in float32 like HF, then cast to x.dtype
+    before the weight multiply (so the result takes the promoted dtype of weight and x)."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -22,7 +23,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """residual' = x + residual (in x.dtype); returns (rms_norm(residual'), residual')."""
+    """residual' = x + residual (type-promoted); returns (rms_norm(residual'), residual')."""
     new_residual = x + residual
     return rms_norm(new_residual, weight, eps), new_residual
 
@@ -111,8 +112,8 @@ def paged_attention(
         v = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
         q = query[q_start:q_end].float().transpose(0, 1)  # [H, q_len, D]
         scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [H, q_len, L]
-        q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
-        k_pos = torch.arange(seq_len).unsqueeze(0)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)
+        k_pos = torch.arange(seq_len, device=query.device).unsqueeze(0)
         scores.masked_fill_(k_pos > q_pos, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.matmul(probs, v).transpose(0, 1).to(out.dtype)
@@ -124,18 +125,19 @@ def _decode_rows(query, k_cache, v_cache, block_tables, qsl, lens, seqs, scale, 
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
-    idx = torch.tensor(seqs)
-    seq_lens = torch.tensor([lens[s] for s in seqs])
+    device = query.device
+    idx = torch.tensor(seqs, device=device)
+    seq_lens = torch.tensor([lens[s] for s in seqs], device=device)
     max_len = int(seq_lens.max())
     num_blocks = (max_len + block_size - 1) // block_size
     blocks = block_tables[idx, :num_blocks].long()  # [B, nb]
     k = k_cache[blocks].reshape(len(seqs), -1, num_kv_heads, head_dim)[:, :max_len].float()  # [B, L, KH, D]
     v = v_cache[blocks].reshape(len(seqs), -1, num_kv_heads, head_dim)[:, :max_len].float()
-    rows = torch.tensor([qsl[s] for s in seqs])
+    rows = torch.tensor([qsl[s] for s in seqs], device=device)
     q = query[rows].float().view(len(seqs), num_kv_heads, group, head_dim)  # [B, KH, G, D]
     scores = torch.einsum("bkgd,blkd->bkgl", q, k) * scale
-    pad = torch.arange(max_len)[None, :] >= seq_lens[:, None]  # [B, L]
+    pad = torch.arange(max_len, device=device)[None, :] >= seq_lens[:, None]  # [B, L]
     scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # seq_len 0: attention over nothing is 0
     o = torch.einsum("bkgl,blkd->bkgd", probs, v).reshape(len(seqs), num_heads, head_dim)
     out[rows] = o.to(out.dtype)
