@@ -1,0 +1,78 @@
+"""`atomctl bench serve` against a real `atomctl serve` (tiny CPU model, real sockets)."""
+import json
+import threading
+import time
+
+import pytest
+
+from atom_core.bench.datasets import DatasetConfig
+from atom_core.bench.serve_bench import ServeBenchConfig, arrival_times, run_benchmark, save_result
+from tests.server.conftest import start_server
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama, tmp_path_factory):
+    srv = start_server(tiny_llama, tmp_path_factory.mktemp("bench_serve"))
+    yield srv
+    srv.stop()
+
+
+class RunningSampler:
+    """Polls the server's running-requests gauge while a benchmark runs; keeps the maximum."""
+
+    def __init__(self, server):
+        self.server, self.max_running, self._stop = server, 0.0, threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self):
+        while not self._stop.is_set():
+            self.max_running = max(self.max_running, self.server.metrics()["atom_num_requests_running"])
+            time.sleep(0.01)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self.thread.join()
+
+
+def _config(server, tiny_llama, **kw):
+    dataset = kw.pop("dataset", DatasetConfig(random_input_len=48, random_output_len=12))
+    return ServeBenchConfig(base_url=server.url, tokenizer=str(tiny_llama), dataset=dataset, num_prompts=16,
+                            ignore_eos=True, show_progress=False, **kw)
+
+
+@pytest.mark.parametrize("backend", ["atom", "openai-chat"])
+def test_backends_complete_and_honour_max_concurrency(server, tiny_llama, backend, tmp_path):
+    with RunningSampler(server) as sampler:
+        result = run_benchmark(_config(server, tiny_llama, backend=backend, max_concurrency=3))
+    assert result["completed"] == 16 and not any(result["errors"])
+    assert result["total_output_tokens"] == 16 * 12
+    assert 0 < sampler.max_running <= 3
+    assert result["median_ttft_ms"] > 0 and result["output_throughput"] > 0
+    path = save_result(result, result_dir=str(tmp_path), result_filename="run.json")
+    saved = json.loads(path.read_text())
+    for key in ("date", "backend", "model_id", "num_prompts", "request_rate", "max_concurrency", "duration",
+                "completed", "total_input_tokens", "total_output_tokens", "request_throughput",
+                "output_throughput", "total_token_throughput", "ttfts", "itls", "input_lens", "output_lens",
+                "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_itl_ms"):
+        assert key in saved, key
+
+
+def test_request_rate_spreads_arrivals(server, tiny_llama):
+    cfg = _config(server, tiny_llama, backend="atom", request_rate=8.0, seed=3)
+    last_arrival = arrival_times(16, 8.0, 1.0, 3)[-1]
+    result = run_benchmark(cfg)
+    assert result["completed"] == 16
+    assert result["duration"] >= last_arrival  # the last request could not start before its arrival
+
+
+def test_server_errors_are_counted_as_failures(server, tiny_llama):
+    # 600-token prompts exceed the server's max_model_len (512): every request gets a 400.
+    cfg = _config(server, tiny_llama, backend="atom", initial_test=False,
+                  dataset=DatasetConfig(random_input_len=600, random_output_len=8))
+    result = run_benchmark(cfg)
+    assert result["completed"] == 0 and sum(1 for e in result["errors"] if e) == 16
+    assert any("max_model_len" in e for e in result["errors"] if e)
