@@ -50,7 +50,7 @@ def eval_cmd(
     dtype: str = typer.Option("auto", help="hf backend only: auto (the model's), bfloat16 or float32."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks and lm-eval's logs."),
 ):
-    """Score a model with lm-eval (pip install 'atomctl[eval]') and print the results table."""
+    """Score a model with lm-eval (needs the eval extra) and print the results table."""
     import logging
 
     from atom_core.eval import EvalConfig, run_eval
