@@ -1,0 +1,109 @@
+"""`atomctl bench offline` / `bench latency` on a tiny CPU model, the reference workloads'
+exact reproduction, option validation, CUDA-graph padding and KV memory-sizing arithmetic."""
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from atom_core.bench.offline import ThroughputWorkload
+from atom_core.engine.cuda_graph import padded_batch_size
+from atom_core.engine.memory import MemoryPlan, dummy_batch
+from atom_core.engine.model_runner import kv_bytes_per_block
+from atom_core.loader.model_dir import resolve_model_files
+from atomctl.main import app
+
+runner = CliRunner()
+
+
+class TestNanoWorkload:
+    def test_defaults_reproduce_the_reference_token_counts(self):
+        prompts, params = ThroughputWorkload().build()
+        assert len(prompts) == 256
+        assert sum(p.max_tokens for p in params) == 133_966  # the reference run's output tokens
+        assert sum(len(p) for p in prompts) == 142_827
+        assert all(100 <= len(p) <= 1024 and max(p) <= 10_000 for p in prompts)
+        assert {p.temperature for p in params} == {0.6} and all(p.ignore_eos for p in params)
+
+    def test_same_seed_same_workload(self):
+        a, b = ThroughputWorkload(num_prompts=8).build(), ThroughputWorkload(num_prompts=8).build()
+        assert a[0] == b[0] and [p.max_tokens for p in a[1]] == [p.max_tokens for p in b[1]]
+
+    @pytest.mark.parametrize("kw", [dict(num_prompts=0), dict(min_input_len=10, max_input_len=5), dict(min_output_len=0)])
+    def test_bad_ranges_rejected(self, kw):
+        with pytest.raises(ValueError):
+            ThroughputWorkload(**kw)
+
+
+class TestCommands:
+    def test_offline_runs_and_writes_json(self, tiny_llama, tmp_path):
+        out = tmp_path / "off.json"
+        res = runner.invoke(app, ["bench", "offline", "--model", str(tiny_llama), "--device", "cpu", "--num-prompts", "6",
+                                  "--min-input-len", "10", "--max-input-len", "40", "--min-output-len", "4", "--max-output-len", "12",
+                                  "--output-json", str(out)])
+        assert res.exit_code == 0, res.output
+        data = json.loads(out.read_text())
+        assert data["num_requests"] == 6 and data["output_throughput"] > 0
+        assert 6 * 4 <= data["output_tokens"] <= 6 * 12
+        assert "output tok/s" in res.output
+
+    def test_latency_reports_ttft_tpot_e2e(self, tiny_llama, tmp_path):
+        out = tmp_path / "lat.json"
+        res = runner.invoke(app, ["bench", "latency", "--model", str(tiny_llama), "--device", "cpu", "--bs", "2",
+                                  "--input-len", "8", "--output-len", "5", "--num-iters", "2", "--output-json", str(out)])
+        assert res.exit_code == 0, res.output
+        data = json.loads(out.read_text())
+        assert data["batch_size"] == 2 and data["tpot_s"] > 0
+        assert data["ttft_s"]["median"] > 0 and data["e2e_s"]["median"] >= data["ttft_s"]["median"]
+
+    @pytest.mark.parametrize("args", [
+        ["bench", "latency", "--bs", "0"],
+        ["bench", "latency", "--output-len", "0"],
+        ["bench", "offline", "--num-prompts", "0"],
+        ["bench", "offline", "--min-input-len", "50", "--max-input-len", "10"],
+        ["bench", "offline", "--cudagraph-capture-sizes", "1,x"],
+        ["bench", "offline", "--level", "7"],
+    ])
+    def test_bad_options_are_one_line_errors(self, tiny_llama, args):
+        res = runner.invoke(app, [*args, "--model", str(tiny_llama), "--device", "cpu"])
+        assert res.exit_code == 1
+        assert res.output.strip().startswith("error:") and len(res.output.strip().splitlines()) == 1
+
+
+class TestGraphPadding:
+    SIZES = (1, 2, 4, 8, 16, 32)
+
+    @pytest.mark.parametrize("bs,padded", [(1, 1), (3, 4), (4, 4), (5, 8), (17, 32), (32, 32), (33, None)])
+    def test_pads_up_to_the_next_captured_size(self, bs, padded):
+        assert padded_batch_size(self.SIZES, bs) == padded
+
+    def test_capture_sizes_are_capped_by_max_num_seqs(self):
+        from atom_core.config import EngineConfig
+
+        cfg = EngineConfig(model="x", max_num_seqs=20, cudagraph_capture_sizes=(1, 8, 16, 32, 8))
+        assert cfg.sorted_capture_sizes == (1, 8, 16)
+
+
+class TestMemorySizing:
+    def test_kv_bytes_per_block_for_real_architectures(self):
+        q06 = resolve_model_files("preset:Qwen3-0.6B").hf_config
+        l8 = resolve_model_files("preset:Llama-3-8B").hf_config
+        # 2 (K,V) x layers x kv_heads x head_dim x bytes x block_size
+        assert kv_bytes_per_block(q06, 16, torch.bfloat16) == 2 * 28 * 8 * 128 * 2 * 16
+        assert kv_bytes_per_block(l8, 16, torch.bfloat16) == 2 * 32 * 8 * 128 * 2 * 16
+
+    def test_budget_subtracts_everything_else(self):
+        gib = 1 << 30
+        plan = MemoryPlan(total=80 * gib, utilization=0.9, used_by_others=1 * gib, weights=16 * gib,
+                          peak_activations=3 * gib, graph_reserve=gib // 2)
+        assert plan.kv_budget == int(72 * gib) - 1 * gib - 16 * gib - 3 * gib - gib // 2
+
+    def test_dummy_step_covers_the_token_budget_and_every_sequence(self, tiny_llama):
+        from atom_core import LLMEngine
+
+        engine = LLMEngine(str(tiny_llama), device="cpu", max_num_batched_tokens=300, max_num_seqs=7)
+        batch = dummy_batch(engine.core.runner)
+        assert batch.total_tokens == 300 and len(batch) == 7
+        blocks = [b for s in batch.seqs for b in s.block_table]
+        assert len(blocks) == len(set(blocks))  # scratch blocks never overlap
+        assert all(batch.samples(i) for i in range(len(batch)))
