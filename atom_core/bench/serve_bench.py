@@ -127,7 +127,13 @@ def arrival_times(num_requests: int, request_rate: float, burstiness: float, see
 
 
 def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
+    """An HF tokenizer by name or path; `preset:NAME` gives the synthetic one `atomctl serve` uses."""
     from transformers import AutoTokenizer
+
+    if name.startswith("preset:"):
+        from atom_core.loader.model_dir import resolve_model_files
+
+        return resolve_model_files(name).serving_tokenizer()
 
     try:
         return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)

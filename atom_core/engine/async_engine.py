@@ -166,7 +166,7 @@ class AsyncEngine:
         self._proc.start()
         try:
             files = resolve_model_files(self.config.model, self.config.tokenizer)
-            self.tokenizer = files.load_tokenizer() if files.tokenizer_path is not None else None
+            self.tokenizer = files.serving_tokenizer()
         except Exception:
             self._proc.kill()
             raise

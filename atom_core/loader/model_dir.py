@@ -36,12 +36,27 @@ class ModelFiles:
     eos_token_ids: set[int]
     has_weights: bool
 
+    @property
+    def is_preset(self) -> bool:
+        return self.path.parent == PRESET_DIR
+
     def load_tokenizer(self):
         if self.tokenizer_path is None:
             raise ValueError(f"model {self.path} has no tokenizer files; pass --tokenizer DIR")
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(self.tokenizer_path))
+
+    def serving_tokenizer(self):
+        """The model's tokenizer; for a preset without one, the synthetic word-per-id tokenizer."""
+        if self.tokenizer_path is None and self.is_preset:
+            from transformers import AutoTokenizer
+
+            from atom_core.loader.synthetic_tokenizer import synthetic_tokenizer_dir
+
+            eos = min(self.eos_token_ids) if self.eos_token_ids else None
+            return AutoTokenizer.from_pretrained(str(synthetic_tokenizer_dir(self.hf_config.vocab_size, eos)))
+        return self.load_tokenizer() if self.tokenizer_path is not None else None
 
 
 def _has_tokenizer(path: Path) -> bool:
