@@ -32,6 +32,15 @@ class CoreStats:
 
 
 def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
+    max_len = _max_model_len(config, hf_config)
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True) and max_len > window:
+        raise ValueError(f"the model uses sliding-window attention ({window} tokens), which is not supported; "
+                         f"pass max_model_len <= {window}")
+    return max_len
+
+
+def _max_model_len(config: EngineConfig, hf_config) -> int:
     limit = getattr(hf_config, "max_position_embeddings", None)
     if config.max_model_len is None:
         if limit is None:

@@ -184,3 +184,18 @@ class TestBadRequests:
         out = engine.generate(["Hello", "world"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
         assert [o["num_tokens_output"] for o in out] == [3, 3]
         assert_nothing_queued(engine)
+
+
+def test_sliding_window_models_are_limited_to_their_window(tmp_path):
+    import json
+
+    from atom_core import LLMEngine
+    from tests.tiny_models import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "mistralish", "llama")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=256)
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="sliding-window"):
+        LLMEngine(str(path), device="cpu")
+    assert LLMEngine(str(path), device="cpu", max_model_len=256).max_model_len == 256
