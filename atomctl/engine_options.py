@@ -33,7 +33,7 @@ ENGINE_OPTIONS = {
     "level": (int, typer.Option(1, help="0 eager, 1 CUDA graphs (default), 2 torch.compile, 3 compile + graphs.")),
     "cudagraph_capture_sizes": (Optional[str], typer.Option(None, help="Comma-separated decode batch sizes to capture.")),
     "async_scheduling": (bool, typer.Option(True, "--async-scheduling/--no-async-scheduling")),
-    "torch_profiler_dir": (Optional[str], typer.Option(None, envvar="ATOM_TORCH_PROFILER_DIR", help="Write torch profiler traces here.")),
+    "torch_profiler_dir": (Optional[str], typer.Option(None, help="Write torch profiler traces here (default: $ATOM_TORCH_PROFILER_DIR).")),
 }
 
 
@@ -55,7 +55,21 @@ def engine_kwargs(values: dict) -> dict:
             value = resolve_model_arg(value)
         if value != option.default or name == "model":
             out[name] = value
-    return out
+    return _with_env_defaults(out)
+
+
+def _with_env_defaults(kwargs: dict) -> dict:
+    """ATOM_* profiling variables (read in atom_core.envs) fill what the options left unset."""
+    from atom_core.envs import read_envs
+
+    envs = read_envs()
+    if envs.torch_profiler_dir and "torch_profiler_dir" not in kwargs:
+        kwargs["torch_profiler_dir"] = envs.torch_profiler_dir
+    if envs.mark_trace:
+        kwargs.setdefault("mark_trace", True)
+    if envs.profiler_detailed:
+        kwargs.setdefault("profiler_detailed", True)
+    return kwargs
 
 
 def with_engine_options(fn):
