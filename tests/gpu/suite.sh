@@ -33,6 +33,26 @@ case $mode in
     step lat-l8-bs1 200 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-json "$OUT/lat_l8_bs1.json"
     step lat-l8-bs32 200 python3 -m atomctl.main bench latency "${l8[@]}" --bs 32 --output-json "$OUT/lat_l8_bs32.json"
     step off-l8 400 python3 -m atomctl.main bench offline "${l8[@]}" --output-json "$OUT/off_l8.json" ;;&
+  final)
+    LEVEL=3
+    step lat-q06-bs1 150 python3 -m atomctl.main bench latency "${q06[@]}" --bs 1 --output-json "$OUT/lat_q06_bs1.json"
+    [ -f "$OUT/lat_q06_bs1.json" ] || LEVEL=1
+    echo "benchmark level: $LEVEL"
+    step off-q06 150 python3 -m atomctl.main bench offline "${q06[@]}" --level $LEVEL --output-json "$OUT/off_q06.json"
+    step lat-l8-bs1 120 python3 -m atomctl.main bench latency "${l8[@]}" --level $LEVEL --bs 1 --output-json "$OUT/lat_l8_bs1.json"
+    step lat-l8-bs32 120 python3 -m atomctl.main bench latency "${l8[@]}" --level $LEVEL --bs 32 --output-json "$OUT/lat_l8_bs32.json"
+    step off-l8 150 python3 -m atomctl.main bench offline "${l8[@]}" --level $LEVEL --output-json "$OUT/off_l8.json"
+    step profile-q06 90 python3 -m atomctl.main profile "${q06[@]}" --mark-trace --bs 4 --input-length 128 --output-length 8 --torch-profiler-dir /tmp/traces
+    trace=$(ls -t /tmp/traces/rank_0/Qwen3*.json.gz 2>/dev/null | head -1)
+    step parse-trace 60 python3 -m atomctl.main parse-trace "$trace" --layer 3 --out-dir "$OUT"
+    python3 -m atomctl.main serve "${l8[@]}" --level $LEVEL --tokenizer atom_core/demo_model --port 8011 > "$OUT/serve.log" 2>&1 &
+    spid=$!
+    for i in $(seq 1 90); do curl -sf http://127.0.0.1:8011/health >/dev/null && break; sleep 1; done
+    step bench-serve-l8 120 python3 -m atomctl.main bench serve --backend atom --base-url http://127.0.0.1:8011 \
+      --tokenizer atom_core/demo_model --dataset-name random --random-input-len 1024 --random-output-len 128 \
+      --ignore-eos --num-prompts 320 --max-concurrency 64 --save-result --result-dir "$OUT" --result-filename serve_l8_c64.json
+    kill $spid; wait $spid
+    step gpu-tests 150 python3 -m pytest -q -x tests/gpu -k "level or eager" -p no:cacheprovider ;;
   *) ;;
 esac
 echo "=== summary"
