@@ -65,6 +65,9 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         if seq.request_id in self.requests:
             raise ValueError(f"duplicate request id {seq.request_id!r}")
+        max_tokens = seq.sampling_params.max_tokens
+        limit = self.max_model_len if max_tokens is None else seq.num_prompt_tokens + max_tokens
+        seq.token_limit = min(limit, self.max_model_len)
         self.requests[seq.request_id] = seq
         self.waiting.append(seq)
 
@@ -85,12 +88,20 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         preempted = False
         i = 0
+        block_size = self.kv.block_size
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if self._awaiting_finish(seq):
+            num_tokens = len(seq.token_ids)
+            if num_tokens >= seq.token_limit:  # its in-flight token is its last: nothing to run
                 i += 1
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(num_tokens - seq.num_computed_tokens, budget)
+            if seq.num_computed_tokens + n <= len(seq.block_table) * block_size:  # fits: the common decode
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(n)
+                budget -= n
+                i += 1
+                continue
             while not self.kv.can_append_slots(seq, seq.num_computed_tokens + n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -138,10 +149,11 @@ class Scheduler:
     def advance(self, batch: ScheduledBatch) -> None:
         """Right after launch: count the computed tokens; each sampling sequence gets a
         placeholder for its new token, so the next step can be scheduled before it is known."""
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            if seq.is_finished:
+        finished_status = SequenceStatus.FINISHED
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if seq.status is finished_status:
                 continue
-            samples = seq.num_computed_tokens + n == seq.num_tokens
+            samples = seq.num_computed_tokens + n == len(seq.token_ids)
             seq.num_computed_tokens += n
             if samples:
                 seq.append_placeholder()
@@ -149,12 +161,15 @@ class Scheduler:
     def resolve(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
         """The step's tokens arrived: fill placeholders, publish full blocks, stop sequences."""
         finished = []
+        block_size = self.kv.block_size
+        finished_status = SequenceStatus.FINISHED
         for seq, token_id in zip(batch.seqs, sampled):
-            if seq.is_finished:  # aborted or stopped while the step ran
+            if seq.status is finished_status:  # aborted or stopped while the step ran
                 continue
             if token_id is not None:
                 seq.resolve_placeholder(token_id)
-            self.kv.cache_full_blocks(seq)
+            if min(seq.num_computed_tokens, seq.num_known_tokens) // block_size > seq.num_hashed_blocks:
+                self.kv.cache_full_blocks(seq)  # a block just filled up
             if token_id is None:
                 continue
             reason = self._check_stop(seq, token_id)
@@ -168,14 +183,10 @@ class Scheduler:
         self.advance(batch)
         return self.resolve(batch, sampled)
 
-    def _awaiting_finish(self, seq: Sequence) -> bool:
-        """Its in-flight token is its last (max_tokens / max_model_len): nothing to schedule."""
-        max_tokens = seq.sampling_params.max_tokens
-        return (max_tokens is not None and seq.num_output_tokens >= max_tokens) or seq.num_tokens >= self.max_model_len
-
     def _check_stop(self, seq: Sequence, token_id: int) -> FinishReason | None:
         params = seq.sampling_params
-        num_outputs = seq.num_known_output_tokens
+        num_known = len(seq.token_ids) - seq.num_placeholders
+        num_outputs = num_known - seq.num_prompt_tokens
         if num_outputs >= params.min_tokens:
             if not params.ignore_eos and token_id in self.eos_token_ids:
                 seq.stop_token_id = token_id
@@ -185,7 +196,7 @@ class Scheduler:
                 return FinishReason.STOP
         if params.max_tokens is not None and num_outputs >= params.max_tokens:
             return FinishReason.LENGTH
-        if seq.num_known_tokens >= self.max_model_len:
+        if num_known >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 

@@ -46,6 +46,7 @@ class Sequence:
     stop_token_id: int | None = None
     num_preemptions: int = 0
     num_placeholders: int = 0  # sampled tokens still on the GPU (async scheduling), at the end
+    token_limit: int = 1 << 62  # prompt + max_tokens, capped by max_model_len (set by the scheduler)
     first_token_time: float | None = None
     finish_time: float | None = None
     # Per output token: (chosen logprob, {token_id: logprob} of the top-k); when requested.
