@@ -1,12 +1,14 @@
 """SamplingParams: how one request picks its tokens and when it stops."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 
 @dataclass
 class SamplingParams:
     """Per-request sampling knobs, validated on construction (ValueError names the field).
+    Treat as immutable once built: derived flags (is_greedy, has_penalties) are cached.
 
     temperature == 0 means greedy. Penalties follow vLLM: repetition_penalty (HF style, over
     prompt and output tokens, 1.0 = off), presence/frequency penalties over output tokens.
@@ -71,11 +73,11 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in self.stop):
             fail("stop", "stop strings must be non-empty strings")
 
-    @property
+    @functools.cached_property
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
-    @property
+    @functools.cached_property
     def has_penalties(self) -> bool:
         return (
             self.repetition_penalty != 1.0

@@ -38,15 +38,57 @@ def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return tensor
 
 
+def _block_table_array(tables: list[list[int]]) -> np.ndarray:
+    width = max(len(t) for t in tables)
+    out = np.zeros((len(tables), width), dtype=np.int32)
+    for i, table in enumerate(tables):
+        out[i, : len(table)] = table
+    return out
+
+
+def build_decode_batch(batch: ScheduledBatch, block_size: int, device: torch.device) -> FlatBatch:
+    """The decode-only case (one new token per sequence, each sampling): comprehensions only."""
+    seqs = batch.seqs
+    num = len(seqs)
+    positions = [s.num_computed_tokens for s in seqs]
+    input_ids = [s.token_ids[p] for s, p in zip(seqs, positions)]
+    tables = [s.block_table for s in seqs]
+    slots = [t[p // block_size] * block_size + p % block_size for t, p in zip(tables, positions)]
+    placeholder_rows = [i for i, token in enumerate(input_ids) if token < 0]
+    rows = list(range(num))
+    attn = AttentionMetadata(
+        query_start_loc=_to_device(np.arange(num + 1, dtype=np.int32), device),
+        seq_lens=_to_device(np.array(positions, dtype=np.int32) + 1, device),
+        block_tables=_to_device(_block_table_array(tables), device),
+        slot_mapping=_to_device(np.array(slots, dtype=np.int64), device),
+        max_query_len=1,
+        max_seq_len=max(positions) + 1,
+    )
+    return FlatBatch(
+        input_ids=_to_device(np.array(input_ids, dtype=np.int64), device),
+        positions=_to_device(np.array(positions, dtype=np.int64), device),
+        attn=attn,
+        logit_rows=attn.query_start_loc[:0],  # unused: every row needs logits
+        sample_rows=rows,
+        sample_seq_idx=rows,
+        prompt_logprob_spans=[],
+        num_tokens=num,
+        placeholder_rows=placeholder_rows,
+        placeholder_seqs=placeholder_rows,
+        logits_all_rows=True,
+    )
+
+
 def build_flat_batch(batch: ScheduledBatch, block_size: int, device: torch.device) -> FlatBatch:
     """Plain Python lists per token (cheaper than many small numpy ops), one array each at the end."""
+    if batch.is_decode_only:
+        return build_decode_batch(batch, block_size, device)
     input_ids: list[int] = []
     positions: list[int] = []
     slot_mapping: list[int] = []
     query_start_loc = [0]
     seq_lens: list[int] = []
     tables = [seq.block_table for seq in batch.seqs]
-    width = max(len(t) for t in tables)
     logit_rows: list[int] = []
     sample_rows, sample_seq_idx, spans = [], [], []
     placeholder_rows: list[int] = []
@@ -81,7 +123,7 @@ def build_flat_batch(batch: ScheduledBatch, block_size: int, device: torch.devic
             sample_rows.append(len(logit_rows))
             logit_rows.append(offset + n - 1)
         offset += n
-    block_tables = np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int32)
+    block_tables = _block_table_array(tables)
     attn = AttentionMetadata(
         query_start_loc=_to_device(np.array(query_start_loc, dtype=np.int32), device),
         seq_lens=_to_device(np.array(seq_lens, dtype=np.int32), device),

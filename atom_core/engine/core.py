@@ -14,7 +14,7 @@ from atom_core.engine.kv_cache import KVCacheManager
 from atom_core.engine.model_runner import ModelRunner
 from atom_core.engine.output_processor import CoreOutput
 from atom_core.engine.scheduler import Scheduler
-from atom_core.engine.sequence import FinishReason, Sequence
+from atom_core.engine.sequence import FinishReason, Sequence, SequenceStatus
 from atom_core.loader import resolve_model_files
 from atom_core.sampling_params import SamplingParams
 
@@ -165,7 +165,7 @@ class EngineCore:
             batch.seqs[i].prompt_logprobs.extend(entries)
         for i, entry in result.logprobs.items():
             batch.seqs[i].output_logprobs.append(entry)
-        live = [not seq.is_finished for seq in batch.seqs]
+        live = [seq.status is not SequenceStatus.FINISHED for seq in batch.seqs]
         self.scheduler.resolve(batch, result.sampled)
         return [self._output(seq, i, result) for i, seq in enumerate(batch.seqs)
                 if result.sampled[i] is not None and live[i]]
@@ -184,16 +184,20 @@ class EngineCore:
             return pending
 
     def _output(self, seq: Sequence, i: int, result) -> CoreOutput:
-        first = seq.num_known_output_tokens == 1
+        finished = seq.status is SequenceStatus.FINISHED
+        prompt_logprobs = None
+        if seq.sampling_params.prompt_logprobs is not None and seq.num_known_output_tokens == 1:
+            prompt_logprobs = list(seq.prompt_logprobs)  # sent once, with the first token
+        logprobs = result.logprobs.get(i)
         return CoreOutput(
-            request_id=seq.request_id,
-            new_token_ids=[result.sampled[i]],
-            finished=seq.is_finished,
-            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
-            stop_token_id=seq.stop_token_id,
-            new_logprobs=[result.logprobs[i]] if i in result.logprobs else [],
-            prompt_logprobs=list(seq.prompt_logprobs) if first and seq.wants_prompt_logprobs else None,
-            num_cached_tokens=seq.num_cached_tokens,
+            seq.request_id,
+            [result.sampled[i]],
+            finished,
+            seq.finish_reason.value if finished else None,
+            seq.stop_token_id,
+            [logprobs] if logprobs is not None else [],
+            prompt_logprobs,
+            seq.num_cached_tokens,
         )
 
     def stats(self) -> CoreStats:

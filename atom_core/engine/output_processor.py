@@ -13,7 +13,7 @@ from atom_core.engine.detokenizer import IncrementalDetokenizer, find_stop
 from atom_core.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class CoreOutput:
     """What the core reports per request per step (crosses the process boundary; picklable)."""
 

@@ -7,6 +7,7 @@ sequence is preempted (its blocks freed, recomputed later from its tokens, outpu
 """
 from __future__ import annotations
 
+import functools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -28,8 +29,10 @@ class ScheduledBatch:
     def total_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
-    @property
+    @functools.cached_property
     def is_decode_only(self) -> bool:
+        """Every sequence computes its one pending token and samples. Read only after scheduling
+        (cached: the runner asks several times per step)."""
         return all(
             n == 1 and s.num_computed_tokens + 1 == s.num_tokens and s.num_output_tokens > 0
             for s, n in zip(self.seqs, self.num_new_tokens)
