@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device call: GPU tests, then the benchmarks, a short table last. Usage: bash tests/gpu/suite.sh [quick]
+# One device call: GPU tests, then the benchmarks, a short table last.
+# Usage: bash tests/gpu/suite.sh [all|tests|bench-small|bench-8b|final]  (carry .whl for the server wheels)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -8,7 +9,6 @@ fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 git rev-parse --short HEAD 2>/dev/null
-
 
 mode=${1:-all}
 summary=()
@@ -34,8 +34,8 @@ case $mode in
     step lat-l8-bs32 200 python3 -m atomctl.main bench latency "${l8[@]}" --bs 32 --output-json "$OUT/lat_l8_bs32.json"
     step off-l8 400 python3 -m atomctl.main bench offline "${l8[@]}" --output-json "$OUT/off_l8.json" ;;&
   final)
-    LEVEL=3
-    step lat-q06-bs1 150 python3 -m atomctl.main bench latency "${q06[@]}" --bs 1 --output-json "$OUT/lat_q06_bs1.json"
+    LEVEL=3  # try compile + graphs first; fall back to graphs only if it fails
+    step lat-q06-bs1 150 python3 -m atomctl.main bench latency "${q06[@]}" --level 3 --bs 1 --output-json "$OUT/lat_q06_bs1.json"
     [ -f "$OUT/lat_q06_bs1.json" ] || LEVEL=1
     echo "benchmark level: $LEVEL"
     step off-q06 150 python3 -m atomctl.main bench offline "${q06[@]}" --level $LEVEL --output-json "$OUT/off_q06.json"
