@@ -197,9 +197,10 @@ class ModelRunner:
     def _fill_placeholders(self, flat: FlatBatch, batch: ScheduledBatch, previous: "PendingStep | None") -> None:
         assert previous is not None and previous.sampled is not None, "placeholder input without a previous step"
         rows = [previous.row_of[batch.seqs[i].request_id] for i in flat.placeholder_seqs]
-        src = torch.tensor(rows, dtype=torch.int64, pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
-        dst = torch.tensor(flat.placeholder_rows, dtype=torch.int64, pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
-        flat.input_ids.index_copy_(0, dst, previous.sampled.index_select(0, src))
+        # One transfer for both index lists: [0] rows of the previous samples, [1] flat rows to fill.
+        index = torch.tensor([rows, flat.placeholder_rows], dtype=torch.int64,
+                             pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
+        flat.input_ids.index_copy_(0, index[1], previous.sampled.index_select(0, index[0]))
 
     def resolve(self, pending: "PendingStep") -> StepResult:
         """Wait for the step's samples (the step's one host-device sync) and return them."""
