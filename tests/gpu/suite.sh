@@ -16,13 +16,20 @@ step() {  # step NAME TIMEOUT CMD...
   local name=$1 t=$2; shift 2
   local start=$(date +%s)
   echo "=== $name"
-  timeout "$t" "$@" 2>&1 | tee "$OUT/$name.log"
+  mkdir -p "${LOGDIR:-$OUT}"; timeout "$t" "$@" 2>&1 | tee "${LOGDIR:-$OUT}/$name.log"
   local rc=${PIPESTATUS[0]}
   summary+=("$(printf '%-28s rc=%-3s %4ss' "$name" "$rc" "$(( $(date +%s) - start ))")")
 }
 q06=(--model preset:Qwen3-0.6B --load-format dummy --max-model-len 4096)
 l8=(--model preset:Llama-3-8B --load-format dummy --max-model-len 4096)
 case $mode in
+  train-and-test)  # logs stay on the machine: $OUT carries the model files; retrain the demo model (recipe defaults) while the correctness tests run
+    LOGDIR=/tmp/logs; (WORK_DIR=/tmp/dm bash recipes/demo-model/run.sh "$OUT/model" --device cuda > "$OUT/train.log" 2>&1; echo "train rc=$?" >> "$OUT/train.log") &
+    tpid=$!
+    step host-overhead 120 python3 -m atom_core.bench.host_overhead atom_core/demo_model --runs 3
+    step kernel-tests 240 python3 -m pytest -q --tb=short tests/kernels -p no:cacheprovider
+    step engine-gpu-tests 300 python3 -m pytest -q --tb=short tests/gpu -p no:cacheprovider
+    wait $tpid; rm -rf "$OUT/model/work"; tail -n 25 "$OUT/train.log" ;;
   tests|all)
     step kernel-tests 240 python3 -m pytest -q -x tests/kernels -p no:cacheprovider
     step engine-gpu-tests 300 python3 -m pytest -q -x tests/gpu -p no:cacheprovider ;;&
