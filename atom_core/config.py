@@ -42,6 +42,7 @@ class EngineConfig:
     level: int = 1
     cudagraph_capture_sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES
     async_scheduling: bool = True
+    num_scheduler_steps: int = 1
     load_format: Literal["auto", "dummy"] = "auto"
     tensor_parallel_size: int = 1
     trust_remote_code: bool = False
@@ -81,6 +82,8 @@ class EngineConfig:
             fail("level", "expected 0, 1, 2 or 3")
         if not self.cudagraph_capture_sizes or any(s < 1 for s in self.cudagraph_capture_sizes):
             fail("cudagraph_capture_sizes", "must be a non-empty list of positive batch sizes")
+        if not 1 <= self.num_scheduler_steps <= 64:
+            fail("num_scheduler_steps", "must be between 1 and 64")
         if self.load_format not in ("auto", "dummy"):
             fail("load_format", "expected auto or dummy")
         if self.tensor_parallel_size != 1:

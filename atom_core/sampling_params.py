@@ -84,3 +84,10 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+    @functools.cached_property
+    def allows_multi_step(self) -> bool:
+        """Whether several decode steps may run on the device before the host sees the tokens.
+        Penalties and logprobs need every token on the host, and a stop string may end the
+        request inside a window, after tokens the client should not see."""
+        return not self.has_penalties and self.logprobs is None and not self.stop

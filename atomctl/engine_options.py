@@ -33,6 +33,7 @@ ENGINE_OPTIONS = {
     "level": (int, typer.Option(1, help="0 eager, 1 CUDA graphs (default), 2 torch.compile, 3 compile + graphs.")),
     "cudagraph_capture_sizes": (Optional[str], typer.Option(None, help="Comma-separated decode batch sizes to capture.")),
     "async_scheduling": (bool, typer.Option(True, "--async-scheduling/--no-async-scheduling")),
+    "num_scheduler_steps": (int, typer.Option(1, help="Decode steps per host round trip while no request waits (multi-step).")),
     "torch_profiler_dir": (Optional[str], typer.Option(None, help="Write torch profiler traces here (default: $ATOM_TORCH_PROFILER_DIR).")),
 }
 

@@ -86,7 +86,7 @@ class EngineCore:
         self.kv = KVCacheManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-            self.files.eos_token_ids, config.enable_chunked_prefill,
+            self.files.eos_token_ids, config.enable_chunked_prefill, config.num_scheduler_steps,
         )
         self.vocab_size = self.files.hf_config.vocab_size
         self.pending = None  # the launched step not yet resolved (async scheduling)
@@ -189,9 +189,10 @@ class EngineCore:
         if seq.sampling_params.prompt_logprobs is not None and seq.num_known_output_tokens == 1:
             prompt_logprobs = list(seq.prompt_logprobs)  # sent once, with the first token
         logprobs = result.logprobs.get(i)
+        tokens = result.sampled[i]
         return CoreOutput(
             seq.request_id,
-            [result.sampled[i]],
+            tokens if isinstance(tokens, list) else [tokens],
             finished,
             seq.finish_reason.value if finished else None,
             seq.stop_token_id,

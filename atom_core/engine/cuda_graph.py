@@ -98,7 +98,8 @@ class CUDAGraphRunner:
         self.capture_seconds = time.perf_counter() - start
         logger.info("captured %d CUDA graphs (bs %d..%d) in %.1f s", len(self.sizes), self.sizes[0], self.max_bs, self.capture_seconds)
 
-    def replay(self, flat: "FlatBatch") -> torch.Tensor:
+    def replay(self, flat: "FlatBatch", inputs_only: bool = False) -> torch.Tensor:
+        """inputs_only: keep the block tables and padding of the previous replay (same batch)."""
         bs = flat.num_tokens
         padded = self.padded_size(bs)
         meta = flat.attn
@@ -106,6 +107,9 @@ class CUDAGraphRunner:
         self.positions[:bs].copy_(flat.positions, non_blocking=True)
         self.slot_mapping[:bs].copy_(meta.slot_mapping, non_blocking=True)
         self.seq_lens[:bs].copy_(meta.seq_lens, non_blocking=True)
+        if inputs_only:
+            self.graphs[padded].replay()
+            return self.outputs[padded][:bs]
         width = meta.block_tables.shape[1]
         self.block_tables[:bs, :width].copy_(meta.block_tables, non_blocking=True)
         if padded > bs:

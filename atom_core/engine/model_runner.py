@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class StepResult:
-    sampled: list[int | None]  # per batch entry; None for prefill chunks that do not sample
+    sampled: list  # per batch entry: the token, None (prefill chunks that do not sample), or a window's tokens
     logprobs: dict[int, tuple[float, dict[int, float]]] = field(default_factory=dict)  # batch idx -> ...
     prompt_logprobs: dict[int, list] = field(default_factory=dict)  # batch idx -> new entries
 
@@ -169,6 +169,8 @@ class ModelRunner:
         flat = build_flat_batch(batch, self.block_size, self.device)
         if flat.placeholder_rows:
             self._fill_placeholders(flat, batch, previous)
+        if batch.step_counts is not None:
+            return self._launch_window(batch, flat)
         hidden = self._forward(flat, batch)
         pending = PendingStep(batch, flat)
         if not flat.sample_seq_idx and not flat.prompt_logprob_spans:
@@ -194,13 +196,50 @@ class ModelRunner:
             pending.prompt_logprobs[i] = _token_logprobs(logits[row : row + count], targets, k)
         return pending
 
+    def _launch_window(self, batch: ScheduledBatch, flat: FlatBatch) -> "PendingStep":
+        """A multi-step decode window: batch.num_steps forwards, each fed the previous step's
+        samples on the device. Rows past their step count keep their last position and store
+        no KV; the host drops their samples."""
+        sb = build_sampling_batch(batch, flat.sample_seq_idx, self.vocab_size, self.files.eos_token_ids, self.device, self.rng)
+        attn = flat.attn
+        first = flat.positions
+        counts = torch.tensor(batch.step_counts, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        last = first + counts.to(self.device, non_blocking=True) - 1
+        samples = []
+        for step in range(batch.num_steps):
+            if step:
+                wanted = first + step
+                positions = torch.minimum(wanted, last)
+                block = attn.block_tables.gather(1, (positions // self.block_size).unsqueeze(1)).squeeze(1)
+                slots = block.to(torch.int64) * self.block_size + positions % self.block_size
+                flat.input_ids = samples[-1]
+                flat.positions = positions
+                attn.slot_mapping = torch.where(wanted <= last, slots, -1)
+                attn.seq_lens = (positions + 1).to(torch.int32)
+                attn.max_seq_len += 1
+                if sb.positions is not None:
+                    sb.positions = sb.positions + 1
+            hidden = self._forward(flat, batch, inputs_only=step > 0)
+            logits = self.model.compute_logits(hidden).float()
+            samples.append(self.sampler(logits, sb).token_ids)
+        pending = PendingStep(batch, flat)
+        # [rows, steps]: each row's tokens contiguous for the host; placeholders read the last kept one.
+        pending.sampled = torch.stack(samples, dim=1)
+        pending.row_of = {seq.request_id: r * batch.num_steps + count - 1
+                          for r, (seq, count) in enumerate(zip(batch.seqs, batch.step_counts))}
+        pending.sampled_host = _to_host_async(pending.sampled)
+        if self.device.type == "cuda":
+            pending.event = torch.cuda.Event()
+            pending.event.record()
+        return pending
+
     def _fill_placeholders(self, flat: FlatBatch, batch: ScheduledBatch, previous: "PendingStep | None") -> None:
         assert previous is not None and previous.sampled is not None, "placeholder input without a previous step"
         rows = [previous.row_of[batch.seqs[i].request_id] for i in flat.placeholder_seqs]
         # One transfer for both index lists: [0] rows of the previous samples, [1] flat rows to fill.
         index = torch.tensor([rows, flat.placeholder_rows], dtype=torch.int64,
                              pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
-        flat.input_ids.index_copy_(0, index[1], previous.sampled.index_select(0, index[0]))
+        flat.input_ids.index_copy_(0, index[1], previous.sampled.view(-1).index_select(0, index[0]))
 
     def resolve(self, pending: "PendingStep") -> StepResult:
         """Wait for the step's samples (the step's one host-device sync) and return them."""
@@ -210,6 +249,10 @@ class ModelRunner:
             return result
         if pending.event is not None:
             pending.event.synchronize()
+        if batch.step_counts is not None:
+            for i, (tokens, count) in enumerate(zip(pending.sampled_host.tolist(), batch.step_counts)):
+                result.sampled[i] = tokens[:count]
+            return result
         for i, tok in zip(flat.sample_seq_idx, pending.sampled_host.tolist()):
             result.sampled[i] = tok
         if pending.sampler_out.logprobs is not None:
@@ -222,9 +265,10 @@ class ModelRunner:
             return None
         return self.graphs.padded_size(len(batch))
 
-    def _forward(self, flat: FlatBatch, batch: ScheduledBatch) -> torch.Tensor:
+    def _forward(self, flat: FlatBatch, batch: ScheduledBatch, inputs_only: bool = False) -> torch.Tensor:
+        """inputs_only: the block tables are those of the last replay (later steps of a window)."""
         if self.graphs is not None and batch.is_decode_only and self.graphs.can_run(len(batch)):
-            return self.graphs.replay(flat)
+            return self.graphs.replay(flat, inputs_only)
         with set_attention_metadata(flat.attn):
             return self.model(flat.input_ids, flat.positions)
 

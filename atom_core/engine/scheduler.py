@@ -21,6 +21,10 @@ class ScheduledBatch:
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
+    # Multi-step decode window: num_steps forwards back to back on the device; seqs[i] keeps
+    # the first step_counts[i] of its samples (fewer when it reaches its token limit).
+    num_steps: int = 1
+    step_counts: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -53,13 +57,15 @@ class Scheduler:
     """
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_ids: set[int], enable_chunked_prefill: bool = True):
+                 max_model_len: int, eos_token_ids: set[int], enable_chunked_prefill: bool = True,
+                 num_scheduler_steps: int = 1):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.num_scheduler_steps = num_scheduler_steps
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.requests: dict[str, Sequence] = {}
@@ -119,7 +125,35 @@ class Scheduler:
                 i += 1
         if not preempted:
             budget = self._schedule_waiting(batch, budget)
+            if self.num_scheduler_steps > 1 and batch.seqs and not self.waiting:
+                self._plan_window(batch)
         return batch
+
+    def _plan_window(self, batch: ScheduledBatch) -> None:
+        """Turn a decode-only batch into a multi-step window when every sequence allows it.
+
+        Each sequence keeps at most the steps left to its token limit and gets KV slots for
+        them now. A waiting request would sit out the whole window, so there is none (checked
+        by the caller); a window that does not fit in free blocks falls back to one step (the
+        blocks already added stay with their sequences, which fill them later).
+        """
+        if not batch.is_decode_only:
+            return
+        steps = self.num_scheduler_steps
+        counts = []
+        for seq in batch.seqs:
+            params = seq.sampling_params
+            if not params.allows_multi_step or seq.num_output_tokens < params.min_tokens:
+                return
+            count = min(steps, seq.token_limit - len(seq.token_ids))
+            end = seq.num_computed_tokens + count
+            if end > len(seq.block_table) * self.kv.block_size:
+                if not self.kv.can_append_slots(seq, end):
+                    return
+                self.kv.append_slots(seq, end)
+            counts.append(count)
+        batch.num_steps = max(counts)
+        batch.step_counts = counts if batch.num_steps > 1 else None
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -153,6 +187,12 @@ class Scheduler:
         """Right after launch: count the computed tokens; each sampling sequence gets a
         placeholder for its new token, so the next step can be scheduled before it is known."""
         finished_status = SequenceStatus.FINISHED
+        if batch.step_counts is not None:  # a decode window: every sequence samples `count` tokens
+            for seq, count in zip(batch.seqs, batch.step_counts):
+                if seq.status is not finished_status:
+                    seq.num_computed_tokens += count
+                    seq.append_placeholders(count)
+            return
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             if seq.status is finished_status:
                 continue
@@ -161,8 +201,14 @@ class Scheduler:
             if samples:
                 seq.append_placeholder()
 
-    def resolve(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
-        """The step's tokens arrived: fill placeholders, publish full blocks, stop sequences."""
+    def resolve(self, batch: ScheduledBatch, sampled: list) -> list[Sequence]:
+        """The step's tokens arrived: fill placeholders, publish full blocks, stop sequences.
+
+        sampled[i] is sequence i's token, or None when it did not sample; for a decode window
+        it is the list of the window's tokens, cut here (in place) after a stop.
+        """
+        if batch.step_counts is not None:
+            return self._resolve_window(batch, sampled)
         finished = []
         block_size = self.kv.block_size
         finished_status = SequenceStatus.FINISHED
@@ -179,6 +225,26 @@ class Scheduler:
             if reason is not None:
                 self._finish(seq, reason)
                 finished.append(seq)
+        return finished
+
+    def _resolve_window(self, batch: ScheduledBatch, sampled: list[list[int]]) -> list[Sequence]:
+        finished = []
+        block_size = self.kv.block_size
+        finished_status = SequenceStatus.FINISHED
+        for i, (seq, tokens) in enumerate(zip(batch.seqs, sampled)):
+            if seq.status is finished_status:
+                continue
+            for k, token_id in enumerate(tokens):
+                seq.resolve_placeholder(token_id)
+                reason = self._check_stop(seq, token_id)
+                if reason is not None:
+                    self._finish(seq, reason)
+                    finished.append(seq)
+                    sampled[i] = tokens[: k + 1]
+                    break
+            else:
+                if min(seq.num_computed_tokens, seq.num_known_tokens) // block_size > seq.num_hashed_blocks:
+                    self.kv.cache_full_blocks(seq)
         return finished
 
     def update_from_output(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:

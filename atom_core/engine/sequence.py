@@ -92,6 +92,10 @@ class Sequence:
         self.token_ids.append(PLACEHOLDER)
         self.num_placeholders += 1
 
+    def append_placeholders(self, count: int) -> None:
+        self.token_ids.extend([PLACEHOLDER] * count)
+        self.num_placeholders += count
+
     def resolve_placeholder(self, token_id: int) -> None:
         """Replace the oldest placeholder with the token the GPU sampled."""
         assert self.num_placeholders > 0, f"{self.request_id}: no placeholder to resolve"

@@ -47,6 +47,14 @@ class TestCommands:
         assert 6 * 4 <= data["output_tokens"] <= 6 * 12
         assert "output tok/s" in res.output
 
+    def test_offline_with_multi_step_windows(self, tiny_llama, tmp_path):
+        out = tmp_path / "off.json"
+        res = runner.invoke(app, ["bench", "offline", "--model", str(tiny_llama), "--device", "cpu", "--num-prompts", "4",
+                                  "--min-input-len", "10", "--max-input-len", "20", "--min-output-len", "9", "--max-output-len", "9",
+                                  "--num-scheduler-steps", "4", "--output-json", str(out)])
+        assert res.exit_code == 0, res.output
+        assert json.loads(out.read_text())["output_tokens"] == 4 * 9
+
     def test_latency_reports_ttft_tpot_e2e(self, tiny_llama, tmp_path):
         out = tmp_path / "lat.json"
         res = runner.invoke(app, ["bench", "latency", "--model", str(tiny_llama), "--device", "cpu", "--bs", "2",
@@ -63,6 +71,7 @@ class TestCommands:
         ["bench", "offline", "--min-input-len", "50", "--max-input-len", "10"],
         ["bench", "offline", "--cudagraph-capture-sizes", "1,x"],
         ["bench", "offline", "--level", "7"],
+        ["bench", "offline", "--num-scheduler-steps", "0"],
     ])
     def test_bad_options_are_one_line_errors(self, tiny_llama, args):
         res = runner.invoke(app, [*args, "--model", str(tiny_llama), "--device", "cpu"])

@@ -30,6 +30,9 @@ case $mode in
     step kernel-tests 240 python3 -m pytest -q --tb=short tests/kernels -p no:cacheprovider
     step engine-gpu-tests 300 python3 -m pytest -q --tb=short tests/gpu -p no:cacheprovider
     wait $tpid; rm -rf "$OUT/model/work"; tail -n 25 "$OUT/train.log" ;;
+  diag)  # where an offline run's wall time goes, per engine phase
+    step diag-q06-l1 240 python3 tests/gpu/diag_steps.py preset:Qwen3-0.6B --level 1
+    step diag-q06-l3 300 python3 tests/gpu/diag_steps.py preset:Qwen3-0.6B --level 3 ;;
   tests|all)
     step kernel-tests 240 python3 -m pytest -q -x tests/kernels -p no:cacheprovider
     step engine-gpu-tests 300 python3 -m pytest -q -x tests/gpu -p no:cacheprovider ;;&

@@ -1,0 +1,85 @@
+"""Where the wall time of an offline run goes, per engine phase (diagnostic, not a test).
+
+`python tests/gpu/diag_steps.py MODEL [--level 1] [--num-prompts 256] [engine options as k=v]`
+wraps the scheduler, runner and output functions with wall-clock timers, runs the nano-vllm
+workload (bench offline's default) and prints seconds and ms per step for each phase. Time in
+`event.synchronize` is the host waiting for the GPU: when it is small the run is host-bound.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+
+import torch
+
+from atom_core.bench.offline import ThroughputWorkload
+from atom_core.engine import core, model_runner, output_processor, scheduler
+from atom_core.engine.llm_engine import LLMEngine
+
+totals: collections.Counter = collections.Counter()
+counts: collections.Counter = collections.Counter()
+
+
+def timed(owner, name: str, label: str | None = None) -> None:
+    fn = getattr(owner, name)
+    label = label or f"{getattr(owner, '__name__', owner)}.{name}"
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            totals[label] += time.perf_counter() - start
+            counts[label] += 1
+
+    setattr(owner, name, wrapper)
+
+
+def instrument() -> None:
+    timed(core.EngineCore, "step")
+    timed(scheduler.Scheduler, "schedule")
+    timed(scheduler.Scheduler, "advance")
+    timed(scheduler.Scheduler, "resolve")
+    timed(model_runner.ModelRunner, "launch")
+    timed(model_runner, "build_flat_batch", "  launch: build_flat_batch")
+    timed(model_runner, "build_sampling_batch", "  launch: build_sampling_batch")
+    timed(model_runner.ModelRunner, "_fill_placeholders", "  launch: fill_placeholders")
+    timed(model_runner.ModelRunner, "_forward", "  launch: forward (graph replay or eager)")
+    timed(model_runner.Sampler, "__call__", "  launch: sampler")
+    timed(model_runner, "_to_host_async", "  launch: D2H copy")
+    timed(model_runner.ModelRunner, "resolve")
+    timed(torch.cuda.Event, "synchronize", "  resolve: event.synchronize (GPU wait)")
+    timed(core.EngineCore, "_output", "core._output (per request)")
+    timed(output_processor.OutputProcessor, "process")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("--level", type=int, default=1)
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("options", nargs="*", help="extra engine options as key=value (ints)")
+    args = parser.parse_args()
+    options = {"max_model_len": 4096, **{k: int(v) for k, v in (o.split("=") for o in args.options)}}
+    engine = LLMEngine(args.model, load_format="dummy", level=args.level, **options)
+    vocab = engine.core.vocab_size
+    max_len = engine.max_model_len // 2 - 1
+    prompts, params = ThroughputWorkload(num_prompts=args.num_prompts, max_token_id=min(10000, vocab - 1),
+                                         max_input_len=min(1024, max_len), max_output_len=min(1024, max_len)).build()
+    engine.generate([[1, 2, 3]] * 4, params[0])  # warm-up
+    instrument()
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o["token_ids"]) for o in outputs)
+    steps = counts["EngineCore.step"]
+    print(f"{tokens} output tokens in {elapsed:.2f} s = {tokens / elapsed:,.0f} tok/s; {steps} steps, "
+          f"{elapsed / steps * 1e3:.2f} ms per step")
+    print(f"{'phase':48s} {'total s':>8s} {'ms/step':>8s} {'calls':>7s}")
+    for label, total in sorted(totals.items(), key=lambda kv: -kv[1]):
+        print(f"{label:48s} {total:8.2f} {total / steps * 1e3:8.3f} {counts[label]:7d}")
+
+
+if __name__ == "__main__":
+    main()
