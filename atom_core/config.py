@@ -19,9 +19,8 @@ class EngineConfig:
 
     num_kv_blocks, when set, fixes the KV cache size; otherwise it is sized from
     gpu_memory_utilization on a GPU, or from kv_cache_memory_gb on the CPU.
-    level: 0 eager; 1 CUDA graphs for decode (default: the measured configuration); 2
-    torch.compile of the model (graph split at attention); 3 compile + CUDA graphs (not yet
-    verified on a GPU, see docs/PERFORMANCE.md). enforce_eager forces level 0.
+    level: 0 eager; 1 CUDA graphs for decode; 2 torch.compile of the model (graph split at
+    attention); 3 (default) compile + CUDA graphs. enforce_eager forces level 0.
     """
 
     model: str
@@ -39,7 +38,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     enforce_eager: bool = False
-    level: int = 1
+    level: int = 3
     cudagraph_capture_sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES
     async_scheduling: bool = True
     num_scheduler_steps: int = 1

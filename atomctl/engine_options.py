@@ -30,7 +30,7 @@ ENGINE_OPTIONS = {
     "enable_prefix_caching": (bool, typer.Option(True, "--enable-prefix-caching/--no-enable-prefix-caching")),
     "enable_chunked_prefill": (bool, typer.Option(True, "--enable-chunked-prefill/--no-enable-chunked-prefill")),
     "enforce_eager": (bool, typer.Option(False, "--enforce-eager", help="No CUDA graphs, no torch.compile.")),
-    "level": (int, typer.Option(1, help="0 eager, 1 CUDA graphs (default), 2 torch.compile, 3 compile + graphs.")),
+    "level": (int, typer.Option(3, help="0 eager, 1 CUDA graphs, 2 torch.compile, 3 compile + CUDA graphs (default).")),
     "cudagraph_capture_sizes": (Optional[str], typer.Option(None, help="Comma-separated decode batch sizes to capture.")),
     "async_scheduling": (bool, typer.Option(True, "--async-scheduling/--no-async-scheduling")),
     "num_scheduler_steps": (int, typer.Option(1, help="Decode steps per host round trip while no request waits (multi-step).")),

@@ -96,6 +96,7 @@ class ModelRunner:
             self.compile_seconds = time.perf_counter() - start
         self.num_kv_blocks = self._num_kv_blocks()
         self.allocate_kv_cache(self.num_kv_blocks)
+        self.warm_up_seconds = self._warm_up_kernels()
         if config.use_cuda_graphs:
             from atom_core.engine.cuda_graph import CUDAGraphRunner
 
@@ -139,6 +140,22 @@ class ModelRunner:
             )
         logger.info("KV cache: %d blocks x %d tokens = %d tokens", num, self.block_size, num * self.block_size)
         return num
+
+    def _warm_up_kernels(self) -> float:
+        """Compile every attention kernel variant now, not inside the first steps that need one
+        (a cold Triton cache otherwise costs seconds in the middle of a run)."""
+        if self.device.type != "cuda":
+            return 0.0
+        from atom_core.kernels.triton.attention import warm_up_variants
+
+        start = time.perf_counter()
+        layer = self.attention_layers[0]
+        longest = min(self.config.max_num_batched_tokens, self.max_model_len)
+        count = warm_up_variants(layer.k_cache, layer.v_cache, layer.num_heads, self.dtype, longest)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        logger.info("warmed up %d attention kernel variants in %.1f s", count, seconds)
+        return seconds
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """One tensor [2, layers, blocks, block_size, kv_heads, head_dim]; layers get views."""

@@ -33,6 +33,12 @@ case $mode in
   diag)  # where an offline run's wall time goes, per engine phase
     step diag-q06-l1 240 python3 tests/gpu/diag_steps.py preset:Qwen3-0.6B --level 1
     step diag-q06-l3 300 python3 tests/gpu/diag_steps.py preset:Qwen3-0.6B --level 3 ;;
+  small-l3)  # Qwen3-0.6B at level 3: multi-step windows off/on, then the kernel tests
+    step off-q06-k1 150 python3 -m atomctl.main bench offline "${q06[@]}" --output-json "$OUT/off_q06_k1.json"
+    step off-q06-k4 150 python3 -m atomctl.main bench offline "${q06[@]}" --num-scheduler-steps 4 --output-json "$OUT/off_q06_k4.json"
+    step lat-q06-bs1-k1 100 python3 -m atomctl.main bench latency "${q06[@]}" --bs 1 --output-json "$OUT/lat_q06_bs1_k1.json"
+    step lat-q06-bs1-k8 100 python3 -m atomctl.main bench latency "${q06[@]}" --bs 1 --num-scheduler-steps 8 --output-json "$OUT/lat_q06_bs1_k8.json"
+    step kernel-tests 200 python3 -m pytest -q --tb=short tests/kernels -p no:cacheprovider ;;
   tests|all)
     step kernel-tests 240 python3 -m pytest -q -x tests/kernels -p no:cacheprovider
     step engine-gpu-tests 300 python3 -m pytest -q -x tests/gpu -p no:cacheprovider ;;&

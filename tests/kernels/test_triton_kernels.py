@@ -8,6 +8,7 @@ Runs two ways:
 """
 from __future__ import annotations
 
+import itertools
 import os
 import zlib
 from dataclasses import dataclass
@@ -297,3 +298,29 @@ class TestSiluAndMul:
         out = tk.silu_and_mul(x)
         assert out.shape == (*shape[:-1], shape[-1] // 2)
         assert rel_err(out, torch_ref.silu_and_mul(x)) < TOL[dtype]
+
+
+class TestWarmUp:
+    def test_warm_up_compiles_every_variant_a_run_uses(self, device):
+        """After warm_up_variants, attention over any batch shape compiles nothing new."""
+        from atom_core.kernels.triton.attention import _paged_attention_kernel, warm_up_variants
+
+        gen = torch.Generator().manual_seed(11)
+        k_cache = torch.randn(64, 16, 2, 64, generator=gen).to(device, torch.bfloat16)
+        v_cache = torch.randn(64, 16, 2, 64, generator=gen).to(device, torch.bfloat16)
+        launched = warm_up_variants(k_cache, v_cache, 8, torch.bfloat16, max_query_len=200)
+        assert launched == 2 * 7  # decode, q tiles 2..32 and the saturated 64-row class; split or not
+
+        def compiled() -> int:
+            caches = getattr(_paged_attention_kernel, "device_caches", {})
+            return sum(len(c[0]) for c in caches.values())
+
+        before = compiled()
+        for q_lens, ctx in (([1] * 5, 300), ([3, 17], 40), ([150, 1, 9], 0), ([1], 900), ([200], 100)):
+            lens = [q + ctx for q in q_lens]
+            query = torch.randn(sum(q_lens), 8, 64, generator=gen).to(device, torch.bfloat16)
+            qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=device)
+            tables = torch.randint(0, 64, (len(q_lens), max(lens) // 16 + 1), generator=gen, dtype=torch.int32).to(device)
+            launch_paged_attention(query, k_cache, v_cache, tables, qsl, torch.tensor(lens, dtype=torch.int32, device=device),
+                                   0.125, max(q_lens), max(lens))
+        assert compiled() == before

@@ -94,7 +94,9 @@ def _attend_tile(
     return acc, l_i, m_new
 
 
-@triton.jit
+# Per-step sizes are plain runtime ints: specialising on them (== 1, % 16) would JIT-compile
+# new variants in the middle of a run.
+@triton.jit(do_not_specialize=["num_tokens", "num_q_blocks", "num_splits"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
@@ -174,7 +176,7 @@ def _paged_attention_kernel(
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_splits"])
 def _merge_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, query_start_loc_ptr,
     num_seqs, num_tokens, num_splits, stride_ot, stride_oh,
@@ -354,3 +356,33 @@ def paged_attention(
     """
     return launch_paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
                                   scale, max_query_len, max_seq_len, out)
+
+
+def warm_up_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, dtype: torch.dtype,
+                     max_query_len: int) -> int:
+    """JIT-compile every kernel variant a run can need (decode and each prefill tile height,
+    split and unsplit) on tiny inputs, so no step pays a compile; returns how many launched.
+
+    The variants depend only on constexprs (tile shape per max_query_len class, IS_SPLIT); the
+    inputs read block 0 of the real cache and write a scratch output.
+    """
+    head_dim, num_kv_heads = k_cache.shape[-1], k_cache.shape[2]
+    device = k_cache.device
+    group_p = next_pow2(num_heads // num_kv_heads)
+    lengths, q = [1], 2
+    while q <= max_query_len:
+        lengths.append(q)
+        if _TileConfig(q, group_p, head_dim).block_q < next_pow2(q):
+            break  # taller queries share this tile height
+        q *= 2
+    launched = 0
+    for q_len in lengths:
+        query = torch.zeros(q_len, num_heads, head_dim, dtype=dtype, device=device)
+        qsl = torch.tensor([0, q_len], dtype=torch.int32, device=device)
+        seq_len = q_len + 512  # cached context too, so both splits get tiles
+        lens = torch.tensor([seq_len], dtype=torch.int32, device=device)
+        tables = torch.zeros(1, triton.cdiv(seq_len, k_cache.shape[1]), dtype=torch.int32, device=device)
+        for splits in (1, 2):
+            launch_paged_attention(query, k_cache, v_cache, tables, qsl, lens, 1.0, q_len, seq_len, num_kv_splits=splits)
+            launched += 1
+    return launched

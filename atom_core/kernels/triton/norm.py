@@ -24,7 +24,7 @@ def _normalize(x, w_ptr, cols, col_ok, n_cols, eps, X_DTYPE: tl.constexpr):
     return (x * rstd[:, None]).to(X_DTYPE).to(tl.float32) * w[None, :]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _rms_norm_kernel(
     x_ptr, w_ptr, out_ptr, num_rows, n_inner, stride_x0, stride_x1, n_cols, eps,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -42,7 +42,7 @@ def _rms_norm_kernel(
     tl.store(out_ptr + rows64[:, None] * n_cols + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _fused_add_rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, num_rows, n_cols, eps,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
