@@ -20,6 +20,11 @@ def _start_engine(engine_args: dict):
     return engine, time.perf_counter() - start
 
 
+def _breakdown(engine) -> str:
+    phases = engine.core.runner.startup_breakdown
+    return ", ".join(f"{name.replace('_', ' ')} {seconds:.1f}" for name, seconds in phases.items())
+
+
 def _show(title: str, rows: list[tuple[str, str]], output_json: Optional[Path], data: dict) -> None:
     table = Table(title=title)
     table.add_column("metric")
@@ -59,7 +64,9 @@ def offline_cmd(
         ("total tok/s", f"{result.total_throughput:,.0f}"),
         ("requests/s", f"{result.request_throughput:.2f}"),
         ("start to ready (s)", f"{result.startup_s:.1f}"),
-    ], output_json, {"workload": as_json(workload), **as_json(result), "engine_args": engine_kwargs(engine_args)})
+        ("  of which (s)", _breakdown(engine)),
+    ], output_json, {"workload": as_json(workload), **as_json(result), "engine_args": engine_kwargs(engine_args),
+                     "startup_breakdown_s": engine.core.runner.startup_breakdown})
 
 
 @friendly_errors
@@ -87,7 +94,9 @@ def latency_cmd(
         ("end-to-end ms mean / median / p99", f"{ms(r.e2e_s['mean'])} / {ms(r.e2e_s['median'])} / {ms(r.e2e_s['p99'])}"),
         ("output tok/s", f"{r.output_tokens_per_s:,.1f}"),
         ("start to ready (s)", f"{r.startup_s:.1f}"),
-    ], output_json, {**as_json(r), "engine_args": engine_kwargs(engine_args)})
+        ("  of which (s)", _breakdown(engine)),
+    ], output_json, {**as_json(r), "engine_args": engine_kwargs(engine_args),
+                     "startup_breakdown_s": engine.core.runner.startup_breakdown})
 
 
 def register(bench_app: typer.Typer) -> None:

@@ -17,6 +17,7 @@ import torch
 from atom_core.config import EngineConfig
 from atom_core.engine.batch_builder import FlatBatch, build_flat_batch, build_sampling_batch
 from atom_core.engine.scheduler import ScheduledBatch
+from atom_core.kernels import kernel_ops
 from atom_core.loader import ModelFiles, init_dummy_weights, load_weights
 from atom_core.model_ops.attention import Attention
 from atom_core.model_ops.forward_context import set_attention_metadata
@@ -94,14 +95,26 @@ class ModelRunner:
             start = time.perf_counter()
             compile_model(self)
             self.compile_seconds = time.perf_counter() - start
-        self.num_kv_blocks = self._num_kv_blocks()
+        start = time.perf_counter()
+        self.num_kv_blocks = self._num_kv_blocks()  # on a GPU: a max-size dummy step (compiles, if compiling)
         self.allocate_kv_cache(self.num_kv_blocks)
+        self.sizing_seconds = time.perf_counter() - start
         self.warm_up_seconds = self._warm_up_kernels()
         if config.use_cuda_graphs:
             from atom_core.engine.cuda_graph import CUDAGraphRunner
 
             self.graphs = CUDAGraphRunner(self, config.sorted_capture_sizes)
             self.graphs.capture_all()
+
+    @property
+    def startup_breakdown(self) -> dict[str, float]:
+        """Seconds per startup phase (what `start to ready` is made of)."""
+        return {
+            "load": self.load_seconds,
+            "kv_sizing": self.sizing_seconds,
+            "kernel_warm_up": self.warm_up_seconds,
+            "graph_capture": self.graphs.capture_seconds if self.graphs is not None else 0.0,
+        }
 
     # ---- setup ----------------------------------------------------------------------
     def _load_model(self) -> torch.nn.Module:
@@ -152,9 +165,11 @@ class ModelRunner:
         layer = self.attention_layers[0]
         longest = min(self.config.max_num_batched_tokens, self.max_model_len)
         count = warm_up_variants(layer.k_cache, layer.v_cache, layer.num_heads, self.dtype, longest)
+        logits = torch.zeros(2, self.vocab_size, dtype=self.dtype, device=self.device)
+        kernel_ops(self.device).gumbel_argmax(logits, torch.ones(2, device=self.device), 0, 0)  # the sampler's
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-        logger.info("warmed up %d attention kernel variants in %.1f s", count, seconds)
+        logger.info("warmed up %d attention kernel variants and the sampler in %.1f s", count, seconds)
         return seconds
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -193,7 +208,7 @@ class ModelRunner:
         if not flat.sample_seq_idx and not flat.prompt_logprob_spans:
             return pending
         rows = hidden if flat.logits_all_rows else hidden[flat.logit_rows]
-        logits = self.model.compute_logits(rows).float()
+        logits = self.model.compute_logits(rows)  # model dtype: the sampler upcasts where it matters
         if flat.sample_seq_idx:
             sb = build_sampling_batch(batch, flat.sample_seq_idx, self.vocab_size, self.files.eos_token_ids, self.device, self.rng)
             # Without prompt logprobs the logit rows are exactly the sampling rows, in order;
@@ -237,7 +252,7 @@ class ModelRunner:
                 if sb.positions is not None:
                     sb.positions = sb.positions + 1
             hidden = self._forward(flat, batch, inputs_only=step > 0)
-            logits = self.model.compute_logits(hidden).float()
+            logits = self.model.compute_logits(hidden)
             samples.append(self.sampler(logits, sb).token_ids)
         pending = PendingStep(batch, flat)
         # [rows, steps]: each row's tokens contiguous for the host; placeholders read the last kept one.
@@ -302,7 +317,7 @@ class ModelRunner:
 
 
 def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> list:
-    logprobs = logits.log_softmax(dim=-1)
+    logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)
     chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
     if k <= 0:
         return [(c, {}) for c in chosen]

@@ -141,3 +141,23 @@ def _decode_rows(query, k_cache, v_cache, block_tables, qsl, lens, seqs, scale, 
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # seq_len 0: attention over nothing is 0
     o = torch.einsum("bkgl,blkd->bkgd", probs, v).reshape(len(seqs), num_heads, head_dim)
     out[rows] = o.to(out.dtype)
+
+
+def gumbel_argmax(
+    logits: torch.Tensor,  # [B, V] float
+    temperatures: torch.Tensor,  # [B] float32; 0 (or less) = greedy
+    seed: int,
+    offset: int,
+) -> torch.Tensor:
+    """One sample per row of softmax(logits / T) by the Gumbel-max trick: argmax(l + T * G).
+
+    Returns [B] int64. Rows with T == 0 give argmax(logits) exactly. The noise comes from a
+    torch.Generator seeded from (seed, offset), so it differs from the Triton kernel's Philox
+    noise: compare distributions, or exact ids only where the noise cannot matter.
+    """
+    mixed = (seed * 0x9E3779B97F4A7C15 + offset) % (1 << 63)
+    gen = torch.Generator(device=logits.device).manual_seed(mixed)
+    u = torch.rand(logits.shape, generator=gen, device=logits.device)
+    gumbel = -torch.log(-torch.log(u.clamp_min(torch.finfo(torch.float32).tiny)))  # u < 1: finite
+    temps = temperatures.float().clamp_min(0.0).unsqueeze(1)
+    return (logits.float() + temps * gumbel).argmax(dim=-1)

@@ -1,6 +1,7 @@
 """Token sampling on the logits' device, with no host synchronisation.
 
-Randomness: unseeded rows draw exponential noise from the device RNG (exponential-race
+Randomness: on CUDA, temperature-only batches use the fused Gumbel-max kernel (see Sampler).
+Otherwise unseeded rows draw exponential noise from the device RNG (exponential-race
 sampling: argmax(p / E) with E ~ Exp(1) samples from p). When any row has a seed, every row's
 noise comes instead from a counter-based hash of (seed, output index, token id), so a seeded
 request samples the same tokens alone or in any batch, and after preemption.
@@ -11,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from atom_core.kernels import kernel_ops
 
 _MASK32 = 0xFFFFFFFF
 
@@ -31,8 +34,13 @@ def hashed_exponential(seeds: torch.Tensor, positions: torch.Tensor, vocab_size:
     cols = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
     x = _mix32(row[:, None] ^ ((cols * 0x9E3779B1) & _MASK32)[None, :])
     x = _mix32(x ^ 0x5BD1E995)
-    u = ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # uniform in (0, 1)
-    return -torch.log(u)
+    return -torch.log(unit_interval(x))
+
+
+def unit_interval(x: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes -> float32 uniforms strictly inside (0, 1): 23 bits + 1/2 are exact in fp32
+    (24 bits rounded the top value to 1.0, so E = 0 and p / E let zero-probability tokens win)."""
+    return ((x >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 @dataclass
@@ -93,31 +101,62 @@ def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps:
 
 
 class Sampler(nn.Module):
-    """logits [B, V] (float32) + SamplingBatch -> SamplerOutput."""
+    """logits [B, V] (float32, or the model's dtype) + SamplingBatch -> SamplerOutput.
+
+    Two ways to sample. On CUDA, batches whose rows need only a temperature (no top-k/top-p/
+    min-p, no seeded rows) go through the fused Triton Gumbel-max kernel, which reads the logits
+    once and takes greedy rows as temperature 0. Everything else takes the torch path (`_sample`).
+
+    Noise of the fused path: Philox keyed by `philox_seed`, drawn at construction from a CPU
+    generator seeded with torch.initial_seed() (so torch.manual_seed(config.seed) fixes it, and
+    the default generator's stream is left alone), and offset by `philox_offset`, a host-side
+    count of fused calls: each call gets fresh noise with no device RNG state and no host sync.
+    The kernel gives every (offset, row, column) its own Philox counter, so one offset per call
+    is enough.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(torch.initial_seed())
+        self.philox_seed = int(torch.randint(0, 2**62, (), generator=gen))  # a CPU tensor: no device sync
+        self.philox_offset = 0
 
     def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        logits = logits.float()
+        # Upcasts happen where float32 matters, so model-dtype logits need no full-size copy on
+        # the fused path; the results equal those of upcasting first.
         out = SamplerOutput(token_ids=torch.empty(0))
         if batch.max_num_logprobs >= 0:
-            raw = logits.log_softmax(dim=-1)
+            raw = logits.log_softmax(dim=-1, dtype=torch.float32)
         if batch.repetition_penalties is not None or batch.frequency_penalties is not None or batch.presence_penalties is not None:
-            logits = apply_penalties(logits, batch)
+            logits = apply_penalties(logits.float(), batch)
         if batch.banned_mask is not None:
             logits = logits.masked_fill(batch.banned_mask, float("-inf"))
         if batch.all_greedy:
             out.token_ids = logits.argmax(dim=-1)
+        elif self._can_fuse(logits, batch):
+            out.token_ids = self._sample_fused(logits, batch)
         else:
-            greedy = logits.argmax(dim=-1) if batch.any_greedy else None
-            out.token_ids = self._sample(logits, batch, greedy)
+            out.token_ids = self._sample(logits.float(), batch)
         if batch.max_num_logprobs >= 0:
             out.logprobs = raw.gather(1, out.token_ids.unsqueeze(1)).squeeze(1)
             if batch.max_num_logprobs > 0:
                 out.top_logprobs, out.top_token_ids = raw.topk(batch.max_num_logprobs, dim=-1)
         return out
 
-    def _sample(self, logits: torch.Tensor, batch: SamplingBatch, greedy: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _can_fuse(logits: torch.Tensor, batch: SamplingBatch) -> bool:
+        truncated = batch.top_ks is not None or batch.top_ps is not None or batch.min_ps is not None
+        return logits.is_cuda and batch.seeds is None and not truncated
+
+    def _sample_fused(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        self.philox_offset += 1
+        ops = kernel_ops(logits.device)
+        return ops.gumbel_argmax(logits, batch.temperatures, self.philox_seed, self.philox_offset)
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         temps = batch.temperatures
         if batch.any_greedy:
+            greedy = logits.argmax(dim=-1)
             temps = torch.where(temps > 0, temps, torch.ones_like(temps))
         logits = logits / temps.unsqueeze(1)
         if batch.top_ks is not None or batch.top_ps is not None:

@@ -344,3 +344,11 @@ class TestLogprobs:
     def test_no_logprobs_unless_asked(self, engine):
         out = engine.generate([PROMPTS[0]], sampled(max_tokens=2))[0]
         assert out["logprobs"] is None
+
+
+def test_hashed_uniforms_stay_strictly_inside_the_unit_interval():
+    from atom_core.model_ops.sampler import unit_interval
+
+    u = unit_interval(torch.tensor([0, 1, 511, 512, 2**31, 2**32 - 512, 2**32 - 1], dtype=torch.int64))
+    assert bool((u > 0).all()) and bool((u < 1).all())
+    assert bool((-torch.log(u) > 0).all())  # Exp(1) noise never 0, so p / E is never NaN

@@ -39,6 +39,28 @@ case $mode in
     step lat-q06-bs1-k1 100 python3 -m atomctl.main bench latency "${q06[@]}" --bs 1 --output-json "$OUT/lat_q06_bs1_k1.json"
     step lat-q06-bs1-k8 100 python3 -m atomctl.main bench latency "${q06[@]}" --bs 1 --num-scheduler-steps 8 --output-json "$OUT/lat_q06_bs1_k8.json"
     step kernel-tests 200 python3 -m pytest -q --tb=short tests/kernels -p no:cacheprovider ;;
+  big-l3)  # Llama-3-8B at level 3: offline, latency, online serving; then the engine GPU tests
+    step off-l8 200 python3 -m atomctl.main bench offline "${l8[@]}" --output-json "$OUT/off_l8.json"
+    step lat-l8-bs1 100 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-json "$OUT/lat_l8_bs1.json"
+    step lat-l8-bs32 100 python3 -m atomctl.main bench latency "${l8[@]}" --bs 32 --output-json "$OUT/lat_l8_bs32.json"
+    python3 -m atomctl.main serve "${l8[@]}" --port 8011 > /tmp/serve.log 2>&1 &
+    spid=$!
+    for i in $(seq 1 120); do curl -sf http://127.0.0.1:8011/health >/dev/null && break; sleep 1; done
+    step bench-serve-l8 100 python3 -m atomctl.main bench serve --backend atom --base-url http://127.0.0.1:8011 \
+      --tokenizer preset:Llama-3-8B --dataset-name random --random-input-len 1024 --random-output-len 128 \
+      --ignore-eos --num-prompts 320 --max-concurrency 64 --save-result --result-dir "$OUT" --result-filename serve_l8_c64.json
+    kill $spid; wait $spid; tail -n 5 /tmp/serve.log
+    step engine-gpu-tests 200 python3 -m pytest -q --tb=short tests/gpu -p no:cacheprovider ;;
+  kernels-q06)  # kernel tests in 4 processes (Triton compiles are CPU-bound), then the Qwen3-0.6B matrix
+    k=("TestPagedAttention and dtype0" "TestPagedAttention and not dtype0" "test_triton_kernels and not TestPagedAttention" "test_sampling_kernel or test_torch_ref")
+    pids=()
+    for i in 0 1 2 3; do
+      timeout 300 python3 -m pytest -q --tb=short tests/kernels -p no:cacheprovider -k "${k[$i]}" > /tmp/kt$i.log 2>&1 &
+      pids+=($!)
+    done
+    for p in "${pids[@]}"; do wait $p; done
+    for i in 0 1 2 3; do echo "--- kernel tests: ${k[$i]}"; grep -E "passed|failed|error|FAILED|Error" /tmp/kt$i.log | tail -n 8; done
+    step matrix-q06 270 python3 tests/gpu/bench_matrix.py preset:Qwen3-0.6B --level 3 --steps 1,8 --latency-bs 1 --out "$OUT/matrix_q06.json" ;;
   tests|all)
     step kernel-tests 240 python3 -m pytest -q -x tests/kernels -p no:cacheprovider
     step engine-gpu-tests 300 python3 -m pytest -q -x tests/gpu -p no:cacheprovider ;;&
@@ -74,5 +96,5 @@ esac
 echo "=== summary"
 printf '%s\n' "${summary[@]}"
 for f in "$OUT"/*.json; do [ -f "$f" ] && python3 -c "
-import json,sys; d=json.load(open('$f')); k=['output_throughput','tpot_s','startup_s','elapsed_s']
+import json,sys; d=json.load(open('$f')); k=['output_throughput','tpot_s','startup_s','elapsed_s','median_ttft_ms','median_tpot_ms','median_itl_ms','completed','failed']
 print('$(basename $f)', {x: round(d[x],4) for x in k if x in d}, {'ttft_med': round(d['ttft_s']['median'],4)} if 'ttft_s' in d else '')"; done

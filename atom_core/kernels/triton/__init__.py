@@ -4,8 +4,9 @@ from atom_core.kernels.triton.attention import paged_attention
 from atom_core.kernels.triton.kv_store import store_kv_cache
 from atom_core.kernels.triton.norm import fused_add_rms_norm, rms_norm
 from atom_core.kernels.triton.rotary import rotary_embedding
+from atom_core.kernels.triton.sampling import gumbel_argmax
 
 __all__ = [
-    "fused_add_rms_norm", "paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul",
-    "store_kv_cache",
+    "fused_add_rms_norm", "gumbel_argmax", "paged_attention", "rms_norm", "rotary_embedding",
+    "silu_and_mul", "store_kv_cache",
 ]
