@@ -18,18 +18,20 @@ def _store_and_attend(q, k, v, k_cache, v_cache, scale: float) -> torch.Tensor:
                                scale, meta.max_query_len, meta.max_seq_len)
 
 
-# Layers by key, so the compiled graph passes an int, not the cache tensors: cache tensors as
+# Layers by key, so the compiled graph passes a key, not the cache tensors: cache tensors as
 # op arguments would be "mutated inputs" to functionalize, i.e. copied back after every call.
+# The key is a 1-element CPU tensor, not an int: Dynamo would bake an int into each layer's
+# graph and recompile per layer; a tensor is a graph input, so all layers share one graph.
 _LAYERS: "weakref.WeakValueDictionary[int, Attention]" = weakref.WeakValueDictionary()
 
 
 @torch.library.custom_op("atom::paged_attention", mutates_args=())
-def paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_key: int) -> torch.Tensor:
+def paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_key: torch.Tensor) -> torch.Tensor:
     """Opaque to torch.compile: the graph splits here. The KV store inside is a side effect on
     the layer's cache, which the compiler never sees (metadata comes from the forward context).
     Inductor may hand the op strided views (slices of the fused QKV output); kernels want rows.
     """
-    layer = _LAYERS[layer_key]
+    layer = _LAYERS[int(layer_key)]  # a CPU tensor: no device sync
     return _store_and_attend(q.contiguous(), k.contiguous(), v.contiguous(), layer.k_cache, layer.v_cache, layer.scale)
 
 
@@ -51,8 +53,8 @@ class Attention(nn.Module):
         self.scale = scale
         self.k_cache = self.v_cache = torch.empty(0)
         self.use_custom_op = False
-        self.layer_key = id(self)
-        _LAYERS[self.layer_key] = self
+        self.layer_key = torch.tensor([id(self)], dtype=torch.int64, device="cpu")
+        _LAYERS[id(self)] = self
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         q = q.reshape(-1, self.num_heads, self.head_dim)

@@ -25,3 +25,32 @@ def test_compiled_model_equals_eager(tiny_qwen3):
 def test_custom_op_is_opaque_and_declares_no_mutation():
     schema = torch.ops.atom.paged_attention.default._schema
     assert all(a.alias_info is None or not a.alias_info.is_write for a in schema.arguments)
+
+
+def test_one_token_steps_do_not_recompile(tiny_qwen3):
+    """Dynamo specialises size 1; the runner pads 1-token steps so the compiled graphs serve all."""
+    from torch._dynamo.utils import counters
+
+    engine = LLMEngine(str(tiny_qwen3), device="cpu")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [[5], [7, 8, 9, 10]]  # a 1-token prefill, then 1-token decodes of a single sequence
+    eager = [o["token_ids"] for o in engine.generate(prompts[:1], params) + engine.generate(prompts, params)]
+    torch._dynamo.reset()
+    counters.clear()
+    compile_model(engine.core.runner)
+    compiled = [o["token_ids"] for o in engine.generate(prompts[:1], params) + engine.generate(prompts, params)]
+    assert compiled == eager
+    assert counters["stats"]["unique_graphs"] == 2  # layer 0 (no residual yet) and the layer graph
+
+
+def test_all_decoder_layers_share_one_compiled_graph(tmp_path):
+    from torch._dynamo.utils import counters
+
+    from tests.tiny_models import build_tiny_model
+
+    engine = LLMEngine(str(build_tiny_model(tmp_path, "llama", num_layers=5)), device="cpu")
+    torch._dynamo.reset()
+    counters.clear()
+    compile_model(engine.core.runner)
+    engine.generate([[3, 4, 5, 6]], SamplingParams(temperature=0, max_tokens=3))
+    assert counters["stats"]["unique_graphs"] == 2
