@@ -41,7 +41,7 @@ class EngineConfig:
     level: int = 3
     cudagraph_capture_sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES
     async_scheduling: bool = True
-    num_scheduler_steps: int = 1
+    num_scheduler_steps: int = 8
     load_format: Literal["auto", "dummy"] = "auto"
     tensor_parallel_size: int = 1
     trust_remote_code: bool = False

@@ -70,6 +70,7 @@ def profile_cmd(
     kwargs["mark_trace"] = envs.mark_trace if mark_trace is None else mark_trace
     kwargs["profiler_detailed"] = envs.profiler_detailed if detailed is None else detailed
     kwargs.setdefault("max_model_len", input_length + output_length)
+    kwargs.setdefault("num_scheduler_steps", 1)  # one range per decode step, as parse-trace expects
 
     engine = LLMEngine(**kwargs)
     vocab_size = engine.core.vocab_size

@@ -38,6 +38,21 @@ def compile_model(runner: "ModelRunner") -> None:
     # other layer reuses it; the fusions all sit inside a layer anyway. A whole-model compile
     # took ~55 s cold for Qwen3-0.6B on the GPU machine's CPU.
     for layer in runner.model.model.layers:
-        layer.forward = torch.compile(layer.forward, dynamic=True, fullgraph=True)
-    runner.compiled = True  # the runner pads 1-token steps to 2 (no size-1 recompile)
+        layer.forward = _token_dim_unbacked(torch.compile(layer.forward, dynamic=True, fullgraph=True))
+    runner.compiled = True
     logger.info("decoder layers compiled lazily on first call (graph split at attention)")
+
+
+def _token_dim_unbacked(compiled):
+    """Mark the token dimension unbacked on every call: Dynamo then never specialises a 1-token
+    step (a batch-1 decode, a 1-token prompt) into a second, tens-of-seconds compile."""
+    mark = torch._dynamo.decorators.mark_unbacked
+
+    def forward(positions, hidden, residual):
+        mark(positions, 0)
+        mark(hidden, 0)
+        if residual is not None:
+            mark(residual, 0)
+        return compiled(positions, hidden, residual)
+
+    return forward

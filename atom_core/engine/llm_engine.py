@@ -17,7 +17,8 @@ class LLMEngine:
 
     Prompts are strings (tokenized here) or token-id lists. `add_request` + `step` give
     streaming control; `stream_callback(output_dict_so_far, new_token_ids, new_text)` is called
-    for every new token of its request.
+    for every step that brings its request new tokens (one token per call with
+    num_scheduler_steps=1, up to a window's worth otherwise).
     """
 
     def __init__(self, model: str, **config_fields):

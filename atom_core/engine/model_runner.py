@@ -7,7 +7,6 @@ token ids (plus logprobs when a request asked for them).
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 import time
@@ -105,11 +104,7 @@ class ModelRunner:
         if config.use_cuda_graphs:
             from atom_core.engine.cuda_graph import CUDAGraphRunner
 
-            # Compiled: no size-1 graph (see _forward_padded); batch 1 replays the size-2 graph.
-            sizes = config.sorted_capture_sizes
-            if self.compiled:
-                sizes = tuple(s for s in sizes if s > 1) or (2,)
-            self.graphs = CUDAGraphRunner(self, sizes)
+            self.graphs = CUDAGraphRunner(self, config.sorted_capture_sizes)
             self.graphs.capture_all()
 
     @property
@@ -117,6 +112,7 @@ class ModelRunner:
         """Seconds per startup phase (what `start to ready` is made of)."""
         return {
             "load": self.load_seconds,
+            "compile_setup": self.compile_seconds,  # importing Dynamo/Inductor; compiling is lazy
             "kv_sizing": self.sizing_seconds,
             "kernel_warm_up": self.warm_up_seconds,
             "graph_capture": self.graphs.capture_seconds if self.graphs is not None else 0.0,
@@ -307,19 +303,8 @@ class ModelRunner:
         """inputs_only: the block tables are those of the last replay (later steps of a window)."""
         if self.graphs is not None and batch.is_decode_only and self.graphs.can_run(len(batch)):
             return self.graphs.replay(flat, inputs_only)
-        if self.compiled and flat.num_tokens == 1:
-            return self._forward_padded(flat)
         with set_attention_metadata(flat.attn):
             return self.model(flat.input_ids, flat.positions)
-
-    def _forward_padded(self, flat: FlatBatch) -> torch.Tensor:
-        """One token through the compiled model as two: Dynamo specialises size 1 and would
-        compile the whole model again (tens of seconds) the first time a 1-token step comes.
-        The padding row belongs to no sequence and stores no KV (slot -1)."""
-        pad = lambda t, value: torch.cat([t, t.new_full((1,), value)])  # noqa: E731
-        attn = dataclasses.replace(flat.attn, slot_mapping=pad(flat.attn.slot_mapping, -1))
-        with set_attention_metadata(attn):
-            return self.model(pad(flat.input_ids, 0), pad(flat.positions, 0))[:1]
 
     def _collect_logprobs(self, result: StepResult, batch: ScheduledBatch, flat: FlatBatch, out) -> None:
         chosen = out.logprobs.tolist()

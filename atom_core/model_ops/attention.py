@@ -29,10 +29,15 @@ _LAYERS: "weakref.WeakValueDictionary[int, Attention]" = weakref.WeakValueDictio
 def paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_key: torch.Tensor) -> torch.Tensor:
     """Opaque to torch.compile: the graph splits here. The KV store inside is a side effect on
     the layer's cache, which the compiler never sees (metadata comes from the forward context).
-    Inductor may hand the op strided views (slices of the fused QKV output); kernels want rows.
+    Inductor may hand the op strided views (slices of the fused QKV output): the kernels take
+    any row stride, so only a non-unit last-dim stride needs a copy (one kernel per layer saved).
     """
     layer = _LAYERS[int(layer_key)]  # a CPU tensor: no device sync
-    return _store_and_attend(q.contiguous(), k.contiguous(), v.contiguous(), layer.k_cache, layer.v_cache, layer.scale)
+    return _store_and_attend(_rows(q), _rows(k), _rows(v), layer.k_cache, layer.v_cache, layer.scale)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 @paged_attention_op.register_fake

@@ -95,7 +95,8 @@ class TestOutput:
             return out
 
         monkeypatch.setattr(LLMEngine, "step", step)
-        result = invoke(["generate", *model, "--max-tokens", "12", "Hello"])
+        # Single steps stream token by token; windows of 8 (the default) stream per window.
+        result = invoke(["generate", *model, "--max-tokens", "12", "--num-scheduler-steps", "1", "Hello"])
         assert result.exit_code == 0, result.output
         assert result.stdout == expected
         assert len(set(s for s in sizes if s)) > 3, f"stdout grew only at the end: {sizes}"

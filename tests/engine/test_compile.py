@@ -28,7 +28,7 @@ def test_custom_op_is_opaque_and_declares_no_mutation():
 
 
 def test_one_token_steps_do_not_recompile(tiny_qwen3):
-    """Dynamo specialises size 1; the runner pads 1-token steps so the compiled graphs serve all."""
+    """Dynamo specialises size 1 unless the token dim is unbacked: one layer graph serves all."""
     from torch._dynamo.utils import counters
 
     engine = LLMEngine(str(tiny_qwen3), device="cpu")

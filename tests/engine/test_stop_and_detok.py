@@ -25,7 +25,8 @@ def greedy(max_tokens: int = N, **kw) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama):
-    return LLMEngine(str(tiny_llama), device="cpu", num_kv_blocks=128)
+    # Single steps: the streaming tests count one callback per token (windows deliver several).
+    return LLMEngine(str(tiny_llama), device="cpu", num_kv_blocks=128, num_scheduler_steps=1)
 
 
 @pytest.fixture(scope="module")
@@ -247,6 +248,13 @@ class TestStreaming:
                 if state.finished:
                     final[state.request_id] = state.as_dict()
         return [(deltas[r], ids[r], calls[r], final[r]) for r in rids]
+
+    def test_windowed_steps_stream_the_same_text_in_fewer_callbacks(self, tiny_llama, ref):
+        ids, text, _ = ref
+        windowed = LLMEngine(str(tiny_llama), device="cpu", num_kv_blocks=128, num_scheduler_steps=4)
+        [(deltas, streamed_ids, calls, final)] = self._stream(windowed, [PROMPT], greedy())
+        assert "".join(deltas) == final["text"] == text and streamed_ids == ids
+        assert 1 < calls < N
 
     def test_deltas_concatenate_to_the_final_text(self, engine, ref):
         ids, text, _ = ref

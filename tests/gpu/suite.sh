@@ -42,16 +42,20 @@ case $mode in
   big-l3)  # level 3, one engine per model: latency and nano throughput with windows off/on
     step matrix-l8 300 python3 tests/gpu/bench_matrix.py preset:Llama-3-8B --level 3 --steps 1,8 --latency-bs 1,32 --out "$OUT/matrix_l8.json"
     step matrix-q06 240 python3 tests/gpu/bench_matrix.py preset:Qwen3-0.6B --level 3 --steps 1,8 --latency-bs 1,32 --out "$OUT/matrix_q06.json" ;;
-  serve-l8)  # online: atomctl serve (Llama-3-8B, dummy) + atomctl bench serve, the anchors' c64 workload
-    python3 -m atomctl.main serve "${l8[@]}" --port 8011 > /tmp/serve.log 2>&1 &
-    spid=$!
-    for i in $(seq 1 300); do curl -sf http://127.0.0.1:8011/health >/dev/null && break; sleep 1; done
-    echo "server ready after ${i} s"
-    step bench-serve-l8 150 python3 -m atomctl.main bench serve --backend atom --base-url http://127.0.0.1:8011 \
-      --tokenizer preset:Llama-3-8B --dataset-name random --random-input-len 1024 --random-output-len 128 \
-      --ignore-eos --num-prompts 320 --max-concurrency 64 --save-result --result-dir "$OUT" --result-filename serve_l8_c64.json
-    kill $spid; wait $spid; tail -n 5 /tmp/serve.log
-    step engine-gpu-tests 250 python3 -m pytest -q --tb=short tests/gpu -p no:cacheprovider ;;
+  serve-l8)  # Qwen3 matrix with the defaults, then online serving (Llama-3-8B, dummy) windows on/off, then GPU tests
+    step matrix-q06 150 python3 tests/gpu/bench_matrix.py preset:Qwen3-0.6B --level 3 --steps 8 --latency-bs 1,32 --out "$OUT/matrix_q06.json"
+    for K in 8 1; do
+      python3 -m atomctl.main serve "${l8[@]}" --num-scheduler-steps $K --port 8011 > /tmp/serve$K.log 2>&1 &
+      spid=$!
+      start=$(date +%s)
+      for i in $(seq 1 300); do curl -sf http://127.0.0.1:8011/health >/dev/null && break; sleep 1; done
+      echo "server (K=$K) ready after $(( $(date +%s) - start )) s"
+      step bench-serve-l8-k$K 120 python3 -m atomctl.main bench serve --backend atom --base-url http://127.0.0.1:8011 \
+        --tokenizer preset:Llama-3-8B --dataset-name random --random-input-len 1024 --random-output-len 128 \
+        --ignore-eos --num-prompts 320 --max-concurrency 64 --save-result --result-dir "$OUT" --result-filename serve_l8_c64_k$K.json
+      kill $spid; wait $spid; tail -n 3 /tmp/serve$K.log
+    done
+    step engine-gpu-tests 230 python3 -m pytest -q --tb=short tests/gpu -p no:cacheprovider ;;
   kernels-q06)  # kernel tests in 4 processes (Triton compiles are CPU-bound), then the Qwen3-0.6B matrix
     k=("TestPagedAttention and dtype0" "TestPagedAttention and not dtype0" "test_triton_kernels and not TestPagedAttention" "test_sampling_kernel or test_torch_ref")
     pids=()
