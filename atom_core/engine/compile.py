@@ -36,23 +36,11 @@ def compile_model(runner: "ModelRunner") -> None:
     # Per decoder layer, not the whole model: the layers share one code object, so Dynamo traces
     # and Inductor compiles one layer (plus the first, which has no residual yet) and every
     # other layer reuses it; the fusions all sit inside a layer anyway. A whole-model compile
-    # took ~55 s cold for Qwen3-0.6B on the GPU machine's CPU.
+    # took ~55 s cold for Qwen3-0.6B on the GPU machine's CPU. Dynamo specialises a 1-token
+    # step into its own graph (compiled while the batch-1 CUDA graph is captured, at startup).
+    # Marking the token dimension unbacked avoided that compile but took the size hints from
+    # Inductor and cost ~20% of decode throughput on the H100 (docs/PERFORMANCE.md).
     for layer in runner.model.model.layers:
-        layer.forward = _token_dim_unbacked(torch.compile(layer.forward, dynamic=True, fullgraph=True))
+        layer.forward = torch.compile(layer.forward, dynamic=True, fullgraph=True)
     runner.compiled = True
     logger.info("decoder layers compiled lazily on first call (graph split at attention)")
-
-
-def _token_dim_unbacked(compiled):
-    """Mark the token dimension unbacked on every call: Dynamo then never specialises a 1-token
-    step (a batch-1 decode, a 1-token prompt) into a second, tens-of-seconds compile."""
-    mark = torch._dynamo.decorators.mark_unbacked
-
-    def forward(positions, hidden, residual):
-        mark(positions, 0)
-        mark(hidden, 0)
-        if residual is not None:
-            mark(residual, 0)
-        return compiled(positions, hidden, residual)
-
-    return forward

@@ -30,3 +30,29 @@ def test_malformed_env_value_is_an_error(monkeypatch):
     monkeypatch.setenv("ATOM_MARK_TRACE", "maybe")
     with pytest.raises(ValueError, match="ATOM_MARK_TRACE"):
         engine_kwargs(_defaults(model="/m"))
+
+
+@pytest.mark.parametrize("args,steps", [([], 1), (["--num-scheduler-steps", "8"], 8), (["--num-scheduler-steps", "3"], 3)])
+def test_serve_defaults_to_single_steps_but_honours_the_option(monkeypatch, args, steps):
+    """Streaming clients get every token as it comes unless they ask for windows."""
+    import typer
+    from typer.testing import CliRunner
+
+    import atom_core.server.app as server_app
+    from atomctl.serve import register
+
+    seen = {}
+    monkeypatch.setattr(server_app, "run_server", lambda config, *a, **k: seen.setdefault("config", config))
+    app = typer.Typer()
+    register(app)
+    app.callback()(lambda: None)
+    result = CliRunner().invoke(app, ["serve", "--model", "/m", *args])
+    assert result.exit_code == 0, result.output
+    assert seen["config"].num_scheduler_steps == steps
+
+
+def test_offline_commands_default_to_windows_of_8():
+    from atom_core.config import EngineConfig
+
+    assert "num_scheduler_steps" not in engine_kwargs(_defaults(model="/m"))
+    assert EngineConfig(model="/m").num_scheduler_steps == 8

@@ -56,6 +56,11 @@ case $mode in
       kill $spid; wait $spid; tail -n 3 /tmp/serve$K.log
     done
     step engine-gpu-tests 230 python3 -m pytest -q --tb=short tests/gpu -p no:cacheprovider ;;
+  final2)  # GPU tests, then both models at the defaults (level 3), then a warm start of Llama-3-8B
+    step engine-gpu-tests 170 python3 -m pytest -q --tb=short tests/gpu -p no:cacheprovider
+    step matrix-l8 210 python3 tests/gpu/bench_matrix.py preset:Llama-3-8B --level 3 --steps 1,8 --latency-bs 1,32 --out "$OUT/matrix_l8.json"
+    step matrix-q06 120 python3 tests/gpu/bench_matrix.py preset:Qwen3-0.6B --level 3 --steps 8 --latency-bs 1,32 --out "$OUT/matrix_q06.json"
+    step warm-start-l8 70 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-len 8 --num-iters 1 --output-json "$OUT/warm_start_l8.json" ;;
   kernels-q06)  # kernel tests in 4 processes (Triton compiles are CPU-bound), then the Qwen3-0.6B matrix
     k=("TestPagedAttention and dtype0" "TestPagedAttention and not dtype0" "test_triton_kernels and not TestPagedAttention" "test_sampling_kernel or test_torch_ref")
     pids=()
