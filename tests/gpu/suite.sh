@@ -61,6 +61,11 @@ case $mode in
     step matrix-l8 210 python3 tests/gpu/bench_matrix.py preset:Llama-3-8B --level 3 --steps 1,8 --latency-bs 1,32 --out "$OUT/matrix_l8.json"
     step matrix-q06 120 python3 tests/gpu/bench_matrix.py preset:Qwen3-0.6B --level 3 --steps 8 --latency-bs 1,32 --out "$OUT/matrix_q06.json"
     step warm-start-l8 70 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-len 8 --num-iters 1 --output-json "$OUT/warm_start_l8.json" ;;
+  levels)  # the GPU tests final2 did not reach, then batch-1/32 decode of Qwen3-0.6B at levels 0-2
+    step gpu-tests-rest 150 python3 -m pytest -q --tb=short tests/gpu -p no:cacheprovider -k "bf16_sampling or multi_step"
+    for L in 0 1 2; do
+      step lat-q06-level$L 90 python3 tests/gpu/bench_matrix.py preset:Qwen3-0.6B --level $L --steps 1 --latency-bs 1,32 --no-throughput --out "$OUT/levels_q06_l$L.json"
+    done ;;
   kernels-q06)  # kernel tests in 4 processes (Triton compiles are CPU-bound), then the Qwen3-0.6B matrix
     k=("TestPagedAttention and dtype0" "TestPagedAttention and not dtype0" "test_triton_kernels and not TestPagedAttention" "test_sampling_kernel or test_torch_ref")
     pids=()
