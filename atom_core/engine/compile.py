@@ -40,6 +40,10 @@ def compile_model(runner: "ModelRunner") -> None:
     # step into its own graph (compiled while the batch-1 CUDA graph is captured, at startup).
     # Marking the token dimension unbacked avoided that compile but took the size hints from
     # Inductor and cost ~20% of decode throughput on the H100 (docs/PERFORMANCE.md).
+    # Every engine in a process adds entries to the one layer code object's cache (first layer or
+    # not x 1 token or many, per model shape and dtype); Dynamo's default limit of 8 failed the
+    # third engine of a test process (fullgraph=True turns the limit into an error).
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for layer in runner.model.model.layers:
         layer.forward = torch.compile(layer.forward, dynamic=True, fullgraph=True)
     runner.compiled = True

@@ -54,3 +54,18 @@ def test_all_decoder_layers_share_one_compiled_graph(tmp_path):
     compile_model(engine.core.runner)
     engine.generate([[3, 4, 5, 6]], SamplingParams(temperature=0, max_tokens=1))  # one 4-token step
     assert counters["stats"]["unique_graphs"] == 2  # the first layer (no residual yet) and the rest
+
+
+def test_several_compiled_engines_in_one_process(tiny_llama, tiny_qwen3):
+    """Each engine adds cache entries to the shared layer code; a third one must still compile."""
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    torch._dynamo.reset()
+    for path, dtype in ((tiny_llama, "float32"), (tiny_qwen3, "float32"), (tiny_llama, "bfloat16")):
+        engine = LLMEngine(str(path), device="cpu", dtype=dtype)
+        run = lambda: [engine.generate([p], params)[0]["token_ids"] for p in ([5], [6, 7, 8])]  # noqa: E731
+        eager = run()
+        compile_model(engine.core.runner)
+        compiled = run()  # 1-token and many-token graphs for the first and the other layers
+        assert [len(t) for t in compiled] == [3, 3]
+        if dtype == "float32":  # bf16 rounding may differ between Inductor and eager
+            assert compiled == eager
