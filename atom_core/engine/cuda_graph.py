@@ -107,13 +107,11 @@ class CUDAGraphRunner:
         self.positions[:bs].copy_(flat.positions, non_blocking=True)
         self.slot_mapping[:bs].copy_(meta.slot_mapping, non_blocking=True)
         self.seq_lens[:bs].copy_(meta.seq_lens, non_blocking=True)
-        if inputs_only:
-            self.graphs[padded].replay()
-            return self.outputs[padded][:bs]
-        width = meta.block_tables.shape[1]
-        self.block_tables[:bs, :width].copy_(meta.block_tables, non_blocking=True)
-        if padded > bs:
-            self.slot_mapping[bs:padded].fill_(-1)
-            self.seq_lens[bs:padded].fill_(1)
+        if not inputs_only:
+            width = meta.block_tables.shape[1]
+            self.block_tables[:bs, :width].copy_(meta.block_tables, non_blocking=True)
+            if padded > bs:
+                self.slot_mapping[bs:padded].fill_(-1)
+                self.seq_lens[bs:padded].fill_(1)
         self.graphs[padded].replay()
         return self.outputs[padded][:bs]

@@ -212,7 +212,7 @@ class ModelRunner:
         rows = hidden if flat.logits_all_rows else hidden[flat.logit_rows]
         logits = self.model.compute_logits(rows)  # model dtype: the sampler upcasts where it matters
         if flat.sample_seq_idx:
-            sb = build_sampling_batch(batch, flat.sample_seq_idx, self.vocab_size, self.files.eos_token_ids, self.device, self.rng)
+            sb = self._sampling_batch(batch, flat)
             # Without prompt logprobs the logit rows are exactly the sampling rows, in order;
             # skipping the list index avoids a host-to-device copy that would sync the stream.
             sample_logits = logits if not flat.prompt_logprob_spans else logits[flat.sample_rows]
@@ -234,13 +234,14 @@ class ModelRunner:
         """A multi-step decode window: batch.num_steps forwards, each fed the previous step's
         samples on the device. Rows past their step count keep their last position and store
         no KV; the host drops their samples."""
-        sb = build_sampling_batch(batch, flat.sample_seq_idx, self.vocab_size, self.files.eos_token_ids, self.device, self.rng)
+        sb = self._sampling_batch(batch, flat)
+        num_steps = batch.num_steps
         attn = flat.attn
         first = flat.positions
         counts = torch.tensor(batch.step_counts, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         last = first + counts.to(self.device, non_blocking=True) - 1
         samples = []
-        for step in range(batch.num_steps):
+        for step in range(num_steps):
             if step:
                 wanted = first + step
                 positions = torch.minimum(wanted, last)
@@ -259,13 +260,17 @@ class ModelRunner:
         pending = PendingStep(batch, flat)
         # [rows, steps]: each row's tokens contiguous for the host; placeholders read the last kept one.
         pending.sampled = torch.stack(samples, dim=1)
-        pending.row_of = {seq.request_id: r * batch.num_steps + count - 1
+        pending.row_of = {seq.request_id: r * num_steps + count - 1
                           for r, (seq, count) in enumerate(zip(batch.seqs, batch.step_counts))}
         pending.sampled_host = _to_host_async(pending.sampled)
         if self.device.type == "cuda":
             pending.event = torch.cuda.Event()
             pending.event.record()
         return pending
+
+    def _sampling_batch(self, batch: ScheduledBatch, flat: FlatBatch):
+        return build_sampling_batch(batch, flat.sample_seq_idx, self.vocab_size, self.files.eos_token_ids,
+                                    self.device, self.rng)
 
     def _fill_placeholders(self, flat: FlatBatch, batch: ScheduledBatch, previous: "PendingStep | None") -> None:
         assert previous is not None and previous.sampled is not None, "placeholder input without a previous step"

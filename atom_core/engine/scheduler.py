@@ -23,11 +23,14 @@ class ScheduledBatch:
     num_new_tokens: list[int] = field(default_factory=list)
     # Multi-step decode window: num_steps forwards back to back on the device; seqs[i] keeps
     # the first step_counts[i] of its samples (fewer when it reaches its token limit).
-    num_steps: int = 1
     step_counts: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.seqs)
+
+    @property
+    def num_steps(self) -> int:
+        return max(self.step_counts) if self.step_counts else 1
 
     @property
     def total_tokens(self) -> int:
@@ -152,8 +155,8 @@ class Scheduler:
                     return
                 self.kv.append_slots(seq, end)
             counts.append(count)
-        batch.num_steps = max(counts)
-        batch.step_counts = counts if batch.num_steps > 1 else None
+        if max(counts) > 1:
+            batch.step_counts = counts
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:

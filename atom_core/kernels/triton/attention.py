@@ -24,14 +24,13 @@ Split-KV (flash-decoding)
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from atom_core.kernels.triton.common import (
     check_dim, check_float, check_int, check_last_dim_contiguous, check_same_device, next_pow2,
+    sm_count,
 )
 
 LOG2E = 1.4426950408889634
@@ -209,13 +208,6 @@ def _merge_splits_kernel(
 _INTERPRETED = not isinstance(_paged_attention_kernel, triton.runtime.jit.JITFunction)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # Triton interpreter on the CPU: any small number keeps the heuristic exercised
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 class _TileConfig:
     """Launch shape for one (max_query_len, group, head_dim) class; see module docstring."""
 
@@ -239,7 +231,7 @@ class _TileConfig:
 def choose_num_kv_splits(num_programs: int, max_seq_len: int, device: torch.device,
                          scratch_bytes_per_split: int, block_n: int = 128) -> int:
     """How many KV splits to use (1 = no split); see SPLIT_TARGET_PROGRAMS_PER_SM."""
-    sms = _sm_count(device)
+    sms = sm_count(device)
     if num_programs >= sms:
         return 1
     target = SPLIT_TARGET_PROGRAMS_PER_SM * sms

@@ -5,9 +5,20 @@ metadata (dtype, shape, stride, device) and never at tensor values.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of `device`; on the CPU (Triton's interpreter) a small
+    stand-in, so the grid heuristics are still exercised."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def next_pow2(n: int) -> int:

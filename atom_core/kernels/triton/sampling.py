@@ -22,15 +22,13 @@ Noise
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
 from atom_core.kernels.triton.common import (
-    check_dim, check_float, check_last_dim_contiguous, check_same_device, next_pow2,
+    check_dim, check_float, check_last_dim_contiguous, check_same_device, next_pow2, sm_count,
 )
 
 # Columns per chunk (a multiple of 4: one Philox call per 4 columns) and warps per program.
@@ -149,13 +147,6 @@ def _reduce_splits_kernel(part_val_ptr, part_col_ptr, out_ptr, num_splits, BLOCK
     tl.store(out_ptr + row, best.to(tl.int64))
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # Triton interpreter on the CPU: a small stand-in keeps the split heuristic exercised
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _has_fast_log(device: torch.device) -> bool:
     # libdevice.fast_logf exists for NVIDIA only; ROCm and the CPU interpreter use tl.log.
     return device.type == "cuda" and torch.version.hip is None
@@ -167,7 +158,7 @@ def choose_split(num_rows: int, n_cols: int, device: torch.device,
     num_splits), each split a whole number of chunks and none empty."""
     num_chunks = triton.cdiv(n_cols, BLOCK)
     if num_splits is None:
-        num_splits = triton.cdiv(TARGET_PROGRAMS_PER_SM * _sm_count(device), num_rows)
+        num_splits = triton.cdiv(TARGET_PROGRAMS_PER_SM * sm_count(device), num_rows)
     chunks_per_split = triton.cdiv(num_chunks, max(1, min(num_chunks, num_splits)))
     return chunks_per_split * BLOCK, triton.cdiv(num_chunks, chunks_per_split)
 
