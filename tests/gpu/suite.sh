@@ -22,6 +22,11 @@ step() {  # step NAME TIMEOUT CMD...
 }
 q06=(--model preset:Qwen3-0.6B --load-format dummy --max-model-len 4096)
 l8=(--model preset:Llama-3-8B --load-format dummy --max-model-len 4096)
+profile_big() {  # decode kernels of Qwen3-0.6B at the nano workload's mean batch and context
+  step profile-q06-bs128 150 python3 -m atomctl.main profile "${q06[@]}" --mark-trace --bs 128 --input-length 900 --output-length 4 --torch-profiler-dir /tmp/traces
+  local trace=$(ls -t /tmp/traces/rank_0/*.json.gz 2>/dev/null | head -1)
+  step parse-trace 90 python3 -m atomctl.main parse-trace "$trace" --layer 3 --out-dir "$OUT"
+}
 case $mode in
   train-and-test)  # logs stay on the machine: $OUT carries the model files; retrain the demo model (recipe defaults) while the correctness tests run
     LOGDIR=/tmp/logs; (WORK_DIR=/tmp/dm bash recipes/demo-model/run.sh "$OUT/model" --device cuda > "$OUT/train.log" 2>&1; echo "train rc=$?" >> "$OUT/train.log") &
@@ -66,13 +71,16 @@ case $mode in
     for L in 0 1 2; do
       step lat-q06-level$L 90 python3 tests/gpu/bench_matrix.py preset:Qwen3-0.6B --level $L --steps 1 --latency-bs 1,32 --no-throughput --out "$OUT/levels_q06_l$L.json"
     done ;;
+  probe)  # Triton cache across processes, decode attention tiles, then the large-batch decode profile
+    step warmup-cache-1 60 python3 tests/gpu/diag_warmup.py 32
+    step warmup-cache-2 60 python3 tests/gpu/diag_warmup.py 32
+    step sweep-attention 220 python3 tests/gpu/sweep_attention.py
+    profile_big ;;
   last)  # compile/graph/window parity, the level-1 nano run, then the large-batch decode profile
     step gpu-tests-compile 200 python3 -m pytest -q --tb=short tests/gpu -p no:cacheprovider -k "multi_step or graphs_and_compile"
-    step off-q06-level1 90 python3 -m atomctl.main bench offline "${q06[@]}" --level 1 --output-json "$OUT/off_q06_level1.json" ;&
-  profile-big)  # decode kernels of Qwen3-0.6B at the nano workload's mean batch and context
-    step profile-q06-bs128 150 python3 -m atomctl.main profile "${q06[@]}" --mark-trace --bs 128 --input-length 900 --output-length 4 --torch-profiler-dir /tmp/traces
-    trace=$(ls -t /tmp/traces/rank_0/*.json.gz 2>/dev/null | head -1)
-    step parse-trace 90 python3 -m atomctl.main parse-trace "$trace" --layer 3 --out-dir "$OUT" ;;
+    step off-q06-level1 90 python3 -m atomctl.main bench offline "${q06[@]}" --level 1 --output-json "$OUT/off_q06_level1.json"
+    profile_big ;;
+  profile-big) profile_big ;;
   kernels-q06)  # kernel tests in 4 processes (Triton compiles are CPU-bound), then the Qwen3-0.6B matrix
     k=("TestPagedAttention and dtype0" "TestPagedAttention and not dtype0" "test_triton_kernels and not TestPagedAttention" "test_sampling_kernel or test_torch_ref")
     pids=()
