@@ -77,6 +77,10 @@ class ModelRunner:
         self.vocab_size = self.hf_config.vocab_size
         self.rng = random.Random(config.seed)
         torch.manual_seed(config.seed)
+        if self.device.type == "cuda":
+            from atom_core.kernels.triton.common import pin_triton_cache_dir
+
+            pin_triton_cache_dir(self.device.index or 0)
         start = time.perf_counter()
         self.model = self._load_model()
         self.load_seconds = time.perf_counter() - start

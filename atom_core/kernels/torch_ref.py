@@ -69,6 +69,37 @@ def store_kv_cache(
     v_cache[blocks, offsets] = value[valid].to(v_cache.dtype)
 
 
+def qkv_rope_store(
+    qkv: torch.Tensor,  # [T, (H + 2 * KH) * D]: q, k, v heads side by side (a fused projection's output)
+    positions: torch.Tensor,  # [T] int
+    cos_sin_cache: torch.Tensor,  # [max_pos, rot_dim] float32, as for rotary_embedding
+    k_cache: torch.Tensor,  # [NB, BS, KH, D]
+    v_cache: torch.Tensor,  # [NB, BS, KH, D]
+    slot_mapping: torch.Tensor,  # [T] int; < 0 means skip (padding)
+    num_heads: int,
+    q_norm_weight: torch.Tensor | None = None,  # [D]: per-head RMSNorm of q and k first (Qwen3)
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Everything between the QKV projection and attention, in one op: optional per-head
+    RMSNorm of q and k, RoPE on both, K and V into the cache. Returns the new q [T, H, D].
+
+    The same arithmetic as rms_norm, rotary_embedding and store_kv_cache applied in turn.
+    """
+    num_tokens, head_dim, num_kv_heads = qkv.shape[0], k_cache.shape[3], k_cache.shape[2]
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q = q.reshape(num_tokens, num_heads, head_dim)
+    k = k.reshape(num_tokens, num_kv_heads, head_dim)
+    v = v.reshape(num_tokens, num_kv_heads, head_dim)
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("q_norm_weight and k_norm_weight go together")
+    if q_norm_weight is not None:
+        q, k = rms_norm(q, q_norm_weight, eps), rms_norm(k, k_norm_weight, eps)
+    q, k = rotary_embedding(positions, q, k, cos_sin_cache)
+    store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    return q.contiguous()
+
+
 def paged_attention(
     query: torch.Tensor,  # [T, H, D]
     k_cache: torch.Tensor,  # [NB, BS, KH, D]

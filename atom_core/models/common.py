@@ -17,7 +17,7 @@ def head_dim_of(config) -> int:
 
 
 class SelfAttention(nn.Module):
-    """QKV projection, optional per-head q/k RMSNorm (Qwen3), RoPE, paged attention, o_proj."""
+    """QKV projection, then (optional per-head q/k RMSNorm (Qwen3), RoPE, KV store, paged attention), o_proj."""
 
     def __init__(self, config, prefix: str, qk_norm: bool):
         super().__init__()
@@ -30,20 +30,16 @@ class SelfAttention(nn.Module):
         theta, scaling = rope_parameters(config)
         self.rotary_emb = RotaryEmbedding(self.head_dim, self.head_dim, config.max_position_embeddings, theta, scaling)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
-        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = qk_norm
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(-1, self.num_heads, self.head_dim)
-        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v.contiguous()))
+        # q/k-norm and RoPE run inside the attention op, fused with the KV store (one kernel).
+        norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 1e-6)
+        out = self.attn(self.qkv_proj(hidden), positions, self.rotary_emb.cos_sin_cache, *norm)
+        return self.o_proj(out)
 
 
 class GatedMLP(nn.Module):

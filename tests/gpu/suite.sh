@@ -27,6 +27,17 @@ profile_big() {  # decode kernels of Qwen3-0.6B at the nano workload's mean batc
   local trace=$(ls -t /tmp/traces/rank_0/*.json.gz 2>/dev/null | head -1)
   step parse-trace 90 python3 -m atomctl.main parse-trace "$trace" --layer 3 --out-dir "$OUT"
 }
+kernel_tests() {  # in 4 processes: Triton compiles are CPU-bound
+  local k=("TestPagedAttention and dtype0" "TestPagedAttention and not dtype0" "test_triton_kernels and not TestPagedAttention" "not test_triton_kernels")
+  local pids=() i p start=$(date +%s)
+  for i in 0 1 2 3; do
+    timeout 300 python3 -m pytest -q --tb=short tests/kernels -p no:cacheprovider -k "${k[$i]}" > /tmp/kt$i.log 2>&1 &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait $p; done
+  for i in 0 1 2 3; do echo "--- kernel tests: ${k[$i]}"; grep -E "passed|failed|error|FAILED|Error" /tmp/kt$i.log | tail -n 8; done
+  summary+=("$(printf '%-28s %9s %4ss' kernel-tests "" "$(( $(date +%s) - start ))")")
+}
 case $mode in
   train-and-test)  # logs stay on the machine: $OUT carries the model files; retrain the demo model (recipe defaults) while the correctness tests run
     LOGDIR=/tmp/logs; (WORK_DIR=/tmp/dm bash recipes/demo-model/run.sh "$OUT/model" --device cuda > "$OUT/train.log" 2>&1; echo "train rc=$?" >> "$OUT/train.log") &
@@ -71,6 +82,13 @@ case $mode in
     for L in 0 1 2; do
       step lat-q06-level$L 90 python3 tests/gpu/bench_matrix.py preset:Qwen3-0.6B --level $L --steps 1 --latency-bs 1,32 --no-throughput --out "$OUT/levels_q06_l$L.json"
     done ;;
+  verify)  # Triton cache + threaded warm-up, kernel tests (4 processes), attention sweep, Qwen3-0.6B at levels 3 and 1
+    step warmup-cache-1 100 python3 tests/gpu/diag_warmup.py 32 --cold
+    step warmup-cache-2 40 python3 tests/gpu/diag_warmup.py 32
+    kernel_tests
+    step sweep-attention 120 python3 tests/gpu/sweep_attention.py
+    step matrix-q06-l3 170 python3 tests/gpu/bench_matrix.py preset:Qwen3-0.6B --level 3 --steps 8 --latency-bs 1 --out "$OUT/matrix_q06_l3.json"
+    step lat-q06-l1 80 python3 tests/gpu/bench_matrix.py preset:Qwen3-0.6B --level 1 --steps 1 --latency-bs 1 --no-throughput --out "$OUT/lat_q06_l1.json" ;;
   probe)  # Triton cache across processes, decode attention tiles, then the large-batch decode profile
     step warmup-cache-1 60 python3 tests/gpu/diag_warmup.py 32
     step warmup-cache-2 60 python3 tests/gpu/diag_warmup.py 32
@@ -82,14 +100,7 @@ case $mode in
     profile_big ;;
   profile-big) profile_big ;;
   kernels-q06)  # kernel tests in 4 processes (Triton compiles are CPU-bound), then the Qwen3-0.6B matrix
-    k=("TestPagedAttention and dtype0" "TestPagedAttention and not dtype0" "test_triton_kernels and not TestPagedAttention" "test_sampling_kernel or test_torch_ref")
-    pids=()
-    for i in 0 1 2 3; do
-      timeout 300 python3 -m pytest -q --tb=short tests/kernels -p no:cacheprovider -k "${k[$i]}" > /tmp/kt$i.log 2>&1 &
-      pids+=($!)
-    done
-    for p in "${pids[@]}"; do wait $p; done
-    for i in 0 1 2 3; do echo "--- kernel tests: ${k[$i]}"; grep -E "passed|failed|error|FAILED|Error" /tmp/kt$i.log | tail -n 8; done
+    kernel_tests
     step matrix-q06 270 python3 tests/gpu/bench_matrix.py preset:Qwen3-0.6B --level 3 --steps 1,8 --latency-bs 1 --out "$OUT/matrix_q06.json" ;;
   tests|all)
     step kernel-tests 240 python3 -m pytest -q -x tests/kernels -p no:cacheprovider

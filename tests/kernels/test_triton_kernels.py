@@ -157,6 +157,16 @@ class TestPagedAttention:
         assert rel_err(out[0::2][:2], ref[0::2][:2]) < 1e-4  # the two real rows, 0 and 2
         assert out[3:].isnan().all()
 
+    @pytest.mark.parametrize("splits", [1, 3])
+    def test_sequence_order_changes_nothing_but_the_schedule(self, device, splits):
+        batch = make_paged_batch([1, 1, 4, 1, 1], [90, 3, 20, 40, 0], 4, 2, 64, 16, torch.float32, device, seed=9)
+        plain = torch.full_like(batch.query, float("nan"))
+        launch_paged_attention(*batch.args(), out=plain, num_kv_splits=splits)
+        order = torch.argsort(batch.seq_lens, descending=True).to(torch.int32)
+        ordered = torch.full_like(batch.query, float("nan"))
+        launch_paged_attention(*batch.args(), out=ordered, num_kv_splits=splits, seq_order=order)
+        assert torch.equal(ordered, plain)
+
     def test_public_wrapper_allocates_output(self, device):
         batch = make_paged_batch([3, 1], [20, 9], 4, 2, 64, 16, torch.bfloat16, device, seed=11)
         out = tk.paged_attention(*batch.args())
@@ -254,6 +264,49 @@ class TestRotaryEmbedding:
         assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()
         assert rel_err(q, ref_q) < TOL[dtype] and rel_err(k, ref_k) < TOL[dtype]
         assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], v_before)
+
+
+
+class TestQkvRopeStore:
+    @pytest.mark.parametrize("dtype", DTYPES)
+    @pytest.mark.parametrize("qk_norm", [False, True])
+    @pytest.mark.parametrize("heads,kv_heads,head_dim,rot_dim,block_size",
+                             [(16, 8, 128, 128, 16), (4, 1, 64, 64, 32), (2, 2, 256, 256, 16), (6, 2, 128, 64, 8)])
+    def test_matches_reference(self, device, dtype, qk_norm, heads, kv_heads, head_dim, rot_dim, block_size):
+        gen = torch.Generator().manual_seed(heads * head_dim + rot_dim + qk_norm)
+        num_tokens, max_pos, num_blocks = 21, 4096, 4
+        width = (heads + 2 * kv_heads) * head_dim
+        qkv = randn(gen, num_tokens, width + 32, dtype=dtype, device=device)[:, :width] * 3  # strided rows
+        positions = torch.randint(0, max_pos, (num_tokens,), generator=gen).to(device)
+        slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+        slots[::4] = -1  # padding rows store nothing
+        slots = slots.to(device)
+        cache = _cos_sin_cache(rot_dim, max_pos, device)
+        norms = ([randn(gen, head_dim, dtype=dtype, device=device) for _ in range(2)] if qk_norm else [None, None])
+        caches = [randn(gen, num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(2)]
+        ref_caches = [c.clone() for c in caches]
+        ref_q = torch_ref.qkv_rope_store(qkv, positions, cache, *ref_caches, slots, heads, *norms, eps=1e-6)
+        qkv_before = qkv.clone()
+        q = tk.qkv_rope_store(qkv, positions, cache, *caches, slots, heads, *norms, eps=1e-6)
+        assert q.shape == (num_tokens, heads, head_dim) and q.dtype == dtype
+        assert rel_err(q, ref_q) < TOL[dtype]
+        for out, ref in zip(caches, ref_caches):
+            assert rel_err(out, ref) < TOL[dtype]
+        untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+        untouched[slots[slots >= 0].cpu()] = False
+        for out, ref in zip(caches, ref_caches):  # slots not written keep their bytes
+            assert torch.equal(out.flatten(0, 1)[untouched.to(device)], ref.flatten(0, 1)[untouched.to(device)])
+        assert torch.equal(qkv, qkv_before)  # the input is read only
+
+    def test_rejects_mismatched_widths_and_lone_norm_weight(self, device):
+        k_cache = torch.zeros(2, 16, 2, 64, device=device)
+        args = (torch.zeros(3, 64, device=device), torch.zeros(3, dtype=torch.int64, device=device),
+                _cos_sin_cache(64, 8, device), k_cache, k_cache.clone(), torch.zeros(3, dtype=torch.int64, device=device))
+        with pytest.raises(ValueError, match="does not hold"):
+            tk.qkv_rope_store(*args, 4)
+        qkv = torch.zeros(3, (4 + 4) * 64, device=device)
+        with pytest.raises(ValueError, match="go together"):
+            tk.qkv_rope_store(qkv, *args[1:], 4, torch.ones(64, device=device), None)
 
 
 class TestRmsNorm:

@@ -3,10 +3,11 @@ from atom_core.kernels.triton.activation import silu_and_mul
 from atom_core.kernels.triton.attention import paged_attention
 from atom_core.kernels.triton.kv_store import store_kv_cache
 from atom_core.kernels.triton.norm import fused_add_rms_norm, rms_norm
+from atom_core.kernels.triton.qkv_prep import qkv_rope_store
 from atom_core.kernels.triton.rotary import rotary_embedding
 from atom_core.kernels.triton.sampling import gumbel_argmax
 
 __all__ = [
-    "fused_add_rms_norm", "gumbel_argmax", "paged_attention", "rms_norm", "rotary_embedding",
+    "fused_add_rms_norm", "gumbel_argmax", "paged_attention", "qkv_rope_store", "rms_norm", "rotary_embedding",
     "silu_and_mul", "store_kv_cache",
 ]

@@ -98,7 +98,7 @@ def _attend_tile(
 @triton.jit(do_not_specialize=["num_tokens", "num_q_blocks", "num_splits"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+    block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, seq_order_ptr,
     scale_log2e, num_tokens, num_q_blocks, num_splits,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ot, stride_oh, stride_bt,
@@ -106,11 +106,17 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    HAS_ORDER: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq = pid // num_q_blocks
+    # Programs start roughly in pid order; with seq_order (longest first) the last wave holds
+    # the shortest sequences, so SMs finish together instead of waiting on a long tail.
+    if HAS_ORDER:
+        seq = tl.load(seq_order_ptr + pid // num_q_blocks)
+    else:
+        seq = pid // num_q_blocks
     # Highest query tile first: under the causal mask it has the most KV to read, so starting
     # the long programs early shortens the tail of a prefill launch.
     q_block = num_q_blocks - 1 - pid % num_q_blocks
@@ -278,6 +284,7 @@ def launch_paged_attention(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_query_len: int,
     max_seq_len: int, out: torch.Tensor | None = None, *, num_kv_splits: int | None = None,
+    seq_order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`paged_attention` with an optional override of the split count (tests, benchmarks)."""
     _check_attention_args(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out)
@@ -305,7 +312,7 @@ def launch_paged_attention(
     grid = (num_seqs * num_q_blocks, num_kv_heads, num_kv_splits)
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, out, part_out, part_lse,
-        block_tables, query_start_loc, seq_lens,
+        block_tables, query_start_loc, seq_lens, seq_order if seq_order is not None else seq_lens,
         scale * LOG2E, num_tokens, num_q_blocks, num_kv_splits,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -314,7 +321,7 @@ def launch_paged_attention(
         HEAD_DIM=head_dim, BLOCK_D=cfg.block_d, KV_BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
         IS_SPLIT=is_split, DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
-        DOT_IN_FP32=_INTERPRETED and query.dtype == torch.bfloat16,
+        DOT_IN_FP32=_INTERPRETED and query.dtype == torch.bfloat16, HAS_ORDER=seq_order is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if is_split:
@@ -351,12 +358,13 @@ def paged_attention(
 
 
 def warm_up_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, dtype: torch.dtype,
-                     max_query_len: int) -> int:
+                     max_query_len: int, threads: int = 1) -> int:
     """JIT-compile every kernel variant a run can need (decode and each prefill tile height,
     split and unsplit) on tiny inputs, so no step pays a compile; returns how many launched.
 
     The variants depend only on constexprs (tile shape per max_query_len class, IS_SPLIT); the
-    inputs read block 0 of the real cache and write a scratch output.
+    inputs read block 0 of the real cache and write a scratch output. threads > 1 compiles
+    variants concurrently (ptxas and much of the compiler run outside the GIL).
     """
     head_dim, num_kv_heads = k_cache.shape[-1], k_cache.shape[2]
     device = k_cache.device
@@ -367,14 +375,23 @@ def warm_up_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: in
         if _TileConfig(q, group_p, head_dim).block_q < next_pow2(q):
             break  # taller queries share this tile height
         q *= 2
-    launched = 0
-    for q_len in lengths:
+
+    def launch(variant: tuple[int, int]) -> None:
+        q_len, splits = variant
         query = torch.zeros(q_len, num_heads, head_dim, dtype=dtype, device=device)
         qsl = torch.tensor([0, q_len], dtype=torch.int32, device=device)
         seq_len = q_len + 512  # cached context too, so both splits get tiles
         lens = torch.tensor([seq_len], dtype=torch.int32, device=device)
         tables = torch.zeros(1, triton.cdiv(seq_len, k_cache.shape[1]), dtype=torch.int32, device=device)
-        for splits in (1, 2):
-            launch_paged_attention(query, k_cache, v_cache, tables, qsl, lens, 1.0, q_len, seq_len, num_kv_splits=splits)
-            launched += 1
-    return launched
+        launch_paged_attention(query, k_cache, v_cache, tables, qsl, lens, 1.0, q_len, seq_len, num_kv_splits=splits)
+
+    variants = [(q_len, splits) for q_len in lengths for splits in (1, 2)]
+    if threads > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(launch, variants))
+    else:
+        for variant in variants:
+            launch(variant)
+    return len(variants)
