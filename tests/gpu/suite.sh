@@ -89,6 +89,8 @@ case $mode in
     step sweep-attention 120 python3 tests/gpu/sweep_attention.py
     step matrix-q06-l3 170 python3 tests/gpu/bench_matrix.py preset:Qwen3-0.6B --level 3 --steps 8 --latency-bs 1 --out "$OUT/matrix_q06_l3.json"
     step lat-q06-l1 80 python3 tests/gpu/bench_matrix.py preset:Qwen3-0.6B --level 1 --steps 1 --latency-bs 1 --no-throughput --out "$OUT/lat_q06_l1.json" ;;
+  sweep)  # decode attention schedule: splits x order per batch size
+    step sweep-attention 300 python3 tests/gpu/sweep_attention.py ;;
   probe)  # Triton cache across processes, decode attention tiles, then the large-batch decode profile
     step warmup-cache-1 60 python3 tests/gpu/diag_warmup.py 32
     step warmup-cache-2 60 python3 tests/gpu/diag_warmup.py 32

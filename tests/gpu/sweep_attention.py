@@ -1,7 +1,8 @@
-"""Decode paged-attention tile sweep on the GPU: KV bandwidth per (BLOCK_N, warps, stages).
+"""Decode paged-attention schedule sweep on the GPU: KV splits x sequence order per batch size.
 
-Diagnostic, not a test: `python3 tests/gpu/sweep_attention.py` prints one table per shape
-(GB/s of K+V read, against the ~3.0 TB/s HBM ceiling), the current default marked with *.
+Diagnostic, not a test: `python3 tests/gpu/sweep_attention.py` prints one line per shape with
+the time of each choice and the best one's KV bandwidth (against the ~3.0 TB/s HBM ceiling).
+(The tile sweep of the first probe run, docs/PERFORMANCE.md, found BLOCK_N/warps/stages flat.)
 """
 from __future__ import annotations
 
@@ -14,14 +15,6 @@ import triton.testing
 
 from atom_core.kernels.triton import attention as A
 
-SHAPES = {  # name: (q heads, kv heads, head_dim, batch)
-    "qwen3-0.6b bs128": (16, 8, 128, 128),
-    "qwen3-0.6b bs256": (16, 8, 128, 256),
-    "llama-3-8b bs64": (32, 8, 128, 64),
-}
-# The first sweep (docs/PERFORMANCE.md) left these within 3% of each other; kept to watch drift.
-CONFIGS = [(128, 4, 2), (128, 4, 3), (64, 2, 2), (64, 4, 2)]
-SPLIT_SHAPES = [(16, 8, 128, b) for b in (32, 64, 128)] + [(32, 8, 128, b) for b in (32, 64)]
 
 
 def make_inputs(heads, kv_heads, head_dim, batch, block_size=16, lo=100, hi=1600, seed=0):
@@ -40,69 +33,38 @@ def make_inputs(heads, kv_heads, head_dim, batch, block_size=16, lo=100, hi=1600
     return q, k, v, tables, qsl, seq_lens, max(lens), kv_bytes
 
 
-def launch(q, k, v, tables, qsl, seq_lens, out, block_n, warps, stages):
-    heads, head_dim = q.shape[1:]
-    group = heads // k.shape[2]
-    gp = A.next_pow2(group)
-    A._paged_attention_kernel[(q.shape[0], k.shape[2], 1)](
-        q, k, v, out, out, out, tables, qsl, seq_lens, 0.088 * A.LOG2E, q.shape[0], 1, 1,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        out.stride(0), out.stride(1), tables.stride(0),
-        NUM_HEADS=heads, GROUP=group, GROUP_P=gp, HEAD_DIM=head_dim, BLOCK_D=head_dim,
-        KV_BLOCK_SIZE=k.shape[1], BLOCK_M=max(16, gp), BLOCK_Q=1, BLOCK_N=block_n,
-        IS_SPLIT=False, DOT_PRECISION=None, DOT_IN_FP32=False, num_warps=warps, num_stages=stages)
+def timed(fn, repeats=3) -> float:
+    """Median of `repeats` do_bench medians (single runs showed 2x outliers), in ms."""
+    return sorted(triton.testing.do_bench(fn, warmup=20, rep=60) for _ in range(repeats))[repeats // 2]
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--batches", default="8,16,32,48,64,96,128,256")
     args = ap.parse_args()
-    for name in args.shapes.split(","):
-        heads, kv_heads, head_dim, batch = SHAPES[name]
-        q, k, v, tables, qsl, seq_lens, max_len, kv_bytes = make_inputs(heads, kv_heads, head_dim, batch)
-        ref = A.paged_attention(q, k, v, tables, qsl, seq_lens, 0.088, 1, max_len)
-        default = A._TileConfig(1, A.next_pow2(heads // kv_heads), head_dim)
-        rows = []
-        for block_n, warps, stages in CONFIGS:
+    print("decode attention, one layer: us per launch (median of 3) for KV splits 1-4, plain order / "
+          "longest first; the heuristic's split count in []")
+    for heads, kv_heads in ((16, 8), (32, 8)):
+        for batch in map(int, args.batches.split(",")):
+            q, k, v, tables, qsl, seq_lens, max_len, kv_bytes = make_inputs(heads, kv_heads, 128, batch)
             out = torch.empty_like(q)
-            try:
-                launch(q, k, v, tables, qsl, seq_lens, out, block_n, warps, stages)
-                torch.cuda.synchronize()
-            except Exception as e:  # out of shared memory and the like
-                rows.append((block_n, warps, stages, None, type(e).__name__))
-                continue
-            err = (out.float() - ref.float()).abs().max().item()
-            ms = triton.testing.do_bench(lambda: launch(q, k, v, tables, qsl, seq_lens, out, block_n, warps, stages),
-                                         warmup=20, rep=100)
-            rows.append((block_n, warps, stages, ms, f"err {err:.1e}"))
-        print(f"\n== {name}: {kv_bytes / 1e6:.0f} MB of KV, floor {kv_bytes / 3.0e12 * 1e6:.0f} us at 3.0 TB/s")
-        for block_n, warps, stages, ms, note in sorted(rows, key=lambda r: r[3] or 1e9):
-            mark = "*" if (block_n, warps, stages) == (default.block_n, default.num_warps, default.num_stages) else " "
-            if ms is None:
-                print(f"{mark} N={block_n:<4} w={warps} s={stages}  failed ({note})")
-            else:
-                print(f"{mark} N={block_n:<4} w={warps} s={stages}  {ms * 1e3:7.1f} us  {kv_bytes / ms / 1e6:6.0f} GB/s  {note}")
-    print("\n== KV splits (default tile): us, then GB/s; * = the heuristic's choice")
-    for heads, kv_heads, head_dim, batch in SPLIT_SHAPES:
-        q, k, v, tables, qsl, seq_lens, max_len, kv_bytes = make_inputs(heads, kv_heads, head_dim, batch)
-        out = torch.empty_like(q)
-        chosen = A.choose_num_kv_splits(batch * kv_heads, max_len, q.device, batch * heads * (head_dim + 1) * 4)
-        cells = []
-        for splits in (1, 2, 3, 4, 8):
-            ms = triton.testing.do_bench(lambda: A.launch_paged_attention(
-                q, k, v, tables, qsl, seq_lens, 0.088, 1, max_len, out, num_kv_splits=splits), warmup=20, rep=100)
-            cells.append(f"{splits}{'*' if splits == chosen else ' '}: {ms * 1e3:6.1f} us {kv_bytes / ms / 1e6:5.0f}")
-        order = torch.argsort(seq_lens, descending=True).to(torch.int32)
-        ref = A.launch_paged_attention(q, k, v, tables, qsl, seq_lens, 0.088, 1, max_len, num_kv_splits=1)
-        for splits in (1, 2):
-            A.launch_paged_attention(q, k, v, tables, qsl, seq_lens, 0.088, 1, max_len, out, num_kv_splits=splits,
-                                     seq_order=order)
-            assert torch.equal(out, ref) or splits > 1
-            ms = triton.testing.do_bench(lambda: A.launch_paged_attention(
-                q, k, v, tables, qsl, seq_lens, 0.088, 1, max_len, out, num_kv_splits=splits, seq_order=order),
-                warmup=20, rep=100)
-            cells.append(f"longest-first {splits}: {ms * 1e3:6.1f} us {kv_bytes / ms / 1e6:5.0f}")
-        print(f"H={heads} KH={kv_heads} bs={batch:<4} " + " | ".join(cells))
+            chosen = A.choose_num_kv_splits(batch * kv_heads, max_len, q.device, batch * heads * 129 * 4)
+            order = torch.argsort(seq_lens, descending=True).to(torch.int32)
+            ref = A.launch_paged_attention(q, k, v, tables, qsl, seq_lens, 0.088, 1, max_len, num_kv_splits=1)
+            cells, best = [], (1e9, "")
+            for splits in (1, 2, 3, 4):
+                pair = []
+                for name, seq_order in (("plain", None), ("longest", order)):
+                    run = lambda: A.launch_paged_attention(  # noqa: E731
+                        q, k, v, tables, qsl, seq_lens, 0.088, 1, max_len, out, num_kv_splits=splits, seq_order=seq_order)
+                    run()
+                    assert (out.float() - ref.float()).abs().max().item() < 2e-2
+                    us = timed(run) * 1e3
+                    pair.append(f"{us:6.1f}")
+                    best = min(best, (us, f"{splits} {name}"))
+                cells.append(f"{splits}: {'/'.join(pair)}")
+            print(f"H={heads:<2} KH={kv_heads} bs={batch:<4} [{chosen}] " + " | ".join(cells)
+                  + f"  best {best[1]} {best[0]:.1f} us = {kv_bytes / best[0] / 1e6:.0f} GB/s")
 
 
 if __name__ == "__main__":
