@@ -56,13 +56,15 @@ def build_decode_batch(batch: ScheduledBatch, block_size: int, device: torch.dev
     slots = [t[p // block_size] * block_size + p % block_size for t, p in zip(tables, positions)]
     placeholder_rows = [i for i, token in enumerate(input_ids) if token < 0]
     rows = list(range(num))
+    seq_lens = np.array(positions, dtype=np.int32) + 1
     attn = AttentionMetadata(
         query_start_loc=_to_device(np.arange(num + 1, dtype=np.int32), device),
-        seq_lens=_to_device(np.array(positions, dtype=np.int32) + 1, device),
+        seq_lens=_to_device(seq_lens, device),
         block_tables=_to_device(_block_table_array(tables), device),
         slot_mapping=_to_device(np.array(slots, dtype=np.int64), device),
         max_query_len=1,
-        max_seq_len=max(positions) + 1,
+        max_seq_len=int(seq_lens.max()),
+        seq_order=_to_device(np.argsort(-seq_lens, kind="stable").astype(np.int32), device),
     )
     return FlatBatch(
         input_ids=_to_device(np.array(input_ids, dtype=np.int64), device),

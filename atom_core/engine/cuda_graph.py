@@ -50,6 +50,8 @@ class CUDAGraphRunner:
         self.seq_lens = torch.ones(self.max_bs, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(self.max_bs + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(self.max_bs, max_blocks, dtype=torch.int32, device=device)
+        self.row_ids = torch.arange(self.max_bs, dtype=torch.int32, device=device)
+        self.seq_order = self.row_ids.clone()  # padding rows keep their own index, last
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -69,6 +71,7 @@ class CUDAGraphRunner:
             slot_mapping=self.slot_mapping[:bs],
             max_query_len=1,
             max_seq_len=self.runner.max_model_len,
+            seq_order=self.seq_order[:bs],
         )
 
     @torch.inference_mode()
@@ -108,6 +111,11 @@ class CUDAGraphRunner:
         self.slot_mapping[:bs].copy_(meta.slot_mapping, non_blocking=True)
         self.seq_lens[:bs].copy_(meta.seq_lens, non_blocking=True)
         if not inputs_only:
+            if meta.seq_order is not None:
+                self.seq_order[:bs].copy_(meta.seq_order, non_blocking=True)
+            else:
+                self.seq_order[:bs].copy_(self.row_ids[:bs], non_blocking=True)
+            self.seq_order[bs:padded].copy_(self.row_ids[bs:padded], non_blocking=True)
             width = meta.block_tables.shape[1]
             self.block_tables[:bs, :width].copy_(meta.block_tables, non_blocking=True)
             if padded > bs:

@@ -111,6 +111,7 @@ def paged_attention(
     max_query_len: int,
     max_seq_len: int,
     out: torch.Tensor | None = None,  # [T, H, D]
+    seq_order: torch.Tensor | None = None,  # [S] int32: a launch schedule for kernels; no effect on results
 ) -> torch.Tensor:
     """Causal attention of every query token over its sequence's paged KV (already stored).
 

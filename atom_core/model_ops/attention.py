@@ -19,7 +19,8 @@ def _prepare_and_attend(qkv, positions, cos_sin_cache, q_norm_weight, k_norm_wei
     q = ops.qkv_rope_store(qkv, positions, cos_sin_cache, layer.k_cache, layer.v_cache, meta.slot_mapping,
                            layer.num_heads, q_norm_weight, k_norm_weight, eps)
     out = ops.paged_attention(q, layer.k_cache, layer.v_cache, meta.block_tables, meta.query_start_loc,
-                              meta.seq_lens, layer.scale, meta.max_query_len, meta.max_seq_len)
+                              meta.seq_lens, layer.scale, meta.max_query_len, meta.max_seq_len,
+                              seq_order=meta.seq_order)
     return out.view(-1, layer.num_heads * layer.head_dim)
 
 

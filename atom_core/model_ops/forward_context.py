@@ -18,6 +18,8 @@ class AttentionMetadata:
     query_start_loc [S+1] int32, seq_lens [S] int32 (KV length after this step),
     block_tables [S, MB] int32, slot_mapping [T] int64 (-1 = padding, not stored).
     max_query_len / max_seq_len are host ints, upper bounds for kernel grids.
+    seq_order [S] int32 (optional): the sequences longest first, the order attention programs
+    start in, so the last wave holds short ones (decode batches; a schedule, not a result).
     """
 
     query_start_loc: torch.Tensor
@@ -26,6 +28,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     max_query_len: int
     max_seq_len: int
+    seq_order: torch.Tensor | None = None
 
 
 _current: AttentionMetadata | None = None

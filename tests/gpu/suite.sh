@@ -89,6 +89,13 @@ case $mode in
     step sweep-attention 120 python3 tests/gpu/sweep_attention.py
     step matrix-q06-l3 170 python3 tests/gpu/bench_matrix.py preset:Qwen3-0.6B --level 3 --steps 8 --latency-bs 1 --out "$OUT/matrix_q06_l3.json"
     step lat-q06-l1 80 python3 tests/gpu/bench_matrix.py preset:Qwen3-0.6B --level 1 --steps 1 --latency-bs 1 --no-throughput --out "$OUT/lat_q06_l1.json" ;;
+  final3)  # engine GPU tests, Llama-3-8B at the defaults (cold start), then a second (warm) start
+    step engine-gpu-tests 230 python3 -m pytest -q --tb=short tests/gpu -p no:cacheprovider
+    step matrix-l8 250 python3 tests/gpu/bench_matrix.py preset:Llama-3-8B --level 3 --steps 8 --latency-bs 1,32 --out "$OUT/matrix_l8.json"
+    step warm-start-l8 80 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-len 8 --num-iters 1 --output-json "$OUT/warm_start_l8.json" ;;
+  final3-q06)  # Qwen3-0.6B at the defaults and at level 1
+    step matrix-q06-l3 200 python3 tests/gpu/bench_matrix.py preset:Qwen3-0.6B --level 3 --steps 8 --latency-bs 1,32 --out "$OUT/matrix_q06_l3.json"
+    step matrix-q06-l1 150 python3 tests/gpu/bench_matrix.py preset:Qwen3-0.6B --level 1 --steps 8 --latency-bs 1,32 --out "$OUT/matrix_q06_l1.json" ;;
   sweep)  # decode attention schedule: splits x order per batch size
     step sweep-attention 300 python3 tests/gpu/sweep_attention.py ;;
   probe)  # Triton cache across processes, decode attention tiles, then the large-batch decode profile

@@ -345,6 +345,7 @@ def paged_attention(
     max_query_len: int,
     max_seq_len: int,
     out: torch.Tensor | None = None,  # [T, H, D]
+    seq_order: torch.Tensor | None = None,  # [S] int32, a permutation: programs start in this order
 ) -> torch.Tensor:
     """Causal paged attention; same contract as `torch_ref.paged_attention`.
 
@@ -354,7 +355,7 @@ def paged_attention(
     (T beyond query_start_loc[S]) are left untouched, as in the reference.
     """
     return launch_paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-                                  scale, max_query_len, max_seq_len, out)
+                                  scale, max_query_len, max_seq_len, out, seq_order=seq_order)
 
 
 def warm_up_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, dtype: torch.dtype,
