@@ -46,6 +46,7 @@ def instrument() -> None:
     timed(model_runner, "build_sampling_batch", "  launch: build_sampling_batch")
     timed(model_runner.ModelRunner, "_fill_placeholders", "  launch: fill_placeholders")
     timed(model_runner.ModelRunner, "_forward", "  launch: forward (graph replay or eager)")
+    timed(model_runner.ModelRunner, "_launch_window", "  launch: multi-step windows")
     timed(model_runner.Sampler, "__call__", "  launch: sampler")
     timed(model_runner, "_to_host_async", "  launch: D2H copy")
     timed(model_runner.ModelRunner, "resolve")
@@ -59,6 +60,7 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("--level", type=int, default=1)
     parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--no-order", action="store_true", help="drop the longest-first attention order (A/B)")
     parser.add_argument("options", nargs="*", help="extra engine options as key=value (ints)")
     args = parser.parse_args()
     options = {"max_model_len": 4096, **{k: int(v) for k, v in (o.split("=") for o in args.options)}}
@@ -68,6 +70,15 @@ def main() -> None:
     prompts, params = ThroughputWorkload(num_prompts=args.num_prompts, max_token_id=min(10000, vocab - 1),
                                          max_input_len=min(1024, max_len), max_output_len=min(1024, max_len)).build()
     engine.generate([[1, 2, 3]] * 4, params[0])  # warm-up
+    if args.no_order:
+        build = model_runner.build_flat_batch
+
+        def build_without_order(*a, **k):
+            flat = build(*a, **k)
+            flat.attn.seq_order = None
+            return flat
+
+        model_runner.build_flat_batch = build_without_order
     instrument()
     start = time.perf_counter()
     outputs = engine.generate(prompts, params)
@@ -76,6 +87,9 @@ def main() -> None:
     steps = counts["EngineCore.step"]
     print(f"{tokens} output tokens in {elapsed:.2f} s = {tokens / elapsed:,.0f} tok/s; {steps} steps, "
           f"{elapsed / steps * 1e3:.2f} ms per step")
+    sched = engine.core.scheduler
+    print(f"KV blocks {engine.core.runner.num_kv_blocks}, preemptions {sched.num_preemptions}, "
+          f"attention order {'off' if args.no_order else 'longest first'}")
     print(f"{'phase':48s} {'total s':>8s} {'ms/step':>8s} {'calls':>7s}")
     for label, total in sorted(totals.items(), key=lambda kv: -kv[1]):
         print(f"{label:48s} {total:8.2f} {total / steps * 1e3:8.3f} {counts[label]:7d}")

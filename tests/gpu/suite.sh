@@ -96,6 +96,10 @@ case $mode in
   final3-q06)  # Qwen3-0.6B at the defaults and at level 1
     step matrix-q06-l3 200 python3 tests/gpu/bench_matrix.py preset:Qwen3-0.6B --level 3 --steps 8 --latency-bs 1,32 --out "$OUT/matrix_q06_l3.json"
     step matrix-q06-l1 150 python3 tests/gpu/bench_matrix.py preset:Qwen3-0.6B --level 1 --steps 8 --latency-bs 1,32 --out "$OUT/matrix_q06_l1.json" ;;
+  diag-l8)  # why Llama-3-8B's nano run fell from 9,991 to 7,062 tok/s: phases, preemptions, order A/B
+    step diag-l8-l3 200 python3 tests/gpu/diag_steps.py preset:Llama-3-8B --level 3
+    step diag-l8-l3-no-order 150 python3 tests/gpu/diag_steps.py preset:Llama-3-8B --level 3 --no-order
+    step matrix-q06-l3 200 python3 tests/gpu/bench_matrix.py preset:Qwen3-0.6B --level 3 --steps 8 --latency-bs 1,32 --out "$OUT/matrix_q06_l3.json" ;;
   sweep)  # decode attention schedule: splits x order per batch size
     step sweep-attention 300 python3 tests/gpu/sweep_attention.py ;;
   probe)  # Triton cache across processes, decode attention tiles, then the large-batch decode profile
