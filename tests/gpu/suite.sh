@@ -105,8 +105,10 @@ case $mode in
     step diag-l8-unfused 150 python3 tests/gpu/diag_steps.py preset:Llama-3-8B --level 3 --unfused
     step profile-l8-bs128 150 python3 -m atomctl.main profile "${l8[@]}" --mark-trace --random-input --bs 128 --input-length 900 --output-length 4 --torch-profiler-dir /tmp/traces-l8
     step parse-trace-l8 90 python3 -m atomctl.main parse-trace "$(ls -t /tmp/traces-l8/rank_0/Llama*.json.gz | head -1)" --layer 3 --out-dir "$OUT" ;;
-  sweep)  # decode attention schedule: splits x order per batch size
-    step sweep-attention 300 python3 tests/gpu/sweep_attention.py ;;
+  sweep)  # decode attention schedule: splits x order per batch size, then a full-batch decode profile
+    step sweep-attention 300 python3 tests/gpu/sweep_attention.py
+    step profile-q06-decode 150 python3 -m atomctl.main profile "${q06[@]}" --mark-trace --random-input --bs 128 --input-length 900 --output-length 48 --torch-profiler-dir /tmp/traces-dec
+    step parse-trace-q06 90 python3 -m atomctl.main parse-trace "$(ls -t /tmp/traces-dec/rank_0/Qwen3*.json.gz | head -1)" --layer 3 --out-dir "$OUT" ;;
   probe)  # Triton cache across processes, decode attention tiles, then the large-batch decode profile
     step warmup-cache-1 60 python3 tests/gpu/diag_warmup.py 32
     step warmup-cache-2 60 python3 tests/gpu/diag_warmup.py 32

@@ -166,6 +166,9 @@ class TestPagedAttention:
         ordered = torch.full_like(batch.query, float("nan"))
         launch_paged_attention(*batch.args(), out=ordered, num_kv_splits=splits, seq_order=order)
         assert torch.equal(ordered, plain)
+        inner = torch.full_like(batch.query, float("nan"))
+        launch_paged_attention(*batch.args(), out=inner, num_kv_splits=splits, seq_order=order, heads_inner=True)
+        assert torch.equal(inner, plain)
 
     def test_public_wrapper_allocates_output(self, device):
         batch = make_paged_batch([3, 1], [20, 9], 4, 2, 64, 16, torch.bfloat16, device, seed=11)

@@ -106,10 +106,14 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
-    HAS_ORDER: tl.constexpr,
+    HAS_ORDER: tl.constexpr, HEADS_INNER: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEADS_INNER:  # the kv heads of one sequence are neighbours in launch order
+        pid = tl.program_id(0) // (NUM_HEADS // GROUP)
+        kv_head = tl.program_id(0) % (NUM_HEADS // GROUP)
+    else:
+        pid = tl.program_id(0)
+        kv_head = tl.program_id(1)
     split = tl.program_id(2)
     # Programs start roughly in pid order; with seq_order (longest first) the last wave holds
     # the shortest sequences, so SMs finish together instead of waiting on a long tail.
@@ -284,7 +288,7 @@ def launch_paged_attention(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_query_len: int,
     max_seq_len: int, out: torch.Tensor | None = None, *, num_kv_splits: int | None = None,
-    seq_order: torch.Tensor | None = None,
+    seq_order: torch.Tensor | None = None, heads_inner: bool = False,
 ) -> torch.Tensor:
     """`paged_attention` with an optional override of the split count (tests, benchmarks)."""
     _check_attention_args(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out)
@@ -309,7 +313,10 @@ def launch_paged_attention(
     else:
         part_out = part_lse = out  # unused by the kernel when IS_SPLIT is False
 
-    grid = (num_seqs * num_q_blocks, num_kv_heads, num_kv_splits)
+    if heads_inner:
+        grid = (num_seqs * num_q_blocks * num_kv_heads, 1, num_kv_splits)
+    else:
+        grid = (num_seqs * num_q_blocks, num_kv_heads, num_kv_splits)
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, out, part_out, part_lse,
         block_tables, query_start_loc, seq_lens, seq_order if seq_order is not None else seq_lens,
@@ -322,6 +329,7 @@ def launch_paged_attention(
         BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
         IS_SPLIT=is_split, DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
         DOT_IN_FP32=_INTERPRETED and query.dtype == torch.bfloat16, HAS_ORDER=seq_order is not None,
+        HEADS_INNER=heads_inner,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if is_split:
