@@ -105,6 +105,10 @@ case $mode in
     step diag-l8-unfused 150 python3 tests/gpu/diag_steps.py preset:Llama-3-8B --level 3 --unfused
     step profile-l8-bs128 150 python3 -m atomctl.main profile "${l8[@]}" --mark-trace --random-input --bs 128 --input-length 900 --output-length 4 --torch-profiler-dir /tmp/traces-l8
     step parse-trace-l8 90 python3 -m atomctl.main parse-trace "$(ls -t /tmp/traces-l8/rank_0/Llama*.json.gz | head -1)" --layer 3 --out-dir "$OUT" ;;
+  ab-old)  # this tree against 888fd10 (unpacked in old888/, not committed): Llama-3-8B nano, then Qwen3-0.6B phases
+    step old-l8-nano 150 env PYTHONPATH=$PWD/old888:/tmp/site python3 old888/tests/gpu/bench_matrix.py preset:Llama-3-8B --level 3 --steps 8 --latency-bs "" --out "$OUT/old_l8.json"
+    step new-l8-nano 150 python3 tests/gpu/bench_matrix.py preset:Llama-3-8B --level 3 --steps 8 --latency-bs "" --out "$OUT/new_l8.json"
+    step diag-q06-l3 120 python3 tests/gpu/diag_steps.py preset:Qwen3-0.6B --level 3 ;;
   sweep)  # decode attention schedule: splits x order per batch size, then a full-batch decode profile
     step sweep-attention 300 python3 tests/gpu/sweep_attention.py
     step profile-q06-decode 150 python3 -m atomctl.main profile "${q06[@]}" --mark-trace --random-input --bs 128 --input-length 900 --output-length 48 --torch-profiler-dir /tmp/traces-dec
