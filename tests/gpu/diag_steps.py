@@ -55,6 +55,22 @@ def instrument() -> None:
     timed(output_processor.OutputProcessor, "process")
 
 
+def watch_compiles() -> None:
+    """Print every Triton kernel variant first needed during the run (a JIT compile unless the
+    disk cache has it) and every Dynamo recompile: both should be none after startup."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return
+
+    def hook(*args, **kwargs):
+        print("mid-run Triton variant:", str(kwargs.get("repr", ""))[:300], flush=True)
+        return False
+
+    knobs.runtime.jit_cache_hook = hook
+    torch._logging.set_logs(recompiles=True)
+
+
 def unfuse_qkv_prep() -> None:
     """Swap the fused q/k-norm + RoPE + KV-store kernel for the separate kernels it replaced."""
     from atom_core.kernels import kernel_ops
@@ -110,6 +126,7 @@ def main() -> None:
 
         model_runner.build_flat_batch = build_without_order
     instrument()
+    watch_compiles()
     start = time.perf_counter()
     outputs = engine.generate(prompts, params)
     elapsed = time.perf_counter() - start

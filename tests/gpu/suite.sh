@@ -105,6 +105,13 @@ case $mode in
     step diag-l8-unfused 150 python3 tests/gpu/diag_steps.py preset:Llama-3-8B --level 3 --unfused
     step profile-l8-bs128 150 python3 -m atomctl.main profile "${l8[@]}" --mark-trace --random-input --bs 128 --input-length 900 --output-length 4 --torch-profiler-dir /tmp/traces-l8
     step parse-trace-l8 90 python3 -m atomctl.main parse-trace "$(ls -t /tmp/traces-l8/rank_0/Llama*.json.gz | head -1)" --layer 3 --out-dir "$OUT" ;;
+  final4)  # all GPU tests, mid-run compile check, then both models at the defaults and a warm Llama-3-8B start
+    kernel_tests
+    step engine-gpu-tests 150 python3 -m pytest -q --tb=short tests/gpu -p no:cacheprovider
+    step diag-q06-l3 90 python3 tests/gpu/diag_steps.py preset:Qwen3-0.6B --level 3
+    step matrix-q06 100 python3 tests/gpu/bench_matrix.py preset:Qwen3-0.6B --level 3 --steps 8 --latency-bs 1,32 --out "$OUT/matrix_q06.json"
+    step matrix-l8 130 python3 tests/gpu/bench_matrix.py preset:Llama-3-8B --level 3 --steps 8 --latency-bs 1,32 --out "$OUT/matrix_l8.json"
+    step warm-start-l8 60 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-len 8 --num-iters 1 --output-json "$OUT/warm_start_l8.json" ;;
   ab-old)  # this tree against 888fd10 (unpacked in old888/, not committed): Llama-3-8B nano, then Qwen3-0.6B phases
     step old-l8-nano 150 env PYTHONPATH=$PWD/old888:/tmp/site python3 old888/tests/gpu/bench_matrix.py preset:Llama-3-8B --level 3 --steps 8 --latency-bs "" --out "$OUT/old_l8.json"
     step new-l8-nano 150 python3 tests/gpu/bench_matrix.py preset:Llama-3-8B --level 3 --steps 8 --latency-bs "" --out "$OUT/new_l8.json"

@@ -399,7 +399,9 @@ def warm_up_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: in
         seq_len = q_len + 512  # cached context too, so both splits get tiles
         lens = torch.tensor([seq_len], dtype=torch.int32, device=device)
         tables = torch.zeros(1, triton.cdiv(seq_len, k_cache.shape[1]), dtype=torch.int32, device=device)
-        launch_paged_attention(query, k_cache, v_cache, tables, qsl, lens, 1.0, q_len, seq_len, num_kv_splits=splits)
+        order = qsl[:1] if q_len == 1 else None  # decode batches carry a sequence order
+        launch_paged_attention(query, k_cache, v_cache, tables, qsl, lens, 1.0, q_len, seq_len, num_kv_splits=splits,
+                               seq_order=order)
 
     variants = [(q_len, splits) for q_len in lengths for splits in (1, 2)]
     if threads > 1:

@@ -110,7 +110,9 @@ def _scan_columns(row_ptr, start, end, row, temp, keys, offs,
     return best, best_col
 
 
-@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "off_lo", "off_hi"])
+# The split sizes change with the batch size: as specialisation keys (== 1, % 16) they compiled
+# new variants in the middle of runs (1.2 s of a Llama-3-8B nano run on a cold cache).
+@triton.jit(do_not_specialize=["cols_per_split", "num_splits", "seed_lo", "seed_hi", "off_lo", "off_hi"])
 def _gumbel_argmax_partial_kernel(
     logits_ptr, temps_ptr, part_val_ptr, part_col_ptr, stride_row, stride_temp, n_cols,
     cols_per_split, num_splits, seed_lo, seed_hi, off_lo, off_hi, BLOCK: tl.constexpr, FAST_LOG: tl.constexpr,
@@ -135,7 +137,7 @@ def _gumbel_argmax_partial_kernel(
     tl.store(part_col_ptr + out, tl.min(tl.where(best == top, best_col, _INT32_MAX)))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _reduce_splits_kernel(part_val_ptr, part_col_ptr, out_ptr, num_splits, BLOCK_S: tl.constexpr):
     row = tl.program_id(0)
     s = tl.arange(0, BLOCK_S)
@@ -196,5 +198,8 @@ def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seed: int, o
         cols_per_split, splits, seed & _MASK31, (seed >> 31) & _MASK31, offset & _MASK31,
         (offset >> 31) & _MASK31, BLOCK=BLOCK, FAST_LOG=_has_fast_log(logits.device), num_warps=NUM_WARPS,
     )
-    _reduce_splits_kernel[(num_rows,)](part_val, part_col, out, splits, BLOCK_S=next_pow2(splits), num_warps=1)
+    # BLOCK_S from the vocab (the most splits any batch can get), so one variant serves every batch.
+    max_splits = triton.cdiv(n_cols, BLOCK)
+    _reduce_splits_kernel[(num_rows,)](part_val, part_col, out, splits, BLOCK_S=max(2, next_pow2(max_splits)),
+                                       num_warps=1)
     return out
