@@ -55,6 +55,42 @@ def instrument() -> None:
     timed(output_processor.OutputProcessor, "process")
 
 
+events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+
+
+def record_gpu_spans() -> None:
+    """CUDA events around every launch: the device time each step spans (its kernels plus any
+    bubbles while the host is still launching them) and the idle gaps between steps."""
+    launch = model_runner.ModelRunner.launch
+
+    def wrapper(self, batch, *args, **kwargs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        try:
+            return launch(self, batch, *args, **kwargs)
+        finally:
+            end.record()
+            kind = "window" if batch.step_counts is not None else ("decode" if batch.is_decode_only else "prefill/mixed")
+            events.append((kind, start, end))
+
+    model_runner.ModelRunner.launch = wrapper
+
+
+def report_gpu_spans() -> None:
+    torch.cuda.synchronize()
+    spans = collections.Counter()
+    counts_by_kind = collections.Counter()
+    gaps = 0.0
+    for i, (kind, start, end) in enumerate(events):
+        spans[kind] += start.elapsed_time(end) / 1e3
+        counts_by_kind[kind] += 1
+        if i:
+            gaps += max(0.0, events[i - 1][2].elapsed_time(start) / 1e3)
+    for kind, total in spans.items():
+        print(f"GPU span {kind:14s} {total:7.2f} s over {counts_by_kind[kind]} launches")
+    print(f"GPU idle between launches {gaps:7.2f} s")
+
+
 def watch_compiles() -> None:
     """Print every Triton kernel variant first needed during the run (a JIT compile unless the
     disk cache has it) and every Dynamo recompile: both should be none after startup."""
@@ -125,6 +161,7 @@ def main() -> None:
             return flat
 
         model_runner.build_flat_batch = build_without_order
+    record_gpu_spans()
     instrument()
     watch_compiles()
     start = time.perf_counter()
@@ -134,6 +171,7 @@ def main() -> None:
     steps = counts["EngineCore.step"]
     print(f"{tokens} output tokens in {elapsed:.2f} s = {tokens / elapsed:,.0f} tok/s; {steps} steps, "
           f"{elapsed / steps * 1e3:.2f} ms per step")
+    report_gpu_spans()
     sched = engine.core.scheduler
     print(f"KV blocks {engine.core.runner.num_kv_blocks}, preemptions {sched.num_preemptions}, "
           f"attention order {'off' if args.no_order else 'longest first'}")

@@ -112,6 +112,14 @@ case $mode in
     step matrix-q06 100 python3 tests/gpu/bench_matrix.py preset:Qwen3-0.6B --level 3 --steps 8 --latency-bs 1,32 --out "$OUT/matrix_q06.json"
     step matrix-l8 130 python3 tests/gpu/bench_matrix.py preset:Llama-3-8B --level 3 --steps 8 --latency-bs 1,32 --out "$OUT/matrix_l8.json"
     step warm-start-l8 60 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-len 8 --num-iters 1 --output-json "$OUT/warm_start_l8.json" ;;
+  final5)  # the kernel tests touched since final4, Llama-3-8B device timeline, both models at K=8 and 16, a warm start
+    ( timeout 200 python3 -m pytest -q --tb=short tests/kernels -p no:cacheprovider -k "test_triton_kernels and not TestPagedAttention" > /tmp/kA.log 2>&1 ) &
+    ( timeout 200 python3 -m pytest -q --tb=short tests/kernels -p no:cacheprovider -k "TestPagedAttention and dtype0" > /tmp/kB.log 2>&1 ) &
+    wait; tail -n 3 /tmp/kA.log /tmp/kB.log
+    step diag-l8 120 python3 tests/gpu/diag_steps.py preset:Llama-3-8B --level 3
+    step matrix-q06 120 python3 tests/gpu/bench_matrix.py preset:Qwen3-0.6B --level 3 --steps 8,16 --latency-bs 1,32 --out "$OUT/matrix_q06.json"
+    step matrix-l8 150 python3 tests/gpu/bench_matrix.py preset:Llama-3-8B --level 3 --steps 8,16 --latency-bs 1,32 --out "$OUT/matrix_l8.json"
+    step warm-start-l8 60 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-len 8 --num-iters 1 --output-json "$OUT/warm_start_l8.json" ;;
   ab-old)  # this tree against 888fd10 (unpacked in old888/, not committed): Llama-3-8B nano, then Qwen3-0.6B phases
     step old-l8-nano 150 env PYTHONPATH=$PWD/old888:/tmp/site python3 old888/tests/gpu/bench_matrix.py preset:Llama-3-8B --level 3 --steps 8 --latency-bs "" --out "$OUT/old_l8.json"
     step new-l8-nano 150 python3 tests/gpu/bench_matrix.py preset:Llama-3-8B --level 3 --steps 8 --latency-bs "" --out "$OUT/new_l8.json"

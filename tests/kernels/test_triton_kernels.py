@@ -372,11 +372,15 @@ class TestWarmUp:
             return sum(len(c[0]) for c in caches.values())
 
         before = compiled()
-        for q_lens, ctx in (([1] * 5, 300), ([3, 17], 40), ([150, 1, 9], 0), ([1], 900), ([200], 100)):
+        # Block-table widths 19, 4, 10, 57, 16, 16, 19: a width of 16 must not be a new variant either.
+        for q_lens, ctx in (([1] * 5, 300), ([3, 17], 40), ([150, 1, 9], 0), ([1], 900), ([1, 1], 240),
+                            ([20], 220), ([200], 100)):
             lens = [q + ctx for q in q_lens]
             query = torch.randn(sum(q_lens), 8, 64, generator=gen).to(device, torch.bfloat16)
             qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=device)
             tables = torch.randint(0, 64, (len(q_lens), max(lens) // 16 + 1), generator=gen, dtype=torch.int32).to(device)
-            launch_paged_attention(query, k_cache, v_cache, tables, qsl, torch.tensor(lens, dtype=torch.int32, device=device),
-                                   0.125, max(q_lens), max(lens))
+            seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+            order = torch.argsort(seq_lens, descending=True).to(torch.int32) if max(q_lens) == 1 else None  # as the engine
+            launch_paged_attention(query, k_cache, v_cache, tables, qsl, seq_lens, 0.125, max(q_lens), max(lens),
+                                   seq_order=order)
         assert compiled() == before

@@ -95,8 +95,8 @@ def _attend_tile(
 
 
 # Per-step sizes are plain runtime ints: specialising on them (== 1, % 16) would JIT-compile
-# new variants in the middle of a run.
-@triton.jit(do_not_specialize=["num_tokens", "num_q_blocks", "num_splits"])
+# new variants in the middle of a run (the block-table width too: a width of 16 did, on the H100).
+@triton.jit(do_not_specialize=["num_tokens", "num_q_blocks", "num_splits", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, seq_order_ptr,
