@@ -115,6 +115,41 @@ class TestStoreKvCache:
         assert torch.equal(v_cache.view(12, 2, 8), expected_v)
 
 
+
+class TestQkvRopeStore:
+    @pytest.mark.parametrize("qk_norm", [False, True])
+    def test_splits_norms_rotates_and_stores(self, qk_norm):
+        gen = torch.Generator().manual_seed(int(qk_norm))
+        heads, kv_heads, d, num_tokens = 4, 2, 16, 5
+        qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * d, generator=gen)
+        positions = torch.tensor([3, 0, 9, 4, 1])
+        angles = torch.outer(torch.arange(16.0), 1.0 / 10000 ** (torch.arange(0, d, 2) / d))
+        cache = torch.cat((angles.cos(), angles.sin()), dim=-1)
+        slots = torch.tensor([0, -1, 6, 11, 2])
+        k_cache, v_cache = torch.zeros(3, 4, kv_heads, d), torch.zeros(3, 4, kv_heads, d)
+        w = [torch.rand(d, generator=gen) + 0.5 for _ in range(2)] if qk_norm else [None, None]
+        q = torch_ref.qkv_rope_store(qkv, positions, cache, k_cache, v_cache, slots, heads, *w, eps=1e-6)
+
+        q_in, k_in, v_in = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+        q_in, k_in, v_in = q_in.view(-1, heads, d), k_in.view(-1, kv_heads, d), v_in.view(-1, kv_heads, d)
+        if qk_norm:  # per-head RMSNorm by hand
+            q_in = q_in / q_in.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt() * w[0]
+            k_in = k_in / k_in.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt() * w[1]
+        want_q, want_k = torch_ref.rotary_embedding(positions, q_in, k_in, cache)
+        torch.testing.assert_close(q, want_q)
+        for t, slot in enumerate(slots.tolist()):
+            if slot >= 0:
+                torch.testing.assert_close(k_cache.view(12, kv_heads, d)[slot], want_k[t])
+                assert torch.equal(v_cache.view(12, kv_heads, d)[slot], v_in[t])
+        assert k_cache.view(12, kv_heads, d)[[1, 3, 4, 5, 7, 8, 9, 10]].abs().sum() == 0
+
+    def test_rejects_lone_norm_weight(self):
+        with pytest.raises(ValueError, match="go together"):
+            torch_ref.qkv_rope_store(torch.zeros(1, 64), torch.zeros(1, dtype=torch.int64), torch.zeros(4, 16),
+                                     torch.zeros(1, 4, 1, 16), torch.zeros(1, 4, 1, 16), torch.zeros(1, dtype=torch.int64),
+                                     2, torch.ones(16), None)
+
+
 class TestNormsAndActivation:
     def test_rms_norm_matches_float64(self):
         x, w = torch.randn(6, 64), torch.randn(64)
