@@ -176,6 +176,20 @@ class KVCacheManager:
             self.cached.setdefault(hashes[i], block.block_id)
         seq.num_hashed_blocks = num_full
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the content of every free block, so no later request hits what earlier ones
+        computed (e.g. a benchmark repeating its workload); blocks in use keep their hashes.
+        Returns how many cached blocks were dropped."""
+        dropped = 0
+        for block_id in self.free_queue:
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                if self.cached.get(block.block_hash) == block_id:
+                    del self.cached[block.block_hash]
+                block.block_hash = None
+                dropped += 1
+        return dropped
+
     def reset_counters(self) -> None:
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0

@@ -80,6 +80,11 @@ class LLMEngine:
     def is_finished(self) -> bool:
         return not self.core.has_unfinished()
 
+    def reset_prefix_cache(self) -> int:
+        """Drop the prefix cache's finished content (blocks of running requests stay shared);
+        returns the number of blocks forgotten."""
+        return self.core.kv.reset_prefix_cache()
+
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[dict]:
         """Run prompts to completion; one output dict per prompt, in prompt order."""
         request_ids = self.add_request(prompts, sampling_params)

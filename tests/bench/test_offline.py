@@ -25,6 +25,18 @@ class TestNanoWorkload:
         assert all(100 <= len(p) <= 1024 and max(p) <= 10_000 for p in prompts)
         assert {p.temperature for p in params} == {0.6} and all(p.ignore_eos for p in params)
 
+    def test_a_repeated_run_on_one_engine_gets_no_prefix_hits(self, tiny_llama):
+        from atom_core import LLMEngine
+        from atom_core.bench.offline import run_throughput
+
+        engine = LLMEngine(str(tiny_llama), num_kv_blocks=256)
+        workload = ThroughputWorkload(num_prompts=4, min_input_len=40, max_input_len=60, min_output_len=2,
+                                      max_output_len=4)
+        run_throughput(engine, workload)
+        engine.core.kv.reset_counters()
+        run_throughput(engine, workload)  # the same prompts again: every full block was cached
+        assert engine.core.kv.num_queried_tokens > 0 and engine.core.kv.num_hit_tokens == 0
+
     def test_same_seed_same_workload(self):
         a, b = ThroughputWorkload(num_prompts=8).build(), ThroughputWorkload(num_prompts=8).build()
         assert a[0] == b[0] and [p.max_tokens for p in a[1]] == [p.max_tokens for p in b[1]]

@@ -95,6 +95,18 @@ class TestPrefixReuse:
         assert kv.num_used_blocks == 5
         release(kv, a, b)
 
+    def test_reset_forgets_free_blocks_but_keeps_running_ones(self, kv):
+        prefix = list(range(1, 13))
+        a, b = make_seq("a", prefix + [50]), make_seq("b", [7] * 8 + [1])
+        run_prefill(kv, a)
+        run_prefill(kv, b)
+        kv.free(a)  # a finishes; b keeps running
+        kv.forget(a)
+        assert kv.reset_prefix_cache() == 3  # a's three full blocks
+        assert kv.get_prefix_hit_tokens(make_seq("a2", prefix + [50])) == 0
+        assert kv.get_prefix_hit_tokens(make_seq("b2", [7] * 8 + [2])) == 8  # b's blocks are in use
+        release(kv, b)
+
     def test_prefix_blocks_are_revived_after_the_first_request_ends(self, kv):
         prefix = list(range(1, 13))
         a = make_seq("a", prefix + [50])
