@@ -120,6 +120,13 @@ case $mode in
     step matrix-q06 120 python3 tests/gpu/bench_matrix.py preset:Qwen3-0.6B --level 3 --steps 8,16 --latency-bs 1,32 --out "$OUT/matrix_q06.json"
     step matrix-l8 150 python3 tests/gpu/bench_matrix.py preset:Llama-3-8B --level 3 --steps 8,16 --latency-bs 1,32 --out "$OUT/matrix_l8.json"
     step warm-start-l8 60 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-len 8 --num-iters 1 --output-json "$OUT/warm_start_l8.json" ;;
+  final6)  # the targets through the CLI itself, at the defaults; Llama-3-8B offline twice (cold, then warm caches)
+    step off-l8 120 python3 -m atomctl.main bench offline "${l8[@]}" --output-json "$OUT/off_l8.json"
+    step off-q06 90 python3 -m atomctl.main bench offline "${q06[@]}" --output-json "$OUT/off_q06.json"
+    step off-l8-again 90 python3 -m atomctl.main bench offline "${l8[@]}" --output-json "$OUT/off_l8_again.json"
+    step lat-q06-bs1 60 python3 -m atomctl.main bench latency "${q06[@]}" --bs 1 --output-json "$OUT/lat_q06_bs1.json"
+    step lat-l8-bs1 70 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-json "$OUT/lat_l8_bs1.json"
+    step lat-l8-bs32 70 python3 -m atomctl.main bench latency "${l8[@]}" --bs 32 --output-json "$OUT/lat_l8_bs32.json" ;;
   ab-old)  # this tree against 888fd10 (unpacked in old888/, not committed): Llama-3-8B nano, then Qwen3-0.6B phases
     step old-l8-nano 150 env PYTHONPATH=$PWD/old888:/tmp/site python3 old888/tests/gpu/bench_matrix.py preset:Llama-3-8B --level 3 --steps 8 --latency-bs "" --out "$OUT/old_l8.json"
     step new-l8-nano 150 python3 tests/gpu/bench_matrix.py preset:Llama-3-8B --level 3 --steps 8 --latency-bs "" --out "$OUT/new_l8.json"
