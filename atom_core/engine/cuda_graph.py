@@ -115,10 +115,10 @@ class CUDAGraphRunner:
                 self.seq_order[:bs].copy_(meta.seq_order, non_blocking=True)
             else:
                 self.seq_order[:bs].copy_(self.row_ids[:bs], non_blocking=True)
-            self.seq_order[bs:padded].copy_(self.row_ids[bs:padded], non_blocking=True)
             width = meta.block_tables.shape[1]
             self.block_tables[:bs, :width].copy_(meta.block_tables, non_blocking=True)
             if padded > bs:
+                self.seq_order[bs:padded].copy_(self.row_ids[bs:padded], non_blocking=True)
                 self.slot_mapping[bs:padded].fill_(-1)
                 self.seq_lens[bs:padded].fill_(1)
         self.graphs[padded].replay()

@@ -1,12 +1,10 @@
-"""Rotary position embedding (neox style) with the rope scalings our models use."""
+"""Rotary position embedding (neox style): the cos/sin cache, with the rope scalings our models use."""
 from __future__ import annotations
 
 import math
 
 import torch
 from torch import nn
-
-from atom_core.kernels import kernel_ops
 
 
 def rope_parameters(config) -> tuple[float, dict | None]:
@@ -38,7 +36,8 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to q [T, H, D] and k [T, KH, D] at `positions` from a float32 cos/sin cache."""
+    """The float32 cos/sin cache [max_position, rotary_dim] RoPE reads; the rotation itself runs
+    inside the attention op's fused q/k-norm + RoPE + KV-store kernel (`qkv_rope_store`)."""
 
     def __init__(self, head_dim: int, rotary_dim: int, max_position: int, base: float, scaling: dict | None = None):
         super().__init__()
@@ -54,7 +53,3 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq)
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
         self.register_buffer("cos_sin_cache", cache.to(torch.get_default_device()), persistent=False)
-        self.ops = kernel_ops(torch.get_default_device())
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        return self.ops.rotary_embedding(positions, q, k, self.cos_sin_cache)
