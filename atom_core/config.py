@@ -1,27 +1,37 @@
-"""EngineConfig: every engine knob in one frozen dataclass, validated once on construction."""
+"""Engine configuration in parts, each frozen and validated on construction.
+
+`EngineConfig.from_kwargs(model, **options)` takes the flat option names the CLI and
+`LLMEngine(...)` use (every name is also an `atomctl` flag) and sorts them into parts; each
+component takes its own part. What depends on the checkpoint (the HF config, the resolved
+dtype, max_model_len, EOS ids) is resolved once, by `ModelConfig.resolve`, into a
+`ResolvedModel` that the engine core hands to the scheduler and the worker.
+"""
 from __future__ import annotations
 
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
+
+if TYPE_CHECKING:
+    from atom_core.loader.model_dir import ModelFiles
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8) + tuple(range(16, 513, 16))
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    """All engine settings. `model` is a local HF directory or `preset:NAME`.
+def _fail(part, name: str, why: str) -> None:
+    flag = "--" + name.replace("_", "-")
+    raise ValueError(f"invalid engine option {name}={getattr(part, name)!r} ({flag}): {why}")
 
-    num_kv_blocks, when set, fixes the KV cache size; otherwise it is sized from
-    gpu_memory_utilization on a GPU, or from kv_cache_memory_gb on the CPU.
-    level: 0 eager; 1 CUDA graphs for decode; 2 torch.compile of the model (graph split at
-    attention); 3 (default) compile + CUDA graphs. enforce_eager forces level 0.
-    """
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which checkpoint, in which dtype, on which device. `model` is a local HF directory or
+    `preset:NAME`; load_format dummy draws random weights (benchmarks)."""
 
     model: str
     tokenizer: str | None = None
@@ -29,91 +39,25 @@ class EngineConfig:
     device: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory_gb: float = 1.0
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    enforce_eager: bool = False
-    level: int = 3
-    cudagraph_capture_sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES
-    async_scheduling: bool = True
-    num_scheduler_steps: int = 8
     load_format: Literal["auto", "dummy"] = "auto"
-    tensor_parallel_size: int = 1
-    trust_remote_code: bool = False
-    torch_profiler_dir: str | None = None
-    profiler_detailed: bool = False
-    mark_trace: bool = False
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self._validate()
-
-    def _validate(self) -> None:
-        def fail(name: str, why: str) -> None:
-            raise ValueError(f"invalid engine option {name}={getattr(self, name)!r}: {why}")
-
         if not self.model:
-            fail("model", "a model directory or preset:NAME is required")
+            _fail(self, "model", "a model directory or preset:NAME is required")
         if self.dtype not in DTYPES and self.dtype not in DTYPE_ALIASES:
-            fail("dtype", f"expected one of: {', '.join([*DTYPES, *DTYPE_ALIASES])}")
+            _fail(self, "dtype", f"expected one of: {', '.join([*DTYPES, *DTYPE_ALIASES])}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
-            fail("device", "expected auto, cpu, cuda or cuda:N")
+            _fail(self, "device", "expected auto, cpu, cuda or cuda:N")
         if self.max_model_len is not None and self.max_model_len < 1:
-            fail("max_model_len", "must be >= 1")
-        if self.max_num_seqs < 1:
-            fail("max_num_seqs", "must be >= 1")
-        if self.max_num_batched_tokens < 1:
-            fail("max_num_batched_tokens", "must be >= 1")
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            fail("block_size", "must be a power of two")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            fail("num_kv_blocks", "must be >= 1")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            fail("gpu_memory_utilization", "must be in (0, 1]")
-        if not self.kv_cache_memory_gb > 0:
-            fail("kv_cache_memory_gb", "must be > 0")
-        if self.level not in (0, 1, 2, 3):
-            fail("level", "expected 0, 1, 2 or 3")
-        if not self.cudagraph_capture_sizes or any(s < 1 for s in self.cudagraph_capture_sizes):
-            fail("cudagraph_capture_sizes", "must be a non-empty list of positive batch sizes")
-        if not 1 <= self.num_scheduler_steps <= 64:
-            fail("num_scheduler_steps", "must be between 1 and 64")
+            _fail(self, "max_model_len", "must be >= 1")
         if self.load_format not in ("auto", "dummy"):
-            fail("load_format", "expected auto or dummy")
-        if self.tensor_parallel_size != 1:
-            fail("tensor_parallel_size", "only 1 is supported so far")
-        if not self.enable_chunked_prefill and self.max_model_len is not None:
-            if self.max_num_batched_tokens < self.max_model_len:
-                fail("max_num_batched_tokens", "must be >= max_model_len without chunked prefill")
+            _fail(self, "load_format", "expected auto or dummy")
 
-    # Derived values: properties, never written back.
     @property
     def torch_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
-
-    @property
-    def sorted_capture_sizes(self) -> tuple[int, ...]:
-        return tuple(sorted(set(s for s in self.cudagraph_capture_sizes if s <= self.max_num_seqs)))
-
-    @property
-    def use_cuda_graphs(self) -> bool:
-        return self.torch_device.type == "cuda" and not self.enforce_eager and self.level in (1, 3)
-
-    @property
-    def use_compile(self) -> bool:
-        return (
-            self.torch_device.type == "cuda"
-            and not self.enforce_eager
-            and self.level in (2, 3)
-            and not self.mark_trace
-        )
 
     def resolve_dtype(self, config_dtype: torch.dtype | None) -> torch.dtype:
         """auto: the checkpoint's bf16/fp16 on a GPU (bf16 if it says fp32); float32 on the CPU."""
@@ -126,20 +70,228 @@ class EngineConfig:
             return config_dtype
         return torch.bfloat16
 
-    def replace(self, **changes) -> "EngineConfig":
-        return dataclasses.replace(self, **changes)
+    def resolve(self, files: "ModelFiles") -> "ResolvedModel":
+        """Everything the checkpoint decides, once: architecture, dtype, max_model_len, EOS ids."""
+        from atom_core.models.registry import check_architectures
+        from atom_core.quant import get_quant_config
+
+        hf = files.hf_config
+        return ResolvedModel(
+            hf_config=hf,
+            path=files.path,
+            architecture=check_architectures(getattr(hf, "architectures", None)),
+            dtype=self.resolve_dtype(_config_dtype(hf)),
+            device=self.torch_device,
+            max_model_len=self._resolve_max_model_len(hf),
+            eos_token_ids=frozenset(files.eos_token_ids),
+            vocab_size=hf.vocab_size,
+            quant_config=get_quant_config(hf),
+            seed=self.seed,
+            load_format=self.load_format,
+        )
+
+    def _resolve_max_model_len(self, hf_config) -> int:
+        limit = getattr(hf_config, "max_position_embeddings", None)
+        if self.max_model_len is None:
+            if limit is None:
+                raise ValueError("config.json has no max_position_embeddings; pass max_model_len")
+            return limit
+        if limit is not None and self.max_model_len > limit:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={limit}")
+        return self.max_model_len
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """The model part after reading the checkpoint's config (built by ModelConfig.resolve)."""
+
+    hf_config: object
+    path: object  # pathlib.Path of the model directory
+    architecture: str
+    dtype: torch.dtype
+    device: torch.device
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+    vocab_size: int
+    quant_config: object  # atom_core.quant.QuantConfig from the checkpoint's quantization_config; None: unquantized
+    seed: int
+    load_format: str
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache. num_kv_blocks, when set, fixes its size; otherwise it is sized from
+    gpu_memory_utilization on a GPU, or from kv_cache_memory_gb on the CPU."""
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_gb: float = 1.0
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            _fail(self, "block_size", "must be a power of two")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            _fail(self, "num_kv_blocks", "must be >= 1")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            _fail(self, "gpu_memory_utilization", "must be in (0, 1]")
+        if not self.kv_cache_memory_gb > 0:
+            _fail(self, "kv_cache_memory_gb", "must be > 0")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching. num_scheduler_steps > 1: decode windows of that many steps while
+    no request waits (one host round trip per window)."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_chunked_prefill: bool = True
+    async_scheduling: bool = True
+    num_scheduler_steps: int = 8
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            _fail(self, "max_num_seqs", "must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            _fail(self, "max_num_batched_tokens", "must be >= 1")
+        if not 1 <= self.num_scheduler_steps <= 64:
+            _fail(self, "num_scheduler_steps", "must be between 1 and 64")
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """level: 0 eager; 1 CUDA graphs for decode; 2 torch.compile of the decoder layers (graph
+    split at attention); 3 (default) compile + CUDA graphs. enforce_eager forces level 0.
+    Only GPUs compile or capture; the CPU always runs eagerly."""
+
+    level: int = 3
+    enforce_eager: bool = False
+    cudagraph_capture_sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES
+
+    def __post_init__(self) -> None:
+        if self.level not in (0, 1, 2, 3):
+            _fail(self, "level", "expected 0, 1, 2 or 3")
+        if not self.cudagraph_capture_sizes or any(s < 1 for s in self.cudagraph_capture_sizes):
+            _fail(self, "cudagraph_capture_sizes", "must be a non-empty list of positive batch sizes")
+
+    def use_cuda_graphs(self, device: torch.device) -> bool:
+        return device.type == "cuda" and not self.enforce_eager and self.level in (1, 3)
+
+    def use_compile(self, device: torch.device, mark_trace: bool = False) -> bool:
+        # mark_trace wraps modules in record_function ranges, which compiled graphs drop.
+        return device.type == "cuda" and not self.enforce_eager and self.level in (2, 3) and not mark_trace
+
+    def capture_sizes(self, max_num_seqs: int) -> tuple[int, ...]:
+        return tuple(sorted(set(s for s in self.cudagraph_capture_sizes if s <= max_num_seqs)))
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How many ranks share the model. One rank is all this engine runs today: the parallelism
+    issue adds the tensor/data/expert-parallel options; there is no option to set these yet."""
+
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.data_parallel_size
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (the spec-decode issue adds methods and their options): none yet,
+    so every step verifies no drafts."""
+
+    method: str | None = None
+    num_speculative_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class ProfilerConfig:
+    """torch profiler output; mark_trace adds a record_function range per module (and turns
+    compile off, which would drop them)."""
+
+    torch_profiler_dir: str | None = None
+    profiler_detailed: bool = False
+    mark_trace: bool = False
+
+
+_PARTS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "compile": CompileConfig,
+          "profiler": ProfilerConfig}
+_NULLABLE = {"max_model_len", "num_kv_blocks", "tokenizer", "torch_profiler_dir"}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The whole engine's settings, one part per component."""
+
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+
+    def __post_init__(self) -> None:
+        sched, max_len = self.scheduler, self.model.max_model_len
+        if not sched.enable_chunked_prefill and max_len is not None and sched.max_num_batched_tokens < max_len:
+            _fail(sched, "max_num_batched_tokens", "must be >= max_model_len without chunked prefill")
+
+    @property
+    def torch_device(self) -> torch.device:
+        return self.model.torch_device
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        return self.compile.use_cuda_graphs(self.torch_device)
+
+    @property
+    def use_compile(self) -> bool:
+        return self.compile.use_compile(self.torch_device, self.profiler.mark_trace)
+
+    @property
+    def capture_sizes(self) -> tuple[int, ...]:
+        return self.compile.capture_sizes(self.scheduler.max_num_seqs)
+
+    def replace(self, **options) -> "EngineConfig":
+        """A copy with some flat options changed (same names as from_kwargs)."""
+        parts = _split_options(options)
+        return dataclasses.replace(self, **{name: dataclasses.replace(getattr(self, name), **values)
+                                            for name, values in parts.items()})
 
     @classmethod
-    def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":
-        """Build from keyword options, rejecting unknown names with the list of known ones."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(kwargs) - names)
-        if unknown:
-            raise ValueError(f"unknown engine option(s) {unknown}; known: {', '.join(sorted(names))}")
-        if "cudagraph_capture_sizes" in kwargs and kwargs["cudagraph_capture_sizes"] is not None:
-            kwargs["cudagraph_capture_sizes"] = tuple(kwargs["cudagraph_capture_sizes"])
-        kwargs = {k: v for k, v in kwargs.items() if v is not None or k in _NULLABLE}
-        return cls(model=os.fspath(model), **kwargs)
+    def option_names(cls) -> list[str]:
+        return sorted(f.name for part in _PARTS.values() for f in dataclasses.fields(part))
+
+    @classmethod
+    def from_kwargs(cls, model: str | os.PathLike, **options) -> "EngineConfig":
+        """Build from flat keyword options; unknown names are rejected with the known ones listed.
+        None means "the default" except for options whose default is None."""
+        if options.get("cudagraph_capture_sizes") is not None:
+            options["cudagraph_capture_sizes"] = tuple(options["cudagraph_capture_sizes"])
+        options = {k: v for k, v in options.items() if v is not None or k in _NULLABLE}
+        parts = _split_options({"model": os.fspath(model), **options})
+        return cls(**{name: _PARTS[name](**values) for name, values in parts.items()})
 
 
-_NULLABLE = {"max_model_len", "num_kv_blocks", "tokenizer", "torch_profiler_dir"}
+def _split_options(options: dict) -> dict[str, dict]:
+    owner = {f.name: part for part, cls in _PARTS.items() for f in dataclasses.fields(cls)}
+    unknown = sorted(set(options) - set(owner))
+    if unknown:
+        raise ValueError(f"unknown engine option(s) {unknown}; known: {', '.join(sorted(owner))}")
+    parts: dict[str, dict] = {}
+    for name, value in options.items():
+        parts.setdefault(owner[name], {})[name] = value
+    return parts
+
+
+def _config_dtype(hf_config) -> torch.dtype | None:
+    dtype = getattr(hf_config, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+

@@ -23,7 +23,7 @@ def _start_engine(engine_args: dict):
 def _startup_phases(engine, startup: float) -> dict[str, float]:
     """The runner's phases plus `other`: the rest of engine construction (config and tokenizer
     loading, CUDA context, the scheduler), so the phases add up to start to ready."""
-    phases = dict(engine.core.runner.startup_breakdown)
+    phases = dict(engine.core.executor.startup_breakdown)
     phases["other"] = max(0.0, startup - sum(phases.values()))
     return phases
 

@@ -19,8 +19,8 @@ from atom_core.sampling_params import SamplingParams
 
 
 def stub_model(engine: LLMEngine) -> None:
-    runner = engine.core.runner
-    hidden = runner.hf_config.hidden_size
+    runner = engine.core.executor.runner
+    hidden = runner.model_info.hf_config.hidden_size
     runner.model.forward = lambda ids, pos: torch.zeros(ids.shape[0], hidden)
     runner.model.compute_logits = lambda h: torch.zeros(h.shape[0], 8)
     runner.sampler.forward = lambda logits, sb: SamplerOutput(token_ids=torch.full((logits.shape[0],), 7))

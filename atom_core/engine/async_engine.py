@@ -28,6 +28,7 @@ import threading
 import traceback
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Literal
 
 from atom_core.config import EngineConfig
 from atom_core.engine.output_processor import CoreOutput, OutputProcessor, RequestState
@@ -53,14 +54,71 @@ class CoreInfo:
     eos_token_ids: frozenset[int]
 
 
+# ---- messages across the process boundary ----------------------------------------------
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class AbortRequests:
+    request_ids: list[str]
+
+
+@dataclass(frozen=True)
+class CallCore:
+    """Run a core method between steps; its ValueError comes back as a failed Reply."""
+
+    call_id: int
+    method: Literal["stats", "start_profile", "stop_profile"]
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+@dataclass(frozen=True)
+class Ready:
+    info: CoreInfo
+
+
+@dataclass(frozen=True)
+class StartupError:
+    message: str
+
+
+@dataclass(frozen=True)
+class Outputs:
+    outputs: list[CoreOutput]
+
+
+@dataclass(frozen=True)
+class Reply:
+    call_id: int
+    ok: bool
+    value: object
+
+
+@dataclass(frozen=True)
+class RequestError:
+    request_id: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Fatal:
+    traceback: str
+
+
 # ---- the core process -----------------------------------------------------------------
 def run_core(config: EngineConfig, in_q: mp.Queue, out_q: mp.Queue) -> None:
     """Entry point of the core process: build the core, hand back CoreInfo, then loop.
 
-    Commands on in_q: ("add", rid, ids, params), ("abort", [rid]), ("call", call_id, name)
-    with name in stats/start_profile/stop_profile, ("shutdown",). Messages on out_q:
-    ("ready", CoreInfo) or ("startup_error", msg), then ("outputs", [CoreOutput]),
-    ("reply", call_id, ok, value), ("request_error", rid, msg) and ("fatal", traceback).
+    in_q carries AddRequest, AbortRequests, CallCore and Shutdown; out_q carries Ready or
+    StartupError, then Outputs, Reply, RequestError and Fatal.
     """
     # Ctrl-C and a SIGTERM to the process group reach the core too; the API process decides
     # when it stops (after draining), and the core exits by itself if that process dies.
@@ -71,14 +129,14 @@ def run_core(config: EngineConfig, in_q: mp.Queue, out_q: mp.Queue) -> None:
     try:
         core = EngineCore(config)
     except Exception as e:  # noqa: BLE001 - the process boundary: report, the parent raises it
-        out_q.put(("startup_error", f"{type(e).__name__}: {e}"))
+        out_q.put(StartupError(f"{type(e).__name__}: {e}"))
         return
     info = CoreInfo(core.max_model_len, core.vocab_size, core.kv.num_blocks, frozenset(core.files.eos_token_ids))
-    out_q.put(("ready", info))
+    out_q.put(Ready(info))
     try:
         _core_loop(core, in_q, out_q)
     except Exception:  # noqa: BLE001 - a failed step ends the core; the API process must know why
-        out_q.put(("fatal", traceback.format_exc()))
+        out_q.put(Fatal(traceback.format_exc()))
         raise
 
 
@@ -86,16 +144,16 @@ def _core_loop(core, in_q: mp.Queue, out_q: mp.Queue) -> None:
     parent = mp.parent_process()
     while True:
         for cmd in _drain(in_q, block=not core.has_unfinished(), parent=parent):
-            if cmd[0] == "shutdown":
+            if isinstance(cmd, Shutdown):
                 return
             _handle(core, cmd, out_q)
         if core.has_unfinished():
             outputs = core.step()
             if outputs:
-                out_q.put(("outputs", outputs))
+                out_q.put(Outputs(outputs))
 
 
-def _drain(in_q: mp.Queue, block: bool, parent) -> list[tuple]:
+def _drain(in_q: mp.Queue, block: bool, parent) -> list:
     """All queued commands; when idle, wait for one first (and exit if the parent died)."""
     cmds = []
     while block and not cmds:
@@ -103,7 +161,7 @@ def _drain(in_q: mp.Queue, block: bool, parent) -> list[tuple]:
             cmds.append(in_q.get(timeout=_POLL_S))
         except queue.Empty:
             if parent is not None and not parent.is_alive():
-                return [("shutdown",)]
+                return [Shutdown()]
     while True:
         try:
             cmds.append(in_q.get_nowait())
@@ -111,26 +169,24 @@ def _drain(in_q: mp.Queue, block: bool, parent) -> list[tuple]:
             return cmds
 
 
-def _handle(core, cmd: tuple, out_q: mp.Queue) -> None:
-    kind = cmd[0]
-    if kind == "add":
-        _, rid, ids, params = cmd
+def _handle(core, cmd, out_q: mp.Queue) -> None:
+    if isinstance(cmd, AddRequest):
         try:
-            core.add_request(rid, ids, params)
+            core.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params)
         except ValueError as e:  # the API process validates first; this is the safety net
-            out_q.put(("request_error", rid, str(e)))
-    elif kind == "abort":
-        core.abort_requests(cmd[1])
-    elif kind == "call":
-        _, call_id, name = cmd
+            out_q.put(RequestError(cmd.request_id, str(e)))
+    elif isinstance(cmd, AbortRequests):
+        core.abort_requests(cmd.request_ids)
+    elif isinstance(cmd, CallCore):
+        method = {"stats": core.stats, "start_profile": core.start_profile, "stop_profile": core.stop_profile}[cmd.method]
         try:
-            value = getattr(core, name)()
+            value = method()
         except ValueError as e:
-            out_q.put(("reply", call_id, False, str(e)))
+            out_q.put(Reply(cmd.call_id, False, str(e)))
         else:
-            out_q.put(("reply", call_id, True, value))
+            out_q.put(Reply(cmd.call_id, True, value))
     else:
-        raise AssertionError(f"unknown core command {kind!r}")
+        raise AssertionError(f"unknown core command {cmd!r}")
 
 
 # ---- the API-process side -------------------------------------------------------------
@@ -165,7 +221,7 @@ class AsyncEngine:
                                        name="atom-engine-core", daemon=True)
         self._proc.start()
         try:
-            files = resolve_model_files(self.config.model, self.config.tokenizer)
+            files = resolve_model_files(self.config.model.model, self.config.model.tokenizer)
             self.tokenizer = files.serving_tokenizer()
         except Exception:
             self._proc.kill()
@@ -183,10 +239,11 @@ class AsyncEngine:
                 if waited > timeout:
                     self._proc.kill()
                     raise RuntimeError(f"engine core not ready after {timeout:.0f} s") from None
-        if msg[0] == "startup_error":
+        if isinstance(msg, StartupError):
             self._proc.join(5)
-            raise ValueError(msg[1])
-        self.info = msg[1]
+            raise ValueError(msg.message)
+        assert isinstance(msg, Ready), f"unexpected first core message {msg!r}"
+        self.info = msg.info
         return self.info
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -204,7 +261,7 @@ class AsyncEngine:
         """
         self._stopping = True
         if self._proc is not None and self._proc.is_alive():
-            self._in_q.put(("shutdown",))
+            self._in_q.put(Shutdown())
             self._proc.join(timeout)
             if self._proc.is_alive():
                 self._proc.kill()
@@ -250,7 +307,7 @@ class AsyncEngine:
         state = self.processor.new_state(request_id, prompt, prompt_token_ids, params)
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
-        self._in_q.put(("add", request_id, list(prompt_token_ids), params))
+        self._in_q.put(AddRequest(request_id, list(prompt_token_ids), params))
         try:
             while True:
                 item = await q.get()
@@ -270,7 +327,7 @@ class AsyncEngine:
         self.processor.abort(request_id)
         self._queues.pop(request_id, None)
         if self._dead_reason is None:
-            self._in_q.put(("abort", [request_id]))
+            self._in_q.put(AbortRequests([request_id]))
 
     # ---- calls into the core ----------------------------------------------------------
     async def stats(self):
@@ -282,13 +339,13 @@ class AsyncEngine:
     async def stop_profile(self) -> list[str]:
         return await self._call("stop_profile")
 
-    async def _call(self, name: str):
+    async def _call(self, name: Literal["stats", "start_profile", "stop_profile"]):
         """Run a core method between steps; its ValueError is re-raised here."""
         self.check_health()
         call_id = next(self._call_ids)
         future = self._loop.create_future()
         self._calls[call_id] = future
-        self._in_q.put(("call", call_id, name))
+        self._in_q.put(CallCore(call_id, name))
         try:
             return await future
         finally:
@@ -316,28 +373,25 @@ class AsyncEngine:
         except RuntimeError:  # the loop closed during shutdown; nobody is waiting any more
             pass
 
-    def _on_message(self, msg: tuple) -> None:
-        kind = msg[0]
-        if kind == "outputs":
-            self._on_outputs(msg[1])
-        elif kind == "reply":
-            _, call_id, ok, value = msg
-            future = self._calls.get(call_id)
+    def _on_message(self, msg) -> None:
+        if isinstance(msg, Outputs):
+            self._on_outputs(msg.outputs)
+        elif isinstance(msg, Reply):
+            future = self._calls.get(msg.call_id)
             if future is not None and not future.done():
-                future.set_result(value) if ok else future.set_exception(ValueError(value))
-        elif kind == "request_error":
-            _, rid, message = msg
-            self.processor.abort(rid)
-            if (q := self._queues.get(rid)) is not None:
-                q.put_nowait(ValueError(message))
-        elif kind == "fatal":
-            logger.error("engine core failed:\n%s", msg[1])
-            self._on_dead(f"engine core failed: {msg[1].strip().splitlines()[-1]}")
+                future.set_result(msg.value) if msg.ok else future.set_exception(ValueError(msg.value))
+        elif isinstance(msg, RequestError):
+            self.processor.abort(msg.request_id)
+            if (q := self._queues.get(msg.request_id)) is not None:
+                q.put_nowait(ValueError(msg.message))
+        elif isinstance(msg, Fatal):
+            logger.error("engine core failed:\n%s", msg.traceback)
+            self._on_dead(f"engine core failed: {msg.traceback.strip().splitlines()[-1]}")
 
     def _on_outputs(self, outputs: list[CoreOutput]) -> None:
         updated, to_abort = self.processor.process(outputs)
         if to_abort:  # stop strings end requests here; the core must stop them too
-            self._in_q.put(("abort", to_abort))
+            self._in_q.put(AbortRequests(to_abort))
         for state in updated:
             if (q := self._queues.get(state.request_id)) is not None:
                 q.put_nowait(state)

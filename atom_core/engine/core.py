@@ -1,4 +1,4 @@
-"""EngineCore: scheduler + KV manager + model runner, advanced one step() at a time.
+"""EngineCore: scheduler + KV manager + executor, advanced one step() at a time.
 
 The core speaks token ids only; text lives with its consumer (OutputProcessor). It runs
 in-process under LLMEngine and in its own process under the server.
@@ -11,12 +11,13 @@ from dataclasses import dataclass
 
 from atom_core.config import EngineConfig
 from atom_core.engine.kv_cache import KVCacheManager
-from atom_core.engine.model_runner import ModelRunner
 from atom_core.engine.output_processor import CoreOutput
 from atom_core.engine.scheduler import Scheduler
-from atom_core.engine.sequence import FinishReason, Sequence, SequenceStatus
+from atom_core.engine.sequence import FinishReason, Sequence
 from atom_core.loader import resolve_model_files
 from atom_core.sampling_params import SamplingParams
+from atom_core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from atom_core.worker.executor import InProcessExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -29,26 +30,6 @@ class CoreStats:
     num_free_blocks: int
     prefix_hit_rate: float
     num_preemptions: int
-
-
-def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
-    max_len = _max_model_len(config, hf_config)
-    window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True) and max_len > window:
-        raise ValueError(f"the model uses sliding-window attention ({window} tokens), which is not supported; "
-                         f"pass max_model_len <= {window}")
-    return max_len
-
-
-def _max_model_len(config: EngineConfig, hf_config) -> int:
-    limit = getattr(hf_config, "max_position_embeddings", None)
-    if config.max_model_len is None:
-        if limit is None:
-            raise ValueError("config.json has no max_position_embeddings; pass max_model_len")
-        return limit
-    if limit is not None and config.max_model_len > limit:
-        raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings={limit}")
-    return config.max_model_len
 
 
 def validate_request(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int,
@@ -76,28 +57,29 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, max_mo
 
 
 class EngineCore:
+    """Scheduler + KV manager + executor. Contract: single-threaded; `step()` advances every
+    running request by one step (or one decode window) and returns their new tokens."""
+
     def __init__(self, config: EngineConfig):
         start = time.perf_counter()
         self.config = config
-        self.files = resolve_model_files(config.model, config.tokenizer)
-        self.max_model_len = resolve_max_model_len(config, self.files.hf_config)
+        self.files = resolve_model_files(config.model.model, config.model.tokenizer)
+        self.model = config.model.resolve(self.files)
+        self.max_model_len = self.model.max_model_len
+        self.vocab_size = self.model.vocab_size
         self.profiler = self._make_profiler()
-        self.runner = ModelRunner(config, self.files, self.max_model_len, self.profiler)
-        self.kv = KVCacheManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-            self.files.eos_token_ids, config.enable_chunked_prefill, config.num_scheduler_steps,
-        )
-        self.vocab_size = self.files.hf_config.vocab_size
+        self.executor = InProcessExecutor(config, self.model, self.profiler)
+        self.kv = KVCacheManager(self.executor.num_kv_blocks, config.cache.block_size,
+                                 config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.model.eos_token_ids)
         self.pending = None  # the launched step not yet resolved (async scheduling)
         self.startup_seconds = time.perf_counter() - start
         logger.info("engine core ready in %.1f s", self.startup_seconds)
 
     def _make_profiler(self):
-        from atom_core.profiling.profiler import ProfilerConfig, TorchProfiler
+        from atom_core.profiling.profiler import TorchProfiler
 
-        cfg = ProfilerConfig(self.config.torch_profiler_dir, self.config.profiler_detailed, self.config.mark_trace)
-        return TorchProfiler(cfg, self.files.path.name)
+        return TorchProfiler(self.config.profiler, self.files.path.name)
 
     def start_profile(self) -> None:
         """Start the torch profiler; ValueError when no profiler dir is configured."""
@@ -131,7 +113,7 @@ class EngineCore:
         With async scheduling the step launched here is resolved by the next call, so the CPU
         schedules and builds step N+1 while the device still runs step N.
         """
-        if not self.config.async_scheduling:
+        if not self.config.scheduler.async_scheduling:
             pending = self._launch_next(None)
             return self._resolve(pending) if pending is not None else []
         previous, self.pending = self.pending, None
@@ -148,55 +130,58 @@ class EngineCore:
         return any(s.sampling_params.has_penalties for s in self.scheduler.running)
 
     def _launch_next(self, previous):
-        batch = self.scheduler.schedule()
-        if not batch:
+        """previous: the (SchedulerOutput, handle) still in flight, whose samples may feed this step."""
+        out = self.scheduler.schedule()
+        if not out.req_ids:
             return None
+        previous_handle = previous[1] if previous is not None else None
         if self.profiler.is_active:
-            pending = self._profiled_launch(batch, previous)
+            handle = self._profiled_launch(out, previous_handle)
         else:
-            pending = self.runner.launch(batch, previous)
-        self.scheduler.advance(batch)
-        return pending
+            handle = self.executor.launch(out, previous_handle)
+        self.scheduler.advance(out)
+        return out, handle
 
     def _resolve(self, pending) -> list[CoreOutput]:
-        result = self.runner.resolve(pending)
-        batch = pending.batch
+        out, handle = pending
+        result = self.executor.resolve(handle)
+        requests = self.scheduler.requests
+        seqs = [requests.get(rid) for rid in out.req_ids]  # None: ended while the step ran
         for i, entries in result.prompt_logprobs.items():
-            batch.seqs[i].prompt_logprobs.extend(entries)
-        for i, entry in result.logprobs.items():
-            batch.seqs[i].output_logprobs.append(entry)
-        live = [seq.status is not SequenceStatus.FINISHED for seq in batch.seqs]
-        self.scheduler.resolve(batch, result.sampled)
-        return [self._output(seq, i, result) for i, seq in enumerate(batch.seqs)
-                if result.sampled[i] is not None and live[i]]
+            if seqs[i] is not None:
+                seqs[i].prompt_logprobs.extend(entries)
+        for i, entries in result.logprobs.items():
+            if seqs[i] is not None:
+                seqs[i].output_logprobs.extend(entries)
+        self.scheduler.resolve(out, result)
+        return [self._output(seq, i, result) for i, seq in enumerate(seqs)
+                if seq is not None and result.sampled[i]]
 
-    def _profiled_launch(self, batch, previous):
+    def _profiled_launch(self, out: SchedulerOutput, previous):
         from torch.profiler import record_function
 
         from atom_core.profiling.conventions import step_range_name
 
-        phase = "decode" if batch.is_decode_only else "prefill"
-        graph_bs = self.runner.graph_batch_size(batch) if phase == "decode" else None
-        with record_function(step_range_name(phase, len(batch), batch.total_tokens, graph_bs)):
-            pending = self.runner.launch(batch, previous)
-            if pending.event is not None:  # keep the step's kernels inside its range
-                pending.event.synchronize()
-            return pending
+        phase = "decode" if out.is_decode_only else "prefill"
+        graph_bs = self.executor.graph_batch_size(out) if phase == "decode" else None
+        with record_function(step_range_name(phase, len(out), out.total_tokens, graph_bs)):
+            handle = self.executor.launch(out, previous)
+            if handle.event is not None:  # keep the step's kernels inside its range
+                handle.event.synchronize()
+            return handle
 
-    def _output(self, seq: Sequence, i: int, result) -> CoreOutput:
-        finished = seq.status is SequenceStatus.FINISHED
+    def _output(self, seq: Sequence, i: int, result: ModelRunnerOutput) -> CoreOutput:
+        finished = seq.is_finished
         prompt_logprobs = None
-        if seq.sampling_params.prompt_logprobs is not None and seq.num_known_output_tokens == 1:
-            prompt_logprobs = list(seq.prompt_logprobs)  # sent once, with the first token
-        logprobs = result.logprobs.get(i)
-        tokens = result.sampled[i]
+        if seq.sampling_params.prompt_logprobs is not None and seq.num_known_output_tokens == len(result.sampled[i]):
+            prompt_logprobs = list(seq.prompt_logprobs)  # sent once, with the first token(s)
         return CoreOutput(
             seq.request_id,
-            tokens if isinstance(tokens, list) else [tokens],
+            result.sampled[i],
             finished,
             seq.finish_reason.value if finished else None,
             seq.stop_token_id,
-            [logprobs] if logprobs is not None else [],
+            result.logprobs.get(i, []),
             prompt_logprobs,
             seq.num_cached_tokens,
         )

@@ -39,6 +39,7 @@ class KVCacheManager:
     - `allocate` is called once per scheduling of a sequence that holds no blocks; it reuses
       cached prefix blocks and sets `seq.num_computed_tokens` past them.
     - `append_slots` grows a running sequence's table to hold `num_tokens` KV entries.
+    - `trim_slots` gives back a running sequence's trailing blocks (KV rollback).
     - `free` releases all of a sequence's blocks (finish, abort, preemption).
     - `cache_full_blocks` registers the hashes of blocks whose tokens are all computed.
     Not thread-safe: the engine core's loop is its only caller.
@@ -146,17 +147,32 @@ class KVCacheManager:
         block.ref_count = 1
         return block_id
 
+    def trim_slots(self, seq: Sequence, num_tokens: int) -> int:
+        """Give back `seq`'s trailing blocks beyond its first `num_tokens` KV entries (slots of
+        rejected draft tokens); returns how many blocks went back. Blocks whose hash is
+        published stay: their content is shared."""
+        keep = max(self.blocks_needed(num_tokens), seq.num_hashed_blocks)
+        tail = seq.block_table[keep:]
+        del seq.block_table[keep:]
+        self._release(tail)
+        seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
+        seq.num_sent_blocks = min(seq.num_sent_blocks, keep)
+        return len(tail)
+
     def free(self, seq: Sequence) -> None:
         """Release `seq`'s blocks; its tail blocks become the first to be evicted."""
-        for block_id in reversed(seq.block_table):
+        self._release(seq.block_table)
+        seq.block_table = []
+        seq.num_hashed_blocks = 0
+        seq.num_computed_tokens = 0
+
+    def _release(self, block_ids: list[int]) -> None:
+        for block_id in reversed(block_ids):  # the tail is the least likely to be hit again
             block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block_id} freed twice"
             if block.ref_count == 0:
                 self.free_queue[block_id] = None
-        seq.block_table = []
-        seq.num_hashed_blocks = 0
-        seq.num_computed_tokens = 0
 
     def forget(self, seq: Sequence) -> None:
         """Drop per-request memo state once the request is gone for good."""

@@ -7,48 +7,12 @@ sequence is preempted (its blocks freed, recomputed later from its tokens, outpu
 """
 from __future__ import annotations
 
-import functools
 from collections import deque
-from dataclasses import dataclass, field
 
+from atom_core.config import ResolvedModel, SchedulerConfig
 from atom_core.engine.kv_cache import KVCacheManager
 from atom_core.engine.sequence import FinishReason, Sequence, SequenceStatus
-
-
-@dataclass
-class ScheduledBatch:
-    """What the runner computes this step: seqs[i] advances by num_new_tokens[i] tokens."""
-
-    seqs: list[Sequence] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
-    # Multi-step decode window: num_steps forwards back to back on the device; seqs[i] keeps
-    # the first step_counts[i] of its samples (fewer when it reaches its token limit).
-    step_counts: list[int] | None = None
-
-    def __len__(self) -> int:
-        return len(self.seqs)
-
-    @property
-    def num_steps(self) -> int:
-        return max(self.step_counts) if self.step_counts else 1
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
-    @functools.cached_property
-    def is_decode_only(self) -> bool:
-        """Every sequence computes its one pending token and samples. Read only after scheduling
-        (cached: the runner asks several times per step)."""
-        return all(
-            n == 1 and s.num_computed_tokens + 1 == s.num_tokens and s.num_output_tokens > 0
-            for s, n in zip(self.seqs, self.num_new_tokens)
-        )
-
-    def samples(self, i: int) -> bool:
-        """Whether sequence i reaches its last known token this step, so it samples a new one."""
-        seq = self.seqs[i]
-        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
+from atom_core.scheduler_output import PLACEHOLDER, ModelRunnerOutput, NewRequest, SchedulerOutput
 
 
 class Scheduler:
@@ -59,20 +23,19 @@ class Scheduler:
     sequences that finished. `finish_requests` ends requests from outside (abort, stop string).
     """
 
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_ids: set[int], enable_chunked_prefill: bool = True,
-                 num_scheduler_steps: int = 1):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, eos_token_ids):
         self.kv = kv
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.enable_chunked_prefill = config.enable_chunked_prefill
+        self.num_scheduler_steps = config.num_scheduler_steps
         self.max_model_len = max_model_len
-        self.eos_token_ids = eos_token_ids
-        self.enable_chunked_prefill = enable_chunked_prefill
-        self.num_scheduler_steps = num_scheduler_steps
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.requests: dict[str, Sequence] = {}
         self.num_preemptions = 0
+        self._finished_ids: list[str] = []  # ended since the last schedule(): the worker forgets them
 
     def add(self, seq: Sequence) -> None:
         if seq.request_id in self.requests:
@@ -95,8 +58,9 @@ class Scheduler:
         return len(self.waiting)
 
     # ---- scheduling ----------------------------------------------------------------
-    def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch()
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        scheduled: list[Sequence] = []
         budget = self.max_num_batched_tokens
         preempted = False
         i = 0
@@ -108,47 +72,48 @@ class Scheduler:
                 i += 1
                 continue
             n = min(num_tokens - seq.num_computed_tokens, budget)
-            if seq.num_computed_tokens + n <= len(seq.block_table) * block_size:  # fits: the common decode
-                batch.seqs.append(seq)
-                batch.num_new_tokens.append(n)
-                budget -= n
-                i += 1
-                continue
-            while not self.kv.can_append_slots(seq, seq.num_computed_tokens + n):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted = True
-                if victim is seq:
-                    break
-            else:
-                self.kv.append_slots(seq, seq.num_computed_tokens + n)
-                batch.seqs.append(seq)
-                batch.num_new_tokens.append(n)
-                budget -= n
-                i += 1
+            if seq.num_computed_tokens + n > len(seq.block_table) * block_size:  # needs a block
+                while not self.kv.can_append_slots(seq, seq.num_computed_tokens + n):
+                    victim = self.running.pop()
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is seq:
+                        break
+                else:
+                    self.kv.append_slots(seq, seq.num_computed_tokens + n)
+                if seq.status is SequenceStatus.WAITING:  # preempted itself
+                    continue
+            scheduled.append(seq)
+            out.add(seq.request_id, n, seq.num_computed_tokens)
+            budget -= n
+            i += 1
         if not preempted:
-            budget = self._schedule_waiting(batch, budget)
-            if self.num_scheduler_steps > 1 and batch.seqs and not self.waiting:
-                self._plan_window(batch)
-        return batch
+            self._schedule_waiting(out, scheduled, budget)
+            if self.num_scheduler_steps > 1 and scheduled and not self.waiting:
+                self._plan_window(out, scheduled)
+        out.is_decode_only = _is_decode_only(out, scheduled)
+        self._send_new_blocks(out, scheduled)
+        if scheduled:  # an empty step is not run: its news waits for the next one
+            out.finished_req_ids, self._finished_ids = self._finished_ids, []
+        return out
 
-    def _plan_window(self, batch: ScheduledBatch) -> None:
-        """Turn a decode-only batch into a multi-step window when every sequence allows it.
+    def _plan_window(self, out: SchedulerOutput, seqs: list[Sequence]) -> None:
+        """Turn a decode-only batch into a multi-step window when every sequence allows it:
+        each gets extra tokens to generate (PLACEHOLDERs) and KV slots for them now.
 
-        Each sequence keeps at most the steps left to its token limit and gets KV slots for
-        them now. A waiting request would sit out the whole window, so there is none (checked
-        by the caller); a window that does not fit in free blocks falls back to one step (the
-        blocks already added stay with their sequences, which fill them later).
+        Each sequence keeps at most the steps left to its token limit. A waiting request would
+        sit out the whole window, so there is none (checked by the caller); a window that does
+        not fit in free blocks falls back to one step (the blocks already added stay with their
+        sequences, which fill them later).
         """
-        if not batch.is_decode_only:
+        if not _is_decode_only(out, seqs):
             return
-        steps = self.num_scheduler_steps
         counts = []
-        for seq in batch.seqs:
+        for seq in seqs:
             params = seq.sampling_params
             if not params.allows_multi_step or seq.num_output_tokens < params.min_tokens:
                 return
-            count = min(steps, seq.token_limit - len(seq.token_ids))
+            count = min(self.num_scheduler_steps, seq.token_limit - len(seq.token_ids))
             end = seq.num_computed_tokens + count
             if end > len(seq.block_table) * self.kv.block_size:
                 if not self.kv.can_append_slots(seq, end):
@@ -156,9 +121,9 @@ class Scheduler:
                 self.kv.append_slots(seq, end)
             counts.append(count)
         if max(counts) > 1:
-            batch.step_counts = counts
+            out.extra_tokens = [[PLACEHOLDER] * (count - 1) for count in counts]
 
-    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> int:
+    def _schedule_waiting(self, out: SchedulerOutput, scheduled: list[Sequence], budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             remaining = seq.num_tokens - self.kv.get_prefix_hit_tokens(seq)
@@ -173,10 +138,21 @@ class Scheduler:
                 seq.num_cached_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
+            scheduled.append(seq)
+            out.add(seq.request_id, n, seq.num_computed_tokens)
+            out.new_requests.append(NewRequest(
+                seq.request_id, seq.prompt_token_ids, seq.output_token_ids, seq.sampling_params,
+                seq.num_computed_tokens, len(seq.prompt_logprobs)))
+            seq.num_sent_blocks = 0
             budget -= n
-        return budget
+
+    def _send_new_blocks(self, out: SchedulerOutput, seqs: list[Sequence]) -> None:
+        """Each scheduled request's blocks the worker does not know yet (a new request's all)."""
+        for seq in seqs:
+            start = seq.num_sent_blocks
+            if len(seq.block_table) > start:
+                out.new_block_ids[seq.request_id] = (start, seq.block_table[start:])
+                seq.num_sent_blocks = len(seq.block_table)
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)
@@ -186,74 +162,49 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # ---- after the step ------------------------------------------------------------
-    def advance(self, batch: ScheduledBatch) -> None:
+    def advance(self, out: SchedulerOutput) -> None:
         """Right after launch: count the computed tokens; each sampling sequence gets a
-        placeholder for its new token, so the next step can be scheduled before it is known."""
-        finished_status = SequenceStatus.FINISHED
-        if batch.step_counts is not None:  # a decode window: every sequence samples `count` tokens
-            for seq, count in zip(batch.seqs, batch.step_counts):
-                if seq.status is not finished_status:
-                    seq.num_computed_tokens += count
-                    seq.append_placeholders(count)
-            return
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            if seq.status is finished_status:
+        placeholder per token it samples, so the next step can be scheduled before they are known."""
+        for rid, n, extra in zip(out.req_ids, out.num_scheduled_tokens, out.extra_tokens):
+            seq = self.requests.get(rid)
+            if seq is None:  # finished while the step was being built
                 continue
             samples = seq.num_computed_tokens + n == len(seq.token_ids)
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n + len(extra)
             if samples:
-                seq.append_placeholder()
+                seq.append_placeholders(1 + len(extra))
 
-    def resolve(self, batch: ScheduledBatch, sampled: list) -> list[Sequence]:
+    def resolve(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Sequence]:
         """The step's tokens arrived: fill placeholders, publish full blocks, stop sequences.
 
-        sampled[i] is sequence i's token, or None when it did not sample; for a decode window
-        it is the list of the window's tokens, cut here (in place) after a stop.
+        result.sampled[i] lists request i's new tokens; a stop inside them cuts the list here
+        (in place), and the placeholders after it are dropped.
         """
-        if batch.step_counts is not None:
-            return self._resolve_window(batch, sampled)
         finished = []
         block_size = self.kv.block_size
-        finished_status = SequenceStatus.FINISHED
-        for seq, token_id in zip(batch.seqs, sampled):
-            if seq.status is finished_status:  # aborted or stopped while the step ran
+        for i, (rid, tokens) in enumerate(zip(out.req_ids, result.sampled)):
+            seq = self.requests.get(rid)
+            if seq is None:  # aborted or stopped while the step ran
                 continue
-            if token_id is not None:
+            reason = None
+            for k, token_id in enumerate(tokens):
                 seq.resolve_placeholder(token_id)
+                reason = self._check_stop(seq, token_id)
+                if reason is not None:
+                    del tokens[k + 1 :]
+                    seq.drop_placeholders()
+                    break
             if min(seq.num_computed_tokens, seq.num_known_tokens) // block_size > seq.num_hashed_blocks:
                 self.kv.cache_full_blocks(seq)  # a block just filled up
-            if token_id is None:
-                continue
-            reason = self._check_stop(seq, token_id)
             if reason is not None:
                 self._finish(seq, reason)
                 finished.append(seq)
         return finished
 
-    def _resolve_window(self, batch: ScheduledBatch, sampled: list[list[int]]) -> list[Sequence]:
-        finished = []
-        block_size = self.kv.block_size
-        finished_status = SequenceStatus.FINISHED
-        for i, (seq, tokens) in enumerate(zip(batch.seqs, sampled)):
-            if seq.status is finished_status:
-                continue
-            for k, token_id in enumerate(tokens):
-                seq.resolve_placeholder(token_id)
-                reason = self._check_stop(seq, token_id)
-                if reason is not None:
-                    self._finish(seq, reason)
-                    finished.append(seq)
-                    sampled[i] = tokens[: k + 1]
-                    break
-            else:
-                if min(seq.num_computed_tokens, seq.num_known_tokens) // block_size > seq.num_hashed_blocks:
-                    self.kv.cache_full_blocks(seq)
-        return finished
-
-    def update_from_output(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
+    def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Sequence]:
         """Synchronous form of advance + resolve."""
-        self.advance(batch)
-        return self.resolve(batch, sampled)
+        self.advance(out)
+        return self.resolve(out, result)
 
     def _check_stop(self, seq: Sequence, token_id: int) -> FinishReason | None:
         params = seq.sampling_params
@@ -281,6 +232,7 @@ class Scheduler:
         self.kv.free(seq)
         self.kv.forget(seq)
         del self.requests[seq.request_id]
+        self._finished_ids.append(seq.request_id)
 
     def finish_requests(self, request_ids: list[str], reason: FinishReason) -> list[Sequence]:
         """End requests from outside the step (client abort, stop string); unknown ids ignored."""
@@ -291,3 +243,11 @@ class Scheduler:
                 self._finish(seq, reason)
                 done.append(seq)
         return done
+
+
+def _is_decode_only(out: SchedulerOutput, seqs: list[Sequence]) -> bool:
+    """Every sequence computes its one pending token and samples (read right after scheduling)."""
+    return bool(seqs) and all(
+        n == 1 and s.num_computed_tokens + 1 == s.num_tokens and s.num_output_tokens > 0
+        for s, n in zip(seqs, out.num_scheduled_tokens)
+    )

@@ -6,9 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from atom_core.sampling_params import SamplingParams
-
-
-PLACEHOLDER = -1  # a sampled token still on the GPU
+from atom_core.scheduler_output import PLACEHOLDER
 
 
 class SequenceStatus(enum.Enum):
@@ -41,6 +39,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache, first schedule
     block_table: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0
+    num_sent_blocks: int = 0  # blocks of block_table the worker already knows
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
@@ -95,6 +94,11 @@ class Sequence:
     def append_placeholders(self, count: int) -> None:
         self.token_ids.extend([PLACEHOLDER] * count)
         self.num_placeholders += count
+
+    def drop_placeholders(self) -> None:
+        """Forget sampled tokens that will never arrive (a window cut short by a stop)."""
+        del self.token_ids[len(self.token_ids) - self.num_placeholders :]
+        self.num_placeholders = 0
 
     def resolve_placeholder(self, token_id: int) -> None:
         """Replace the oldest placeholder with the token the GPU sampled."""

@@ -1,27 +1,39 @@
 """Paged attention layer: from the fused QKV projection's output to attention output, with
-q/k-norm, RoPE and the KV store done in one kernel first."""
+q/k-norm, RoPE and the KV store done by the layer's backend first (model_ops/attention_backends)."""
 from __future__ import annotations
 
 import weakref
-from typing import Optional
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from atom_core.kernels import kernel_ops
-from atom_core.model_ops.forward_context import get_attention_metadata
+from atom_core.model_ops.attention_backends import AttentionBackend, get_attention_backend
+from atom_core.model_ops.kv_spec import KVSpec
+from atom_core.model_ops.layernorm import RMSNorm
+from atom_core.model_ops.rotary import RotaryEmbedding
 
 
-def _prepare_and_attend(qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps,
-                        layer: "Attention") -> torch.Tensor:
-    meta = get_attention_metadata()
-    ops = kernel_ops(qkv.device)
-    q = ops.qkv_rope_store(qkv, positions, cos_sin_cache, layer.k_cache, layer.v_cache, meta.slot_mapping,
-                           layer.num_heads, q_norm_weight, k_norm_weight, eps)
-    out = ops.paged_attention(q, layer.k_cache, layer.v_cache, meta.block_tables, meta.query_start_loc,
-                              meta.seq_lens, layer.scale, meta.max_query_len, meta.max_seq_len,
-                              seq_order=meta.seq_order)
-    return out.view(-1, layer.num_heads * layer.head_dim)
+@dataclass(frozen=True, eq=False)
+class QKTransform:
+    """What runs on q and k between the projection and the cache: per-head RMSNorm (both or
+    neither), then neox RoPE over the first `rotary.rotary_dim` dims of each head.
+
+    A plain object, not a module: the norms and the rotary cache stay registered where the
+    checkpoint names them (e.g. `self_attn.q_norm.weight`); the backend reads them through this.
+    """
+
+    rotary: RotaryEmbedding
+    q_norm: RMSNorm | None = None
+    k_norm: RMSNorm | None = None
+
+    def __post_init__(self):
+        if (self.q_norm is None) != (self.k_norm is None):
+            raise ValueError("q_norm and k_norm go together")
+
+
+def _attend(layer: "Attention", qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    return layer.backend(qkv.device).forward(layer, qkv, positions)
 
 
 # Layers by key, so the compiled graph passes a key, not the cache tensors: cache tensors as
@@ -32,44 +44,54 @@ _LAYERS: "weakref.WeakValueDictionary[int, Attention]" = weakref.WeakValueDictio
 
 
 @torch.library.custom_op("atom::paged_attention", mutates_args=())
-def paged_attention_op(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                       q_norm_weight: Optional[torch.Tensor], k_norm_weight: Optional[torch.Tensor],
-                       eps: float, layer_key: torch.Tensor, q_width: int) -> torch.Tensor:
+def paged_attention_op(qkv: torch.Tensor, positions: torch.Tensor, layer_key: torch.Tensor,
+                       q_width: int) -> torch.Tensor:
     """Opaque to torch.compile: the graph splits here. The KV store inside is a side effect on
-    the layer's cache, which the compiler never sees (metadata comes from the forward context).
-    The kernels take any row stride, so only a non-unit last-dim stride needs a copy.
+    the layer's cache, which the compiler never sees (metadata comes from the forward context;
+    norms and the rotary cache come from the layer). The kernels take any row stride, so only
+    a non-unit last-dim stride needs a copy.
     """
     layer = _LAYERS[int(layer_key)]  # a CPU tensor: no device sync
     qkv = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
-    return _prepare_and_attend(qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps, layer)
+    return _attend(layer, qkv, positions)
 
 
 @paged_attention_op.register_fake
-def _(qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps, layer_key, q_width):
+def _(qkv, positions, layer_key, q_width):
     return qkv.new_empty(qkv.shape[0], q_width)
 
 
 class Attention(nn.Module):
     """qkv [T, (H + 2*KH) * D] -> out [T, H*D] for the flat batch in the forward context.
 
-    The runner assigns `k_cache`/`v_cache` ([NB, BS, KH, D] views of one big cache tensor)
-    before the first forward. `use_custom_op` (set when compiling) routes through the opaque op.
+    Declares `kv_spec` (what a token costs in the cache, its window) at construction, in the
+    default dtype the model is built under. The worker assigns `k_cache`/`v_cache` views
+    (kv_spec.allocate_kv_cache) before the first forward. `use_custom_op` (set when
+    compiling) routes through the opaque op.
     """
 
-    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, qk: QKTransform,
+                 sliding_window: int | None = None, prefix: str = ""):
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale = scale
+        self.qk = qk
+        self.prefix = prefix
+        self.dtype = torch.get_default_dtype()  # the compute (query) dtype
+        self.kv_spec = KVSpec("mha", num_kv_heads, head_dim, self.dtype, sliding_window)
         self.k_cache = self.v_cache = torch.empty(0)
         self.use_custom_op = False
+        self._backend: AttentionBackend | None = None
         self.layer_key = torch.tensor([id(self)], dtype=torch.int64, device="cpu")
         _LAYERS[id(self)] = self
 
-    def forward(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
-                eps: float = 1e-6) -> torch.Tensor:
+    def backend(self, device: torch.device) -> AttentionBackend:
+        if self._backend is None:
+            self._backend = get_attention_backend(self.kv_spec.kind, device)
+        return self._backend
+
+    def forward(self, qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.use_custom_op:
-            return paged_attention_op(qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps,
-                                      self.layer_key, self.num_heads * self.head_dim)
+            return paged_attention_op(qkv, positions, self.layer_key, self.num_heads * self.head_dim)
         assert self.k_cache.numel(), "KV cache not allocated for this attention layer"
-        return _prepare_and_attend(qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps, self)
+        return _attend(self, qkv, positions)

@@ -1,111 +1,168 @@
-"""Linear layers written for tensor parallelism; each parameter knows how to load itself.
+"""Linear layers; each parameter knows how to load itself, and a quant method makes them.
 
-With tp_size 1 the sharding is the identity, but the layout (column/row split, packed QKV and
-gate/up shards) is already the one TP needs, so TP slots in without touching model files.
-A model never slices checkpoint tensors: it calls `param.weight_loader(param, tensor, shard)`.
+A model never slices checkpoint tensors: the loader calls `param.weight_loader(param, tensor)`
+(or with a shard id for packed QKV / gate-up weights), and the layer places the tensor.
+
+Tensor parallelism: each class says which weight dim a rank holds a slice of (`tp_dim`), and
+`tp_size` / `tp_rank` pick the slice of a checkpoint tensor this layer loads. That is all of it
+today: no collective exists yet (the parallelism issue adds them), so with tp_size > 1 a
+row-parallel layer's output is a partial sum the caller would have to reduce. Nothing in the
+engine builds layers with tp_size > 1; tests/model_ops checks the slicing.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from atom_core.quant.base import QuantConfig, set_weight_attrs
+from atom_core.quant.unquantized import UnquantizedLinearMethod
+
+# Checkpoint tensors convert between these on load (bf16 weights into an fp32 model, ...);
+# any other dtype (fp8, packed int32, int8) must arrive exactly as the parameter holds it.
+CONVERTIBLE_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
+def copy_weight(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst <- src: same shape; dtype converted only between the plain float types."""
+    if dst.shape != src.shape:
+        raise ValueError(f"checkpoint tensor shape {tuple(src.shape)} != parameter {tuple(dst.shape)}")
+    if dst.dtype != src.dtype and not (dst.dtype in CONVERTIBLE_DTYPES and src.dtype in CONVERTIBLE_DTYPES):
+        raise ValueError(f"checkpoint tensor dtype {src.dtype} cannot load into a {dst.dtype} parameter "
+                         f"(only {', '.join(sorted(str(d) for d in CONVERTIBLE_DTYPES))} convert)")
+    dst.copy_(src)
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
     assert shard_id is None, "unsharded parameter got a shard id"
-    if param.shape != loaded.shape:
-        raise ValueError(f"checkpoint tensor shape {tuple(loaded.shape)} != parameter {tuple(param.shape)}")
-    param.data.copy_(loaded)
+    copy_weight(param.data, loaded)
 
 
 class LinearBase(nn.Module):
-    """y = x W^T (+ b). tp_dim says which weight dim is split across ranks (None: replicated)."""
+    """y = x W^T (+ b) with W made by the layer's quant method (see quant/).
+
+    tp_dim: the weight dim a rank holds a slice of (0: output, 1: input, None: replicated).
+    `output_sizes` lists the packed outputs (one entry for a plain linear).
+    """
 
     tp_dim: int | None = None
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_size: int = 1, tp_rank: int = 0):
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 quant_config: QuantConfig | None = None, prefix: str = "", tp_size: int = 1, tp_rank: int = 0,
+                 params_dtype: torch.dtype | None = None):
         super().__init__()
+        self.prefix = prefix
         self.tp_size, self.tp_rank = tp_size, tp_rank
-        out_local = output_size // tp_size if self.tp_dim == 0 else output_size
-        in_local = input_size // tp_size if self.tp_dim == 1 else input_size
-        self.weight = nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        self.input_size = input_size // tp_size if self.tp_dim == 1 else input_size
+        self.output_sizes = [s // tp_size for s in output_sizes] if self.tp_dim == 0 else list(output_sizes)
+        method = quant_config.get_quant_method(self, prefix) if quant_config is not None else None
+        self.quant_method = method or UnquantizedLinearMethod()
+        self.quant_method.create_weights(self, input_size=self.input_size, output_sizes=self.output_sizes,
+                                         weight_loader=self.weight_loader, params_dtype=params_dtype)
         if bias:
-            self.bias = nn.Parameter(torch.empty(out_local), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
+            self.bias = nn.Parameter(torch.empty(sum(self.output_sizes), dtype=params_dtype), requires_grad=False)
+            set_weight_attrs(self.bias, weight_loader=self.weight_loader, output_dim=0)
         else:
             self.register_parameter("bias", None)
+        if self.shard_ids:  # the loader checks every packed shard arrived
+            for param in self.parameters(recurse=False):
+                if getattr(param, "output_dim", None) is not None:
+                    param.expected_shards = frozenset((s, None) for s in self.shard_ids)
+
+    @property
+    def shard_ids(self) -> tuple:
+        """The shard ids a packed layer loads its weight from (none for a plain linear)."""
+        return ()
 
     def _rank_slice(self, param: nn.Parameter, loaded: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a whole checkpoint tensor (a row-parallel bias is not split)."""
         if self.tp_dim is None or self.tp_size == 1:
             return loaded
-        dim = self.tp_dim if loaded.dim() > 1 else 0  # a column-parallel bias splits on dim 0
+        dim = getattr(param, "output_dim" if self.tp_dim == 0 else "input_dim", None)
+        if dim is None:
+            return loaded
         size = param.shape[dim]
         return loaded.narrow(dim, self.tp_rank * size, size)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        if param is self.bias and self.tp_dim == 1:
-            default_weight_loader(param, loaded)  # row-parallel bias is added once, after reduce
+        if shard_id is None:
+            copy_weight(param.data, self._rank_slice(param, loaded))
             return
-        default_weight_loader(param, self._rank_slice(param, loaded))
+        dim = getattr(param, "output_dim", None)
+        assert dim is not None, f"{self.prefix}: a packed shard needs a parameter with an output dim"
+        offset, size, start = self._shard_range(shard_id, loaded.shape[dim])
+        copy_weight(param.data.narrow(dim, offset, size), loaded.narrow(dim, start, size))
+
+    def _shard_range(self, shard_id, loaded_rows: int) -> tuple[int, int, int]:
+        """(offset in the parameter, rows, first row in the checkpoint tensor) of a packed shard."""
+        raise ValueError(f"{type(self).__name__} {self.prefix!r} has no packed shards (got shard {shard_id!r})")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
-    tp_dim = None
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, **kwargs):
+        super().__init__(input_size, [output_size], bias, **kwargs)
 
 
 class ColumnParallelLinear(LinearBase):
     tp_dim = 0
 
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, **kwargs):
+        super().__init__(input_size, [output_size], bias, **kwargs)
+
 
 class RowParallelLinear(LinearBase):
-    """Input dim split; with tp > 1 the partial outputs are all-reduced (distributed/)."""
+    """Input dim split; with tp_size > 1 the output is this rank's partial sum (no reduce yet)."""
 
     tp_dim = 1
 
-
-class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel outputs in one weight (e.g. gate_proj + up_proj)."""
-
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, **tp):
-        self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias, **tp)
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
-        assert shard_id is not None, "merged linear needs a shard id"
-        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        size = self.output_sizes[shard_id] // self.tp_size
-        shard = loaded.narrow(0, self.tp_rank * size, size)
-        default_weight_loader_into(param.data.narrow(0, offset, size), shard)
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, **kwargs):
+        super().__init__(input_size, [output_size], bias, **kwargs)
 
 
-class QKVParallelLinear(ColumnParallelLinear):
-    """q, k and v projections in one weight; kv heads replicate when tp > num_kv_heads."""
+class MergedColumnParallelLinear(LinearBase):
+    """Several column-parallel outputs in one weight (e.g. gate_proj + up_proj, shards 0 and 1)."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False, **tp):
-        tp_size = tp.get("tp_size", 1)
+    tp_dim = 0
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, **kwargs):
+        super().__init__(input_size, output_sizes, bias, **kwargs)
+
+    @property
+    def shard_ids(self) -> tuple:
+        return tuple(range(len(self.output_sizes)))
+
+    def _shard_range(self, shard_id: int, loaded_rows: int) -> tuple[int, int, int]:
+        size = self.output_sizes[shard_id]
+        return sum(self.output_sizes[:shard_id]), size, self.tp_rank * size
+
+
+class QKVParallelLinear(LinearBase):
+    """q, k and v projections in one weight (shards "q", "k", "v"); kv heads replicate when
+    tp_size > num_kv_heads."""
+
+    tp_dim = 0
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
+                 **kwargs):
+        tp_size = kwargs.get("tp_size", 1)
         self.head_dim = head_dim
-        self.num_heads = num_heads // tp_size
-        self.num_kv_heads = max(1, num_kv_heads // tp_size)
-        output = (num_heads + 2 * self.num_kv_heads * tp_size) * head_dim
-        super().__init__(hidden_size, output, bias, **tp)
+        local_heads, local_kv_heads = num_heads // tp_size, max(1, num_kv_heads // tp_size)
+        sizes = [h * tp_size * head_dim for h in (local_heads, local_kv_heads, local_kv_heads)]
+        super().__init__(hidden_size, sizes, bias, **kwargs)
+        self.num_heads, self.num_kv_heads = local_heads, local_kv_heads
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
+    @property
+    def shard_ids(self) -> tuple:
+        return ("q", "k", "v")
+
+    def _shard_range(self, shard_id: str, loaded_rows: int) -> tuple[int, int, int]:
+        index = {"q": 0, "k": 1, "v": 2}[shard_id]
+        size = self.output_sizes[index]
         if shard_id == "q":
             start = self.tp_rank * size
         else:  # with tp > total kv heads, consecutive ranks share (replicate) one kv head
-            total_kv_heads = loaded.shape[0] // self.head_dim
+            total_kv_heads = loaded_rows // self.head_dim
             start = self.tp_rank // max(1, self.tp_size // total_kv_heads) * size
-        shard = loaded.narrow(0, start, size)
-        default_weight_loader_into(param.data.narrow(0, offset, size), shard)
-
-
-def default_weight_loader_into(dst: torch.Tensor, src: torch.Tensor) -> None:
-    if dst.shape != src.shape:
-        raise ValueError(f"checkpoint shard shape {tuple(src.shape)} != parameter slice {tuple(dst.shape)}")
-    dst.copy_(src)
+        return sum(self.output_sizes[:index]), size, start

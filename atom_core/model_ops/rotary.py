@@ -21,6 +21,14 @@ def rope_parameters(config) -> tuple[float, dict | None]:
     return float(theta), scaling
 
 
+def partial_rotary_dim(config, head_dim: int) -> int:
+    """head_dim * partial_rotary_factor (rope_parameters first, then the top-level field), as HF
+    rounds it; for the families whose HF rotary reads the factor (e.g. GLM-4-MoE)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    return int(head_dim * (1.0 if factor is None else factor))
+
+
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     """Llama 3.1 frequency-dependent scaling: long wavelengths slowed by `factor`, short kept."""
     factor = scaling["factor"]
@@ -41,6 +49,9 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, rotary_dim: int, max_position: int, base: float, scaling: dict | None = None):
         super().__init__()
+        if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+            raise ValueError(f"rotary_dim {rotary_dim} must be even and in (0, head_dim={head_dim}]")
+        self.head_dim, self.rotary_dim = head_dim, rotary_dim
         inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device="cpu") / rotary_dim))
         kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
         if kind == "llama3":

@@ -1,55 +1,98 @@
-"""Blocks shared by the dense decoder-only families (Llama, Qwen3, Mistral-style configs)."""
+"""The kit the decoder-only families are built from: attention block, gated MLP, the pre-norm
+decoder layer, the layer stack and the causal-LM head. A family file owns its decoder layer
+(which attention options and which MLP or MoE each layer gets) and nothing else."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from atom_core.model_ops.activation import SiluAndMul
-from atom_core.model_ops.attention import Attention
+from atom_core.model_ops.attention import Attention, QKTransform
 from atom_core.model_ops.embed_head import LMHead, VocabEmbedding
 from atom_core.model_ops.layernorm import RMSNorm
 from atom_core.model_ops.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from atom_core.model_ops.rotary import RotaryEmbedding, rope_parameters
+from atom_core.quant import QuantConfig
 
 
 def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-class SelfAttention(nn.Module):
-    """QKV projection, then (optional per-head q/k RMSNorm (Qwen3), RoPE, KV store, paged attention), o_proj."""
+def layer_index(prefix: str) -> int:
+    """The decoder layer's index from its prefix, e.g. "model.layers.3" -> 3."""
+    return int(prefix.rsplit(".", 1)[-1])
 
-    def __init__(self, config, prefix: str, qk_norm: bool):
+
+def sliding_window_of(config, layer_idx: int) -> int | None:
+    """The window HF applies to layer `layer_idx`: per-layer `layer_types` where the config has
+    them (Qwen3), else the global `sliding_window` (Mistral, Mixtral), which Qwen configs
+    already null when `use_sliding_window` is false."""
+    window = getattr(config, "sliding_window", None)
+    if not window or not getattr(config, "use_sliding_window", True):
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and layer_types[layer_idx] != "sliding_attention":
+        return None
+    return int(window)
+
+
+def join_prefix(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """A family's choices for one layer's attention block (HF reads each from its own field)."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE
+    rotary_dim: int | None = None  # None: the whole head
+    sliding_window: int | None = None
+
+
+class SelfAttention(nn.Module):
+    """QKV projection; (q/k-norm, RoPE, KV store, paged attention) in the attention op; o_proj."""
+
+    def __init__(self, config, prefix: str, quant_config: QuantConfig | None, options: AttentionOptions):
         super().__init__()
-        self.head_dim = head_dim_of(config)
+        self.head_dim = head_dim = head_dim_of(config)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        bias = getattr(config, "attention_bias", False)
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias=bias)
-        self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, self.num_heads, self.num_kv_heads,
+                                          bias=options.qkv_bias, quant_config=quant_config,
+                                          prefix=f"{prefix}.qkv_proj")
+        self.o_proj = RowParallelLinear(self.num_heads * head_dim, config.hidden_size, bias=options.o_bias,
+                                        quant_config=quant_config, prefix=f"{prefix}.o_proj")
         theta, scaling = rope_parameters(config)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, self.head_dim, config.max_position_embeddings, theta, scaling)
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
-        if qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.qk_norm = qk_norm
+        self.rotary_emb = RotaryEmbedding(head_dim, options.rotary_dim or head_dim, config.max_position_embeddings,
+                                          theta, scaling)
+        if options.qk_norm:
+            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
+        qk = QKTransform(self.rotary_emb, getattr(self, "q_norm", None), getattr(self, "k_norm", None))
+        self.attn = Attention(self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads, qk,
+                              sliding_window=options.sliding_window, prefix=f"{prefix}.attn")
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        # q/k-norm and RoPE run inside the attention op, fused with the KV store (one kernel).
-        norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 1e-6)
-        out = self.attn(self.qkv_proj(hidden), positions, self.rotary_emb.cos_sin_cache, *norm)
-        return self.o_proj(out)
+        return self.o_proj(self.attn(self.qkv_proj(hidden), positions))
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, config, prefix: str):
+    """down(silu(gate(x)) * up(x)), gate and up in one weight."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, prefix: str,
+                 quant_config: QuantConfig | None = None, bias: bool = False, hidden_act: str = "silu"):
         super().__init__()
-        bias = getattr(config, "mlp_bias", False)
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; expected silu")
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
+        if hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {hidden_act!r}; expected silu")
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias,
+                                                       quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, quant_config=quant_config,
+                                           prefix=f"{prefix}.down_proj")
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -57,10 +100,16 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, prefix: str, qk_norm: bool):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)); the residual add is fused into
+    the next norm. A family's layer builds `self_attn` and the MLP and passes them here; the
+    MLP is registered as `mlp_name`, the name its checkpoints use."""
+
+    mlp_name = "mlp"
+
+    def __init__(self, config, self_attn: nn.Module, mlp: nn.Module):
         super().__init__()
-        self.self_attn = SelfAttention(config, f"{prefix}.self_attn", qk_norm)
-        self.mlp = GatedMLP(config, f"{prefix}.mlp")
+        self.self_attn = self_attn
+        self.add_module(self.mlp_name, mlp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -71,15 +120,15 @@ class DecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return getattr(self, self.mlp_name)(hidden), residual
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, prefix: str, qk_norm: bool):
+    def __init__(self, config, prefix: str, quant_config: QuantConfig | None, layer_cls: type[nn.Module]):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, f"{prefix}.layers.{i}", qk_norm) for i in range(config.num_hidden_layers)
+            layer_cls(config, f"{prefix}.layers.{i}", quant_config) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -92,24 +141,34 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    """model + lm_head; subclasses pick qk_norm. compute_logits runs on the sampled rows only."""
+    """model + lm_head; a family sets `layer_cls`. compute_logits runs on the sampled rows only.
 
-    qk_norm = False
-    packed_modules_mapping = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
+    The loader reads `stacked_params_mapping` ((param, checkpoint name, shard id): checkpoint
+    modules packed into one of ours) and `expert_params_mapping` (MoE models), matched by whole
+    name components; `skip_checkpoint_weight` names tensors a checkpoint may hold that no
+    parameter takes.
+    """
 
-    def __init__(self, config, prefix: str = ""):
+    layer_cls: type[nn.Module]
+    stacked_params_mapping: list[tuple[str, str, object]] = [
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    ]
+    expert_params_mapping: list[tuple[str, str, int | None, str]] = []
+
+    def __init__(self, config, prefix: str = "", quant_config: QuantConfig | None = None):
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, "model", self.qk_norm)
+        self.model = DecoderModel(config, join_prefix(prefix, "model"), quant_config, self.layer_cls)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def skip_checkpoint_weight(self, name: str) -> bool:
+        return "rotary_emb.inv_freq" in name  # HF's buffer; ours is computed
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

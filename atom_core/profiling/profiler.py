@@ -35,28 +35,18 @@ import os
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from atom_core.config import ProfilerConfig
 from atom_core.profiling.conventions import CAPTURE_FILE_PREFIX, TRACE_SUFFIX, graph_capture_range_name
 
 T = TypeVar("T")
 
 NO_DIR_MESSAGE = "torch profiler dir not configured; pass --torch-profiler-dir or set ATOM_TORCH_PROFILER_DIR"
-
-
-@dataclass(frozen=True)
-class ProfilerConfig:
-    """Profiling switches; defaults come from atom_core.envs (ATOM_TORCH_PROFILER_DIR,
-    ATOM_PROFILER_DETAILED, ATOM_MARK_TRACE), command-line options override them."""
-
-    torch_profiler_dir: str | None = None
-    detailed: bool = False
-    mark_trace: bool = False
 
 
 def rank_dir_name(rank: int, dp_rank: int | None = None) -> str:
@@ -145,7 +135,7 @@ class TorchProfiler:
         if self.is_active:
             raise ValueError("torch profiler is already running; call stop_profile first")
         trace_dir.mkdir(parents=True, exist_ok=True)
-        self._profile = self._new_profile(detailed=self.config.detailed)
+        self._profile = self._new_profile(detailed=self.config.profiler_detailed)
         self._profile.start()
 
     def stop(self) -> list[str]:

@@ -62,7 +62,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
     @guarded.get("/v1/models")
     async def models():
         card = {"id": model_name, "object": "model", "created": created, "owned_by": "atom_core",
-                "root": str(engine.config.model), "max_model_len": engine.info.max_model_len}
+                "root": str(engine.config.model.model), "max_model_len": engine.info.max_model_len}
         return {"object": "list", "data": [card]}
 
     @guarded.post("/start_profile")

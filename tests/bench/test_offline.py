@@ -7,10 +7,8 @@ import torch
 from typer.testing import CliRunner
 
 from atom_core.bench.offline import ThroughputWorkload
-from atom_core.engine.cuda_graph import padded_batch_size
-from atom_core.engine.memory import MemoryPlan, dummy_batch
-from atom_core.engine.model_runner import kv_bytes_per_block
-from atom_core.loader.model_dir import resolve_model_files
+from atom_core.worker.cuda_graph import padded_batch_size
+from atom_core.worker.memory import MemoryPlan, dummy_step
 from atomctl.main import app
 
 runner = CliRunner()
@@ -104,17 +102,26 @@ class TestGraphPadding:
     def test_capture_sizes_are_capped_by_max_num_seqs(self):
         from atom_core.config import EngineConfig
 
-        cfg = EngineConfig(model="x", max_num_seqs=20, cudagraph_capture_sizes=(1, 8, 16, 32, 8))
-        assert cfg.sorted_capture_sizes == (1, 8, 16)
+        cfg = EngineConfig.from_kwargs("x", max_num_seqs=20, cudagraph_capture_sizes=(1, 8, 16, 32, 8))
+        assert cfg.capture_sizes == (1, 8, 16)
 
 
 class TestMemorySizing:
-    def test_kv_bytes_per_block_for_real_architectures(self):
-        q06 = resolve_model_files("preset:Qwen3-0.6B").hf_config
-        l8 = resolve_model_files("preset:Llama-3-8B").hf_config
+    @pytest.mark.parametrize("preset, layers", [("Qwen3-0.6B", 28), ("Llama-3-8B", 32)])
+    def test_kv_bytes_per_block_for_real_architectures(self, preset, layers):
+        from atom_core.loader.model_dir import resolve_model_files
+        from atom_core.model_ops.kv_spec import attention_layers, kv_bytes_per_block
+        from atom_core.models.registry import resolve_model_class
+
+        hf = resolve_model_files(f"preset:{preset}").hf_config
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with torch.device("meta"):  # the layers' declarations only: no weights allocated
+                model = resolve_model_class(hf)(hf)
+        finally:
+            torch.set_default_dtype(torch.float32)
         # 2 (K,V) x layers x kv_heads x head_dim x bytes x block_size
-        assert kv_bytes_per_block(q06, 16, torch.bfloat16) == 2 * 28 * 8 * 128 * 2 * 16
-        assert kv_bytes_per_block(l8, 16, torch.bfloat16) == 2 * 32 * 8 * 128 * 2 * 16
+        assert kv_bytes_per_block(attention_layers(model), 16) == 2 * layers * 8 * 128 * 2 * 16
 
     def test_budget_subtracts_everything_else(self):
         gib = 1 << 30
@@ -122,12 +129,10 @@ class TestMemorySizing:
                           peak_activations=3 * gib, graph_reserve=gib // 2)
         assert plan.kv_budget == int(72 * gib) - 1 * gib - 16 * gib - 3 * gib - gib // 2
 
-    def test_dummy_step_covers_the_token_budget_and_every_sequence(self, tiny_llama):
-        from atom_core import LLMEngine
-
-        engine = LLMEngine(str(tiny_llama), device="cpu", max_num_batched_tokens=300, max_num_seqs=7)
-        batch = dummy_batch(engine.core.runner)
-        assert batch.total_tokens == 300 and len(batch) == 7
-        blocks = [b for s in batch.seqs for b in s.block_table]
-        assert len(blocks) == len(set(blocks))  # scratch blocks never overlap
-        assert all(batch.samples(i) for i in range(len(batch)))
+    def test_dummy_step_covers_the_token_budget_and_every_sequence(self):
+        out, num_blocks = dummy_step(max_num_batched_tokens=300, max_num_seqs=7, max_model_len=4096, block_size=16)
+        assert out.total_tokens == 300 and len(out) == 7 and len(out.new_requests) == 7
+        blocks = [b for _, ids in out.new_block_ids.values() for b in ids]
+        assert len(blocks) == len(set(blocks)) == num_blocks  # scratch blocks never overlap
+        # every request computes its whole prompt, so every one samples
+        assert all(len(r.prompt_token_ids) == n for r, n in zip(out.new_requests, out.num_scheduled_tokens))

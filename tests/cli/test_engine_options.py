@@ -48,11 +48,11 @@ def test_serve_defaults_to_single_steps_but_honours_the_option(monkeypatch, args
     app.callback()(lambda: None)
     result = CliRunner().invoke(app, ["serve", "--model", "/m", *args])
     assert result.exit_code == 0, result.output
-    assert seen["config"].num_scheduler_steps == steps
+    assert seen["config"].scheduler.num_scheduler_steps == steps
 
 
 def test_offline_commands_default_to_windows_of_8():
     from atom_core.config import EngineConfig
 
     assert "num_scheduler_steps" not in engine_kwargs(_defaults(model="/m"))
-    assert EngineConfig(model="/m").num_scheduler_steps == 8
+    assert EngineConfig.from_kwargs("/m").scheduler.num_scheduler_steps == 8

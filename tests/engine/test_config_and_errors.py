@@ -41,22 +41,37 @@ class TestEngineConfigValidation:
         ("cudagraph_capture_sizes", ()),
         ("cudagraph_capture_sizes", (1, 0)),
         ("load_format", "pt"),
-        ("tensor_parallel_size", 2),
+        ("num_scheduler_steps", 0),
     ])
-    def test_bad_value_names_the_field(self, field, value):
-        kwargs = {"model": "some/dir", field: value}
-        with pytest.raises(ValueError, match=rf"\b{field}\b"):
-            EngineConfig(**kwargs)
+    def test_bad_value_names_the_field_and_its_flag(self, field, value):
+        flag = "--" + field.replace("_", "-")
+        with pytest.raises(ValueError, match=rf"\b{field}\b.*\({flag}\)"):
+            EngineConfig.from_kwargs(**{"model": "some/dir", field: value})
 
     def test_batched_tokens_below_max_model_len_without_chunking(self):
         with pytest.raises(ValueError, match="max_num_batched_tokens"):
-            EngineConfig("m", enable_chunked_prefill=False, max_model_len=1024, max_num_batched_tokens=512)
+            EngineConfig.from_kwargs("m", enable_chunked_prefill=False, max_model_len=1024, max_num_batched_tokens=512)
 
     def test_good_values_pass_and_the_config_is_frozen(self):
         cfg = EngineConfig.from_kwargs("m", dtype="bf16", block_size=32, cudagraph_capture_sizes=[1, 2])
-        assert cfg.cudagraph_capture_sizes == (1, 2)
+        assert cfg.compile.cudagraph_capture_sizes == (1, 2)
         with pytest.raises(AttributeError):
-            cfg.block_size = 8
+            cfg.cache.block_size = 8
+
+    def test_options_land_in_their_parts(self):
+        cfg = EngineConfig.from_kwargs("m", max_num_seqs=4, block_size=8, level=1, seed=3, torch_profiler_dir="/t")
+        assert (cfg.scheduler.max_num_seqs, cfg.cache.block_size, cfg.compile.level) == (4, 8, 1)
+        assert (cfg.model.model, cfg.model.seed, cfg.profiler.torch_profiler_dir) == ("m", 3, "/t")
+        assert cfg.replace(max_num_seqs=2, level=0).scheduler.max_num_seqs == 2
+        assert cfg.parallel.world_size == 1 and cfg.speculative.method is None
+
+    def test_parallelism_has_no_option_yet(self):
+        with pytest.raises(ValueError, match="unknown engine option.*tensor_parallel_size"):
+            EngineConfig.from_kwargs("m", tensor_parallel_size=2)
+
+    def test_capture_sizes_are_capped_by_max_num_seqs(self):
+        cfg = EngineConfig.from_kwargs("m", max_num_seqs=20, cudagraph_capture_sizes=[32, 1, 16, 4, 4])
+        assert cfg.capture_sizes == (1, 4, 16)
 
     def test_unknown_engine_option_lists_the_known_ones(self):
         with pytest.raises(ValueError, match=r"unknown engine option.*'max_num_seq'.*max_num_seqs"):

@@ -9,19 +9,26 @@ import random
 
 import pytest
 
+from atom_core.config import SchedulerConfig
 from atom_core.engine.kv_cache import KVCacheManager
 from atom_core.engine.llm_engine import LLMEngine
 from atom_core.engine.scheduler import Scheduler
 from atom_core.engine.sequence import FinishReason, Sequence
 from atom_core.sampling_params import SamplingParams
+from atom_core.scheduler_output import PLACEHOLDER, ModelRunnerOutput
 
 BS = 4
 EOS = 0
 
 
 def make_sched(num_blocks=64, steps=4, max_num_seqs=8):
-    return Scheduler(KVCacheManager(num_blocks, BS, enable_prefix_caching=True), max_num_seqs, 64, 256, {EOS},
-                     num_scheduler_steps=steps)
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64, num_scheduler_steps=steps)
+    return Scheduler(config, KVCacheManager(num_blocks, BS, enable_prefix_caching=True), 256, {EOS})
+
+
+def step_counts(out) -> list[int] | None:
+    """Tokens each request computes in a window (None: not a window)."""
+    return [1 + len(extra) for extra in out.extra_tokens] if out.is_window else None
 
 
 def add(sched, i, prompt_len=6, **params):
@@ -33,8 +40,8 @@ def add(sched, i, prompt_len=6, **params):
 
 def prefill(sched):
     batch = sched.schedule()
-    assert batch.step_counts is None  # a prefill is never a window
-    sched.update_from_output(batch, [100 + i for i in range(len(batch))])
+    assert step_counts(batch) is None  # a prefill is never a window
+    sched.update_from_output(batch, ModelRunnerOutput(batch.req_ids, [[100 + i] for i in range(len(batch))]))
 
 
 class TestWindowPlanning:
@@ -44,13 +51,14 @@ class TestWindowPlanning:
         prefill(sched)
         batch = sched.schedule()
         # short has 1 of 3 tokens: 2 steps left; long keeps all 4.
-        assert batch.num_steps == 4 and batch.step_counts == [2, 4]
-        for seq, count in zip(batch.seqs, batch.step_counts):
+        assert batch.num_steps == 4 and step_counts(batch) == [2, 4]
+        assert batch.extra_tokens == [[PLACEHOLDER], [PLACEHOLDER] * 3]
+        for seq, count in zip((short, long), step_counts(batch)):
             assert len(seq.block_table) * BS >= seq.num_computed_tokens + count
         sched.advance(batch)
         assert long.num_placeholders == 4 and short.num_placeholders == 2
         assert long.num_computed_tokens == long.num_tokens - 1
-        finished = sched.resolve(batch, [[7, 8], [9, 10, 11, 12]])
+        finished = sched.resolve(batch, ModelRunnerOutput(batch.req_ids, [[7, 8], [9, 10, 11, 12]]))
         assert finished == [short] and short.finish_reason is FinishReason.LENGTH
         assert short.output_token_ids == [100, 7, 8] and long.output_token_ids == [101, 9, 10, 11, 12]
 
@@ -61,8 +69,8 @@ class TestWindowPlanning:
         batch = sched.schedule()
         sampled = [[5, EOS, 6, 7]]
         sched.advance(batch)
-        assert sched.resolve(batch, sampled) == [seq]
-        assert sampled == [[5, EOS]] and seq.output_token_ids[:3] == [100, 5, EOS]
+        assert sched.resolve(batch, ModelRunnerOutput(batch.req_ids, sampled)) == [seq]
+        assert sampled == [[5, EOS]] and seq.output_token_ids == [100, 5, EOS] and seq.num_placeholders == 0
         assert seq.finish_reason is FinishReason.STOP and seq.stop_token_id == EOS
         assert not sched.has_unfinished() and sched.kv.num_free_blocks == sched.kv.num_blocks
 
@@ -74,33 +82,33 @@ class TestWindowPlanning:
         add(sched, 1, max_tokens=20)
         add(sched, 2, max_tokens=20, **params)
         prefill(sched)
-        assert sched.schedule().step_counts is None
+        assert step_counts(sched.schedule()) is None
 
     def test_no_window_while_a_request_waits(self):
         sched = make_sched(steps=4, max_num_seqs=1)
         add(sched, 1, max_tokens=20)
         prefill(sched)
         add(sched, 2, max_tokens=20)  # cannot be admitted (max_num_seqs=1) but waits
-        assert sched.schedule().step_counts is None
+        assert step_counts(sched.schedule()) is None
 
     def test_a_window_that_does_not_fit_falls_back_to_one_step(self):
         sched = make_sched(num_blocks=3, steps=8)  # 12 slots: 6-token prompt + 8 steps would need 14
         add(sched, 1, max_tokens=50)
         prefill(sched)
         batch = sched.schedule()
-        assert batch.step_counts is None and batch.num_steps == 1 and len(batch) == 1
+        assert step_counts(batch) is None and batch.num_steps == 1 and len(batch) == 1
 
 
 def _generate(model, steps, prompts, params, **options):
     engine = LLMEngine(str(model), num_scheduler_steps=steps, **options)
     windows = []
-    launch = engine.core.runner.launch
+    launch = engine.core.executor.launch
 
-    def spy(batch, previous=None):
-        windows.append(batch.num_steps)
-        return launch(batch, previous)
+    def spy(out, previous=None):
+        windows.append(out.num_steps)
+        return launch(out, previous)
 
-    engine.core.runner.launch = spy
+    engine.core.executor.launch = spy
     outputs = engine.generate(prompts, params)
     _generate.last_engine = engine
     return [(o["token_ids"], o["finish_reason"]) for o in outputs], windows

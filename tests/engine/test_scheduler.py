@@ -9,9 +9,11 @@ from __future__ import annotations
 import pytest
 
 from atom_core.engine.kv_cache import KVCacheManager
-from atom_core.engine.scheduler import ScheduledBatch, Scheduler
+from atom_core.config import SchedulerConfig
+from atom_core.engine.scheduler import Scheduler
 from atom_core.engine.sequence import PLACEHOLDER, FinishReason, Sequence, SequenceStatus
 from atom_core.sampling_params import SamplingParams
+from atom_core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 EOS = 0
 BS = 4
@@ -29,7 +31,8 @@ def fake_token(seq: Sequence) -> int:
 def make_sched(num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 64, max_model_len: int = 256,
                prefix_caching: bool = False) -> Scheduler:
     kv = KVCacheManager(num_blocks, BS, enable_prefix_caching=prefix_caching)
-    return Scheduler(kv, max_num_seqs, budget, max_model_len, {EOS})
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, num_scheduler_steps=1)
+    return Scheduler(config, kv, max_model_len, {EOS})
 
 
 def make_seq(i: int, prompt_len: int, max_tokens: int = 4, **params) -> Sequence:
@@ -37,19 +40,30 @@ def make_seq(i: int, prompt_len: int, max_tokens: int = 4, **params) -> Sequence
     return Sequence(f"r{i}", tokens, SamplingParams(max_tokens=max_tokens, **params))
 
 
-def step(sched: Scheduler, tokens: dict[str, int] | None = None) -> tuple[ScheduledBatch, list[Sequence]]:
+def samples(sched: Scheduler, out: SchedulerOutput, i: int) -> bool:
+    """Whether entry i reaches its last known token this step (asked before `advance`)."""
+    seq = sched.requests[out.req_ids[i]]
+    return seq.num_computed_tokens + out.num_scheduled_tokens[i] == seq.num_tokens
+
+
+def result(out: SchedulerOutput, tokens: list[int | None]) -> ModelRunnerOutput:
+    """What the runner reports: one token per sampling entry, nothing for the others."""
+    return ModelRunnerOutput(out.req_ids, [[t] if t is not None else [] for t in tokens])
+
+
+def step(sched: Scheduler, tokens: dict[str, int] | None = None) -> tuple[SchedulerOutput, list[Sequence]]:
     """One engine step with the fake model; `tokens` overrides sampled ids per request id."""
-    batch = sched.schedule()
+    out = sched.schedule()
     sampled = []
-    for i, seq in enumerate(batch.seqs):
-        if batch.samples(i):
-            sampled.append((tokens or {}).get(seq.request_id, fake_token(seq)))
+    for i, rid in enumerate(out.req_ids):
+        if samples(sched, out, i):
+            sampled.append((tokens or {}).get(rid, fake_token(sched.requests[rid])))
         else:
             sampled.append(None)
-    return batch, sched.update_from_output(batch, sampled)
+    return out, sched.update_from_output(out, result(out, sampled))
 
 
-def run_to_end(sched: Scheduler, max_steps: int = 500) -> list[tuple[ScheduledBatch, list[Sequence]]]:
+def run_to_end(sched: Scheduler, max_steps: int = 500) -> list[tuple[SchedulerOutput, list[Sequence]]]:
     history = []
     while sched.has_unfinished():
         history.append(step(sched))
@@ -58,8 +72,8 @@ def run_to_end(sched: Scheduler, max_steps: int = 500) -> list[tuple[ScheduledBa
     return history
 
 
-def scheduled(batch: ScheduledBatch) -> dict[str, int]:
-    return {s.request_id: n for s, n in zip(batch.seqs, batch.num_new_tokens)}
+def scheduled(out: SchedulerOutput) -> dict[str, int]:
+    return dict(zip(out.req_ids, out.num_scheduled_tokens))
 
 
 class TestTokenBudget:
@@ -93,7 +107,7 @@ class TestChunkedPrefill:
         for _ in range(4):
             batch, _ = step(sched)
             assert len(batch) == 1
-            chunks.append(batch.num_new_tokens[0])
+            chunks.append(batch.num_scheduled_tokens[0])
             if seq.num_computed_tokens < 100:
                 assert seq.num_output_tokens == 0, "sampled before the prompt was complete"
         assert chunks == [32, 32, 32, 4]
@@ -119,13 +133,15 @@ class TestChunkedPrefill:
         assert short.num_output_tokens == 4 and long.num_output_tokens == 1
         batch = sched.schedule()
         assert scheduled(batch) == {"r0": 1, "r1": 1} and batch.is_decode_only
-        sched.update_from_output(batch, [fake_token(short), fake_token(long)])
+        sched.update_from_output(batch, result(batch, [fake_token(short), fake_token(long)]))
         run_to_end(sched)
         assert short.num_output_tokens == 10 and long.num_output_tokens == 2
 
     def test_without_chunking_a_prompt_waits_for_a_step_with_room(self):
         kv = KVCacheManager(64, BS, enable_prefix_caching=False)
-        sched = Scheduler(kv, 8, 16, 256, {EOS}, enable_chunked_prefill=False)
+        config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16, enable_chunked_prefill=False,
+                                 num_scheduler_steps=1)
+        sched = Scheduler(config, kv, 256, {EOS})
         a, b = make_seq(0, 10, max_tokens=3), make_seq(1, 12, max_tokens=2)
         sched.add(a)
         sched.add(b)
@@ -178,7 +194,7 @@ class TestPreemption:
         assert new.status == SequenceStatus.WAITING and new.block_table == []
         assert new.num_computed_tokens == 0
         assert sched.waiting[0] is new
-        assert [s.request_id for s in batch.seqs] == ["r0"]  # the step went on without it
+        assert batch.req_ids == ["r0"]  # the step went on without it
         assert len(old.block_table) * BS >= old.num_computed_tokens + 1
 
     def test_preempted_sequence_resumes_with_unchanged_output(self):
@@ -207,7 +223,7 @@ class TestPreemption:
         assert list(sched.waiting) == [new, late]
         admitted = []
         for batch, _ in run_to_end(sched):
-            admitted += [s.request_id for s in batch.seqs if s.request_id not in admitted]
+            admitted += [rid for rid in batch.req_ids if rid not in admitted]
         assert admitted.index("r1") < admitted.index("r2")
 
     def test_newest_preempts_itself_when_it_cannot_grow_and_finishes_later(self):
@@ -229,7 +245,7 @@ class TestFcfs:
         admitted, finished = [], []
         while sched.has_unfinished():
             batch, done = step(sched)
-            admitted += [s.request_id for s in batch.seqs if s.request_id not in admitted]
+            admitted += [rid for rid in batch.req_ids if rid not in admitted]
             finished += [s.request_id for s in done]
         assert admitted == finished == ["r0", "r1", "r2", "r3"]
 
@@ -290,7 +306,7 @@ class TestFinishRequests:
         sched.add(a)
         batch = sched.schedule()
         sched.finish_requests(["r0"], FinishReason.ABORT)
-        assert sched.update_from_output(batch, [1234]) == []
+        assert sched.update_from_output(batch, result(batch, [1234])) == []
         assert a.num_output_tokens == 0 and a.finish_reason == FinishReason.ABORT
         assert sched.kv.num_free_blocks == sched.kv.num_blocks
         assert not sched.has_unfinished()
@@ -326,16 +342,17 @@ class TestAsyncScheduling:
     then resolve step N. Outputs must equal the synchronous loop's, preemption included."""
 
     @staticmethod
-    def run_async(sched: Scheduler) -> list[ScheduledBatch]:
+    def run_async(sched: Scheduler) -> list[SchedulerOutput]:
         batches, pending = [], None
         while sched.has_unfinished() or pending is not None:
             batch = sched.schedule()
             launched = None
             if batch:
                 # what the device samples, decided at launch from the output index
-                tokens = [fake_token(s) if batch.samples(i) else None for i, s in enumerate(batch.seqs)]
+                tokens = [fake_token(sched.requests[rid]) if samples(sched, batch, i) else None
+                          for i, rid in enumerate(batch.req_ids)]
                 sched.advance(batch)
-                launched = (batch, tokens)
+                launched = (batch, result(batch, tokens))
                 batches.append(batch)
             if pending is not None:
                 sched.resolve(*pending)
@@ -375,7 +392,98 @@ class TestAsyncScheduling:
         sched.advance(first)
         second = sched.schedule()  # launched before the first step's EOS is known
         sched.advance(second)
-        assert sched.resolve(first, [EOS]) == [seq]
-        assert sched.resolve(second, [1234]) == []
+        assert sched.resolve(first, result(first, [EOS])) == [seq]
+        assert sched.resolve(second, result(second, [1234])) == []
         assert seq.output_token_ids[0] == EOS and seq.finish_reason == FinishReason.STOP
         assert sched.kv.num_free_blocks == sched.kv.num_blocks and not sched.has_unfinished()
+
+
+class TestSchedulerOutput:
+    """The step message is plain data: what the worker needs to mirror every request."""
+
+    def test_new_request_carries_its_prompt_and_blocks_then_only_added_blocks(self):
+        sched = make_sched(budget=64)
+        seq = make_seq(0, 6, max_tokens=8)
+        sched.add(seq)
+        out, _ = step(sched)
+        assert [r.req_id for r in out.new_requests] == ["r0"]
+        assert out.new_requests[0].prompt_token_ids == seq.prompt_token_ids
+        assert out.new_block_ids == {"r0": (0, seq.block_table[:2])}
+        out, _ = step(sched)  # position 6 still fits block 1
+        assert out.new_requests == [] and out.new_block_ids == {}
+        assert out.num_computed_tokens == [6] and out.is_decode_only
+        step(sched)
+        out, _ = step(sched)  # position 8 opens block 2
+        assert out.new_block_ids == {"r0": (2, [seq.block_table[2]])}
+
+    def test_finished_ids_reach_the_next_step_that_runs(self):
+        sched = make_sched()
+        a, b = make_seq(0, 3, max_tokens=1), make_seq(1, 3, max_tokens=4)
+        sched.add(a)
+        sched.add(b)
+        out, done = step(sched)
+        assert done == [a] and out.finished_req_ids == []
+        out, _ = step(sched)
+        assert out.finished_req_ids == ["r0"]
+        out, _ = step(sched)
+        assert out.finished_req_ids == []
+
+    def test_resumed_request_is_sent_again_with_its_outputs(self):
+        sched = make_sched(num_blocks=5, budget=64)
+        a, b = make_seq(0, 7, max_tokens=12), make_seq(1, 7, max_tokens=12)
+        sched.add(a)
+        sched.add(b)
+        resent = []
+        while sched.has_unfinished():
+            out, _ = step(sched)
+            resent += [r for r in out.new_requests if r.output_token_ids]
+        assert sched.num_preemptions > 0 and resent
+        assert all(r.output_token_ids == [fake_token_at(b if r.req_id == "r1" else a, k)
+                                          for k in range(len(r.output_token_ids))] for r in resent)
+
+
+class TestKVRollback:
+    def test_trim_gives_back_trailing_blocks_and_rewinds_the_sequence(self):
+        kv = KVCacheManager(16, BS, enable_prefix_caching=False)
+        seq = make_seq(0, 10)
+        kv.allocate(seq, 10)
+        kv.append_slots(seq, 17)  # room for 7 draft tokens: 5 blocks
+        seq.num_computed_tokens = 17
+        seq.num_sent_blocks = 5
+        kept = seq.block_table[:3]
+        assert kv.trim_slots(seq, 11) == 2
+        assert seq.block_table == kept and seq.num_computed_tokens == 11 and seq.num_sent_blocks == 3
+        assert kv.num_free_blocks == 16 - 3
+        assert kv.trim_slots(seq, 12) == 0
+        kv.free(seq)
+        assert kv.num_free_blocks == 16
+
+    def test_trim_keeps_published_blocks(self):
+        kv = KVCacheManager(16, BS, enable_prefix_caching=True)
+        seq = make_seq(0, 12)
+        kv.allocate(seq, 12)
+        seq.num_computed_tokens = 12
+        kv.cache_full_blocks(seq)
+        assert kv.trim_slots(seq, 2) == 0 and len(seq.block_table) == 3
+        kv.free(seq)
+        assert kv.num_free_blocks == 16
+
+    def test_worker_table_follows_a_trim(self):
+        from atom_core.worker.input_batch import InputBatch
+
+        sched = make_sched(budget=64)
+        seq = make_seq(0, 9, max_tokens=20)
+        sched.add(seq)
+        batch = InputBatch()
+        out, _ = step(sched)
+        batch.update(out)
+        sched.kv.append_slots(seq, 20)  # slots for drafts: the worker learns them with the next step
+        out, _ = step(sched)
+        batch.update(out)
+        assert len(batch.requests["r0"].block_ids) == 5
+        sched.kv.trim_slots(seq, 11)  # the drafts were rejected
+        sched.kv.append_slots(seq, 14)
+        out, _ = step(sched)
+        batch.update(out)
+        assert out.new_block_ids["r0"][0] == 3
+        assert batch.requests["r0"].block_ids == seq.block_table and len(seq.block_table) == 4

@@ -27,7 +27,7 @@ def main() -> None:
     start = time.perf_counter()
     engine = LLMEngine(args.model, load_format="dummy", max_model_len=args.max_model_len, level=args.level)
     startup = time.perf_counter() - start
-    breakdown = engine.core.runner.startup_breakdown
+    breakdown = engine.core.executor.startup_breakdown
     print(f"start to ready {startup:.1f} s: " + ", ".join(f"{k} {v:.1f}" for k, v in breakdown.items()), flush=True)
     rows, results = [], {"startup_s": startup, "startup_breakdown_s": breakdown, "runs": []}
     for steps in [int(s) for s in args.steps.split(",")]:

@@ -14,7 +14,8 @@ import time
 import torch
 
 from atom_core.bench.offline import ThroughputWorkload
-from atom_core.engine import core, model_runner, output_processor, scheduler
+from atom_core.engine import core, output_processor, scheduler
+from atom_core.worker import model_runner
 from atom_core.engine.llm_engine import LLMEngine
 
 totals: collections.Counter = collections.Counter()
@@ -70,7 +71,7 @@ def record_gpu_spans() -> None:
             return launch(self, batch, *args, **kwargs)
         finally:
             end.record()
-            kind = "window" if batch.step_counts is not None else ("decode" if batch.is_decode_only else "prefill/mixed")
+            kind = "window" if batch.is_window else ("decode" if batch.is_decode_only else "prefill/mixed")
             events.append((kind, start, end))
 
     model_runner.ModelRunner.launch = wrapper
@@ -107,45 +108,15 @@ def watch_compiles() -> None:
     torch._logging.set_logs(recompiles=True)
 
 
-def unfuse_qkv_prep() -> None:
-    """Swap the fused q/k-norm + RoPE + KV-store kernel for the separate kernels it replaced."""
-    from atom_core.kernels import kernel_ops
-    from atom_core.model_ops import attention
-    from atom_core.model_ops.forward_context import get_attention_metadata
-
-    def separate(qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps, layer):
-        meta = get_attention_metadata()
-        ops = kernel_ops(qkv.device)
-        h, kh, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
-        q, k, v = qkv.split([h * d, kh * d, kh * d], dim=-1)
-        q, k, v = q.view(-1, h, d), k.view(-1, kh, d), v.view(-1, kh, d)
-        if q_norm_weight is not None:
-            q, k = ops.rms_norm(q, q_norm_weight, eps), ops.rms_norm(k, k_norm_weight, eps)
-        else:
-            q, k = q.clone(), k.clone()
-        q, k = ops.rotary_embedding(positions, q, k, cos_sin_cache)
-        ops.store_kv_cache(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping)
-        out = ops.paged_attention(q, layer.k_cache, layer.v_cache, meta.block_tables, meta.query_start_loc,
-                                  meta.seq_lens, layer.scale, meta.max_query_len, meta.max_seq_len,
-                                  seq_order=meta.seq_order)
-        return out.view(-1, h * d)
-
-    attention._prepare_and_attend = separate
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
     parser.add_argument("--level", type=int, default=1)
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--no-order", action="store_true", help="drop the longest-first attention order (A/B)")
-    parser.add_argument("--unfused", action="store_true",
-                        help="q/k-norm, RoPE and KV store as separate kernels, as before cf6aaae (A/B)")
     parser.add_argument("options", nargs="*", help="extra engine options as key=value (ints)")
     args = parser.parse_args()
     options = {"max_model_len": 4096, **{k: int(v) for k, v in (o.split("=") for o in args.options)}}
-    if args.unfused:
-        unfuse_qkv_prep()
     engine = LLMEngine(args.model, load_format="dummy", level=args.level, **options)
     vocab = engine.core.vocab_size
     max_len = engine.max_model_len // 2 - 1
@@ -173,7 +144,7 @@ def main() -> None:
           f"{elapsed / steps * 1e3:.2f} ms per step")
     report_gpu_spans()
     sched = engine.core.scheduler
-    print(f"KV blocks {engine.core.runner.num_kv_blocks}, preemptions {sched.num_preemptions}, "
+    print(f"KV blocks {engine.core.executor.num_kv_blocks}, preemptions {sched.num_preemptions}, "
           f"attention order {'off' if args.no_order else 'longest first'}")
     print(f"{'phase':48s} {'total s':>8s} {'ms/step':>8s} {'calls':>7s}")
     for label, total in sorted(totals.items(), key=lambda kv: -kv[1]):

@@ -102,7 +102,6 @@ case $mode in
     step matrix-q06-l3 200 python3 tests/gpu/bench_matrix.py preset:Qwen3-0.6B --level 3 --steps 8 --latency-bs 1,32 --out "$OUT/matrix_q06_l3.json" ;;
   ab-l8)  # Llama-3-8B nano: fused vs separate q/k-norm/RoPE/KV-store kernels, then a decode profile with distinct prompts
     step diag-l8-fused 150 python3 tests/gpu/diag_steps.py preset:Llama-3-8B --level 3
-    step diag-l8-unfused 150 python3 tests/gpu/diag_steps.py preset:Llama-3-8B --level 3 --unfused
     step profile-l8-bs128 150 python3 -m atomctl.main profile "${l8[@]}" --mark-trace --random-input --bs 128 --input-length 900 --output-length 4 --torch-profiler-dir /tmp/traces-l8
     step parse-trace-l8 90 python3 -m atomctl.main parse-trace "$(ls -t /tmp/traces-l8/rank_0/Llama*.json.gz | head -1)" --layer 3 --out-dir "$OUT" ;;
   final4)  # all GPU tests, mid-run compile check, then both models at the defaults and a warm Llama-3-8B start

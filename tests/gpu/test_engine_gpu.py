@@ -46,18 +46,18 @@ def test_graphs_and_compile_equal_eager(level, tiny_qwen3):
     fast = engine.generate(prompts, GREEDY)
     assert [o["token_ids"] for o in fast] == [o["token_ids"] for o in eager]
     if level in (1, 3):
-        assert engine.core.runner.graphs is not None and engine.core.runner.graphs.graphs
+        assert engine.core.executor.runner.graphs is not None and engine.core.executor.runner.graphs.graphs
 
 
 def test_memory_sizing_fills_budget():
     common = dict(device="cuda", load_format="dummy", max_model_len=4096, enforce_eager=True)
     small = LLMEngine("preset:Qwen3-0.6B", gpu_memory_utilization=0.2, **common)
-    small_blocks = small.core.runner.num_kv_blocks
+    small_blocks = small.core.executor.num_kv_blocks
     del small
     torch.cuda.empty_cache()
     large = LLMEngine("preset:Qwen3-0.6B", gpu_memory_utilization=0.4, **common)
     total = torch.cuda.mem_get_info()[1]
-    assert large.core.runner.num_kv_blocks > small_blocks > 0
+    assert large.core.executor.num_kv_blocks > small_blocks > 0
     assert torch.cuda.memory_reserved() <= 0.42 * total
 
 

@@ -11,23 +11,21 @@ second start of the same model compiles much faster.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from atom_core.kernels import torch_ref
 from atom_core.model_ops.activation import SiluAndMul
 from atom_core.model_ops.attention import Attention
 from atom_core.model_ops.layernorm import RMSNorm
 
-if TYPE_CHECKING:
-    from atom_core.engine.model_runner import ModelRunner
-
 logger = logging.getLogger(__name__)
 
 
-def compile_model(runner: "ModelRunner") -> None:
-    for module in runner.model.modules():
+def compile_model(model: nn.Module) -> None:
+    """Compile `model.model.layers[*]` in place (lazily, on their first call)."""
+    for module in model.modules():
         if isinstance(module, (RMSNorm, SiluAndMul)):
             module.ops = torch_ref  # Inductor fuses these better than separate launches
         if isinstance(module, Attention):
@@ -39,7 +37,6 @@ def compile_model(runner: "ModelRunner") -> None:
     # dim avoided that but cost ~20% decode throughput, docs/PERFORMANCE.md). Each engine in a
     # process adds cache entries, and Dynamo's default limit (8) failed the third one.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    for layer in runner.model.model.layers:
+    for layer in model.model.layers:
         layer.forward = torch.compile(layer.forward, dynamic=True, fullgraph=True)
-    runner.compiled = True
     logger.info("decoder layers compiled lazily on first call (graph split at attention)")

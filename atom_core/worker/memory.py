@@ -7,16 +7,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import torch
 
-from atom_core.engine.scheduler import ScheduledBatch
-from atom_core.engine.sequence import Sequence
 from atom_core.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from atom_core.engine.model_runner import ModelRunner
+from atom_core.scheduler_output import NewRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -37,44 +33,40 @@ class MemoryPlan:
         return int(self.total * self.utilization) - self.used_by_others - self.weights - self.peak_activations - self.graph_reserve
 
 
-def dummy_batch(runner: "ModelRunner", block_offset: int = 0) -> ScheduledBatch:
-    """A max-size prefill step: max_num_batched_tokens tokens over up to max_num_seqs sequences,
-    every sequence sampling (so the logits and sampler peaks are included)."""
-    cfg = runner.config
-    total = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * runner.max_model_len)
-    num_seqs = max(1, min(cfg.max_num_seqs, total))
+def dummy_step(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
+               block_size: int) -> tuple[SchedulerOutput, int]:
+    """A max-size prefill step: max_num_batched_tokens tokens over up to max_num_seqs requests,
+    every request sampling (so the logits and sampler peaks are included). Returns the step and
+    the number of KV blocks its requests use (blocks 0..n-1)."""
+    total = min(max_num_batched_tokens, max_num_seqs * max_model_len)
+    num_seqs = max(1, min(max_num_seqs, total))
     per_seq = [total // num_seqs + (1 if i < total % num_seqs else 0) for i in range(num_seqs)]
-    batch = ScheduledBatch()
-    next_block = block_offset
+    out = SchedulerOutput()
+    next_block = 0
     for i, n in enumerate(per_seq):
-        seq = Sequence(f"dummy-{i}", [0] * n, SamplingParams(temperature=0, max_tokens=1))
-        num_blocks = (n + runner.block_size - 1) // runner.block_size
-        seq.block_table = list(range(next_block, next_block + num_blocks))
+        rid = f"dummy-{i}"
+        num_blocks = (n + block_size - 1) // block_size
+        out.add(rid, n, 0)
+        out.new_requests.append(NewRequest(rid, [0] * n, [], SamplingParams(temperature=0, max_tokens=1), 0))
+        out.new_block_ids[rid] = (0, list(range(next_block, next_block + num_blocks)))
         next_block += num_blocks
-        batch.seqs.append(seq)
-        batch.num_new_tokens.append(n)
-    return batch
+    return out, next_block
 
 
-def profile_kv_budget(runner: "ModelRunner") -> int:
-    """Run one dummy max-size step on a scratch KV cache and return the bytes left for KV."""
+def profile_kv_budget(run_peak_step: Callable[[], int], utilization: float, graph_reserve: int) -> int:
+    """Bytes left for KV after weights, activations and graphs. `run_peak_step` runs one
+    max-size step on a scratch KV cache it allocates and frees, and returns the scratch bytes."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
     weights = torch.cuda.memory_allocated()
     used_by_others = total - free - torch.cuda.memory_reserved()
-    batch = dummy_batch(runner)
-    scratch_blocks = sum(len(s.block_table) for s in batch.seqs)
     torch.cuda.reset_peak_memory_stats()
-    runner.allocate_kv_cache(scratch_blocks)
-    runner.execute(batch)
+    scratch_bytes = run_peak_step()
     torch.cuda.synchronize()
-    scratch_bytes = runner.kv_cache.numel() * runner.kv_cache.element_size()
     peak = torch.cuda.max_memory_allocated() - weights - scratch_bytes
-    runner.release_kv_cache()
     torch.cuda.empty_cache()
-    plan = MemoryPlan(total, runner.config.gpu_memory_utilization, max(0, used_by_others), weights, peak,
-                      GRAPH_RESERVE_BYTES if runner.config.use_cuda_graphs else 0)
+    plan = MemoryPlan(total, utilization, max(0, used_by_others), weights, peak, graph_reserve)
     logger.info("memory plan: %s -> KV budget %.2f GiB", plan, plan.kv_budget / (1 << 30))
     if plan.kv_budget <= 0:
         raise ValueError(

@@ -1,4 +1,5 @@
-"""Turns a ScheduledBatch into the flat tensors one forward needs (host side only).
+"""Turns a SchedulerOutput and the worker's request states into the flat tensors one forward
+needs (host side only).
 
 All per-token arrays are built with numpy, then copied to the device in one non-blocking
 transfer each from pinned memory, so building step N+1 can overlap the GPU running step N.
@@ -11,9 +12,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from atom_core.engine.scheduler import ScheduledBatch
 from atom_core.model_ops.forward_context import AttentionMetadata
 from atom_core.model_ops.sampler import SamplingBatch
+from atom_core.scheduler_output import SchedulerOutput
+from atom_core.worker.input_batch import RequestState
 
 
 @dataclass
@@ -46,15 +48,20 @@ def _block_table_array(tables: list[list[int]]) -> np.ndarray:
     return out
 
 
-def build_decode_batch(batch: ScheduledBatch, block_size: int, device: torch.device) -> FlatBatch:
-    """The decode-only case (one new token per sequence, each sampling): comprehensions only."""
-    seqs = batch.seqs
-    num = len(seqs)
-    positions = [s.num_computed_tokens for s in seqs]
-    input_ids = [s.token_ids[p] for s, p in zip(seqs, positions)]
-    tables = [s.block_table for s in seqs]
+def slot_of(block_ids: list[int], position: int, block_size: int) -> int:
+    """The KV cache slot of a token: the one place slot arithmetic is written on the host."""
+    return block_ids[position // block_size] * block_size + position % block_size
+
+
+def build_decode_batch(states: list[RequestState], block_size: int, device: torch.device) -> FlatBatch:
+    """The decode-only case (one new token per request, each sampling): comprehensions only."""
+    num = len(states)
+    positions = [s.num_computed_tokens for s in states]
+    tokens = [s.token_at(p) for s, p in zip(states, positions)]
+    placeholder_rows = [i for i, token in enumerate(tokens) if token is None]
+    input_ids = [-1 if t is None else t for t in tokens]
+    tables = [s.block_ids for s in states]
     slots = [t[p // block_size] * block_size + p % block_size for t, p in zip(tables, positions)]
-    placeholder_rows = [i for i, token in enumerate(input_ids) if token < 0]
     rows = list(range(num))
     seq_lens = np.array(positions, dtype=np.int32) + 1
     attn = AttentionMetadata(
@@ -81,46 +88,49 @@ def build_decode_batch(batch: ScheduledBatch, block_size: int, device: torch.dev
     )
 
 
-def build_flat_batch(batch: ScheduledBatch, block_size: int, device: torch.device) -> FlatBatch:
+def build_flat_batch(out: SchedulerOutput, states: list[RequestState], block_size: int,
+                     device: torch.device) -> FlatBatch:
     """Plain Python lists per token (cheaper than many small numpy ops), one array each at the end."""
-    if batch.is_decode_only:
-        return build_decode_batch(batch, block_size, device)
+    if out.is_decode_only:
+        return build_decode_batch(states, block_size, device)
     input_ids: list[int] = []
     positions: list[int] = []
     slot_mapping: list[int] = []
     query_start_loc = [0]
     seq_lens: list[int] = []
-    tables = [seq.block_table for seq in batch.seqs]
+    tables = [s.block_ids for s in states]
     logit_rows: list[int] = []
     sample_rows, sample_seq_idx, spans = [], [], []
     placeholder_rows: list[int] = []
     placeholder_seqs: list[int] = []
     offset = 0
-    for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-        start = seq.num_computed_tokens
-        table = seq.block_table
+    for i, (state, n) in enumerate(zip(states, out.num_scheduled_tokens)):
+        start = state.num_computed_tokens
+        table = state.block_ids
         if n == 1:
-            token = seq.token_ids[start]
-            if token < 0:  # PLACEHOLDER: the runner fills it from the previous step's samples
+            token = state.token_at(start)
+            if token is None:  # still on the device: the runner fills it from the previous step's samples
                 placeholder_rows.append(offset)
                 placeholder_seqs.append(i)
+                token = -1
             input_ids.append(token)
             positions.append(start)
-            slot_mapping.append(table[start // block_size] * block_size + start % block_size)
+            slot_mapping.append(slot_of(table, start, block_size))
         else:
-            input_ids.extend(seq.token_ids[start : start + n])
+            input_ids.extend(state.tokens(start, start + n))
             positions.extend(range(start, start + n))
-            slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
+            slot_mapping.extend(slot_of(table, p, block_size) for p in range(start, start + n))
         seq_lens.append(start + n)
         query_start_loc.append(offset + n)
-        if seq.wants_prompt_logprobs:
+        if state.sampling_params.prompt_logprobs is not None:
             # logits at position p score prompt token p + 1
-            first = max(start + 1, len(seq.prompt_logprobs))
-            last = min(start + n, seq.num_prompt_tokens - 1)
+            first = max(start + 1, state.num_prompt_logprobs)
+            last = min(start + n, state.num_prompt_tokens - 1)
             if last >= first:
                 spans.append((i, len(logit_rows), first, last - first + 1))
                 logit_rows.extend(range(offset + first - 1 - start, offset + last - start))
-        if start + n == seq.num_tokens:  # reaches its last known token: samples the next one
+                state.num_prompt_logprobs = last + 1
+        if start + n >= state.num_known_tokens:  # reaches its last token: samples the next one
             sample_seq_idx.append(i)
             sample_rows.append(len(logit_rows))
             logit_rows.append(offset + n - 1)
@@ -131,7 +141,7 @@ def build_flat_batch(batch: ScheduledBatch, block_size: int, device: torch.devic
         seq_lens=_to_device(np.array(seq_lens, dtype=np.int32), device),
         block_tables=_to_device(block_tables, device),
         slot_mapping=_to_device(np.array(slot_mapping, dtype=np.int64), device),
-        max_query_len=max(batch.num_new_tokens),
+        max_query_len=max(out.num_scheduled_tokens),
         max_seq_len=max(seq_lens),
     )
     return FlatBatch(
@@ -149,10 +159,13 @@ def build_flat_batch(batch: ScheduledBatch, block_size: int, device: torch.devic
     )
 
 
-def build_sampling_batch(batch: ScheduledBatch, seq_idx: list[int], vocab_size: int,
-                         eos_token_ids: set[int], device: torch.device, rng: random.Random) -> SamplingBatch:
-    """Per-row sampling tensors for the sequences that sample this step."""
-    seqs = [batch.seqs[i] for i in seq_idx]
+def build_sampling_batch(out: SchedulerOutput, states: list[RequestState], seq_idx: list[int], vocab_size: int,
+                         eos_token_ids, device: torch.device, rng: random.Random) -> SamplingBatch:
+    """Per-row sampling tensors for the requests that sample this step."""
+    seqs = [states[i] for i in seq_idx]
+    # The output index each row samples (seeded sampling's position, min_tokens' count).
+    num_outputs = [out.num_computed_tokens[i] + out.num_scheduled_tokens[i] - states[i].num_prompt_tokens
+                   for i in seq_idx]
     params = [s.sampling_params for s in seqs]
     temps = np.array([p.temperature if not p.is_greedy else 0.0 for p in params], dtype=np.float32)
     all_greedy = bool((temps == 0).all())
@@ -172,10 +185,10 @@ def build_sampling_batch(batch: ScheduledBatch, seq_idx: list[int], vocab_size: 
         if any(p.seed is not None for p in params):
             seeds = [p.seed if p.seed is not None else rng.getrandbits(63) for p in params]
             sb.seeds = _to_device(np.array(seeds, dtype=np.int64), device)
-            sb.positions = _to_device(np.array([s.num_output_tokens for s in seqs], dtype=np.int64), device)
+            sb.positions = _to_device(np.array(num_outputs, dtype=np.int64), device)
     if any(p.has_penalties for p in params):
         _add_penalties(sb, seqs, vocab_size, device)
-    banned = [(r, s) for r, s in enumerate(seqs) if s.num_output_tokens < s.sampling_params.min_tokens]
+    banned = [(r, s) for r, (s, k) in enumerate(zip(seqs, num_outputs)) if k < s.sampling_params.min_tokens]
     if banned:
         mask = np.zeros((len(seqs), vocab_size), dtype=bool)
         for r, s in banned:

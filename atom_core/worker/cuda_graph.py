@@ -11,15 +11,14 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from atom_core.model_ops.forward_context import AttentionMetadata, set_attention_metadata
 
 if TYPE_CHECKING:
-    from atom_core.engine.batch_builder import FlatBatch
-    from atom_core.engine.model_runner import ModelRunner
+    from atom_core.worker.batch_builder import FlatBatch
 
 logger = logging.getLogger(__name__)
 
@@ -31,19 +30,22 @@ def padded_batch_size(sizes: tuple[int, ...], batch_size: int) -> int | None:
 
 
 class CUDAGraphRunner:
-    """Captures `runner.model` forward for each decode batch size; replays with padding.
+    """Captures `forward(input_ids, positions) -> hidden` for each decode batch size; replays
+    with padding. `profiler` (optional) records each capture.
 
     Contract: `capture_all()` once after the KV cache exists; `replay(flat)` only for
     decode-only batches with `can_run(len)`; returns hidden states [B, hidden] (a view of a
     persistent buffer, valid until the next replay).
     """
 
-    def __init__(self, runner: "ModelRunner", sizes: tuple[int, ...]):
-        self.runner = runner
+    def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], sizes: tuple[int, ...],
+                 max_model_len: int, block_size: int, device: torch.device, profiler=None):
+        self.forward = forward
+        self.profiler = profiler
+        self.max_model_len = max_model_len
         self.sizes = tuple(sorted(sizes))
         self.max_bs = self.sizes[-1]
-        device = runner.device
-        max_blocks = (runner.max_model_len + runner.block_size - 1) // runner.block_size
+        max_blocks = (max_model_len + block_size - 1) // block_size
         self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
         self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((self.max_bs,), -1, dtype=torch.int64, device=device)
@@ -70,15 +72,14 @@ class CUDAGraphRunner:
             block_tables=self.block_tables[:bs],
             slot_mapping=self.slot_mapping[:bs],
             max_query_len=1,
-            max_seq_len=self.runner.max_model_len,
+            max_seq_len=self.max_model_len,
             seq_order=self.seq_order[:bs],
         )
 
     @torch.inference_mode()
     def capture_all(self) -> None:
         start = time.perf_counter()
-        model = self.runner.model
-        profiler = getattr(self.runner, "profiler", None)
+        model, profiler = self.forward, self.profiler
         for bs in reversed(self.sizes):  # largest first: later graphs reuse its pool memory
             meta = self._metadata(bs)
             with set_attention_metadata(meta):

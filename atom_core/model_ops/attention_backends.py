@@ -1,0 +1,97 @@
+"""Attention backends, chosen by (attention kind, device type) and built on first use.
+
+A backend turns a layer's fused QKV projection output into attention output for the flat
+batch in the forward context. It reads everything layer-specific (heads, scale, q/k norms,
+the rotary cache and its width, the KV cache views) from the layer, so the custom op that
+calls it passes only tensors and the layer key, and a new family adds no op argument.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+import torch
+
+from atom_core.kernels import kernel_ops
+from atom_core.model_ops.forward_context import get_attention_metadata
+
+if TYPE_CHECKING:
+    from atom_core.model_ops.attention import Attention
+
+
+class AttentionBackend:
+    """Contract: `forward` stores this step's K/V into the layer's cache (slots from the
+    metadata; slot < 0 = padding, stored nowhere) and returns [T, H * D]. It must not sync
+    the host, so CUDA graphs can capture it. The supports_* flags are what
+    kv_spec.check_attention_supported refuses a model on."""
+
+    name = "base"
+    supports_sliding_window = False
+    supports_sinks = False
+
+    def __init__(self, device_type: str):
+        self.device_type = device_type
+
+    def forward(self, layer: "Attention", qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def warm_up(self, layers: list["Attention"], max_tokens: int, threads: int) -> int:
+        """Compile what later steps would otherwise compile mid-run; returns kernels launched."""
+        return 0
+
+
+class PagedMHABackend(AttentionBackend):
+    """Paged MHA/GQA: q/k-norm + neox RoPE + KV store in one kernel, then paged attention.
+    The kernel provider comes from the device (Triton on CUDA/ROCm, torch_ref on the CPU)."""
+
+    name = "paged-mha"
+
+    def __init__(self, device_type: str):
+        super().__init__(device_type)
+        self.ops = kernel_ops(device_type)
+
+    def forward(self, layer: "Attention", qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        meta = get_attention_metadata()
+        q_norm, k_norm = layer.qk.q_norm, layer.qk.k_norm
+        norm = (q_norm.weight, k_norm.weight, q_norm.eps) if q_norm is not None else (None, None, 1e-6)
+        q = self.ops.qkv_rope_store(qkv, positions, layer.qk.rotary.cos_sin_cache, layer.k_cache, layer.v_cache,
+                                    meta.slot_mapping, layer.num_heads, *norm)
+        out = self.ops.paged_attention(q, layer.k_cache, layer.v_cache, meta.block_tables, meta.query_start_loc,
+                                       meta.seq_lens, layer.scale, meta.max_query_len, meta.max_seq_len,
+                                       seq_order=meta.seq_order)
+        return out.view(-1, layer.num_heads * layer.head_dim)
+
+    def warm_up(self, layers: list["Attention"], max_tokens: int, threads: int) -> int:
+        if self.device_type != "cuda":
+            return 0
+        from atom_core.kernels.triton.attention import warm_up_variants
+
+        count, seen = 0, set()
+        for layer in layers:  # variants depend on the head layout and dtype only
+            key = (tuple(layer.k_cache.shape[1:]), layer.k_cache.dtype, layer.dtype, layer.num_heads)
+            if key not in seen:
+                seen.add(key)
+                count += warm_up_variants(layer.k_cache, layer.v_cache, layer.num_heads, layer.dtype,
+                                          max_tokens, threads=threads)
+        return count
+
+
+# (kind, device type) -> (module, class); imported on first use.
+_BACKENDS: dict[tuple[str, str], tuple[str, str]] = {
+    ("mha", "cuda"): (__name__, "PagedMHABackend"),
+    ("mha", "cpu"): (__name__, "PagedMHABackend"),
+}
+_INSTANCES: dict[tuple[str, str], AttentionBackend] = {}
+
+
+def get_attention_backend(kind: str, device: torch.device | str) -> AttentionBackend:
+    device_type = torch.device(device).type
+    key = (kind, device_type)
+    backend = _INSTANCES.get(key)
+    if backend is None:
+        if key not in _BACKENDS:
+            known = ", ".join(f"{k}@{d}" for k, d in sorted(_BACKENDS))
+            raise ValueError(f"no attention backend for {kind!r} attention on {device_type!r}; available: {known}")
+        module, cls = _BACKENDS[key]
+        backend = _INSTANCES[key] = getattr(importlib.import_module(module), cls)(device_type)
+    return backend

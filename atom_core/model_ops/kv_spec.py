@@ -1,0 +1,126 @@
+"""Per-layer KV cache specs, and the functions the worker sizes, allocates and checks KV with.
+
+Each attention layer declares a frozen `KVSpec` at construction; the worker never reads an HF
+config field for KV. Layers with equal specs share one cache tensor
+[2, layers_in_group, num_blocks, block_size, kv_heads, head_size] (MLA: [1, ...], one latent),
+and layer i of a group gets the views [0, i] (K) and [1, i] (V). Block ids are global: block b
+of every layer is the same token range, so the KV manager stays one block pool.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from atom_core.model_ops.attention import Attention
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """What one attention layer stores per token.
+
+    mha: K and V, each num_kv_heads x head_size. mla: one compressed latent of head_size per
+    token (num_kv_heads is 1; V is read from the latent, so nothing separate is stored).
+    """
+
+    kind: Literal["mha", "mla"]
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    sliding_window: int | None = None
+    has_sinks: bool = False
+
+    def __post_init__(self):
+        if self.kind not in ("mha", "mla"):
+            raise ValueError(f"unknown attention kind {self.kind!r}; expected one of: mha, mla")
+        if self.kind == "mla" and self.num_kv_heads != 1:
+            raise ValueError(f"an mla layer stores one latent per token, not {self.num_kv_heads} kv heads")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
+
+    @property
+    def num_planes(self) -> int:
+        """Cache planes per token: K and V for mha, the latent alone for mla."""
+        return 2 if self.kind == "mha" else 1
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.num_planes * self.num_kv_heads * self.head_size * self.dtype.itemsize
+
+
+def attention_layers(model: nn.Module) -> list["Attention"]:
+    """Every attention layer of `model`, in module order (the order KV views are handed out)."""
+    return [m for m in model.modules() if isinstance(getattr(m, "kv_spec", None), KVSpec)]
+
+
+def kv_bytes_per_block(layers: list["Attention"], block_size: int) -> int:
+    """Bytes one KV block (block_size tokens) costs summed over all layers."""
+    return sum(layer.kv_spec.bytes_per_token for layer in layers) * block_size
+
+
+def _groups(layers: list["Attention"]) -> dict[KVSpec, list["Attention"]]:
+    groups: dict[KVSpec, list["Attention"]] = {}
+    for layer in layers:
+        groups.setdefault(layer.kv_spec, []).append(layer)
+    return groups
+
+
+def allocate_kv_cache(layers: list["Attention"], num_blocks: int, block_size: int,
+                      device: torch.device | str) -> list[torch.Tensor]:
+    """Zeroed caches, one tensor per group of equal specs; sets each layer's k_cache / v_cache.
+
+    A dense model is one group: exactly [2, L, NB, BS, KH, D] with layer i at [0, i] / [1, i].
+    """
+    caches = []
+    for spec, group in _groups(layers).items():
+        shape = (spec.num_planes, len(group), num_blocks, block_size, spec.num_kv_heads, spec.head_size)
+        cache = torch.zeros(shape, dtype=spec.dtype, device=device)
+        for i, layer in enumerate(group):
+            # mla: the latent is both what K reads and what V is sliced from.
+            layer.k_cache, layer.v_cache = cache[0, i], cache[spec.num_planes - 1, i]
+        caches.append(cache)
+    return caches
+
+
+def release_kv_cache(layers: list["Attention"]) -> None:
+    for layer in layers:
+        layer.k_cache = layer.v_cache = torch.empty(0)
+
+
+def check_attention_supported(layers: list["Attention"], max_model_len: int, device: torch.device | str) -> None:
+    """ValueError when a layer needs what its backend on `device` does not implement.
+
+    A sliding window matters only if a sequence can outgrow it: with max_model_len <= window,
+    windowed attention equals full attention, so any backend serves it.
+    """
+    from atom_core.model_ops.attention_backends import get_attention_backend
+
+    for layer in layers:
+        spec = layer.kv_spec
+        backend = get_attention_backend(spec.kind, device)
+        window = spec.sliding_window
+        if window is not None and window < max_model_len and not backend.supports_sliding_window:
+            raise ValueError(
+                f"{layer.prefix or 'an attention layer'} uses sliding-window attention ({window} tokens), which "
+                f"the {backend.name} attention backend does not implement; pass max_model_len <= {window}"
+            )
+        if spec.has_sinks and not backend.supports_sinks:
+            raise ValueError(f"{layer.prefix or 'an attention layer'} uses attention sinks, which the "
+                             f"{backend.name} attention backend does not implement")
+
+
+def warm_up_attention(layers: list["Attention"], max_tokens: int, threads: int = 1) -> int:
+    """Compile the attention kernels every step shape can need, now; returns how many launched
+    (0 where nothing compiles, e.g. the CPU). Call after allocate_kv_cache."""
+    from atom_core.model_ops.attention_backends import get_attention_backend
+
+    if not layers:
+        return 0
+    count = 0
+    for spec, group in _groups(layers).items():
+        backend = get_attention_backend(spec.kind, group[0].k_cache.device)
+        count += backend.warm_up(group, max_tokens, threads)
+    return count

@@ -1,0 +1,51 @@
+"""Quantization formats, detected once from the checkpoint's `quantization_config`.
+
+Only unquantized checkpoints run today: every format is a `QuantConfig` registered in
+`_QUANT_CONFIGS` by the quantization issue (fp8, int8, int4, mxfp4, ...).
+"""
+from __future__ import annotations
+
+from atom_core.quant.base import QuantConfig, QuantMethod, set_weight_attrs
+from atom_core.quant.unquantized import UnquantizedFusedMoEMethod, UnquantizedLinearMethod
+
+# quant_method name (as in quantization_config / --quantization) -> QuantConfig class
+_QUANT_CONFIGS: dict[str, type[QuantConfig]] = {}
+
+
+def supported_quantizations() -> list[str]:
+    return sorted(_QUANT_CONFIGS)
+
+
+def _unsupported(method: str, source: str) -> ValueError:
+    supported = ", ".join(supported_quantizations()) or "none (unquantized checkpoints only)"
+    return ValueError(f"unsupported quantization {method!r} ({source}); supported: {supported}")
+
+
+def get_quant_config(hf_config, override: str | None = None) -> QuantConfig | None:
+    """The checkpoint's QuantConfig, or None for an unquantized model.
+
+    `override` is `--quantization`: it must name a supported method, and must agree with the
+    checkpoint's own `quantization_config` when it has one.
+    """
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is not None and not isinstance(qc, dict):
+        qc = qc.to_dict() if hasattr(qc, "to_dict") else vars(qc)
+    method = str(qc.get("quant_method", "")).lower() if qc else None
+    if override is not None:
+        if override not in _QUANT_CONFIGS:
+            raise _unsupported(override, "--quantization")
+        if method is not None and method != override:
+            raise ValueError(f"--quantization {override!r} does not match the checkpoint's "
+                             f"quantization_config quant_method {method!r}")
+        return _QUANT_CONFIGS[override].from_config(qc or {})
+    if method is None:
+        return None
+    if method not in _QUANT_CONFIGS:
+        raise _unsupported(method or "(no quant_method)", "config.json quantization_config")
+    return _QUANT_CONFIGS[method].from_config(qc)
+
+
+__all__ = [
+    "QuantConfig", "QuantMethod", "UnquantizedFusedMoEMethod", "UnquantizedLinearMethod", "get_quant_config",
+    "set_weight_attrs", "supported_quantizations",
+]

@@ -1,0 +1,321 @@
+"""ModelRunner: owns the model, the KV cache tensors and the sampler; runs one step.
+
+`launch(out)` updates the worker's request states from the SchedulerOutput, builds the flat
+batch, runs the forward (eager, compiled, or a CUDA graph replay for decode-only batches),
+computes logits only for rows that need them, samples, and returns without waiting;
+`resolve` waits for the samples (the step's one host-device sync, plus logprobs when a request
+asked for them) and returns a ModelRunnerOutput. A multi-step decode window is a second
+producer of several tokens per request (`_launch_window`).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from atom_core.config import EngineConfig, ResolvedModel
+from atom_core.kernels import kernel_ops
+from atom_core.loader import build_model
+from atom_core.model_ops.forward_context import set_attention_metadata
+from atom_core.model_ops.kv_spec import (allocate_kv_cache, attention_layers, check_attention_supported,
+                                         kv_bytes_per_block, release_kv_cache, warm_up_attention)
+from atom_core.model_ops.sampler import Sampler
+from atom_core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from atom_core.worker.batch_builder import FlatBatch, build_flat_batch, build_sampling_batch
+from atom_core.worker.input_batch import InputBatch, RequestState
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PendingStep:
+    """A launched step whose samples may still be on the device."""
+
+    out: SchedulerOutput
+    states: list[RequestState]
+    flat: FlatBatch
+    sampled: torch.Tensor | None = None  # [R] (or [R, steps] for a window) on the device
+    sampled_host: torch.Tensor | None = None  # pinned host copy, valid after `event`
+    sampler_out: object = None
+    event: object = None
+    row_of: dict = field(default_factory=dict)  # request id -> flat index of its last sample
+    prompt_logprobs: dict = field(default_factory=dict)
+
+
+def _to_host_async(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type != "cuda":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
+
+
+class ModelRunner:
+    """Contract: single-threaded; owns the worker's request states (updated from each
+    SchedulerOutput) and never sees the scheduler's objects."""
+
+    def __init__(self, config: EngineConfig, model: ResolvedModel, profiler=None):
+        self.config = config
+        self.model_info = model
+        self.device = model.device
+        self.dtype = model.dtype
+        self.max_model_len = model.max_model_len
+        self.block_size = config.cache.block_size
+        self.vocab_size = model.vocab_size
+        self.eos_token_ids = model.eos_token_ids
+        self.rng = random.Random(model.seed)
+        torch.manual_seed(model.seed)
+        if self.device.type == "cuda":
+            from atom_core.kernels.triton.common import pin_triton_cache_dir
+
+            pin_triton_cache_dir(self.device.index or 0)
+        start = time.perf_counter()
+        self.model = build_model(model.hf_config, model.path, model.dtype, model.device, model.load_format, model.seed,
+                                 model.quant_config)
+        self.load_seconds = time.perf_counter() - start
+        self.attention_layers = attention_layers(self.model)
+        check_attention_supported(self.attention_layers, self.max_model_len, self.device)
+        if config.profiler.mark_trace:  # before graph capture, so capture traces carry module ranges
+            from atom_core.profiling.profiler import mark_modules
+
+            mark_modules(self.model)
+        self.sampler = Sampler()
+        self.profiler = profiler
+        self.input_batch = InputBatch()
+        self.graphs = None
+        self.compile_seconds = 0.0
+        if config.use_compile:
+            from atom_core.worker.compile import compile_model
+
+            start = time.perf_counter()
+            compile_model(self.model)
+            self.compile_seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        self.num_kv_blocks = self._num_kv_blocks()  # on a GPU: a max-size dummy step (compiles, if compiling)
+        self.kv_cache = allocate_kv_cache(self.attention_layers, self.num_kv_blocks, self.block_size, self.device)
+        self.sizing_seconds = time.perf_counter() - start
+        self.warm_up_seconds = self._warm_up_kernels()
+        if config.use_cuda_graphs:
+            from atom_core.worker.cuda_graph import CUDAGraphRunner
+
+            self.graphs = CUDAGraphRunner(self.model, config.capture_sizes, self.max_model_len, self.block_size,
+                                          self.device, profiler)
+            self.graphs.capture_all()
+
+    @property
+    def startup_breakdown(self) -> dict[str, float]:
+        """Seconds per startup phase (what `start to ready` is made of)."""
+        return {
+            "load": self.load_seconds,
+            "compile_setup": self.compile_seconds,  # importing Dynamo/Inductor; compiling is lazy
+            "kv_sizing": self.sizing_seconds,
+            "kernel_warm_up": self.warm_up_seconds,
+            "graph_capture": self.graphs.capture_seconds if self.graphs is not None else 0.0,
+        }
+
+    # ---- setup ----------------------------------------------------------------------
+    def _num_kv_blocks(self) -> int:
+        cache, sched = self.config.cache, self.config.scheduler
+        if cache.num_kv_blocks is not None:
+            return cache.num_kv_blocks
+        per_block = kv_bytes_per_block(self.attention_layers, self.block_size)
+        if self.device.type == "cuda":
+            from atom_core.worker.memory import GRAPH_RESERVE_BYTES, profile_kv_budget
+
+            reserve = GRAPH_RESERVE_BYTES if self.config.use_cuda_graphs else 0
+            budget = profile_kv_budget(self._run_peak_step, cache.gpu_memory_utilization, reserve)
+        else:
+            budget = int(cache.kv_cache_memory_gb * (1 << 30))
+        # More blocks than max_num_seqs full-length sequences can use only serve the prefix cache.
+        useful = sched.max_num_seqs * ((self.max_model_len + self.block_size - 1) // self.block_size)
+        num = min(budget // per_block, useful)
+        needed = (self.max_model_len + self.block_size - 1) // self.block_size
+        if num < needed:
+            raise ValueError(
+                f"KV cache too small: {num} blocks of {self.block_size} tokens cannot hold one "
+                f"{self.max_model_len}-token sequence; raise the memory budget or lower max_model_len"
+            )
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens", num, self.block_size, num * self.block_size)
+        return num
+
+    def _run_peak_step(self) -> int:
+        """A max-size step on a scratch KV cache (for memory profiling); returns the scratch bytes."""
+        from atom_core.worker.memory import dummy_step
+
+        sched = self.config.scheduler
+        out, num_blocks = dummy_step(sched.max_num_batched_tokens, sched.max_num_seqs, self.max_model_len,
+                                     self.block_size)
+        tensors = allocate_kv_cache(self.attention_layers, num_blocks, self.block_size, self.device)
+        self.execute(out)
+        self.input_batch.remove(out.req_ids)
+        scratch = sum(t.numel() * t.element_size() for t in tensors)
+        release_kv_cache(self.attention_layers)
+        return scratch
+
+    def _warm_up_kernels(self) -> float:
+        """Compile every attention kernel variant now, not inside the first steps that need one
+        (a cold Triton cache otherwise costs seconds in the middle of a run)."""
+        if self.device.type != "cuda":
+            return 0.0
+        start = time.perf_counter()
+        longest = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
+        # Threads: compiles overlap (8 threads took 2.5 s where one took 11.8 s, cold, on the H100 host).
+        threads = min(8, os.cpu_count() or 1)
+        count = warm_up_attention(self.attention_layers, longest, threads)
+        logits = torch.zeros(2, self.vocab_size, dtype=self.dtype, device=self.device)
+        kernel_ops(self.device).gumbel_argmax(logits, torch.ones(2, device=self.device), 0, 0)  # the sampler's
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        logger.info("warmed up %d attention kernel variants and the sampler in %.1f s", count, seconds)
+        return seconds
+
+    # ---- one step -------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Launch and wait: the synchronous step."""
+        return self.resolve(self.launch(out))
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, previous: PendingStep | None = None) -> PendingStep:
+        """Enqueue the step on the device and return without waiting for it.
+
+        Input tokens the host does not know yet are gathered on the device from `previous`,
+        the step launched just before, whose samples have not reached the host yet.
+        """
+        states = self.input_batch.update(out)
+        flat = build_flat_batch(out, states, self.block_size, self.device)
+        if flat.placeholder_rows:
+            self._fill_placeholders(flat, out, previous)
+        if out.is_window:
+            return self._launch_window(out, states, flat)
+        hidden = self._forward(flat, out)
+        pending = PendingStep(out, states, flat)
+        if not flat.sample_seq_idx and not flat.prompt_logprob_spans:
+            return pending
+        rows = hidden if flat.logits_all_rows else hidden[flat.logit_rows]
+        logits = self.model.compute_logits(rows)  # model dtype: the sampler upcasts where it matters
+        if flat.sample_seq_idx:
+            sb = self._sampling_batch(out, states, flat)
+            # Without prompt logprobs the logit rows are exactly the sampling rows, in order;
+            # skipping the list index avoids a host-to-device copy that would sync the stream.
+            sample_logits = logits if not flat.prompt_logprob_spans else logits[flat.sample_rows]
+            sampled = self.sampler(sample_logits, sb)
+            pending.sampled = sampled.token_ids
+            pending.sampler_out = sampled
+            pending.row_of = {out.req_ids[i]: r for r, i in enumerate(flat.sample_seq_idx)}
+            self._record(pending)
+        for i, row, first, count in flat.prompt_logprob_spans:  # rare (echo + logprobs): synchronous
+            k = states[i].sampling_params.prompt_logprobs
+            targets = torch.tensor(states[i].tokens(first, first + count), device=self.device)
+            pending.prompt_logprobs[i] = _token_logprobs(logits[row : row + count], targets, k)
+        return pending
+
+    def _launch_window(self, out: SchedulerOutput, states: list[RequestState], flat: FlatBatch) -> PendingStep:
+        """A multi-step decode window: out.num_steps forwards, each fed the previous step's
+        samples on the device. Rows past their step count keep their last position and store
+        no KV; the host drops their samples."""
+        sb = self._sampling_batch(out, states, flat)
+        num_steps = out.num_steps
+        step_counts = [1 + len(extra) for extra in out.extra_tokens]
+        attn = flat.attn
+        first = flat.positions
+        counts = torch.tensor(step_counts, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        last = first + counts.to(self.device, non_blocking=True) - 1
+        samples = []
+        for step in range(num_steps):
+            if step:
+                wanted = first + step
+                positions = torch.minimum(wanted, last)
+                block = attn.block_tables.gather(1, (positions // self.block_size).unsqueeze(1)).squeeze(1)
+                slots = block.to(torch.int64) * self.block_size + positions % self.block_size
+                flat.input_ids = samples[-1]
+                flat.positions = positions
+                attn.slot_mapping = torch.where(wanted <= last, slots, -1)
+                attn.seq_lens = (positions + 1).to(torch.int32)
+                attn.max_seq_len += 1
+                if sb.positions is not None:
+                    sb.positions = sb.positions + 1
+            hidden = self._forward(flat, out, inputs_only=step > 0)
+            logits = self.model.compute_logits(hidden)
+            samples.append(self.sampler(logits, sb).token_ids)
+        pending = PendingStep(out, states, flat)
+        # [rows, steps]: each row's tokens contiguous for the host; placeholders read the last kept one.
+        pending.sampled = torch.stack(samples, dim=1)
+        pending.row_of = {rid: r * num_steps + count - 1
+                          for r, (rid, count) in enumerate(zip(out.req_ids, step_counts))}
+        self._record(pending)
+        return pending
+
+    def _record(self, pending: PendingStep) -> None:
+        pending.sampled_host = _to_host_async(pending.sampled)
+        if self.device.type == "cuda":
+            pending.event = torch.cuda.Event()
+            pending.event.record()
+
+    def _sampling_batch(self, out: SchedulerOutput, states: list[RequestState], flat: FlatBatch):
+        return build_sampling_batch(out, states, flat.sample_seq_idx, self.vocab_size, self.eos_token_ids,
+                                    self.device, self.rng)
+
+    def _fill_placeholders(self, flat: FlatBatch, out: SchedulerOutput, previous: PendingStep | None) -> None:
+        assert previous is not None and previous.sampled is not None, "placeholder input without a previous step"
+        rows = [previous.row_of[out.req_ids[i]] for i in flat.placeholder_seqs]
+        # One transfer for both index lists: [0] rows of the previous samples, [1] flat rows to fill.
+        index = torch.tensor([rows, flat.placeholder_rows], dtype=torch.int64,
+                             pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
+        flat.input_ids.index_copy_(0, index[1], previous.sampled.view(-1).index_select(0, index[0]))
+
+    def resolve(self, pending: PendingStep) -> ModelRunnerOutput:
+        """Wait for the step's samples (the step's one host-device sync) and return them."""
+        out, flat = pending.out, pending.flat
+        result = ModelRunnerOutput(out.req_ids, [[] for _ in out.req_ids], prompt_logprobs=pending.prompt_logprobs)
+        if pending.sampled is None:
+            return result
+        if pending.event is not None:
+            pending.event.synchronize()
+        if out.is_window:
+            for i, (tokens, extra) in enumerate(zip(pending.sampled_host.tolist(), out.extra_tokens)):
+                result.sampled[i] = tokens[: 1 + len(extra)]
+        else:
+            for i, tok in zip(flat.sample_seq_idx, pending.sampled_host.tolist()):
+                result.sampled[i] = [tok]
+            if pending.sampler_out.logprobs is not None:
+                self._collect_logprobs(result, pending.states, flat, pending.sampler_out)
+        self.input_batch.append_sampled(out.req_ids, result.sampled)
+        return result
+
+    def graph_batch_size(self, out: SchedulerOutput) -> int | None:
+        """The captured size a decode batch would replay with, or None when it runs eagerly."""
+        if self.graphs is None or not out.is_decode_only or not self.graphs.can_run(len(out)):
+            return None
+        return self.graphs.padded_size(len(out))
+
+    def _forward(self, flat: FlatBatch, out: SchedulerOutput, inputs_only: bool = False) -> torch.Tensor:
+        """inputs_only: the block tables are those of the last replay (later steps of a window)."""
+        if self.graphs is not None and out.is_decode_only and self.graphs.can_run(len(out)):
+            return self.graphs.replay(flat, inputs_only)
+        with set_attention_metadata(flat.attn):
+            return self.model(flat.input_ids, flat.positions)
+
+    def _collect_logprobs(self, result: ModelRunnerOutput, states: list[RequestState], flat: FlatBatch,
+                          sampled) -> None:
+        chosen = sampled.logprobs.tolist()
+        tops = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
+        top_ids = sampled.top_token_ids.tolist() if sampled.top_token_ids is not None else None
+        for r, i in enumerate(flat.sample_seq_idx):
+            k = states[i].sampling_params.logprobs
+            if k is None:
+                continue
+            top = dict(zip(top_ids[r][:k], tops[r][:k])) if tops is not None and k > 0 else {}
+            result.logprobs[i] = [(chosen[r], top)]
+
+
+def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> list:
+    logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)
+    chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+    if k <= 0:
+        return [(c, {}) for c in chosen]
+    top_vals, top_ids = logprobs.topk(k, dim=-1)
+    return [(c, dict(zip(ids, vals))) for c, ids, vals in zip(chosen, top_ids.tolist(), top_vals.tolist())]

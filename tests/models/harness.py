@@ -1,0 +1,78 @@
+"""Drive a model built by `build_model` without the engine: a flat batch of every sequence,
+prefill in chunks, then decode, greedy. Only the model-side seams are used (kv_spec functions
+and the attention metadata), so model tests do not depend on engine internals."""
+from __future__ import annotations
+
+import torch
+
+from atom_core.model_ops.forward_context import AttentionMetadata, set_attention_metadata
+from atom_core.model_ops.kv_spec import allocate_kv_cache, attention_layers, release_kv_cache
+
+
+def _i32(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+@torch.inference_mode()
+def greedy_generate(model, prompts: list[list[int]], max_tokens: int, block_size: int = 16,
+                    chunk: int | None = None) -> list[list[int]]:
+    """Greedy continuations of every prompt, all sequences in each step's flat batch.
+
+    `chunk` caps the new tokens one sequence feeds per step (chunked prefill); a sequence
+    samples once all its known tokens are in the cache.
+    """
+    layers = attention_layers(model)
+    blocks_per_seq = -(-(max(map(len, prompts)) + max_tokens) // block_size)
+    num_blocks = blocks_per_seq * len(prompts)
+    allocate_kv_cache(layers, num_blocks, block_size, "cpu")
+    tables = torch.arange(num_blocks, dtype=torch.int32).view(len(prompts), blocks_per_seq)
+    tokens = [list(p) for p in prompts]
+    done = [0] * len(prompts)  # tokens already in the cache
+    outputs: list[list[int]] = [[] for _ in prompts]
+    try:
+        while any(len(o) < max_tokens for o in outputs):
+            ids, positions, slots, qsl, lens, sample_rows, sample_seqs = [], [], [], [0], [], [], []
+            for s, seq in enumerate(tokens):
+                if len(outputs[s]) >= max_tokens:
+                    n = 0
+                else:
+                    n = len(seq) - done[s] if chunk is None else min(chunk, len(seq) - done[s])
+                for pos in range(done[s], done[s] + n):
+                    ids.append(seq[pos])
+                    positions.append(pos)
+                    slots.append(int(tables[s, pos // block_size]) * block_size + pos % block_size)
+                done[s] += n
+                qsl.append(len(ids))
+                lens.append(done[s])
+                if n and done[s] == len(seq):
+                    sample_rows.append(len(ids) - 1)
+                    sample_seqs.append(s)
+            meta = AttentionMetadata(_i32(qsl), _i32(lens), tables, torch.tensor(slots, dtype=torch.int64),
+                                     max(b - a for a, b in zip(qsl, qsl[1:])), max(lens))
+            with set_attention_metadata(meta):
+                hidden = model(torch.tensor(ids), torch.tensor(positions))
+            if sample_rows:
+                next_ids = model.compute_logits(hidden[sample_rows]).argmax(-1).tolist()
+                for s, tok in zip(sample_seqs, next_ids):
+                    outputs[s].append(tok)
+                    tokens[s].append(tok)
+    finally:
+        release_kv_cache(layers)
+    return outputs
+
+
+@torch.inference_mode()
+def prompt_logits(model, prompt: list[int], block_size: int = 16) -> torch.Tensor:
+    """Logits [len(prompt), vocab] of one prefill of `prompt`."""
+    layers = attention_layers(model)
+    num_blocks = -(-len(prompt) // block_size)
+    allocate_kv_cache(layers, num_blocks, block_size, "cpu")
+    try:
+        n = len(prompt)
+        meta = AttentionMetadata(_i32([0, n]), _i32([n]), torch.arange(num_blocks, dtype=torch.int32)[None],
+                                 torch.arange(n, dtype=torch.int64), n, n)
+        with set_attention_metadata(meta):
+            hidden = model(torch.tensor(prompt), torch.arange(n))
+        return model.compute_logits(hidden).float()
+    finally:
+        release_kv_cache(layers)
