@@ -39,8 +39,28 @@ def build_tokenizer(path: Path, vocab_size: int = 400):
     return fast
 
 
+def _moe_model(arch: str, common: dict):
+    """Tiny MoE models: 8 experts, top-2, three layers so dense and sparse layers mix."""
+    import transformers as tf
+
+    common = {**common, "num_hidden_layers": 3}
+    if arch == "qwen3_moe":  # layer 1 dense (mlp_only_layers); no renormalisation
+        return tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(
+            **common, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            norm_topk_prob=False, mlp_only_layers=[1], decoder_sparse_step=1))
+    if arch == "mixtral":
+        return tf.MixtralForCausalLM(tf.MixtralConfig(**common, num_local_experts=8, num_experts_per_tok=2))
+    if arch == "glm4_moe":  # layer 0 dense; 2 groups of 4 experts, 1 kept; half the head rotated
+        return tf.Glm4MoeForCausalLM(tf.Glm4MoeConfig(
+            **common, head_dim=32, partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=True,
+            n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+            first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True))
+    raise ValueError(arch)
+
+
 def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, num_layers: int = 2) -> Path:
-    """Save a tiny random `arch` (llama | qwen3) model with a tokenizer into `path`."""
+    """Save a tiny random `arch` (llama | qwen3 | qwen3_moe | mixtral | glm4_moe) model with a
+    tokenizer into `path`."""
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     path = Path(path)
@@ -58,12 +78,16 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, num_layers:
     elif arch == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=32, tie_word_embeddings=True))
     else:
-        raise ValueError(arch)
+        model = _moe_model(arch, common)
     # Bigger-than-init weights so greedy outputs vary with the input instead of repeating one token.
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.15)
+        # HF initialises norms to 1 and biases to 0: random values make a skipped one show.
+        for name, t in model.state_dict().items():  # saved tensors only (not the rotary inv_freq)
+            if t.dim() == 1:
+                t.copy_(1 + 0.2 * torch.randn_like(t) if "norm" in name else 0.1 * torch.randn_like(t))
     model.save_pretrained(str(path))
     GenerationConfig(eos_token_id=eos, pad_token_id=0).save_pretrained(str(path))
     return path

@@ -193,3 +193,7 @@ def gumbel_argmax(
     gumbel = -torch.log(-torch.log(u.clamp_min(torch.finfo(torch.float32).tiny)))  # u < 1: finite
     temps = temperatures.float().clamp_min(0.0).unsqueeze(1)
     return (logits.float() + temps * gumbel).argmax(dim=-1)
+
+
+# The MoE functions live in moe_ref.py; re-exported so both providers list the same functions.
+from atom_core.kernels.moe_ref import fused_moe, moe_align_block_size, moe_route  # noqa: E402,F401

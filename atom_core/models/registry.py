@@ -9,6 +9,9 @@ _MODELS = {
     "LlamaForCausalLM": ("atom_core.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("atom_core.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("atom_core.models.qwen3", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("atom_core.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "MixtralForCausalLM": ("atom_core.models.mixtral", "MixtralForCausalLM"),
+    "Glm4MoeForCausalLM": ("atom_core.models.glm4_moe", "Glm4MoeForCausalLM"),
 }
 
 

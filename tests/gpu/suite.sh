@@ -177,6 +177,35 @@ case $mode in
       --ignore-eos --num-prompts 320 --max-concurrency 64 --save-result --result-dir "$OUT" --result-filename serve_l8_c64.json
     kill $spid; wait $spid
     step gpu-tests 150 python3 -m pytest -q -x tests/gpu -k "level or eager" -p no:cacheprovider ;;
+  seams-tests)  # issue 12: every GPU and kernel test on the refactored tree
+    kernel_tests
+    step engine-gpu-tests 240 python3 -m pytest -q --tb=short tests/gpu -p no:cacheprovider ;;
+  seams-bench)  # issue 12: final6's targets again (CLI defaults), to compare with a0a8d49
+    step off-l8 120 python3 -m atomctl.main bench offline "${l8[@]}" --output-json "$OUT/off_l8.json"
+    step off-q06 90 python3 -m atomctl.main bench offline "${q06[@]}" --output-json "$OUT/off_q06.json"
+    step off-l8-again 90 python3 -m atomctl.main bench offline "${l8[@]}" --output-json "$OUT/off_l8_again.json"
+    step lat-q06-bs1 60 python3 -m atomctl.main bench latency "${q06[@]}" --bs 1 --output-json "$OUT/lat_q06_bs1.json"
+    step lat-l8-bs1 70 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-json "$OUT/lat_l8_bs1.json"
+    step lat-l8-bs32 70 python3 -m atomctl.main bench latency "${l8[@]}" --bs 32 --output-json "$OUT/lat_l8_bs32.json" ;;
+  moe-bench)  # issue 13: Llama-3-8B batch-1 A/B against bf45e88 (oldtree/, not committed), then Qwen3-30B-A3B
+    for t in old new old new; do
+      root=$PWD; [ $t = old ] && root=$PWD/oldtree
+      step lat-l8-bs1-$t 80 env PYTHONPATH=$root:/tmp/site python3 -m atomctl.main bench latency "${l8[@]}" --bs 1
+    done
+    a3b=(--model preset:Qwen3-30B-A3B --load-format dummy --max-model-len 4096)
+    step lat-a3b-bs1 150 python3 -m atomctl.main bench latency "${a3b[@]}" --bs 1 --output-json "$OUT/lat_a3b_bs1.json"
+    step lat-a3b-bs32 100 python3 -m atomctl.main bench latency "${a3b[@]}" --bs 32 --output-json "$OUT/lat_a3b_bs32.json"
+    step off-a3b 150 python3 -m atomctl.main bench offline "${a3b[@]}" --output-json "$OUT/off_a3b.json" ;;
+  moe-profile)  # issue 13: where Qwen3-30B-A3B's decode step goes at batch 1 and 32 (per-kernel breakdown)
+    a3b=(--model preset:Qwen3-30B-A3B --load-format dummy --max-model-len 4096)
+    for bs in 1 32; do
+      step profile-a3b-bs$bs 150 python3 -m atomctl.main profile "${a3b[@]}" --mark-trace --random-input --bs $bs --input-length 512 --output-length 16 --torch-profiler-dir /tmp/traces-a3b-$bs
+      step parse-a3b-bs$bs 90 python3 -m atomctl.main parse-trace "$(ls -t /tmp/traces-a3b-$bs/rank_0/*.json.gz | head -1)" --layer 3 --top 14 --out-dir "$OUT"
+    done ;;
+  mixtral)  # issue 13 on an H200 (93 GB of bf16 weights): batch-1 latency, then the nano workload
+    mx=(--model preset:Mixtral-8x7B --load-format dummy --max-model-len 4096)
+    step lat-mixtral-bs1 200 python3 -m atomctl.main bench latency "${mx[@]}" --bs 1 --output-json "$OUT/lat_mixtral_bs1.json"
+    step off-mixtral 200 python3 -m atomctl.main bench offline "${mx[@]}" --output-json "$OUT/off_mixtral.json" ;;
   *) ;;
 esac
 echo "=== summary"

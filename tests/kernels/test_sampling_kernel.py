@@ -12,7 +12,6 @@ wrong temperature's distribution is rejected, so the test has the power to catch
 """
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
 import numpy as np
@@ -26,17 +25,8 @@ from atom_core.kernels import torch_ref  # noqa: E402
 from atom_core.kernels import triton as tk  # noqa: E402
 from atom_core.model_ops.sampler import Sampler, SamplingBatch  # noqa: E402
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 P_VALUE = 1e-4
 NEG = float("-inf")
-
-
-@pytest.fixture(params=[
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(INTERPRET, reason="interpreter mode")]),
-    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="set TRITON_INTERPRET=1 to run on CPU")),
-])
-def device(request) -> str:
-    return request.param
 
 
 def temps(values, device) -> torch.Tensor:

@@ -9,7 +9,6 @@ Runs two ways:
 from __future__ import annotations
 
 import itertools
-import os
 import zlib
 from dataclasses import dataclass
 
@@ -21,25 +20,7 @@ triton = pytest.importorskip("triton")
 from atom_core.kernels import torch_ref  # noqa: E402
 from atom_core.kernels import triton as tk  # noqa: E402
 from atom_core.kernels.triton.attention import choose_num_kv_splits, launch_paged_attention  # noqa: E402
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# Relative L2 error bounds. bf16 needs the wide one partly because Triton's interpreter rounds
-# fp32 -> bf16 by truncation (GPUs round to nearest), a bias of up to one bf16 ulp.
-TOL = {torch.float32: 1e-3, torch.float16: 5e-3, torch.bfloat16: 2e-2}
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-@pytest.fixture(params=[
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(INTERPRET, reason="interpreter mode")]),
-    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="set TRITON_INTERPRET=1 to run on CPU")),
-])
-def device(request) -> str:
-    return request.param
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert not out.isnan().any(), "kernel left NaN (unwritten or invalid) elements"
-    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()
+from tests.kernels.tolerances import DTYPES, TOL, rel_err  # noqa: E402
 
 
 def randn(gen: torch.Generator, *shape: int, dtype=torch.float32, device="cpu") -> torch.Tensor:
@@ -267,7 +248,6 @@ class TestRotaryEmbedding:
         assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()
         assert rel_err(q, ref_q) < TOL[dtype] and rel_err(k, ref_k) < TOL[dtype]
         assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], v_before)
-
 
 
 class TestQkvRopeStore:

@@ -76,3 +76,39 @@ def prompt_logits(model, prompt: list[int], block_size: int = 16) -> torch.Tenso
         return model.compute_logits(hidden).float()
     finally:
         release_kv_cache(layers)
+
+
+def hf_greedy(hf_model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """HF transformers' greedy continuation of each prompt, with no EOS (exactly max_tokens each)."""
+    from transformers import GenerationConfig
+
+    hf_model.generation_config.eos_token_id = None
+    hf_model.config.eos_token_id = None
+    cfg = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    outs = []
+    for p in prompts:
+        ids = hf_model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                generation_config=cfg)
+        outs.append(ids[0, len(p):].tolist())
+        assert len(outs[-1]) == max_tokens
+    return outs
+
+
+def compiled_equals_eager(path) -> None:
+    """Build the model at `path`, compile its decoder layers as the worker does (attention as the
+    opaque op, fullgraph), and check greedy tokens against eager over prefill chunks and decode."""
+    from transformers import AutoConfig
+
+    from atom_core.loader import build_model
+    from atom_core.model_ops.attention import Attention
+
+    model = build_model(AutoConfig.from_pretrained(str(path)), path, torch.float32, "cpu")
+    prompts = [[5], list(range(3, 40)), list(range(50, 60))]
+    eager = greedy_generate(model, prompts, 6, chunk=16)
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.use_custom_op = True
+    torch._dynamo.reset()
+    for layer in model.model.layers:
+        layer.forward = torch.compile(layer.forward, dynamic=True, fullgraph=True)
+    assert greedy_generate(model, prompts, 6, chunk=16) == eager

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from atom_core import LLMEngine, SamplingParams
+from tests.models.harness import hf_greedy
 
 PROMPT_LENS = [1, 7, 20, 50, 100, 150, 220, 300]
 MAX_TOKENS = 32
@@ -19,23 +20,11 @@ def _prompts(vocab: int, shared_prefix: int = 0) -> list[list[int]]:
 def _hf_greedy(path, prompts):
     from transformers import AutoModelForCausalLM
 
-    from transformers import GenerationConfig
-
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    # No EOS: like ignore_eos, every prompt yields exactly MAX_TOKENS tokens (EOS may be sampled).
-    model.generation_config.eos_token_id = None
-    model.config.eos_token_id = None
-    gen_cfg = GenerationConfig(max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-    outs = []
-    for p in prompts:
-        ids = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                             generation_config=gen_cfg)
-        outs.append(ids[0, len(p):].tolist())
-        assert len(outs[-1]) == MAX_TOKENS
-    return outs
+    return hf_greedy(model, prompts, MAX_TOKENS)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen3_moe", "mixtral", "glm4_moe"])
 def model_and_ref(request):
     path = request.getfixturevalue(f"tiny_{request.param}")
     vocab = __import__("json").load(open(path / "config.json"))["vocab_size"]

@@ -68,3 +68,16 @@ class TestModelKit:
     def test_unknown_architecture_lists_the_supported_ones(self):
         with pytest.raises(ValueError, match="unsupported model architecture.*LlamaForCausalLM"):
             resolve_model_class(LlamaConfig(**SMALL, architectures=["GPT2LMHeadModel"]))
+
+
+@pytest.mark.parametrize("preset,billions", [("Qwen3-30B-A3B", 30.53), ("Qwen3-235B-A22B", 235.09),
+                                             ("Mixtral-8x7B", 46.70), ("GLM-4.5-Air", 106.85)])
+def test_moe_presets_build_with_their_published_sizes(preset, billions):
+    """Real configs for dummy-weight runs: built on the meta device, the parameter count is the
+    model card's total (GLM-4.5-Air's 106B excludes its MTP layer, as we do)."""
+    from atom_core.loader.model_dir import resolve_model_files
+
+    config = resolve_model_files(f"preset:{preset}").hf_config
+    with torch.device("meta"):
+        model = build(config)
+    assert round(sum(p.numel() for p in model.parameters()) / 1e9, 2) == billions

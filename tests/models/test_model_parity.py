@@ -5,27 +5,14 @@ import json
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from atom_core.loader import build_model
-from tests.models.harness import greedy_generate, prompt_logits
+from tests.models.harness import greedy_generate, hf_greedy, prompt_logits
 
 PROMPT_LENS = [1, 7, 20, 50, 100]
 MAX_TOKENS = 16
-FAMILIES = ["llama", "qwen3"]
-
-
-def hf_greedy(hf_model, prompts):
-    # No EOS: every prompt yields exactly MAX_TOKENS tokens (EOS may be the greedy pick).
-    hf_model.generation_config.eos_token_id = None
-    hf_model.config.eos_token_id = None
-    cfg = GenerationConfig(max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-    outs = []
-    for p in prompts:
-        ids = hf_model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                generation_config=cfg)
-        outs.append(ids[0, len(p):].tolist())
-    return outs
+FAMILIES = ["llama", "qwen3", "qwen3_moe", "mixtral", "glm4_moe"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -36,7 +23,7 @@ def family(request):
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
     hf_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     model = build_model(AutoConfig.from_pretrained(str(path)), path, torch.float32, "cpu")
-    return model, hf_model, prompts, hf_greedy(hf_model, prompts)
+    return model, hf_model, prompts, hf_greedy(hf_model, prompts, MAX_TOKENS)
 
 
 def test_greedy_matches_hf(family):

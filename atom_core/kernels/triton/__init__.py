@@ -11,3 +11,6 @@ __all__ = [
     "fused_add_rms_norm", "gumbel_argmax", "paged_attention", "qkv_rope_store", "rms_norm", "rotary_embedding",
     "silu_and_mul", "store_kv_cache",
 ]
+from atom_core.kernels.triton.moe import fused_moe, moe_align_block_size, moe_route  # noqa: E402
+
+__all__ += ["fused_moe", "moe_align_block_size", "moe_route"]

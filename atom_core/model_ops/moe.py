@@ -1,0 +1,163 @@
+"""Mixture of experts: one `FusedMoE` layer (routing + stacked experts) and the
+`SparseMoeBlock` around it (router linear, optional shared experts) every MoE family uses.
+
+Routing is data (`MoERouting`, built from a family's config fields), the kernels come from the
+device's provider (`kernel_ops(device).moe_route` / `.fused_moe`), and the expert weights are
+made by the layer's quant method and filled from per-expert checkpoint names through
+`expert_params_mapping` (see `make_expert_params_mapping`).
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import torch
+from torch import nn
+
+from atom_core.kernels import kernel_ops
+from atom_core.model_ops.linear import ReplicatedLinear, copy_weight
+from atom_core.quant import QuantConfig, UnquantizedFusedMoEMethod, set_weight_attrs
+
+
+@dataclass(frozen=True)
+class MoERouting:
+    """How a family picks and weighs its top-k experts (the HF router it reproduces).
+
+    scoring: softmax over all experts (Mixtral, Qwen3-MoE) or per-expert sigmoid (GLM-4.5,
+    DeepSeek-V3). renormalize: weights divided by their sum. correction_bias: the router holds
+    `e_score_correction_bias`, added to the scores for choosing only. num_expert_group /
+    topk_group: experts are chosen only from the best topk_group groups. router_in_fp32: the
+    router matmul runs in float32 (HF GLM-4.5 does). weights_in_model_dtype: HF rounds the
+    routing weights to the model dtype before weighing the experts (Qwen3-MoE does).
+    """
+
+    top_k: int
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    renormalize: bool = False
+    correction_bias: bool = False
+    num_expert_group: int | None = None
+    topk_group: int | None = None
+    routed_scaling_factor: float = 1.0
+    router_in_fp32: bool = False
+    weights_in_model_dtype: bool = False
+
+
+def make_expert_params_mapping(num_experts: int, gate: str, down: str, up: str,
+                               experts: str = "experts") -> list[tuple[str, str, int | None, str | None]]:
+    """Loader rules (param, checkpoint name, expert id, shard id) for per-expert checkpoints,
+    e.g. gate/down/up = "gate_proj", "down_proj", "up_proj" or Mixtral's "w1", "w2", "w3", and
+    for HF transformers' fused layout (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj`)."""
+    rules: list[tuple[str, str, int | None, str | None]] = []
+    for e in range(num_experts):
+        rules += [(f"{experts}.w13_weight", f"{experts}.{e}.{gate}.weight", e, "w1"),
+                  (f"{experts}.w13_weight", f"{experts}.{e}.{up}.weight", e, "w3"),
+                  (f"{experts}.w2_weight", f"{experts}.{e}.{down}.weight", e, "w2")]
+    rules += [(f"{experts}.w13_weight", f"{experts}.gate_up_proj", None, None),
+              (f"{experts}.w2_weight", f"{experts}.down_proj", None, None)]
+    return rules
+
+
+# Layers by key, as in model_ops/attention.py: under torch.compile the experts run as one
+# opaque op (the kernels' host-side setup is not traceable), which looks its layer up here.
+_LAYERS: "weakref.WeakValueDictionary[int, FusedMoE]" = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("atom::fused_moe_layer", mutates_args=())
+def fused_moe_layer_op(hidden: torch.Tensor, router_logits: torch.Tensor, correction_bias: Optional[torch.Tensor],
+                       layer_key: torch.Tensor) -> torch.Tensor:
+    return _LAYERS[int(layer_key)].route_and_run(hidden, router_logits, correction_bias)
+
+
+@fused_moe_layer_op.register_fake
+def _(hidden, router_logits, correction_bias, layer_key):
+    return torch.empty_like(hidden)
+
+
+class FusedMoE(nn.Module):
+    """hidden [T, H], router_logits [T, E] -> sum over the top-k experts of weight * expert(hidden).
+
+    Parameters (from the quant method): w13_weight [E, 2I, H] (gate rows, then up rows) and
+    w2_weight [E, H, I]. `weight_loader(param, tensor, shard_id, expert_id)` places one
+    expert's w1 (gate) / w3 (up) / w2 (down); expert_id None loads the whole stacked tensor.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, routing: MoERouting,
+                 prefix: str = "", quant_config: QuantConfig | None = None, activation: str = "silu"):
+        super().__init__()
+        if not 1 <= routing.top_k <= num_experts:
+            raise ValueError(f"{prefix}: num_experts_per_tok={routing.top_k} must be in [1, {num_experts}]")
+        if activation != "silu":
+            raise ValueError(f"unsupported MoE activation {activation!r}; expected silu")
+        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.routing, self.activation, self.prefix = routing, activation, prefix
+        method = quant_config.get_quant_method(self, prefix) if quant_config is not None else None
+        self.quant_method = method or UnquantizedFusedMoEMethod()
+        self.quant_method.create_weights(self, num_experts=num_experts, hidden_size=hidden_size,
+                                         intermediate_size=intermediate_size, weight_loader=self.weight_loader)
+        experts = range(num_experts)
+        self.w13_weight.expected_shards = frozenset((s, e) for e in experts for s in ("w1", "w3"))
+        self.w2_weight.expected_shards = frozenset(("w2", e) for e in experts)
+        self.ops = kernel_ops(torch.get_default_device())
+        self.model_dtype = torch.get_default_dtype()
+        self.layer_key = torch.tensor([id(self)], dtype=torch.int64, device="cpu")
+        _LAYERS[id(self)] = self
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None,
+                      expert_id: int | None = None) -> None:
+        if expert_id is None:
+            copy_weight(param.data, loaded)
+            return
+        size = self.intermediate_size
+        if shard_id == "w1":
+            dst = param.data[expert_id, :size]
+        elif shard_id == "w3":
+            dst = param.data[expert_id, size:]
+        elif shard_id == "w2":
+            dst = param.data[expert_id]
+        else:
+            raise ValueError(f"{self.prefix}: unknown expert shard {shard_id!r}; expected one of: w1, w2, w3")
+        copy_weight(dst, loaded)
+
+    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor,
+                correction_bias: torch.Tensor | None = None) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return fused_moe_layer_op(hidden, router_logits, correction_bias, self.layer_key)
+        return self.route_and_run(hidden, router_logits, correction_bias)
+
+    def route_and_run(self, hidden: torch.Tensor, router_logits: torch.Tensor,
+                      correction_bias: torch.Tensor | None) -> torch.Tensor:
+        r = self.routing
+        weights, ids = self.ops.moe_route(router_logits, r.top_k, scoring=r.scoring, renormalize=r.renormalize,
+                                          correction_bias=correction_bias, num_expert_group=r.num_expert_group,
+                                          topk_group=r.topk_group, routed_scaling_factor=r.routed_scaling_factor)
+        if r.weights_in_model_dtype:
+            weights = weights.to(self.model_dtype).float()
+        return self.quant_method.apply(self, hidden, weights, ids, activation=self.activation)
+
+
+class SparseMoeBlock(nn.Module):
+    """HF's MoE MLP: `gate` (the router linear, with `e_score_correction_bias` when routing uses
+    one), `experts` (FusedMoE), and `shared_experts` added to the routed output when given."""
+
+    def __init__(self, hidden_size: int, num_experts: int, intermediate_size: int, routing: MoERouting,
+                 prefix: str, quant_config: QuantConfig | None = None, shared_experts: nn.Module | None = None):
+        super().__init__()
+        # Routers stay unquantized in every format we know (their logits pick the experts).
+        self.gate = ReplicatedLinear(hidden_size, num_experts, prefix=f"{prefix}.gate",
+                                     params_dtype=torch.float32 if routing.router_in_fp32 else None)
+        if routing.correction_bias:  # float32 in HF too (_keep_in_fp32_modules_strict)
+            bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32), requires_grad=False)
+            set_weight_attrs(bias, weight_loader=self.gate.weight_loader)
+            self.gate.e_score_correction_bias = bias
+        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, routing, f"{prefix}.experts",
+                                quant_config)
+        self.shared_experts = shared_experts
+        self.router_in_fp32 = routing.router_in_fp32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.gate(x.float() if self.router_in_fp32 else x)
+        out = self.experts(x, logits, getattr(self.gate, "e_score_correction_bias", None))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
