@@ -264,10 +264,6 @@ class EngineConfig:
                                             for name, values in parts.items()})
 
     @classmethod
-    def option_names(cls) -> list[str]:
-        return sorted(f.name for part in _PARTS.values() for f in dataclasses.fields(part))
-
-    @classmethod
     def from_kwargs(cls, model: str | os.PathLike, **options) -> "EngineConfig":
         """Build from flat keyword options; unknown names are rejected with the known ones listed.
         None means "the default" except for options whose default is None."""

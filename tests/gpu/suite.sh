@@ -38,6 +38,14 @@ kernel_tests() {  # in 4 processes: Triton compiles are CPU-bound
   for i in 0 1 2 3; do echo "--- kernel tests: ${k[$i]}"; grep -E "passed|failed|error|FAILED|Error" /tmp/kt$i.log | tail -n 8; done
   summary+=("$(printf '%-28s %9s %4ss' kernel-tests "" "$(( $(date +%s) - start ))")")
 }
+dense_targets() {  # the dense speed targets through the CLI at its defaults; Llama-3-8B offline twice (cold, then warm)
+    step off-l8 120 python3 -m atomctl.main bench offline "${l8[@]}" --output-json "$OUT/off_l8.json"
+    step off-q06 90 python3 -m atomctl.main bench offline "${q06[@]}" --output-json "$OUT/off_q06.json"
+    step off-l8-again 90 python3 -m atomctl.main bench offline "${l8[@]}" --output-json "$OUT/off_l8_again.json"
+    step lat-q06-bs1 60 python3 -m atomctl.main bench latency "${q06[@]}" --bs 1 --output-json "$OUT/lat_q06_bs1.json"
+    step lat-l8-bs1 70 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-json "$OUT/lat_l8_bs1.json"
+    step lat-l8-bs32 70 python3 -m atomctl.main bench latency "${l8[@]}" --bs 32 --output-json "$OUT/lat_l8_bs32.json"
+}
 case $mode in
   train-and-test)  # logs stay on the machine: $OUT carries the model files; retrain the demo model (recipe defaults) while the correctness tests run
     LOGDIR=/tmp/logs; (WORK_DIR=/tmp/dm bash recipes/demo-model/run.sh "$OUT/model" --device cuda > "$OUT/train.log" 2>&1; echo "train rc=$?" >> "$OUT/train.log") &
@@ -120,12 +128,7 @@ case $mode in
     step matrix-l8 150 python3 tests/gpu/bench_matrix.py preset:Llama-3-8B --level 3 --steps 8,16 --latency-bs 1,32 --out "$OUT/matrix_l8.json"
     step warm-start-l8 60 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-len 8 --num-iters 1 --output-json "$OUT/warm_start_l8.json" ;;
   final6)  # the targets through the CLI itself, at the defaults; Llama-3-8B offline twice (cold, then warm caches)
-    step off-l8 120 python3 -m atomctl.main bench offline "${l8[@]}" --output-json "$OUT/off_l8.json"
-    step off-q06 90 python3 -m atomctl.main bench offline "${q06[@]}" --output-json "$OUT/off_q06.json"
-    step off-l8-again 90 python3 -m atomctl.main bench offline "${l8[@]}" --output-json "$OUT/off_l8_again.json"
-    step lat-q06-bs1 60 python3 -m atomctl.main bench latency "${q06[@]}" --bs 1 --output-json "$OUT/lat_q06_bs1.json"
-    step lat-l8-bs1 70 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-json "$OUT/lat_l8_bs1.json"
-    step lat-l8-bs32 70 python3 -m atomctl.main bench latency "${l8[@]}" --bs 32 --output-json "$OUT/lat_l8_bs32.json" ;;
+    dense_targets ;;
   ab-old)  # this tree against 888fd10 (unpacked in old888/, not committed): Llama-3-8B nano, then Qwen3-0.6B phases
     step old-l8-nano 150 env PYTHONPATH=$PWD/old888:/tmp/site python3 old888/tests/gpu/bench_matrix.py preset:Llama-3-8B --level 3 --steps 8 --latency-bs "" --out "$OUT/old_l8.json"
     step new-l8-nano 150 python3 tests/gpu/bench_matrix.py preset:Llama-3-8B --level 3 --steps 8 --latency-bs "" --out "$OUT/new_l8.json"
@@ -181,12 +184,7 @@ case $mode in
     kernel_tests
     step engine-gpu-tests 240 python3 -m pytest -q --tb=short tests/gpu -p no:cacheprovider ;;
   seams-bench)  # issue 12: final6's targets again (CLI defaults), to compare with a0a8d49
-    step off-l8 120 python3 -m atomctl.main bench offline "${l8[@]}" --output-json "$OUT/off_l8.json"
-    step off-q06 90 python3 -m atomctl.main bench offline "${q06[@]}" --output-json "$OUT/off_q06.json"
-    step off-l8-again 90 python3 -m atomctl.main bench offline "${l8[@]}" --output-json "$OUT/off_l8_again.json"
-    step lat-q06-bs1 60 python3 -m atomctl.main bench latency "${q06[@]}" --bs 1 --output-json "$OUT/lat_q06_bs1.json"
-    step lat-l8-bs1 70 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-json "$OUT/lat_l8_bs1.json"
-    step lat-l8-bs32 70 python3 -m atomctl.main bench latency "${l8[@]}" --bs 32 --output-json "$OUT/lat_l8_bs32.json" ;;
+    dense_targets ;;
   moe-bench)  # issue 13: Llama-3-8B batch-1 A/B against bf45e88 (oldtree/, not committed), then Qwen3-30B-A3B
     for t in old new old new; do
       root=$PWD; [ $t = old ] && root=$PWD/oldtree
