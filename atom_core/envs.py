@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 ENV_VARS: dict[str, str] = {
     "ATOM_TORCH_PROFILER_DIR": "default for --torch-profiler-dir: where torch profiler traces go",
     "ATOM_PROFILER_DETAILED": "0/1: record shapes, Python stacks and memory in traces",
     "ATOM_MARK_TRACE": "0/1: wrap every model module in a named profiler range (eager mode only)",
+    "ATOM_API_KEY": "default for `atomctl serve --api-key` (keeps the key out of the process list)",
 }
 
 _TRUE = ("1", "true", "yes", "on")
@@ -30,6 +31,7 @@ class AtomEnvs:
     torch_profiler_dir: str | None = None
     profiler_detailed: bool = False
     mark_trace: bool = False
+    api_key: str | None = field(default=None, repr=False)  # a secret: never in logs or tracebacks
 
 
 def read_envs(environ: Mapping[str, str] | None = None) -> AtomEnvs:
@@ -39,6 +41,7 @@ def read_envs(environ: Mapping[str, str] | None = None) -> AtomEnvs:
         torch_profiler_dir=env_str(env, "ATOM_TORCH_PROFILER_DIR"),
         profiler_detailed=env_bool(env, "ATOM_PROFILER_DETAILED", False),
         mark_trace=env_bool(env, "ATOM_MARK_TRACE", False),
+        api_key=env_str(env, "ATOM_API_KEY"),
     )
 
 

@@ -12,13 +12,16 @@ from atomctl.errors import friendly_errors
 def serve_cmd(
     host: str = typer.Option("127.0.0.1", help="Address to bind; pass 0.0.0.0 to listen on every interface."),
     port: int = typer.Option(8000, help="TCP port."),
-    api_key: Optional[str] = typer.Option(None, help="Require 'Authorization: Bearer KEY' on /v1 and profiling endpoints."),
+    api_key: Optional[str] = typer.Option(
+        None, help="Require 'Authorization: Bearer KEY' on /v1 and profiling endpoints (default: ATOM_API_KEY)."
+    ),
     served_model_name: Optional[str] = typer.Option(None, help="The model name clients send (default: the --model value)."),
     access_log: bool = typer.Option(False, "--access-log/--no-access-log", help="Log every HTTP request."),
     engine_args: dict = None,
 ):
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models) plus /health and /metrics."""
     from atom_core.config import EngineConfig
+    from atom_core.envs import read_envs
     from atom_core.server.app import run_server
 
     kwargs = engine_kwargs(engine_args)
@@ -26,6 +29,7 @@ def serve_cmd(
     # (H100, c64: median ITL 81 ms with windows of 8 vs 10 ms without, same throughput).
     kwargs.setdefault("num_scheduler_steps", 1)
     config = EngineConfig.from_kwargs(**kwargs)
+    api_key = api_key or read_envs().api_key  # the flag wins over the environment
     run_server(config, host, port, served_model_name or engine_args["model"], api_key=api_key, access_log=access_log)
 
 

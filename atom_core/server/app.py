@@ -2,7 +2,8 @@
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
 GET /metrics, POST /start_profile, POST /stop_profile. With an API key, everything but
-/health and /metrics needs `Authorization: Bearer KEY`. Every error is an OpenAI error body.
+/health and /metrics needs `Authorization: Bearer KEY` (the scheme in any case). Every error
+is an OpenAI error body.
 """
 from __future__ import annotations
 
@@ -102,11 +103,12 @@ async def _core_call(call):
 
 
 def _bearer_auth(api_key: str):
-    expected = f"Bearer {api_key}".encode()
+    expected = api_key.encode()
 
     async def check(request: Request) -> None:
-        given = request.headers.get("authorization", "").encode()
-        if not secrets.compare_digest(given, expected):
+        # The scheme is case-insensitive (RFC 7235); the key is compared exactly, in constant time.
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), expected):
             raise APIError("invalid or missing API key; send 'Authorization: Bearer <key>'", 401,
                            code="invalid_api_key")
 

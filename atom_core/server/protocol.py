@@ -102,6 +102,31 @@ class _SamplingRequest(_Strict):
     logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_lone_surrogates(cls, data: Any) -> Any:
+        # JSON allows "\ud800" but it is not text: the tokenizer (and the response encoder)
+        # would fail on it mid-request, so it is a 400 naming the field here.
+        found = _lone_surrogate(data, [])
+        if found is not None:
+            param, index = found
+            raise _field_error(param, f"{param} is not valid Unicode: a lone surrogate at character {index}")
+        return data
+
+    @model_validator(mode="after")
+    def _check_values(self):
+        if self.stop == "" or (isinstance(self.stop, list) and "" in self.stop):
+            raise _field_error("stop", "stop strings must be non-empty; leave stop out to use none")
+        max_name, max_tokens = self._output_limit()
+        # A limit below 1 is itself the error; SamplingParams reports it under its own name.
+        if max_tokens is not None and max_tokens >= 1 and self.min_tokens > max_tokens:
+            raise _field_error("min_tokens", f"min_tokens ({self.min_tokens}) must be <= {max_name} ({max_tokens})")
+        return self
+
+    def _output_limit(self) -> tuple[str, int | None]:
+        """The field that caps the output length, and its value."""
+        return "max_tokens", self.max_tokens
+
     @model_validator(mode="after")
     def _reject_unsupported(self):
         if not 1 <= self.n <= MAX_N:
@@ -159,6 +184,11 @@ class ChatCompletionRequest(_SamplingRequest):
             raise _field_error("top_logprobs", "top_logprobs needs logprobs=true")
         return self
 
+    def _output_limit(self) -> tuple[str, int | None]:
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return super()._output_limit()
+
     def to_sampling_params(self, choice: int) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         if self.max_completion_tokens is None:
@@ -211,6 +241,24 @@ class _FieldError(ValueError):
 
 def _field_error(param: str, message: str) -> _FieldError:
     return _FieldError(param, message)
+
+
+def _lone_surrogate(value: Any, path: list[str]) -> tuple[str, int] | None:
+    """(dotted path, character index) of the first string in a JSON value holding a lone surrogate."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return ".".join(path) or "body", e.start
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _lone_surrogate(key, path) if isinstance(key, str) else None  # a bad key: reported at its parent
+        if found is None:
+            found = _lone_surrogate(item, [*path, str(key)])
+        if found is not None:
+            return found
+    return None
 
 
 def validation_error_to_api_error(errors: list[dict]) -> APIError:

@@ -289,7 +289,8 @@ class TestPenalties:
         assert Sampler()(logits, sb).token_ids.tolist() == [1]
 
     @pytest.fixture(scope="class")
-    def base(self, engine):
+    @classmethod
+    def base(cls, engine):
         return engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
 
     @pytest.mark.parametrize("kw", [dict(repetition_penalty=1.5), dict(frequency_penalty=1.0),
@@ -305,7 +306,8 @@ class TestPenalties:
 
 class TestLogprobs:
     @pytest.fixture(scope="class")
-    def hf_model(self, tiny_llama):
+    @classmethod
+    def hf_model(cls, tiny_llama):
         from transformers import AutoModelForCausalLM
 
         return AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()

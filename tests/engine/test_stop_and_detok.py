@@ -153,7 +153,8 @@ class TestLength:
 
 class TestEos:
     @pytest.fixture(scope="class")
-    def eos_case(self, tiny_llama, tmp_path_factory, ref):
+    @classmethod
+    def eos_case(cls, tiny_llama, tmp_path_factory, ref):
         """The tiny model with its generation_config EOS set to a token it greedily emits at k."""
         ids, _, _ = ref
         k = first_new_token(ids)

@@ -109,7 +109,8 @@ class TestScoreRows:
 @needs_lm_eval
 class TestShippedTasks:
     @pytest.fixture(scope="class")
-    def tasks(self):
+    @classmethod
+    def tasks(cls):
         from lm_eval.tasks import TaskManager
 
         manager = TaskManager(include_path=str(TASKS_DIR))

@@ -34,6 +34,18 @@ class TestApiKey:
             assert r.status_code == 401, (path, headers, r.text)
             assert r.json()["error"]["code"] == "invalid_api_key"
 
+    def test_bearer_scheme_is_case_insensitive(self, keyed_server):
+        for scheme in ("bearer", "BEARER", "bEaReR"):
+            r = httpx.get(f"{keyed_server.url}/v1/models", headers={"Authorization": f"{scheme} {KEY}"}, timeout=10)
+            assert r.status_code == 200, (scheme, r.text)
+            r = httpx.get(f"{keyed_server.url}/v1/models", headers={"Authorization": f"{scheme} wrong"}, timeout=10)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+    def test_key_is_compared_exactly(self, keyed_server):
+        for value in (f"Bearer {KEY.upper()}", f"Bearer {KEY}x", f"Basic {KEY}", f"Bearer{KEY}"):
+            r = httpx.get(f"{keyed_server.url}/v1/models", headers={"Authorization": value}, timeout=10)
+            assert r.status_code == 401, value
+
     def test_sdk_with_key_works(self, keyed_server):
         client = keyed_server.openai()
         assert [m.id for m in client.models.list().data] == [keyed_server.model_name]

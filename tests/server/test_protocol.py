@@ -73,6 +73,42 @@ class TestChatRequest:
         assert e.value.param == "top_k" and e.value.status_code == 400
 
 
+class TestRequestValues:
+    @pytest.mark.parametrize("model, body, param", [
+        (CompletionRequest, {"prompt": "a\ud800b"}, "prompt"),
+        (CompletionRequest, {"prompt": ["ok", "a\udc00"]}, "prompt.1"),
+        (ChatCompletionRequest, {"messages": [{"role": "user", "content": "a\ud800b"}]}, "messages.0.content"),
+        (ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+         "messages.0.content.0.text"),
+        (ChatCompletionRequest, {"messages": CHAT, "stop": ["\udfff"]}, "stop.0"),
+    ], ids=["prompt", "prompt_list", "message", "message_part", "stop"])
+    def test_lone_surrogate_is_a_400_naming_the_field(self, model, body, param):
+        err = api_error_of(model, **body)
+        assert (err.status_code, err.param) == (400, param)
+        assert "lone surrogate" in err.message
+        err.message.encode("utf-8")  # the error body itself must be encodable
+
+    @pytest.mark.parametrize("stop", ["", [""], ["a", ""]])
+    def test_empty_stop_string_is_rejected_in_either_form(self, stop):
+        err = api_error_of(CompletionRequest, prompt="x", stop=stop)
+        assert err.param == "stop" and "non-empty" in err.message
+
+    def test_no_stop_strings_is_fine(self):
+        assert CompletionRequest(prompt="x", stop=[]).to_sampling_params(0).stop == []
+
+    def test_min_tokens_over_max_tokens_is_rejected(self):
+        err = api_error_of(CompletionRequest, prompt="x", min_tokens=5, max_tokens=3)
+        assert (err.param, err.message) == ("min_tokens", "min_tokens (5) must be <= max_tokens (3)")
+        assert api_error_of(CompletionRequest, prompt="x", min_tokens=17).param == "min_tokens"  # default max_tokens 16
+        assert CompletionRequest(prompt="x", min_tokens=3, max_tokens=3).to_sampling_params(0).min_tokens == 3
+
+    def test_chat_min_tokens_is_checked_against_the_limit_that_applies(self):
+        err = api_error_of(ChatCompletionRequest, messages=CHAT, min_tokens=5, max_tokens=10, max_completion_tokens=3)
+        assert err.param == "min_tokens" and "max_completion_tokens (3)" in err.message
+        assert ChatCompletionRequest(messages=CHAT, min_tokens=5, max_tokens=3, max_completion_tokens=8)
+        assert ChatCompletionRequest(messages=CHAT, min_tokens=50)  # no limit given: max_model_len caps it
+
+
 class FakeTokenizer:
     """Token id i decodes to PIECES[i]; two ids decode to the same replacement character."""
 

@@ -1,0 +1,46 @@
+"""`atomctl serve` option handling (the server itself is tested in tests/server)."""
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from atom_core.envs import read_envs
+
+
+@pytest.fixture
+def serve_calls(monkeypatch):
+    """Invoke `atomctl serve` with run_server replaced; returns (invoke, the kwargs run_server got)."""
+    import atom_core.server.app as server_app
+    from atomctl.serve import register
+
+    seen = {}
+    monkeypatch.setattr(server_app, "run_server", lambda config, *a, **k: seen.update(k))
+    app = typer.Typer()
+    register(app)
+    app.callback()(lambda: None)
+
+    def invoke(*args):
+        result = CliRunner().invoke(app, ["serve", "--model", "/m", *args])
+        assert result.exit_code == 0, result.output
+        return seen
+
+    return invoke
+
+
+class TestApiKey:
+    def test_no_flag_and_no_env_means_no_key(self, monkeypatch, serve_calls):
+        monkeypatch.delenv("ATOM_API_KEY", raising=False)
+        assert serve_calls()["api_key"] is None
+
+    def test_env_var_is_used_without_the_flag(self, monkeypatch, serve_calls):
+        monkeypatch.setenv("ATOM_API_KEY", "sk-from-env")
+        assert serve_calls()["api_key"] == "sk-from-env"
+
+    def test_flag_overrides_env_var(self, monkeypatch, serve_calls):
+        monkeypatch.setenv("ATOM_API_KEY", "sk-from-env")
+        assert serve_calls("--api-key", "sk-from-flag")["api_key"] == "sk-from-flag"
+
+    def test_env_key_is_read_in_envs_and_kept_out_of_repr(self):
+        envs = read_envs({"ATOM_API_KEY": " sk-secret "})
+        assert envs.api_key == "sk-secret"
+        assert "sk-secret" not in repr(envs)
+        assert read_envs({"ATOM_API_KEY": ""}).api_key is None
