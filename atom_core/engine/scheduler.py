@@ -89,9 +89,9 @@ class Scheduler:
             i += 1
         if not preempted:
             self._schedule_waiting(out, scheduled, budget)
-            if self.num_scheduler_steps > 1 and scheduled and not self.waiting:
-                self._plan_window(out, scheduled)
         out.is_decode_only = _is_decode_only(out, scheduled)
+        if out.is_decode_only and self.num_scheduler_steps > 1 and not self.waiting:
+            self._plan_window(out, scheduled)
         self._send_new_blocks(out, scheduled)
         if scheduled:  # an empty step is not run: its news waits for the next one
             out.finished_req_ids, self._finished_ids = self._finished_ids, []
@@ -102,12 +102,11 @@ class Scheduler:
         each gets extra tokens to generate (PLACEHOLDERs) and KV slots for them now.
 
         Each sequence keeps at most the steps left to its token limit. A waiting request would
-        sit out the whole window, so there is none (checked by the caller); a window that does
+        sit out the whole window, so there is none, and the batch is decode-only (the caller checks
+        both; a preempted sequence waits, so a preempting step never plans one); a window that does
         not fit in free blocks falls back to one step (the blocks already added stay with their
         sequences, which fill them later).
         """
-        if not _is_decode_only(out, seqs):
-            return
         counts = []
         for seq in seqs:
             params = seq.sampling_params
