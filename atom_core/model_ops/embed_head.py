@@ -1,25 +1,54 @@
-"""Vocabulary embedding and LM head (vocab-parallel ready)."""
+"""Vocabulary embedding and LM head, split over the tensor-parallel ranks by vocabulary rows.
+
+Rank r holds rows [r * per_rank, (r + 1) * per_rank) with per_rank = ceil(vocab / tp); the last
+rank's rows past the vocabulary stay zero. The embedding looks up the ids it owns (zeros for the
+others) and sums over the ranks; the head computes its rows' logits and gathers them, so every
+rank ends with the whole [rows, vocab] logits (and samples the same token).
+"""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atom_core.model_ops.linear import default_weight_loader
+from atom_core.distributed import all_gather, all_reduce, get_tp_group
+from atom_core.model_ops.linear import copy_weight
 
 
 class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
-        self.weight.weight_loader = default_weight_loader
+        group = get_tp_group()
+        self.vocab_size, self.tp_size = vocab_size, group.world_size
+        self.rows_per_rank = -(-vocab_size // self.tp_size)
+        self.vocab_start = group.rank_in_group * self.rows_per_rank
+        self.num_rows = max(0, min(vocab_size - self.vocab_start, self.rows_per_rank))  # real rows here
+        self.weight = nn.Parameter(torch.empty(self.rows_per_rank, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if self.tp_size == 1:
+            copy_weight(param.data, loaded)
+            return
+        if loaded.shape[0] != self.vocab_size:
+            raise ValueError(f"checkpoint vocab rows {loaded.shape[0]} != vocab_size {self.vocab_size}")
+        param.data[self.num_rows:].zero_()
+        copy_weight(param.data[: self.num_rows], loaded.narrow(0, self.vocab_start, self.num_rows))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        owned = (local >= 0) & (local < self.num_rows)
+        out = F.embedding(torch.where(owned, local, 0), self.weight)
+        return all_reduce(out * owned.unsqueeze(-1).to(out.dtype))
 
 
 class LMHead(VocabEmbedding):
     """logits = hidden @ W^T, computed only for the rows the runner asks for."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight)
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size == 1:
+            return logits
+        return all_gather(logits, dim=-1)[:, : self.vocab_size]

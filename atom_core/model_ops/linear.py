@@ -4,16 +4,17 @@ A model never slices checkpoint tensors: the loader calls `param.weight_loader(p
 (or with a shard id for packed QKV / gate-up weights), and the layer places the tensor.
 
 Tensor parallelism: each class says which weight dim a rank holds a slice of (`tp_dim`), and
-`tp_size` / `tp_rank` pick the slice of a checkpoint tensor this layer loads. That is all of it
-today: no collective exists yet (the parallelism issue adds them), so with tp_size > 1 a
-row-parallel layer's output is a partial sum the caller would have to reduce. Nothing in the
-engine builds layers with tp_size > 1; tests/model_ops checks the slicing.
+`tp_size` / `tp_rank` (default: this process's tensor-parallel group, atom_core/distributed)
+pick the slice of a checkpoint tensor this layer loads. The layer hands its quant method the
+per-rank sizes (the one place they are computed). A row-parallel layer sums its partial
+products over the ranks (`reduce_results`), adding its bias once.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from atom_core.distributed import all_reduce, get_tp_group
 from atom_core.quant.base import QuantConfig, set_weight_attrs
 from atom_core.quant.unquantized import UnquantizedLinearMethod
 
@@ -47,11 +48,18 @@ class LinearBase(nn.Module):
     tp_dim: int | None = None
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
-                 quant_config: QuantConfig | None = None, prefix: str = "", tp_size: int = 1, tp_rank: int = 0,
-                 params_dtype: torch.dtype | None = None):
+                 quant_config: QuantConfig | None = None, prefix: str = "", tp_size: int | None = None,
+                 tp_rank: int | None = None, params_dtype: torch.dtype | None = None):
         super().__init__()
         self.prefix = prefix
-        self.tp_size, self.tp_rank = tp_size, tp_rank
+        if tp_size is None:
+            group = get_tp_group()
+            tp_size, tp_rank = group.world_size, group.rank_in_group
+        self.tp_size, self.tp_rank = tp_size, tp_rank or 0
+        if self.tp_dim == 1 and input_size % tp_size:
+            raise ValueError(f"{prefix}: input size {input_size} does not split over {tp_size} tensor-parallel ranks")
+        if self.tp_dim == 0 and any(s % tp_size for s in output_sizes):
+            raise ValueError(f"{prefix}: output sizes {output_sizes} do not split over {tp_size} tensor-parallel ranks")
         self.input_size = input_size // tp_size if self.tp_dim == 1 else input_size
         self.output_sizes = [s // tp_size for s in output_sizes] if self.tp_dim == 0 else list(output_sizes)
         method = quant_config.get_quant_method(self, prefix) if quant_config is not None else None
@@ -113,12 +121,21 @@ class ColumnParallelLinear(LinearBase):
 
 
 class RowParallelLinear(LinearBase):
-    """Input dim split; with tp_size > 1 the output is this rank's partial sum (no reduce yet)."""
+    """Input dim split; each rank's partial product is summed over the ranks (reduce_results
+    False leaves the partial sum, bias included on rank 0 only, for the caller to reduce)."""
 
     tp_dim = 1
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, **kwargs):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True,
+                 **kwargs):
         super().__init__(input_size, [output_size], bias, **kwargs)
+        self.reduce_results = reduce_results
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return self.quant_method.apply(self, x, self.bias)
+        out = self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 else None)
+        return all_reduce(out) if self.reduce_results else out
 
 
 class MergedColumnParallelLinear(LinearBase):
@@ -146,7 +163,8 @@ class QKVParallelLinear(LinearBase):
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
                  **kwargs):
-        tp_size = kwargs.get("tp_size", 1)
+        tp_size = kwargs.get("tp_size") or get_tp_group().world_size
+        check_head_split(num_heads, num_kv_heads, tp_size)
         self.head_dim = head_dim
         local_heads, local_kv_heads = num_heads // tp_size, max(1, num_kv_heads // tp_size)
         sizes = [h * tp_size * head_dim for h in (local_heads, local_kv_heads, local_kv_heads)]
@@ -166,3 +184,12 @@ class QKVParallelLinear(LinearBase):
             total_kv_heads = loaded_rows // self.head_dim
             start = self.tp_rank // max(1, self.tp_size // total_kv_heads) * size
         return sum(self.output_sizes[:index]), size, start
+
+
+def check_head_split(num_heads: int, num_kv_heads: int, tp_size: int) -> None:
+    """Query heads split evenly; kv heads split evenly, or each is replicated on tp/kv ranks."""
+    if num_heads % tp_size:
+        raise ValueError(f"num_attention_heads={num_heads} is not divisible by tensor_parallel_size={tp_size}")
+    if num_kv_heads % tp_size and tp_size % num_kv_heads:
+        raise ValueError(f"num_key_value_heads={num_kv_heads} and tensor_parallel_size={tp_size}: one must divide "
+                         "the other (kv heads split evenly, or each is replicated on tp/kv ranks)")

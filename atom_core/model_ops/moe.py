@@ -15,6 +15,7 @@ from typing import Literal, Optional
 import torch
 from torch import nn
 
+from atom_core.distributed import all_reduce, expert_parallel_enabled, get_ep_group
 from atom_core.kernels import kernel_ops
 from atom_core.model_ops.linear import ReplicatedLinear, copy_weight
 from atom_core.quant import QuantConfig, UnquantizedFusedMoEMethod, set_weight_attrs
@@ -89,13 +90,14 @@ class FusedMoE(nn.Module):
             raise ValueError(f"{prefix}: num_experts_per_tok={routing.top_k} must be in [1, {num_experts}]")
         if activation != "silu":
             raise ValueError(f"unsupported MoE activation {activation!r}; expected silu")
-        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self._split_over_ranks(num_experts, intermediate_size, prefix)
         self.routing, self.activation, self.prefix = routing, activation, prefix
         method = quant_config.get_quant_method(self, prefix) if quant_config is not None else None
         self.quant_method = method or UnquantizedFusedMoEMethod()
-        self.quant_method.create_weights(self, num_experts=num_experts, hidden_size=hidden_size,
-                                         intermediate_size=intermediate_size, weight_loader=self.weight_loader)
-        experts = range(num_experts)
+        # The quant method makes this rank's part: its experts, each with its intermediate slice.
+        self.quant_method.create_weights(self, num_experts=self.num_local_experts, hidden_size=hidden_size,
+                                         intermediate_size=self.intermediate_size, weight_loader=self.weight_loader)
+        experts = range(self.expert_start, self.expert_start + self.num_local_experts)
         self.w13_weight.expected_shards = frozenset((s, e) for e in experts for s in ("w1", "w3"))
         self.w2_weight.expected_shards = frozenset(("w2", e) for e in experts)
         self.ops = kernel_ops(torch.get_default_device())
@@ -103,18 +105,61 @@ class FusedMoE(nn.Module):
         self.layer_key = torch.tensor([id(self)], dtype=torch.int64, device="cpu")
         _LAYERS[id(self)] = self
 
+    def _split_over_ranks(self, num_experts: int, intermediate_size: int, prefix: str) -> None:
+        """Tensor parallel: every expert, a 1/tp slice of its intermediate dim. Expert parallel
+        (enable_expert_parallel): num_experts/tp whole experts, [expert_start, + num_local_experts)."""
+        group = get_ep_group()
+        self.num_experts, self.tp_size, self.tp_rank = num_experts, group.world_size, group.rank_in_group
+        self.use_ep = self.tp_size > 1 and expert_parallel_enabled()
+        self.num_local_experts, self.expert_start, self.intermediate_size = num_experts, 0, intermediate_size
+        if self.use_ep:
+            if num_experts % self.tp_size:
+                raise ValueError(f"{prefix}: {num_experts} experts do not split over {self.tp_size} expert-parallel "
+                                 "ranks; use a tensor_parallel_size that divides them, or drop enable_expert_parallel")
+            self.num_local_experts = num_experts // self.tp_size
+            self.expert_start = self.tp_rank * self.num_local_experts
+        elif intermediate_size % self.tp_size:
+            raise ValueError(f"{prefix}: moe intermediate size {intermediate_size} does not split over "
+                             f"{self.tp_size} tensor-parallel ranks")
+        else:
+            self.intermediate_size = intermediate_size // self.tp_size
+
+    def _tp_slice(self, dst: torch.Tensor, loaded: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's slice of `loaded` along `dim` when the checkpoint holds all tp slices."""
+        if self.use_ep or self.tp_size == 1 or loaded.dim() == 0 or loaded.dim() != dst.dim():
+            return loaded
+        size = dst.shape[dim]
+        if loaded.shape[dim] != size * self.tp_size:
+            return loaded
+        return loaded.narrow(dim, self.tp_rank * size, size)
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None,
                       expert_id: int | None = None) -> None:
-        if expert_id is None:
+        if expert_id is None:  # the stacked layout [E, 2I, H] / [E, H, I]: every expert at once
+            if self.use_ep:
+                loaded = loaded.narrow(0, self.expert_start, self.num_local_experts)
+            elif self.tp_size > 1 and param.dim() == 3 and param is self.w13_weight:
+                gate, up = loaded.chunk(2, dim=1)
+                half = param.data.shape[1] // 2
+                loaded = torch.cat([self._tp_slice(param.data[:, :half], gate, 1),
+                                    self._tp_slice(param.data[:, half:], up, 1)], dim=1)
+            elif self.tp_size > 1:
+                loaded = self._tp_slice(param.data, loaded, loaded.dim() - 1)
             copy_weight(param.data, loaded)
             return
+        local = expert_id - self.expert_start
+        if not 0 <= local < self.num_local_experts:
+            return  # another rank's expert
         size = self.intermediate_size
         if shard_id == "w1":
-            dst = param.data[expert_id, :size]
+            dst = param.data[local, :size]
+            loaded = self._tp_slice(dst, loaded, 0)
         elif shard_id == "w3":
-            dst = param.data[expert_id, size:]
+            dst = param.data[local, size:]
+            loaded = self._tp_slice(dst, loaded, 0)
         elif shard_id == "w2":
-            dst = param.data[expert_id]
+            dst = param.data[local]
+            loaded = self._tp_slice(dst, loaded, dst.dim() - 1)
         else:
             raise ValueError(f"{self.prefix}: unknown expert shard {shard_id!r}; expected one of: w1, w2, w3")
         copy_weight(dst, loaded)
@@ -133,7 +178,13 @@ class FusedMoE(nn.Module):
                                           topk_group=r.topk_group, routed_scaling_factor=r.routed_scaling_factor)
         if r.weights_in_model_dtype:
             weights = weights.to(self.model_dtype).float()
-        return self.quant_method.apply(self, hidden, weights, ids, activation=self.activation)
+        if self.use_ep:  # other ranks' experts weigh 0 here (static shapes: CUDA-graph safe)
+            local = ids - self.expert_start
+            owned = (local >= 0) & (local < self.num_local_experts)
+            weights = weights * owned
+            ids = torch.where(owned, local, 0).to(ids.dtype)
+        out = self.quant_method.apply(self, hidden, weights, ids, activation=self.activation)
+        return all_reduce(out) if self.tp_size > 1 else out  # partial sums: a slice of each expert, or some experts
 
 
 class SparseMoeBlock(nn.Module):

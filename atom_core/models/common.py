@@ -74,7 +74,8 @@ class SelfAttention(nn.Module):
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
         qk = QKTransform(self.rotary_emb, getattr(self, "q_norm", None), getattr(self, "k_norm", None))
-        self.attn = Attention(self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads, qk,
+        # This rank's heads (all of them at tp 1; kv heads replicated when fewer than ranks).
+        self.attn = Attention(self.qkv_proj.num_heads, head_dim, head_dim**-0.5, self.qkv_proj.num_kv_heads, qk,
                               sliding_window=options.sliding_window, prefix=f"{prefix}.attn")
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:

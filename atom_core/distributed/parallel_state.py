@@ -1,0 +1,107 @@
+"""Process groups of one engine replica: which ranks share the model, on which transport.
+
+One torch.distributed world per engine replica (its tensor-parallel ranks, over one or several
+nodes). Each parallel dimension gets a `GroupCoordinator` holding two groups over the same
+ranks: `device_group` for tensors the model exchanges (NCCL on GPUs, gloo on the CPU) and
+`cpu_group` (always gloo) for host-side messages: the step broadcast, KV-size agreement.
+Expert parallelism runs over the tensor-parallel ranks (`get_ep_group()` is that group).
+Data-parallel replicas are separate worlds: they share no group (engine cores behind one API).
+
+Before `init_distributed` (and in every single-rank engine) the groups are the trivial one:
+world size 1, rank 0, no process group, so every collective is an identity.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GroupCoordinator:
+    """A parallel dimension as this rank sees it. `name` is how the compile-safe collective ops
+    find the group again (an op argument must be a string, not a ProcessGroup)."""
+
+    name: str
+    ranks: tuple[int, ...]
+    rank_in_group: int
+    device_group: object  # torch.distributed ProcessGroup, None at world size 1
+    cpu_group: object
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def is_first_rank(self) -> bool:
+        return self.rank_in_group == 0
+
+
+_SINGLE = GroupCoordinator("tp", (0,), 0, None, None)
+_GROUPS: dict[str, GroupCoordinator] = {"tp": _SINGLE}
+_EXPERT_PARALLEL = [False]
+
+
+def set_expert_parallel(enabled: bool) -> None:
+    """MoE layers built from now on give each rank whole experts (True) or a slice of each."""
+    _EXPERT_PARALLEL[0] = enabled
+
+
+def expert_parallel_enabled() -> bool:
+    return _EXPERT_PARALLEL[0]
+
+
+def get_tp_group() -> GroupCoordinator:
+    return _GROUPS["tp"]
+
+
+def get_ep_group() -> GroupCoordinator:
+    """Experts are split over the tensor-parallel ranks (each has every token already)."""
+    return _GROUPS["tp"]
+
+
+def get_group(name: str) -> GroupCoordinator:
+    return _GROUPS[name]
+
+
+def get_tp_size() -> int:
+    return get_tp_group().world_size
+
+
+def get_tp_rank() -> int:
+    return get_tp_group().rank_in_group
+
+
+def init_distributed(rank: int, world_size: int, init_method: str, device: torch.device,
+                     timeout_s: float = 600.0) -> GroupCoordinator:
+    """Join the replica's world (`init_method` e.g. tcp://host:port) and build its groups.
+
+    Every rank of the world calls this with the same world_size; all ranks form one
+    tensor-parallel group. NCCL when the device is a GPU (which must be set current first),
+    gloo on the CPU; the host-side group is gloo either way.
+    """
+    assert not dist.is_initialized(), "torch.distributed is already initialized in this process"
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank,
+                            timeout=timedelta(seconds=timeout_s), **kwargs)
+    ranks = tuple(range(world_size))
+    # The default group already is the device group; the host side gets its own gloo group.
+    cpu_group = dist.new_group(list(ranks), backend="gloo") if backend != "gloo" else dist.new_group(list(ranks))
+    tp = GroupCoordinator("tp", ranks, rank, dist.group.WORLD, cpu_group)
+    _GROUPS["tp"] = tp
+    logger.info("rank %d of %d joined %s over %s", rank, world_size, init_method, backend)
+    return tp
+
+
+def destroy_distributed() -> None:
+    """Leave the world (a no-op when never joined); the groups go back to the trivial one."""
+    _GROUPS["tp"] = _SINGLE
+    _EXPERT_PARALLEL[0] = False
+    if dist.is_initialized():
+        dist.destroy_process_group()

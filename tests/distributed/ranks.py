@@ -1,0 +1,92 @@
+"""Helpers that run in spawned rank processes (importable by module name, as spawn needs)."""
+from __future__ import annotations
+
+import socket
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn, args, results) -> None:
+    from atom_core.distributed import destroy_distributed, init_distributed
+
+    try:
+        torch.set_num_threads(1)
+        init_distributed(rank, world_size, f"tcp://127.0.0.1:{port}", torch.device("cpu"), timeout_s=60)
+        results.put((rank, True, fn(*args)))
+    except BaseException:  # noqa: BLE001 - reported to the test process
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        destroy_distributed()
+
+
+def run_ranks(world_size: int, fn, *args, timeout: float = 120.0) -> list:
+    """fn(*args) on each of `world_size` gloo ranks (one spawned process each); results by rank."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, results), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out = {}
+    try:
+        for _ in procs:
+            rank, ok, value = results.get(timeout=timeout)
+            if not ok:
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            out[rank] = value
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    return [out[r] for r in range(world_size)]
+
+
+def tp_greedy(path, prompts, max_tokens: int, expert_parallel: bool = False, chunk: int | None = None):
+    """This rank's greedy tokens from the model at `path`, built under the current TP group."""
+    from transformers import AutoConfig
+
+    from atom_core.distributed import set_expert_parallel
+    from atom_core.loader import build_model
+    from tests.models.harness import greedy_generate
+
+    set_expert_parallel(expert_parallel)
+    model = build_model(AutoConfig.from_pretrained(str(path)), path, torch.float32, "cpu")
+    return greedy_generate(model, prompts, max_tokens, chunk=chunk)
+
+
+def tp_greedy_jobs(jobs: list[tuple]) -> list:
+    """tp_greedy(*job) for every job, in one rank process (spawning costs more than the models)."""
+    return [tp_greedy(*job) for job in jobs]
+
+
+def collectives_check() -> dict:
+    """Every collective against its definition, on this rank's values."""
+    from atom_core.distributed import all_gather, all_reduce, all_to_all, get_tp_group, reduce_scatter
+    from atom_core.distributed.communication import MessageBroadcaster, all_reduce_min_host
+
+    group = get_tp_group()
+    r, w = group.rank_in_group, group.world_size
+    x = torch.arange(6, dtype=torch.float32).view(2, 3) + 10 * r
+    out = {
+        "all_reduce": all_reduce(x).tolist(),
+        "all_gather_0": all_gather(x, dim=0).tolist(),
+        "all_gather_1": all_gather(x, dim=-1).tolist(),
+        "reduce_scatter": reduce_scatter(torch.arange(4 * w, dtype=torch.float32).view(2 * w, 2) + r, dim=0).tolist(),
+        "all_to_all": all_to_all(torch.arange(w, dtype=torch.float32) + 100 * r).tolist(),
+        "min": all_reduce_min_host(5 + r),
+    }
+    b = MessageBroadcaster(group, capacity=64)
+    out["small"] = b.broadcast({"step": 1} if r == 0 else None)
+    out["large"] = b.broadcast(list(range(500)) if r == 0 else None)  # past the 64-byte buffer
+    out["compiled"] = torch.compile(lambda t: all_reduce(t * 2) + 1, fullgraph=True)(x).tolist()
+    return out
