@@ -8,8 +8,21 @@ from __future__ import annotations
 from atom_core.quant.base import QuantConfig, QuantMethod, set_weight_attrs
 from atom_core.quant.unquantized import UnquantizedFusedMoEMethod, UnquantizedLinearMethod
 
-# quant_method name (as in quantization_config / --quantization) -> QuantConfig class
-_QUANT_CONFIGS: dict[str, type[QuantConfig]] = {}
+# quant_method name (as in quantization_config / --quantization) -> QuantConfig class, or
+# "module:Class" imported on first use (format modules import model_ops, which imports this package)
+_QUANT_CONFIGS: dict[str, type[QuantConfig] | str] = {
+    "compressed-tensors": "atom_core.quant.compressed_tensors:CompressedTensorsConfig",
+}
+
+
+def _config_class(method: str) -> type[QuantConfig]:
+    entry = _QUANT_CONFIGS[method]
+    if isinstance(entry, str):
+        import importlib
+
+        module, _, cls = entry.partition(":")
+        entry = _QUANT_CONFIGS[method] = getattr(importlib.import_module(module), cls)
+    return entry
 
 
 def supported_quantizations() -> list[str]:
@@ -37,12 +50,12 @@ def get_quant_config(hf_config, override: str | None = None) -> QuantConfig | No
         if method is not None and method != override:
             raise ValueError(f"--quantization {override!r} does not match the checkpoint's "
                              f"quantization_config quant_method {method!r}")
-        return _QUANT_CONFIGS[override].from_config(qc or {})
+        return _config_class(override).from_config(qc or {})
     if method is None:
         return None
     if method not in _QUANT_CONFIGS:
         raise _unsupported(method or "(no quant_method)", "config.json quantization_config")
-    return _QUANT_CONFIGS[method].from_config(qc)
+    return _config_class(method).from_config(qc)
 
 
 __all__ = [

@@ -1,0 +1,149 @@
+"""compressed-tensors (`quant_method: compressed-tensors`, llm-compressor's output).
+
+The config holds `config_groups`, each a scheme (`targets`, `weights`, `input_activations`,
+`format`), plus an `ignore` list; a target or ignore entry is a module class name ("Linear"),
+an exact module name, or "re:<regex>" matched from the name's start. Schemes run here:
+
+  int-quantized   W8A8 INT8: int8 weights per channel, activations int8 per token (dynamic)
+  pack-quantized  W4A16: int4 weights in groups of 32/64/128 (or per channel), symmetric or
+                  asymmetric (zero points)
+
+Anything else (static activation scales, act-order g_idx, sparsity, KV-cache schemes, other
+bit widths, quantized MoE experts) fails at start with a message naming it.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from torch import nn
+
+from atom_core.quant.base import QuantConfig, QuantMethod
+from atom_core.quant.int4 import CompressedTensorsW4A16Method
+from atom_core.quant.int8 import Int8W8A8LinearMethod
+
+# Our fused layers -> the checkpoint modules packed into them (the models' stacked_params_mapping).
+PACKED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+@dataclass(frozen=True)
+class QuantArgs:
+    """One tensor's quantization (compressed-tensors QuantizationArgs, the fields we read)."""
+
+    num_bits: int
+    type: str  # int | float
+    symmetric: bool
+    strategy: str | None  # tensor | channel | group | token | block
+    group_size: int | None
+    dynamic: bool
+    actorder: str | None
+
+    @classmethod
+    def parse(cls, d: dict | None) -> "QuantArgs | None":
+        if d is None:
+            return None
+        return cls(num_bits=int(d.get("num_bits", 8)), type=str(d.get("type", "int")),
+                   symmetric=bool(d.get("symmetric", True)), strategy=d.get("strategy"),
+                   group_size=d.get("group_size"), dynamic=bool(d.get("dynamic", False)), actorder=d.get("actorder"))
+
+    def describe(self) -> str:
+        group = f" group_size={self.group_size}" if self.group_size else ""
+        return (f"{self.type}{self.num_bits} {self.strategy}{group} "
+                f"{'symmetric' if self.symmetric else 'asymmetric'}{' dynamic' if self.dynamic else ''}")
+
+
+@dataclass(frozen=True)
+class Scheme:
+    name: str  # the config group's name
+    targets: tuple[str, ...]
+    format: str
+    weights: QuantArgs | None
+    input_activations: QuantArgs | None
+
+    def make_method(self) -> QuantMethod:
+        """The linear method for this scheme; ValueError naming what is unsupported."""
+        w, a = self.weights, self.input_activations
+        if w is None:
+            raise self._unsupported("no weight quantization")
+        if self.format == "int-quantized":
+            if (w.type, w.num_bits, w.strategy, w.symmetric) != ("int", 8, "channel", True):
+                raise self._unsupported(f"weights {w.describe()} (expected int8 channel symmetric)")
+            if a is None or (a.type, a.num_bits, a.strategy, a.symmetric, a.dynamic) != ("int", 8, "token", True, True):
+                acts = "none" if a is None else a.describe()
+                raise self._unsupported(f"input activations {acts} (expected int8 token symmetric dynamic)")
+            return Int8W8A8LinearMethod()
+        if self.format == "pack-quantized":
+            if a is not None:
+                raise self._unsupported(f"quantized input activations {a.describe()} with packed int4 weights")
+            if w.type != "int" or w.num_bits != 4 or w.strategy not in ("group", "channel"):
+                raise self._unsupported(f"weights {w.describe()} (expected int4 group or channel)")
+            if w.actorder == "group":
+                raise self._unsupported("actorder 'group' (weight_g_idx)")
+            return CompressedTensorsW4A16Method(w.group_size if w.strategy == "group" else None, w.symmetric)
+        raise self._unsupported("format")
+
+    def _unsupported(self, what: str) -> ValueError:
+        return ValueError(f"compressed-tensors config group {self.name!r} (format {self.format!r}): unsupported "
+                          f"{what}; supported schemes: int-quantized W8A8 (int8 channel weights, dynamic int8 "
+                          f"per-token activations), pack-quantized W4A16 (int4 group/channel weights)")
+
+
+def matches(target: str, name: str, class_names: tuple[str, ...]) -> bool:
+    if target.startswith("re:"):
+        return re.match(target[3:], name) is not None
+    return target == name or target in class_names
+
+
+class CompressedTensorsConfig(QuantConfig):
+    name = "compressed-tensors"
+
+    def __init__(self, schemes: list[Scheme], ignore: list[str]):
+        self.schemes, self.ignore = schemes, ignore
+
+    @classmethod
+    def from_config(cls, qc: dict) -> "CompressedTensorsConfig":
+        if not qc.get("config_groups"):
+            raise ValueError("compressed-tensors quantization_config has no config_groups")
+        status = qc.get("quantization_status", "compressed")
+        if status != "compressed":
+            raise ValueError(f"compressed-tensors quantization_status {status!r} is not supported; "
+                             f"expected 'compressed' (save with save_compressed=True)")
+        for key in ("sparsity_config", "transform_config", "kv_cache_scheme"):
+            if qc.get(key):
+                raise ValueError(f"compressed-tensors {key} is not supported (got {qc[key]!r})")
+        schemes = []
+        for name, group in qc["config_groups"].items():
+            if group.get("output_activations"):
+                raise ValueError(f"compressed-tensors config group {name!r}: output activation quantization "
+                                 f"is not supported")
+            scheme = Scheme(name, tuple(group.get("targets", ())), group.get("format") or qc.get("format"),
+                            QuantArgs.parse(group.get("weights")), QuantArgs.parse(group.get("input_activations")))
+            scheme.make_method()  # an unsupported scheme fails here, at start
+            schemes.append(scheme)
+        return cls(schemes, list(qc.get("ignore") or []))
+
+    def _scheme_of(self, name: str) -> Scheme | None:
+        """The scheme of checkpoint module `name` (a Linear), or None when it stays unquantized."""
+        classes = ("Linear",)
+        if any(matches(t, name, classes) for t in self.ignore):
+            return None
+        hits = [s for s in self.schemes if any(matches(t, name, classes) for t in s.targets)]
+        return hits[0] if hits else None
+
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantMethod | None:
+        from atom_core.model_ops.moe import FusedMoE
+
+        if isinstance(layer, FusedMoE):
+            expert = f"{prefix}.0.gate_proj"
+            if self._scheme_of(expert) is not None:
+                raise ValueError(f"{prefix}: compressed-tensors quantized MoE experts are not supported yet "
+                                 f"(dense linear layers only)")
+            return None
+        head, _, leaf = prefix.rpartition(".")
+        names = [f"{head}.{m}" if head else m for m in PACKED_MODULES.get(leaf, (leaf,))]
+        schemes = {n: self._scheme_of(n) for n in names}
+        if len(set(schemes.values())) > 1:
+            raise ValueError(f"{prefix}: the modules fused into this layer are quantized differently "
+                             f"({', '.join(f'{n}: {s.name if s else None}' for n, s in schemes.items())})")
+        scheme = schemes[names[0]]
+        return None if scheme is None else scheme.make_method()

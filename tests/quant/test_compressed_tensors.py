@@ -1,0 +1,154 @@
+"""compressed-tensors checkpoints written by llm-compressor (`oneshot` + `QuantizationModifier`)
+on tiny Llama and Qwen3 models, loaded by our engine and compared with HF transformers loading
+the same files.
+
+W4A16: tokens must equal HF's exactly. Both sides dequantize the same integers with the same
+scales in float32 and multiply in float32; nothing downstream is discontinuous.
+
+W8A8: both sides quantize activations per token by compressed-tensors' rule (absmax / 127.5,
+round half to even, clamp), but we accumulate int8 products exactly in int32 while HF multiplies
+the dequantized values in float32. The ~1e-7 relative difference can move an activation across
+a rounding boundary in a later layer, which shifts a logit by up to about one quantum's effect.
+So the check is: teacher-forced over HF's own continuation, our logits are within EPS of HF's
+at every step (this bounds the whole effect), and our greedy tokens equal HF's at least up to
+the first step where HF's top-2 logit margin is below 2 * EPS (before it, a margin above 2 * EPS
+and an error below EPS leave the same argmax, by induction over the steps).
+"""
+import json
+
+import pytest
+import torch
+
+from atom_core import LLMEngine, SamplingParams
+from tests.quant.llmcompressor_checkpoints import MAX_TOKENS, SCHEMES, make_checkpoints, prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    out = tmp_path_factory.mktemp("llmcompressor")
+    reference = make_checkpoints(out, list(SCHEMES))
+    return out, reference
+
+
+def _tokens(engine, vocab):
+    return [o["token_ids"] for o in engine.generate(prompts(vocab), GREEDY)]
+
+
+EPS = 0.1  # max |our logit - HF logit| allowed for W8A8 (measured up to 0.05 on these models, logits of size 1-3)
+W4A16 = [n for n in SCHEMES if "w4a16" in n]
+W8A8 = [n for n in SCHEMES if "w8a8" in n]
+
+
+def _engines(path):
+    return [LLMEngine(str(path)), LLMEngine(str(path), max_num_batched_tokens=16, max_num_seqs=2)]
+
+
+@pytest.mark.parametrize("name", W4A16)
+def test_w4a16_matches_hf_token_for_token(checkpoints, name):
+    out, reference = checkpoints
+    path = out / name
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    for engine in _engines(path):
+        assert _tokens(engine, vocab) == reference[name]
+
+
+@pytest.mark.parametrize("name", W8A8)
+def test_w8a8_matches_hf_within_logit_bound(checkpoints, name):
+    from transformers import AutoConfig
+
+    from atom_core.loader import build_model
+    from atom_core.quant import get_quant_config
+    from tests.models.harness import prompt_logits
+
+    out, reference = checkpoints
+    path = out / name
+    hf_logits = json.loads((out / "reference_logits.json").read_text())[name]
+    cfg = AutoConfig.from_pretrained(str(path))
+    model = build_model(cfg, path, torch.float32, "cpu", quant_config=get_quant_config(cfg))
+    plist = prompts(cfg.vocab_size)
+    for prompt, tokens, ref in zip(plist, reference[name], hf_logits):
+        ours = prompt_logits(model, prompt + tokens[:-1])[len(prompt) - 1:]
+        assert (ours - torch.tensor(ref)).abs().max() < EPS
+    for engine in _engines(path):
+        for got, tokens, ref in zip(_tokens(engine, cfg.vocab_size), reference[name], hf_logits):
+            top2 = torch.tensor(ref).topk(2, dim=-1).values
+            close = ((top2[:, 0] - top2[:, 1]) < 2 * EPS).nonzero()
+            safe = int(close[0]) + 1 if len(close) else len(tokens)  # steps certain to agree
+            assert got[:safe] == tokens[:safe]
+
+
+def test_layers_get_the_checkpoint_scheme(checkpoints):
+    from transformers import AutoConfig
+
+    from atom_core.loader import build_model
+    from atom_core.quant import get_quant_config
+    from atom_core.quant.int4 import CompressedTensorsW4A16Method
+    from atom_core.quant.int8 import Int8W8A8LinearMethod
+
+    out, _ = checkpoints
+    for name, method_cls in [("llama-w8a8", Int8W8A8LinearMethod), ("llama-w4a16-g64-asym", CompressedTensorsW4A16Method)]:
+        cfg = AutoConfig.from_pretrained(str(out / name))
+        model = build_model(cfg, out / name, torch.float32, "cpu", quant_config=get_quant_config(cfg))
+        layer = model.model.layers[0]
+        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            assert isinstance(linear.quant_method, method_cls)
+        assert type(model.lm_head).__name__ and not hasattr(model.lm_head, "weight_scale")  # lm_head is ignored
+    asym = model.model.layers[0].mlp.down_proj
+    assert asym.w4_qweight.dtype == torch.int32 and asym.w4_zeros.dtype == torch.uint8
+    assert asym.w4_group_size == 64 and not hasattr(asym, "weight_packed")  # repacked after loading
+
+
+def _ct_config(**group) -> dict:
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
+    g = {"targets": ["Linear"], "weights": weights, "format": "pack-quantized", **group}
+    return {"quant_method": "compressed-tensors", "config_groups": {"group_0": g}, "ignore": ["lm_head"],
+            "quantization_status": "compressed"}
+
+
+class TestConfigErrors:
+    def _get(self, qc):
+        from types import SimpleNamespace
+
+        from atom_core.quant import get_quant_config
+        return get_quant_config(SimpleNamespace(quantization_config=qc))
+
+    def test_supported_config_parses(self):
+        assert self._get(_ct_config()).schemes[0].format == "pack-quantized"
+
+    @pytest.mark.parametrize("group, message", [
+        ({"format": "naive-quantized"}, "unsupported format"),
+        ({"weights": {"num_bits": 8, "type": "int", "strategy": "channel"}}, "expected int4"),
+        ({"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "actorder": "group"}},
+         "actorder"),
+        ({"format": "int-quantized", "weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
+          "input_activations": {"num_bits": 8, "type": "int", "strategy": "tensor", "dynamic": False}},
+         "expected int8 token"),
+        ({"output_activations": {"num_bits": 8}}, "output activation"),
+    ])
+    def test_unsupported_scheme_names_it(self, group, message):
+        with pytest.raises(ValueError, match=message):
+            self._get(_ct_config(**group))
+
+    def test_sparsity_and_kv_schemes_rejected(self):
+        with pytest.raises(ValueError, match="sparsity_config"):
+            self._get({**_ct_config(), "sparsity_config": {"format": "sparse-24"}})
+        with pytest.raises(ValueError, match="kv_cache_scheme"):
+            self._get({**_ct_config(), "kv_cache_scheme": {"num_bits": 8}})
+
+    def test_unknown_quant_method_lists_supported(self):
+        with pytest.raises(ValueError, match=r"unsupported quantization 'bitsandbytes'.*compressed-tensors"):
+            self._get({"quant_method": "bitsandbytes"})
+
+
+def test_target_and_ignore_matching():
+    from atom_core.quant.compressed_tensors import CompressedTensorsConfig
+
+    qc = _ct_config()
+    qc["config_groups"]["group_0"]["targets"] = ["re:.*mlp\\..*"]
+    qc["ignore"] = ["model.layers.1.mlp.down_proj"]
+    cfg = CompressedTensorsConfig.from_config(qc)
+    assert cfg._scheme_of("model.layers.0.mlp.down_proj") is not None
+    assert cfg._scheme_of("model.layers.1.mlp.down_proj") is None
+    assert cfg._scheme_of("model.layers.0.self_attn.q_proj") is None
