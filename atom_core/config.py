@@ -189,24 +189,104 @@ class CompileConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How many ranks share the model. One rank is all this engine runs today: the parallelism
-    issue adds the tensor/data/expert-parallel options; there is no option to set these yet."""
+    """How many ranks share the model (see atom_core/distributed/).
+
+    tensor_parallel_size ranks hold one replica (over nnodes nodes, an equal share each);
+    data_parallel_size replicas (engine cores, one node) serve behind one API process;
+    enable_expert_parallel: MoE layers give each tensor-parallel rank whole experts instead of
+    a slice of every expert. master_addr/master_port: where the ranks of a replica meet (a free
+    local port when unset on one node; required with nnodes > 1).
+    """
 
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            _fail(self, "tensor_parallel_size", "must be >= 1")
+        if self.data_parallel_size < 1:
+            _fail(self, "data_parallel_size", "must be >= 1")
+        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
+            _fail(self, "enable_expert_parallel", "splits experts over the tensor-parallel ranks; "
+                                                  "it needs tensor_parallel_size > 1")
+        if self.nnodes < 1:
+            _fail(self, "nnodes", "must be >= 1")
+        if not 0 <= self.node_rank < self.nnodes:
+            _fail(self, "node_rank", f"must be in [0, nnodes={self.nnodes})")
+        if self.tensor_parallel_size % self.nnodes:
+            _fail(self, "nnodes", f"must divide tensor_parallel_size={self.tensor_parallel_size} "
+                                  "(each node runs an equal share of the ranks)")
+        if self.nnodes > 1 and self.data_parallel_size > 1:
+            _fail(self, "data_parallel_size", "data-parallel replicas run on one node; use nnodes=1")
+        if self.nnodes > 1 and self.master_port is None:
+            _fail(self, "master_port", "required with nnodes > 1 (every node must name the same address and port)")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            _fail(self, "master_port", "must be in [1, 65535]")
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size * self.data_parallel_size
+        """Ranks of one replica (its torch.distributed world)."""
+        return self.tensor_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+    @property
+    def local_ranks(self) -> range:
+        """The global ranks this node runs."""
+        return range(self.node_rank * self.ranks_per_node, (self.node_rank + 1) * self.ranks_per_node)
+
+
+SPEC_METHODS = {"ngram": 8}  # method -> the most draft tokens it may propose per step
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding (the spec-decode issue adds methods and their options): none yet,
-    so every step verifies no drafts."""
+    """Speculative decoding (atom_core/spec_decode/): a proposer drafts up to
+    num_speculative_tokens tokens per decoding request, the target model verifies them in one
+    forward and a rejection sampler keeps its distribution. ngram: prompt lookup over the
+    request's own tokens, matching its last ngram_max..ngram_min tokens (both default to 5, as
+    vLLM's prompt lookup; one given sets the other). Speculation replaces multi-step windows."""
 
     method: str | None = None
-    num_speculative_tokens: int = 0
+    num_speculative_tokens: int | None = None
+    ngram_min: int | None = None
+    ngram_max: int | None = None
+
+    def __post_init__(self) -> None:
+        k = self.num_speculative_tokens
+        if self.method is None:
+            for name in ("num_speculative_tokens", "ngram_min", "ngram_max"):
+                if getattr(self, name) is not None:
+                    _fail(self, name, "needs a speculative method (--method)")
+            return
+        if self.method not in SPEC_METHODS:
+            _fail(self, "method", f"expected one of: {', '.join(SPEC_METHODS)}")
+        if k is None:
+            _fail(self, "num_speculative_tokens", f"required with method {self.method}")
+        if not 1 <= k <= SPEC_METHODS[self.method]:
+            _fail(self, "num_speculative_tokens", f"must be between 1 and {SPEC_METHODS[self.method]} for {self.method}")
+        lo, hi = self.ngram_window
+        if lo < 1 or hi < lo:
+            _fail(self, "ngram_min", f"the ngram window must satisfy 1 <= ngram_min <= ngram_max (got {lo}..{hi})")
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Draft tokens per request and step (0: speculation is off)."""
+        return self.num_speculative_tokens or 0
+
+    @property
+    def ngram_window(self) -> tuple[int, int]:
+        lo, hi = self.ngram_min, self.ngram_max
+        if lo is None and hi is None:
+            return 5, 5
+        return (hi if lo is None else lo), (lo if hi is None else hi)
 
 
 @dataclass(frozen=True)
@@ -220,8 +300,9 @@ class ProfilerConfig:
 
 
 _PARTS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "compile": CompileConfig,
-          "profiler": ProfilerConfig}
-_NULLABLE = {"max_model_len", "num_kv_blocks", "tokenizer", "torch_profiler_dir"}
+          "parallel": ParallelConfig, "speculative": SpeculativeConfig, "profiler": ProfilerConfig}
+_NULLABLE = {"max_model_len", "num_kv_blocks", "tokenizer", "torch_profiler_dir", "master_port", "method",
+             "num_speculative_tokens", "ngram_min", "ngram_max"}
 
 
 @dataclass(frozen=True)

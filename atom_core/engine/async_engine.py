@@ -14,7 +14,12 @@ is touched on the loop thread alone, so nothing here needs a lock. Requests cros
 ids + SamplingParams, outputs come back as CoreOutput token deltas.
 
 Failure contract: when the core process dies (or its step raises), `is_healthy` turns False,
-every pending request and RPC gets EngineDeadError, and new ones are refused with it.
+every pending request and RPC gets EngineDeadError, new ones are refused with it, and the
+`on_dead` callbacks run (the server exits non-zero on it, so a supervisor restarts it).
+
+Statistics: the core pushes its gauges (CoreStats) after steps, at most every
+_STATS_PERIOD_S unless its running/waiting counts change, and whenever it goes idle; the API
+process keeps the latest (`latest_stats`), so /metrics never waits on the core.
 """
 from __future__ import annotations
 
@@ -25,8 +30,9 @@ import multiprocessing as mp
 import queue
 import signal
 import threading
+import time
 import traceback
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -38,10 +44,19 @@ logger = logging.getLogger(__name__)
 
 _POLL_S = 0.2  # how often the reader notices a dead core, and the idle core a dead parent
 _STARTUP_TIMEOUT_S = 600.0
+_STATS_PERIOD_S = 0.1  # how often a busy core pushes its gauges to the API process
 
 
 class EngineDeadError(RuntimeError):
     """The engine core process is gone; no request can be served any more."""
+
+    code = "engine_dead"
+
+
+class ServerStoppingError(EngineDeadError):
+    """The server is shutting down and stopped this request (its drain time ran out)."""
+
+    code = "server_shutting_down"
 
 
 @dataclass(frozen=True)
@@ -96,6 +111,11 @@ class Outputs:
 
 
 @dataclass(frozen=True)
+class StatsUpdate:
+    stats: object  # CoreStats
+
+
+@dataclass(frozen=True)
 class Reply:
     call_id: int
     ok: bool
@@ -138,10 +158,13 @@ def run_core(config: EngineConfig, in_q: mp.Queue, out_q: mp.Queue) -> None:
     except Exception:  # noqa: BLE001 - a failed step ends the core; the API process must know why
         out_q.put(Fatal(traceback.format_exc()))
         raise
+    finally:
+        core.shutdown()  # tensor-parallel workers end with the core
 
 
 def _core_loop(core, in_q: mp.Queue, out_q: mp.Queue) -> None:
     parent = mp.parent_process()
+    last_push, last_counts = 0.0, None
     while True:
         for cmd in _drain(in_q, block=not core.has_unfinished(), parent=parent):
             if isinstance(cmd, Shutdown):
@@ -151,6 +174,11 @@ def _core_loop(core, in_q: mp.Queue, out_q: mp.Queue) -> None:
             outputs = core.step()
             if outputs:
                 out_q.put(Outputs(outputs))
+        stats, now = core.stats(), time.monotonic()
+        counts = (stats.num_running, stats.num_waiting)
+        if counts != last_counts or now - last_push >= _STATS_PERIOD_S or not core.has_unfinished():
+            out_q.put(StatsUpdate(stats))  # after the step's outputs: a client never sees stale counts
+            last_push, last_counts = now, counts
 
 
 def _drain(in_q: mp.Queue, block: bool, parent) -> list:
@@ -211,6 +239,10 @@ class AsyncEngine:
         self._call_ids = itertools.count()
         self._dead_reason: str | None = None
         self._stopping = False  # set by shutdown(): the core's exit is expected from then on
+        self.latest_stats = None  # the core's last pushed CoreStats
+        self.on_dead: list[Callable[[str], None]] = []  # run on the loop when the core dies
+        # (state, number of new tokens, now) after each step's update of a request (metrics).
+        self.on_progress: Callable[[RequestState, int, float], None] | None = None
 
     # ---- lifecycle --------------------------------------------------------------------
     def start(self, timeout: float = _STARTUP_TIMEOUT_S) -> CoreInfo:
@@ -295,16 +327,19 @@ class AsyncEngine:
         validate_request(prompt_token_ids, params, self.info.max_model_len, self.info.vocab_size)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       prompt: str | None = None) -> AsyncIterator[RequestState]:
+                       prompt: str | None = None, arrival_time: float | None = None) -> AsyncIterator[RequestState]:
         """Yield the request's RequestState each time it advances, the last one finished.
 
         Raises ValueError (invalid request) before anything is queued, EngineDeadError when
         the core dies. Closing the generator early (client gone) aborts the request.
+        arrival_time (time.perf_counter()): when the HTTP request arrived; TTFT and latency count from it.
         """
         self.check_health()
         self.validate_request(prompt_token_ids, params)
         assert request_id not in self._queues, f"duplicate request id {request_id}"
         state = self.processor.new_state(request_id, prompt, prompt_token_ids, params)
+        if arrival_time is not None:
+            state.arrival_time = arrival_time
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
         self._in_q.put(AddRequest(request_id, list(prompt_token_ids), params))
@@ -322,6 +357,13 @@ class AsyncEngine:
             self._queues.pop(request_id, None)
             if not state.finished:
                 self.abort(request_id)
+
+    def fail_pending(self, error: EngineDeadError) -> int:
+        """End every pending request with `error` (their generators raise it and abort them in
+        the core); returns how many there were."""
+        for q in self._queues.values():
+            q.put_nowait(error)
+        return len(self._queues)
 
     def abort(self, request_id: str) -> None:
         self.processor.abort(request_id)
@@ -376,6 +418,8 @@ class AsyncEngine:
     def _on_message(self, msg) -> None:
         if isinstance(msg, Outputs):
             self._on_outputs(msg.outputs)
+        elif isinstance(msg, StatsUpdate):
+            self.latest_stats = msg.stats
         elif isinstance(msg, Reply):
             future = self._calls.get(msg.call_id)
             if future is not None and not future.done():
@@ -389,9 +433,15 @@ class AsyncEngine:
             self._on_dead(f"engine core failed: {msg.traceback.strip().splitlines()[-1]}")
 
     def _on_outputs(self, outputs: list[CoreOutput]) -> None:
+        if self.on_progress is not None:
+            before = {o.request_id: len(s.token_ids) for o in outputs if (s := self.processor.states.get(o.request_id))}
         updated, to_abort = self.processor.process(outputs)
         if to_abort:  # stop strings end requests here; the core must stop them too
             self._in_q.put(AbortRequests(to_abort))
+        if self.on_progress is not None:
+            now = time.perf_counter()
+            for state in updated:
+                self.on_progress(state, len(state.token_ids) - before.get(state.request_id, 0), now)
         for state in updated:
             if (q := self._queues.get(state.request_id)) is not None:
                 q.put_nowait(state)
@@ -406,3 +456,5 @@ class AsyncEngine:
         for future in self._calls.values():
             if not future.done():
                 future.set_exception(EngineDeadError(reason))
+        for callback in self.on_dead:
+            callback(reason)

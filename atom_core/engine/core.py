@@ -68,13 +68,29 @@ class EngineCore:
         self.max_model_len = self.model.max_model_len
         self.vocab_size = self.model.vocab_size
         self.profiler = self._make_profiler()
-        self.executor = InProcessExecutor(config, self.model, self.profiler)
+        self.executor = self._make_executor()
         self.kv = KVCacheManager(self.executor.num_kv_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.model.eos_token_ids)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.model.eos_token_ids,
+                                   config.speculative.num_draft_tokens)
         self.pending = None  # the launched step not yet resolved (async scheduling)
+        self.grammars = None  # GrammarManager, built at the first structured-output request
         self.startup_seconds = time.perf_counter() - start
         logger.info("engine core ready in %.1f s", self.startup_seconds)
+
+    def _make_executor(self):
+        """One rank: the runner in this process; tensor parallel: a worker process per extra rank."""
+        if self.config.parallel.world_size == 1:
+            return InProcessExecutor(self.config, self.model, self.profiler)
+        from atom_core.distributed.checks import check_parallel
+        from atom_core.worker.multiproc_executor import MultiprocExecutor
+
+        check_parallel(self.config.parallel, self.model)
+        return MultiprocExecutor(self.config, self.model, self.profiler)
+
+    def shutdown(self) -> None:
+        """Stop worker processes (tensor parallel); a no-op for one rank. Idempotent."""
+        self.executor.shutdown()
 
     def _make_profiler(self):
         from atom_core.profiling.profiler import TorchProfiler
@@ -92,6 +108,8 @@ class EngineCore:
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         validate_request(prompt_token_ids, params, self.max_model_len, self.vocab_size,
                          self.kv.num_blocks * self.kv.block_size)
+        if params.structured_outputs is not None:
+            self._grammar_manager().compile(params.structured_outputs)  # cached for add_request
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.validate_request(prompt_token_ids, params)
@@ -99,9 +117,13 @@ class EngineCore:
         if seq.wants_prompt_logprobs:
             seq.prompt_logprobs = [None]
         self.scheduler.add(seq)
+        if params.structured_outputs is not None:
+            self.grammars.add(request_id, params.structured_outputs)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, FinishReason.ABORT)
+        if self.grammars:
+            self.grammars.remove(request_ids)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -126,14 +148,18 @@ class EngineCore:
         return outputs
 
     def _needs_known_tokens(self) -> bool:
-        """Penalties read every output token on the host: such steps cannot run ahead."""
-        return any(s.sampling_params.has_penalties for s in self.scheduler.running)
+        """Penalties read every output token on the host, and speculation drafts from the
+        previous step's tokens and learns how many it accepted: such steps cannot run ahead."""
+        return bool(self.scheduler.num_speculative_tokens) or any(
+            s.sampling_params.has_penalties for s in self.scheduler.running) or bool(self.grammars)
 
     def _launch_next(self, previous):
         """previous: the (SchedulerOutput, handle) still in flight, whose samples may feed this step."""
         out = self.scheduler.schedule()
         if not out.req_ids:
             return None
+        if self.grammars:
+            self._add_grammar_bitmask(out)
         previous_handle = previous[1] if previous is not None else None
         if self.profiler.is_active:
             handle = self._profiled_launch(out, previous_handle)
@@ -154,8 +180,44 @@ class EngineCore:
             if seqs[i] is not None:
                 seqs[i].output_logprobs.extend(entries)
         self.scheduler.resolve(out, result)
+        if self.grammars:
+            self._advance_grammars(out, result)
         return [self._output(seq, i, result) for i, seq in enumerate(seqs)
                 if seq is not None and result.sampled[i]]
+
+    # ---- structured outputs ---------------------------------------------------------
+    def _grammar_manager(self):
+        if self.grammars is None:
+            from atom_core.structured.manager import GrammarManager
+
+            tokenizer = self.files.serving_tokenizer()
+            if tokenizer is None:
+                raise ValueError("structured outputs need the model's tokenizer; this model has none (pass --tokenizer)")
+            self.grammars = GrammarManager(tokenizer, self.vocab_size, self.model.eos_token_ids)
+        return self.grammars
+
+    def _add_grammar_bitmask(self, out: SchedulerOutput) -> None:
+        """The allowed tokens of each grammar entry that samples this step. Its tokens are all
+        known: while a grammar request runs, the step in flight resolves before the next launch."""
+        requests, grammars = self.scheduler.requests, self.grammars
+        rows = []
+        for rid, n, start in zip(out.req_ids, out.num_scheduled_tokens, out.num_computed_tokens):
+            if rid in grammars and start + n >= len(requests[rid].token_ids):
+                assert requests[rid].num_placeholders == 0, "a grammar request ran ahead of its tokens"
+                rows.append(rid)
+        if rows:
+            out.grammar_req_ids = rows
+            out.grammar_bitmask = grammars.bitmask_rows(rows)
+
+    def _advance_grammars(self, out: SchedulerOutput, result: ModelRunnerOutput) -> None:
+        """Feed each grammar its request's new tokens; a grammar that has ended ends its request
+        (it happens without EOS only under ignore_eos); forget ended requests' matchers."""
+        requests, grammars = self.scheduler.requests, self.grammars
+        ended = [rid for rid, tokens in zip(out.req_ids, result.sampled)
+                 if tokens and rid in grammars and rid in requests and grammars.accept(rid, tokens)]
+        if ended:
+            self.scheduler.finish_requests(ended, FinishReason.STOP)
+        grammars.remove([rid for rid in out.req_ids if rid in grammars and rid not in requests])
 
     def _profiled_launch(self, out: SchedulerOutput, previous):
         from torch.profiler import record_function
@@ -173,8 +235,13 @@ class EngineCore:
     def _output(self, seq: Sequence, i: int, result: ModelRunnerOutput) -> CoreOutput:
         finished = seq.is_finished
         prompt_logprobs = None
-        if seq.sampling_params.prompt_logprobs is not None and seq.num_known_output_tokens == len(result.sampled[i]):
+        first = seq.num_known_output_tokens == len(result.sampled[i])
+        if seq.sampling_params.prompt_logprobs is not None and first:
             prompt_logprobs = list(seq.prompt_logprobs)  # sent once, with the first token(s)
+        queue_time = prefill_time = None
+        if first and seq.first_scheduled_time is not None:  # durations: perf_counter is per process
+            queue_time = seq.first_scheduled_time - seq.arrival_time
+            prefill_time = time.perf_counter() - seq.first_scheduled_time
         return CoreOutput(
             seq.request_id,
             result.sampled[i],
@@ -184,6 +251,8 @@ class EngineCore:
             result.logprobs.get(i, []),
             prompt_logprobs,
             seq.num_cached_tokens,
+            queue_time,
+            prefill_time,
         )
 
     def stats(self) -> CoreStats:

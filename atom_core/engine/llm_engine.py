@@ -80,6 +80,11 @@ class LLMEngine:
     def is_finished(self) -> bool:
         return not self.core.has_unfinished()
 
+    def spec_decode_stats(self) -> dict:
+        """Speculative decoding counters so far: num_drafts, num_draft_tokens, num_accepted_tokens,
+        accepted_per_position (all zero without --method)."""
+        return self.core.scheduler.spec_stats.as_dict()
+
     def reset_prefix_cache(self) -> int:
         """Drop the prefix cache's finished content (blocks of running requests stay shared);
         returns the number of blocks forgotten."""
@@ -93,6 +98,10 @@ class LLMEngine:
             self.step()
         self._awaited.difference_update(request_ids)
         return [self._finished.pop(rid).as_dict() for rid in request_ids]
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (tensor parallel). Idempotent; also at exit."""
+        self.core.shutdown()
 
     # ---- profiling ------------------------------------------------------------------
     def start_profile(self) -> None:

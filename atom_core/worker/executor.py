@@ -1,8 +1,8 @@
 """The executor stands between the engine core and the per-GPU runner(s).
 
 The core hands it each step's SchedulerOutput and gets ModelRunnerOutputs back; it never calls
-a runner directly. One GPU (or the CPU) runs in-process; the parallelism issue adds an executor
-with one worker process per rank behind the same methods.
+a runner directly. One GPU (or the CPU) runs in-process; tensor parallelism runs one worker
+process per extra rank behind the same methods (worker/multiproc_executor.py).
 """
 from __future__ import annotations
 
@@ -35,6 +35,9 @@ class Executor(ABC):
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.resolve(self.launch(out))
+
+    def shutdown(self) -> None:
+        """Release what the executor started (worker processes); idempotent."""
 
 
 class InProcessExecutor(Executor):

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from atom_core.config import EngineConfig, ResolvedModel
+from atom_core.distributed.communication import all_reduce_min_host
 from atom_core.kernels import kernel_ops
 from atom_core.loader import build_model
 from atom_core.model_ops.forward_context import set_attention_metadata
@@ -25,6 +26,8 @@ from atom_core.model_ops.kv_spec import (allocate_kv_cache, attention_layers, ch
                                          kv_bytes_per_block, release_kv_cache, warm_up_attention)
 from atom_core.model_ops.sampler import Sampler
 from atom_core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from atom_core.spec_decode.proposer import build_proposer, can_speculate
+from atom_core.spec_decode.rejection_sampler import RejectionSampler, emitted_tokens
 from atom_core.worker.batch_builder import FlatBatch, build_flat_batch, build_sampling_batch
 from atom_core.worker.input_batch import InputBatch, RequestState
 
@@ -44,6 +47,8 @@ class PendingStep:
     event: object = None
     row_of: dict = field(default_factory=dict)  # request id -> flat index of its last sample
     prompt_logprobs: dict = field(default_factory=dict)
+    verify: object = None  # spec_decode.verify.VerifyRows of a step that verifies drafts
+    verify_logits: torch.Tensor | None = None  # its logit rows, kept when a request wants logprobs
 
 
 def _to_host_async(t: torch.Tensor) -> torch.Tensor:
@@ -83,6 +88,8 @@ class ModelRunner:
 
             mark_modules(self.model)
         self.sampler = Sampler()
+        self.proposer = build_proposer(config.speculative)
+        self.rejection_sampler = RejectionSampler() if self.proposer is not None else None
         self.profiler = profiler
         self.input_batch = InputBatch()
         self.graphs = None
@@ -131,7 +138,7 @@ class ModelRunner:
             budget = int(cache.kv_cache_memory_gb * (1 << 30))
         # More blocks than max_num_seqs full-length sequences can use only serve the prefix cache.
         useful = sched.max_num_seqs * ((self.max_model_len + self.block_size - 1) // self.block_size)
-        num = min(budget // per_block, useful)
+        num = all_reduce_min_host(min(budget // per_block, useful))  # tensor parallel: what every rank fits
         needed = (self.max_model_len + self.block_size - 1) // self.block_size
         if num < needed:
             raise ValueError(
@@ -197,7 +204,9 @@ class ModelRunner:
             return pending
         rows = hidden if flat.logits_all_rows else hidden[flat.logit_rows]
         logits = self.model.compute_logits(rows)  # model dtype: the sampler upcasts where it matters
-        if flat.sample_seq_idx:
+        if flat.sample_seq_idx and out.has_drafts:
+            self._launch_verify(pending, logits, out, states, flat)
+        elif flat.sample_seq_idx:
             sb = self._sampling_batch(out, states, flat)
             # Without prompt logprobs the logit rows are exactly the sampling rows, in order;
             # skipping the list index avoids a host-to-device copy that would sync the stream.
@@ -249,6 +258,41 @@ class ModelRunner:
         self._record(pending)
         return pending
 
+    def _launch_verify(self, pending: PendingStep, logits: torch.Tensor, out: SchedulerOutput,
+                       states: list[RequestState], flat: FlatBatch) -> None:
+        """Speculative decoding: every sampling request's 1 + k rows go through the rejection
+        sampler, which keeps the target's distribution (see spec_decode/rejection_sampler.py)."""
+        from atom_core.spec_decode.verify import verify_rows
+
+        rows = verify_rows(out, states, flat, self.vocab_size, self.eos_token_ids, self.device, self.rng)
+        if flat.prompt_logprob_spans:
+            logits = logits[torch.tensor(rows.logit_rows, device=logits.device)]
+        pending.verify = rows
+        pending.sampled = self.rejection_sampler(logits, rows.batch, rows.draft_ids)
+        if any(states[i].sampling_params.logprobs is not None for i in flat.sample_seq_idx):
+            pending.verify_logits = logits
+        self._record(pending)
+
+    def _resolve_verify(self, pending: PendingStep, result: ModelRunnerOutput) -> None:
+        from atom_core.spec_decode.verify import emitted_logprobs
+
+        rows, seq_idx = pending.verify, pending.flat.sample_seq_idx
+        tokens = emitted_tokens(pending.sampled_host.tolist(), rows.first_rows, rows.drafts)
+        for i, toks in zip(seq_idx, tokens):
+            result.sampled[i] = toks
+        if pending.verify_logits is not None:
+            result.logprobs.update(emitted_logprobs(pending.verify_logits, rows, tokens, pending.states, seq_idx))
+
+    def _propose(self, result: ModelRunnerOutput) -> None:
+        """Drafts for every request that just gained tokens (its state is up to date now)."""
+        requests = self.input_batch.requests
+        idx = [i for i, (rid, toks) in enumerate(zip(result.req_ids, result.sampled))
+               if toks and rid in requests and can_speculate(requests[rid].sampling_params)]
+        if not idx:
+            return
+        drafts = self.proposer.propose([requests[result.req_ids[i]] for i in idx])
+        result.draft_token_ids = {i: d for i, d in zip(idx, drafts) if d}
+
     def _record(self, pending: PendingStep) -> None:
         pending.sampled_host = _to_host_async(pending.sampled)
         if self.device.type == "cuda":
@@ -278,12 +322,16 @@ class ModelRunner:
         if out.is_window:
             for i, (tokens, extra) in enumerate(zip(pending.sampled_host.tolist(), out.extra_tokens)):
                 result.sampled[i] = tokens[: 1 + len(extra)]
+        elif pending.verify is not None:
+            self._resolve_verify(pending, result)
         else:
             for i, tok in zip(flat.sample_seq_idx, pending.sampled_host.tolist()):
                 result.sampled[i] = [tok]
             if pending.sampler_out.logprobs is not None:
                 self._collect_logprobs(result, pending.states, flat, pending.sampler_out)
         self.input_batch.append_sampled(out.req_ids, result.sampled)
+        if self.proposer is not None:
+            self._propose(result)
         return result
 
     def graph_batch_size(self, out: SchedulerOutput) -> int | None:

@@ -65,9 +65,10 @@ class TestEngineConfigValidation:
         assert cfg.replace(max_num_seqs=2, level=0).scheduler.max_num_seqs == 2
         assert cfg.parallel.world_size == 1 and cfg.speculative.method is None
 
-    def test_parallelism_has_no_option_yet(self):
-        with pytest.raises(ValueError, match="unknown engine option.*tensor_parallel_size"):
-            EngineConfig.from_kwargs("m", tensor_parallel_size=2)
+    def test_parallel_options_land_in_their_part(self):
+        cfg = EngineConfig.from_kwargs("m", tensor_parallel_size=4, enable_expert_parallel=True, nnodes=2,
+                                       node_rank=1, master_addr="10.0.0.1", master_port=29500)
+        assert cfg.parallel.world_size == 4 and list(cfg.parallel.local_ranks) == [2, 3]
 
     def test_capture_sizes_are_capped_by_max_num_seqs(self):
         cfg = EngineConfig.from_kwargs("m", max_num_seqs=20, cudagraph_capture_sizes=[32, 1, 16, 4, 4])

@@ -1,0 +1,44 @@
+"""Parallel settings against the model and the machine, checked before any rank starts."""
+from __future__ import annotations
+
+import torch
+
+from atom_core.config import ParallelConfig, ResolvedModel
+from atom_core.model_ops.linear import check_head_split
+
+_EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+_MOE_INTER_FIELDS = ("moe_intermediate_size", "intermediate_size")
+
+
+def num_experts_of(hf_config) -> int:
+    return next((int(getattr(hf_config, f)) for f in _EXPERT_FIELDS if getattr(hf_config, f, None)), 0)
+
+
+def check_parallel(par: ParallelConfig, model: ResolvedModel) -> None:
+    """ValueError naming the setting when the model cannot split as asked, or the node lacks
+    the GPUs for its ranks."""
+    tp, hf = par.tensor_parallel_size, model.hf_config
+    if tp > 1:
+        heads = hf.num_attention_heads
+        check_head_split(heads, getattr(hf, "num_key_value_heads", None) or heads, tp)
+        dense = getattr(hf, "intermediate_size", None)
+        if dense and dense % tp:
+            raise ValueError(f"intermediate_size={dense} is not divisible by tensor_parallel_size={tp}")
+    num_experts = num_experts_of(hf)
+    if par.enable_expert_parallel:
+        if not num_experts:
+            raise ValueError(f"enable_expert_parallel needs a mixture-of-experts model; {model.architecture} has no experts")
+        if num_experts % tp:
+            raise ValueError(f"{num_experts} experts are not divisible by tensor_parallel_size={tp} "
+                             "(expert parallelism gives each rank whole experts)")
+    elif num_experts and tp > 1:
+        inter = next((getattr(hf, f) for f in _MOE_INTER_FIELDS if getattr(hf, f, None)), None)
+        if inter and inter % tp:
+            raise ValueError(f"the experts' intermediate size {inter} is not divisible by tensor_parallel_size={tp}; "
+                             "try enable_expert_parallel")
+    if model.device.type == "cuda":
+        needed = par.ranks_per_node * par.data_parallel_size
+        have = torch.cuda.device_count()
+        if needed > have:
+            raise ValueError(f"tensor_parallel_size={tp} x data_parallel_size={par.data_parallel_size} over "
+                             f"{par.nnodes} node(s) needs {needed} GPUs on this node; it has {have}")
