@@ -15,6 +15,8 @@ rounded half to even and clamped to [-128, 127]), accumulated exactly in int32.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 INT4_PER_INT32 = 8
@@ -100,11 +102,13 @@ def int8_w8a8_gemm_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
 
 
 # ---------------------------------------------------------------------------------------------
-# device dispatch: Triton on CUDA/ROCm, the references elsewhere
+# device dispatch: Triton on CUDA/ROCm, the references elsewhere. Custom ops, so a compiled
+# model sees one opaque node (the Triton wrappers' host checks and autotuning are not traceable).
 
 
-def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-               group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+@torch.library.custom_op("atom::w4a16_gemm", mutates_args=())
+def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
+               group_size: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     if x.device.type == "cuda":
         from atom_core.kernels.triton.w4a16 import w4a16_gemm as kernel
 
@@ -112,10 +116,21 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     return w4a16_gemm_ref(x, qweight, scales, zeros, group_size, bias)
 
 
+@w4a16_gemm.register_fake
+def _(x, qweight, scales, zeros, group_size, bias=None):
+    return x.new_empty(*x.shape[:-1], qweight.shape[0])
+
+
+@torch.library.custom_op("atom::int8_w8a8_gemm", mutates_args=())
 def int8_w8a8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
+                   bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     if x.device.type == "cuda":
         from atom_core.kernels.triton.int8 import int8_w8a8_gemm as kernel
 
         return kernel(x, weight, weight_scale, bias)
     return int8_w8a8_gemm_ref(x, weight, weight_scale, bias)
+
+
+@int8_w8a8_gemm.register_fake
+def _(x, weight, weight_scale, bias=None):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])

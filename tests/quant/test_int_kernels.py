@@ -1,0 +1,127 @@
+"""INT4/INT8 products: int4 packing, the torch references against a dequantize-then-matmul
+oracle built from unpacked integers (never through our packing), and the Triton kernels
+against the references (on the CPU under TRITON_INTERPRET=1, on a GPU with the `gpu` marker).
+"""
+import pytest
+import torch
+
+from atom_core.quant.int_ops import (
+    dequantize_int4, int8_w8a8_gemm_ref, pack_int4, quantize_per_token_int8, unpack_int4, w4a16_gemm_ref,
+)
+from tests.kernels.tolerances import INTERPRET, TOL, rel_err
+
+
+@pytest.fixture(params=[
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(INTERPRET, reason="interpreter mode")]),
+    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="set TRITON_INTERPRET=1 to run on CPU")),
+])
+def device(request) -> str:
+    return request.param
+
+
+def _int4_case(n, k, group, asym, dtype, seed=0):
+    """Unpacked integers u [N, K], zeros [N, G], scales [N, G] and the canonical packed tensors."""
+    g = torch.Generator().manual_seed(seed)
+    u = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    zeros = torch.randint(0, 16, (n, k // group), generator=g, dtype=torch.uint8) if asym else None
+    scales = (torch.rand(n, k // group, generator=g) * 0.02 + 0.005).to(dtype)
+    return u, zeros, scales, pack_int4(u, 1)
+
+
+def _oracle_w4(x, u, zeros, scales, group):
+    z = torch.full_like(scales, 8, dtype=torch.float64) if zeros is None else zeros.double()
+    w = (u.double() - z.repeat_interleave(group, 1)) * scales.double().repeat_interleave(group, 1)
+    return x.double() @ w.t()
+
+
+class TestPacking:
+    def test_pack_unpack_round_trip_with_padding(self):
+        v = torch.randint(0, 16, (5, 21), dtype=torch.uint8)
+        packed = pack_int4(v, 1)
+        assert packed.shape == (5, 3) and packed.dtype == torch.int32
+        assert torch.equal(unpack_int4(packed, 1, 21), v)
+        assert torch.equal(unpack_int4(pack_int4(v, 0), 0, 5), v)
+
+    def test_nibble_order(self):
+        v = torch.arange(8, dtype=torch.uint8)[None]
+        assert pack_int4(v, 1).item() == 0x76543210
+        awq = torch.tensor([[0x75316420]], dtype=torch.int32)  # AWQ: nibble i holds value [0,2,4,6,1,3,5,7][i]
+        assert unpack_int4(awq, 1, order=[0, 2, 4, 6, 1, 3, 5, 7]).tolist() == [list(range(8))]
+
+    def test_sign_bit_words(self):
+        v = torch.full((1, 8), 15, dtype=torch.uint8)
+        assert pack_int4(v, 1).item() == -1 and unpack_int4(torch.tensor([[-1]], dtype=torch.int32), 1).eq(15).all()
+
+
+class TestReferences:
+    @pytest.mark.parametrize("m, n, k, group, asym", [
+        (1, 24, 64, 32, False), (5, 200, 192, 64, True), (33, 136, 320, 32, True), (3, 72, 256, 128, False),
+        (7, 40, 96, 96, True),  # per channel: one group of K
+    ])
+    def test_w4a16_ref_matches_oracle(self, m, n, k, group, asym):
+        u, zeros, scales, qweight = _int4_case(n, k, group, asym, torch.float32)
+        x = torch.randn(m, k)
+        assert torch.allclose(dequantize_int4(qweight, scales, zeros, group).double(),
+                              _oracle_w4(torch.eye(k), u, zeros, scales, group).t(), atol=1e-6)
+        bias = torch.randn(n)
+        out = w4a16_gemm_ref(x, qweight, scales, zeros, group, bias)
+        assert rel_err(out, _oracle_w4(x, u, zeros, scales, group) + bias.double()) < 1e-5
+
+    @pytest.mark.parametrize("m, n, k", [(1, 24, 64), (9, 130, 200), (40, 72, 333)])
+    def test_int8_ref_matches_oracle(self, m, n, k):
+        g = torch.Generator().manual_seed(m)
+        x = torch.randn(m, k, generator=g) * 3
+        x[0, :3] = 0.0
+        weight = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+        w_scale = torch.rand(n, 1, generator=g) * 0.01
+        # oracle: compressed-tensors' fake quantization (x / scale in float32, as it computes it: the
+        # row's absmax lands on +-127.5 exactly, a tie), then dequantized values multiplied in float64
+        s = x.abs().amax(-1, keepdim=True) / 127.5
+        xq = torch.clamp(torch.round(x / s), -128, 127).double()
+        expected = (xq * s.double()) @ (weight.double() * w_scale.double()).t()
+        assert rel_err(int8_w8a8_gemm_ref(x, weight, w_scale), expected) < 1e-5
+
+    def test_per_token_quant_rounds_half_to_even_and_keeps_zero_rows(self):
+        x = torch.tensor([[127.5, 0.5 * 127.5 / 127.5 * 1.0, -127.5, 1.5], [0.0, 0.0, 0.0, 0.0]])
+        q, s = quantize_per_token_int8(x)
+        assert s[0].item() == 1.0 and q[0].tolist() == [127, 0, -128, 2]
+        assert q[1].eq(0).all() and s[1].item() == 1.0
+
+
+class TestTritonKernels:
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    @pytest.mark.parametrize("m, n, k, group, asym", [
+        (1, 40, 128, 32, True), (3, 24, 192, 64, False), (20, 40, 128, 128, True), (17, 24, 64, 32, False),
+    ])
+    def test_w4a16_matches_reference(self, device, dtype, m, n, k, group, asym):
+        from atom_core.kernels.triton.w4a16 import w4a16_gemm
+
+        u, zeros, scales, qweight = _int4_case(n, k, group, asym, dtype, seed=m)
+        x = torch.randn(m, k).to(dtype)
+        bias = torch.randn(n).to(dtype) if asym else None
+        ref = w4a16_gemm_ref(x, qweight, scales, zeros, group, bias)
+        to = lambda t: None if t is None else t.to(device)  # noqa: E731
+        out = w4a16_gemm(to(x), to(qweight), to(scales), to(zeros), group, to(bias))
+        assert rel_err(out.cpu(), ref) < TOL[dtype]
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    @pytest.mark.parametrize("m, n, k", [(1, 24, 64), (5, 40, 100), (20, 16, 48)])
+    def test_int8_matches_reference(self, device, dtype, m, n, k):
+        from atom_core.kernels.triton.int8 import int8_w8a8_gemm, quantize_per_token_int8 as quant_kernel
+
+        g = torch.Generator().manual_seed(k)
+        x = (torch.randn(m, k, generator=g) * 2).to(dtype)
+        weight = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+        w_scale = torch.rand(n, 1, generator=g) * 0.01
+        q, s = quant_kernel(x.to(device))
+        q_ref, s_ref = quantize_per_token_int8(x)
+        assert torch.equal(q.cpu(), q_ref) and torch.equal(s.cpu(), s_ref)
+        out = int8_w8a8_gemm(x.to(device), weight.to(device), w_scale.to(device))
+        assert rel_err(out.cpu(), int8_w8a8_gemm_ref(x, weight, w_scale)) < TOL[dtype]
+
+    def test_w4a16_rejects_bad_group(self, device):
+        from atom_core.kernels.triton.w4a16 import w4a16_gemm
+
+        _, _, scales, qweight = _int4_case(8, 64, 32, False, torch.float32)
+        with pytest.raises(ValueError, match="group size"):
+            w4a16_gemm(torch.randn(1, 64, device=device), qweight.to(device), scales.to(device), None, 48)
