@@ -12,6 +12,8 @@ from atom_core.quant.unquantized import UnquantizedFusedMoEMethod, UnquantizedLi
 # "module:Class" imported on first use (format modules import model_ops, which imports this package)
 _QUANT_CONFIGS: dict[str, type[QuantConfig] | str] = {
     "compressed-tensors": "atom_core.quant.compressed_tensors:CompressedTensorsConfig",
+    "gptq": "atom_core.quant.gptq:GPTQConfig",
+    "awq": "atom_core.quant.awq:AWQConfig",
 }
 
 
