@@ -48,6 +48,11 @@ class SchedulerOutput:
     new_block_ids: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
     finished_req_ids: list[str] = field(default_factory=list)  # since the last step: forget them
     is_decode_only: bool = False  # every entry computes its one pending token and samples
+    # Structured outputs: the entries that sample under a grammar this step, and their allowed
+    # tokens (row r for grammar_req_ids[r]; int32 [rows, ceil(V / 32)], bit j of word w = token
+    # 32 w + j). Empty / None when no request in the step has a grammar.
+    grammar_req_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: object = None  # numpy int32 array
 
     def __len__(self) -> int:
         return len(self.req_ids)
@@ -65,6 +70,11 @@ class SchedulerOutput:
     @functools.cached_property
     def is_window(self) -> bool:
         return self.num_steps > 1 and all(t == PLACEHOLDER for e in self.extra_tokens for t in e)
+
+    @functools.cached_property
+    def has_drafts(self) -> bool:
+        """Some request verifies draft tokens (known ids in extra_tokens) this step."""
+        return any(e and e[0] != PLACEHOLDER for e in self.extra_tokens)
 
     def add(self, req_id: str, num_tokens: int, num_computed: int) -> None:
         self.req_ids.append(req_id)
@@ -86,3 +96,5 @@ class ModelRunnerOutput:
     sampled: list[list[int]]
     logprobs: dict[int, list[Logprob]] = field(default_factory=dict)  # batch index -> per new token
     prompt_logprobs: dict[int, list[Logprob]] = field(default_factory=dict)  # batch index -> new entries
+    # batch index -> draft tokens proposed for the request's next step (speculative decoding)
+    draft_token_ids: dict[int, list[int]] = field(default_factory=dict)

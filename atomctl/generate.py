@@ -7,6 +7,7 @@ from typing import List, Optional
 
 import typer
 
+from atom_core.spec_decode.stats import spec_decode_summary
 from atomctl.engine_options import engine_kwargs, with_engine_options
 from atomctl.errors import friendly_errors
 
@@ -87,15 +88,17 @@ def generate_cmd(
         while not engine.is_finished():
             outputs += [s.as_dict() for s in engine.step() if s.finished]
         sys.stdout.write("\n")
-    _print_stats(outputs, time.perf_counter() - start)
+    _print_stats(outputs, time.perf_counter() - start, engine)
 
 
-def _print_stats(outputs: list, elapsed: float) -> None:
+def _print_stats(outputs: list, elapsed: float, engine) -> None:
     n_out = sum(o["num_tokens_output"] for o in outputs)
     ttft = sum(o["ttft"] for o in outputs) / max(len(outputs), 1)
     tpot = sum(o["tpot"] for o in outputs) / max(len(outputs), 1)
     print(f"[{len(outputs)} request(s), {n_out} tokens, TTFT {ttft * 1000:.1f} ms, TPOT {tpot * 1000:.1f} ms, "
           f"{n_out / max(elapsed, 1e-9):.1f} tok/s]", file=sys.stderr)
+    if engine.config.speculative.method is not None:
+        print(f"[speculative: {spec_decode_summary(engine.spec_decode_stats())}]", file=sys.stderr)
 
 
 def register(app: typer.Typer) -> None:

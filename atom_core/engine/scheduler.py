@@ -7,12 +7,14 @@ sequence is preempted (its blocks freed, recomputed later from its tokens, outpu
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from atom_core.config import ResolvedModel, SchedulerConfig
 from atom_core.engine.kv_cache import KVCacheManager
 from atom_core.engine.sequence import FinishReason, Sequence, SequenceStatus
 from atom_core.scheduler_output import PLACEHOLDER, ModelRunnerOutput, NewRequest, SchedulerOutput
+from atom_core.spec_decode.stats import SpecDecodeStats
 
 
 class Scheduler:
@@ -23,8 +25,11 @@ class Scheduler:
     sequences that finished. `finish_requests` ends requests from outside (abort, stop string).
     """
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, eos_token_ids):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, eos_token_ids,
+                 num_speculative_tokens: int = 0):
         self.kv = kv
+        self.num_speculative_tokens = num_speculative_tokens  # > 0: decodes verify drafts, no windows
+        self.spec_stats = SpecDecodeStats()
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.enable_chunked_prefill = config.enable_chunked_prefill
@@ -86,11 +91,13 @@ class Scheduler:
             scheduled.append(seq)
             out.add(seq.request_id, n, seq.num_computed_tokens)
             budget -= n
+            if seq.draft_token_ids:
+                budget -= self._schedule_drafts(seq, out, n, budget)
             i += 1
         if not preempted:
             self._schedule_waiting(out, scheduled, budget)
-        out.is_decode_only = _is_decode_only(out, scheduled)
-        if out.is_decode_only and self.num_scheduler_steps > 1 and not self.waiting:
+        out.is_decode_only = _is_decode_only(out, scheduled) and not out.has_drafts
+        if out.is_decode_only and self.num_scheduler_steps > 1 and not self.waiting and not self.num_speculative_tokens:
             self._plan_window(out, scheduled)
         self._send_new_blocks(out, scheduled)
         if scheduled:  # an empty step is not run: its news waits for the next one
@@ -122,6 +129,20 @@ class Scheduler:
         if max(counts) > 1:
             out.extra_tokens = [[PLACEHOLDER] * (count - 1) for count in counts]
 
+    def _schedule_drafts(self, seq: Sequence, out: SchedulerOutput, n: int, budget: int) -> int:
+        """Let a decoding sequence verify its drafts after its pending token: as many as the budget,
+        its token limit and free blocks allow (drafts never preempt anyone). Returns how many."""
+        drafts, seq.draft_token_ids = seq.draft_token_ids, []
+        if n != 1 or seq.num_placeholders or seq.num_computed_tokens + 1 != seq.num_tokens:
+            return 0
+        k = min(len(drafts), budget, seq.token_limit - seq.num_tokens - 1)
+        end = seq.num_computed_tokens + 1 + k
+        if k <= 0 or not self.kv.can_append_slots(seq, end):
+            return 0
+        self.kv.append_slots(seq, end)
+        out.extra_tokens[-1] = drafts[:k]
+        return k
+
     def _schedule_waiting(self, out: SchedulerOutput, scheduled: list[Sequence], budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -135,6 +156,7 @@ class Scheduler:
             num_cached = self.kv.allocate(seq, n)
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = num_cached
+                seq.first_scheduled_time = time.perf_counter()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append(seq)
@@ -155,6 +177,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)
+        seq.draft_token_ids = []
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -181,10 +204,13 @@ class Scheduler:
         """
         finished = []
         block_size = self.kv.block_size
-        for i, (rid, tokens) in enumerate(zip(out.req_ids, result.sampled)):
+        for i, (rid, tokens, extra) in enumerate(zip(out.req_ids, result.sampled, out.extra_tokens)):
             seq = self.requests.get(rid)
             if seq is None:  # aborted or stopped while the step ran
                 continue
+            is_verify = bool(extra) and extra[0] != PLACEHOLDER
+            if is_verify:
+                self.spec_stats.observe(len(extra), len(tokens) - 1)
             reason = None
             for k, token_id in enumerate(tokens):
                 seq.resolve_placeholder(token_id)
@@ -193,6 +219,11 @@ class Scheduler:
                     del tokens[k + 1 :]
                     seq.drop_placeholders()
                     break
+            if is_verify and seq.num_placeholders:  # rejected drafts: their KV slots go back
+                seq.drop_placeholders()
+                self.kv.trim_slots(seq, seq.num_tokens - 1)
+            if reason is None and i in result.draft_token_ids:
+                seq.draft_token_ids = result.draft_token_ids[i]
             if min(seq.num_computed_tokens, seq.num_known_tokens) // block_size > seq.num_hashed_blocks:
                 self.kv.cache_full_blocks(seq)  # a block just filled up
             if reason is not None:

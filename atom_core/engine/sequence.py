@@ -46,11 +46,13 @@ class Sequence:
     num_preemptions: int = 0
     num_placeholders: int = 0  # sampled tokens still on the GPU (async scheduling), at the end
     token_limit: int = 1 << 62  # prompt + max_tokens, capped by max_model_len (set by the scheduler)
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
     # Per output token: (chosen logprob, {token_id: logprob} of the top-k); when requested.
     output_logprobs: list = field(default_factory=list)
     prompt_logprobs: list = field(default_factory=list)
+    draft_token_ids: list[int] = field(default_factory=list)  # proposed for the next step (speculation)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

@@ -14,7 +14,7 @@ import torch
 
 from atom_core.model_ops.forward_context import AttentionMetadata
 from atom_core.model_ops.sampler import SamplingBatch
-from atom_core.scheduler_output import SchedulerOutput
+from atom_core.scheduler_output import PLACEHOLDER, SchedulerOutput
 from atom_core.worker.input_batch import RequestState
 
 
@@ -104,7 +104,8 @@ def build_flat_batch(out: SchedulerOutput, states: list[RequestState], block_siz
     placeholder_rows: list[int] = []
     placeholder_seqs: list[int] = []
     offset = 0
-    for i, (state, n) in enumerate(zip(states, out.num_scheduled_tokens)):
+    max_query_len = 0
+    for i, (state, n, extra) in enumerate(zip(states, out.num_scheduled_tokens, out.extra_tokens)):
         start = state.num_computed_tokens
         table = state.block_ids
         if n == 1:
@@ -120,8 +121,15 @@ def build_flat_batch(out: SchedulerOutput, states: list[RequestState], block_siz
             input_ids.extend(state.tokens(start, start + n))
             positions.extend(range(start, start + n))
             slot_mapping.extend(slot_of(table, p, block_size) for p in range(start, start + n))
-        seq_lens.append(start + n)
-        query_start_loc.append(offset + n)
+        drafts = extra if extra and extra[0] != PLACEHOLDER else ()  # verified after the scheduled tokens
+        if drafts:
+            input_ids.extend(drafts)
+            positions.extend(range(start + n, start + n + len(drafts)))
+            slot_mapping.extend(slot_of(table, p, block_size) for p in range(start + n, start + n + len(drafts)))
+        total = n + len(drafts)
+        max_query_len = max(max_query_len, total)
+        seq_lens.append(start + total)
+        query_start_loc.append(offset + total)
         if state.sampling_params.prompt_logprobs is not None:
             # logits at position p score prompt token p + 1
             first = max(start + 1, state.num_prompt_logprobs)
@@ -133,15 +141,15 @@ def build_flat_batch(out: SchedulerOutput, states: list[RequestState], block_siz
         if start + n >= state.num_known_tokens:  # reaches its last token: samples the next one
             sample_seq_idx.append(i)
             sample_rows.append(len(logit_rows))
-            logit_rows.append(offset + n - 1)
-        offset += n
+            logit_rows.extend(range(offset + n - 1, offset + total))  # one more row per draft
+        offset += total
     block_tables = _block_table_array(tables)
     attn = AttentionMetadata(
         query_start_loc=_to_device(np.array(query_start_loc, dtype=np.int32), device),
         seq_lens=_to_device(np.array(seq_lens, dtype=np.int32), device),
         block_tables=_to_device(block_tables, device),
         slot_mapping=_to_device(np.array(slot_mapping, dtype=np.int64), device),
-        max_query_len=max(out.num_scheduled_tokens),
+        max_query_len=max_query_len,
         max_seq_len=max(seq_lens),
     )
     return FlatBatch(
@@ -195,7 +203,20 @@ def build_sampling_batch(out: SchedulerOutput, states: list[RequestState], seq_i
             ids = [t for t in (*eos_token_ids, *s.sampling_params.stop_token_ids) if t < vocab_size]
             mask[r, ids] = True
         sb.banned_mask = _to_device(mask, device)
+    if out.grammar_req_ids:
+        sb.grammar_bitmask = _to_device(_grammar_rows(out, seq_idx), device)
     return sb
+
+
+def _grammar_rows(out: SchedulerOutput, seq_idx: list[int]) -> np.ndarray:
+    """The step's grammar bitmask laid out by sampling row; rows without a grammar allow all."""
+    row_of = {rid: r for r, rid in enumerate(out.grammar_req_ids)}
+    bitmask = np.full((len(seq_idx), out.grammar_bitmask.shape[1]), -1, dtype=np.int32)
+    for r, i in enumerate(seq_idx):
+        g = row_of.get(out.req_ids[i])
+        if g is not None:
+            bitmask[r] = out.grammar_bitmask[g]
+    return bitmask
 
 
 def _add_penalties(sb: SamplingBatch, seqs, vocab_size: int, device: torch.device) -> None:

@@ -1,0 +1,43 @@
+"""Proposers draft tokens for a request's next step; the target model verifies them.
+
+Drafts are proposed in the worker when a step's tokens are known (so a proposer may read the
+target's state) and travel to the scheduler in ModelRunnerOutput.draft_token_ids; the scheduler
+lets the request verify them in its next step, as far as budget, blocks and token limit allow.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from atom_core.config import SpeculativeConfig
+    from atom_core.worker.input_batch import RequestState
+
+
+class Proposer(ABC):
+    """Contract: `propose(states)` returns, per request state (all tokens known, the newest
+    last), up to `num_draft_tokens` draft ids; an empty list means no speculation next step.
+    It must not change the states."""
+
+    def __init__(self, num_draft_tokens: int):
+        self.num_draft_tokens = num_draft_tokens
+
+    @abstractmethod
+    def propose(self, states: list["RequestState"]) -> list[list[int]]: ...
+
+
+def can_speculate(params) -> bool:
+    """Requests that draft: not under a grammar (it must see each token before masking the next)
+    and without stop strings (the text would stop inside a verified run, after tokens the
+    client should not get)."""
+    return getattr(params, "structured_outputs", None) is None and not params.stop
+
+
+def build_proposer(config: "SpeculativeConfig") -> Proposer | None:
+    if config.method is None:
+        return None
+    if config.method == "ngram":
+        from atom_core.spec_decode.ngram import NgramProposer
+
+        return NgramProposer(config.num_draft_tokens, *config.ngram_window)
+    raise ValueError(f"unknown speculative method {config.method!r}")

@@ -1,0 +1,67 @@
+"""The worker's side of a verify step: per-row sampling inputs for the rejection sampler, and
+the emitted tokens' logprobs. A request that samples owns 1 + k logit rows (k: its drafts)."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from atom_core.model_ops.sampler import SamplingBatch
+from atom_core.scheduler_output import SchedulerOutput
+from atom_core.worker.batch_builder import FlatBatch, _to_device, build_sampling_batch
+from atom_core.worker.input_batch import RequestState
+
+
+@dataclass
+class VerifyRows:
+    batch: SamplingBatch  # one row per logit row of a sampling request
+    draft_ids: torch.Tensor  # [R] the draft each row verifies; -1 on a request's last row
+    logit_rows: list[int]  # the rows of the step's logits, in order
+    first_rows: list[int]  # per sampling request: its first row
+    drafts: list[list[int]]  # per sampling request
+
+
+def verify_rows(out: SchedulerOutput, states: list[RequestState], flat: FlatBatch, vocab_size: int,
+                eos_token_ids, device: torch.device, rng: random.Random) -> VerifyRows:
+    """Row j of a request sees its outputs plus drafts[:j] (penalties, min_tokens) and samples
+    output index + j (seeded noise)."""
+    row_states, row_computed, draft_ids, logit_rows, first_rows, drafts = [], [], [], [], [], []
+    for i, first in zip(flat.sample_seq_idx, flat.sample_rows):
+        state, draft = states[i], out.extra_tokens[i]
+        before = out.num_computed_tokens[i] + out.num_scheduled_tokens[i] - 1  # position of row 0
+        first_rows.append(len(draft_ids))
+        drafts.append(list(draft))
+        for j in range(len(draft) + 1):
+            outputs = state.output_token_ids + list(draft[:j]) if j else state.output_token_ids
+            row_states.append(RequestState(state.req_id, state.prompt_token_ids, outputs, state.sampling_params))
+            row_computed.append(before + j)
+            draft_ids.append(draft[j] if j < len(draft) else -1)
+            logit_rows.append(first + j)
+    rows_out = SchedulerOutput([s.req_id for s in row_states], [1] * len(row_states), row_computed)
+    if getattr(out, "grammar_req_ids", None):  # grammar requests never draft: one row each
+        rows_out.grammar_req_ids, rows_out.grammar_bitmask = out.grammar_req_ids, out.grammar_bitmask
+    batch = build_sampling_batch(rows_out, row_states, list(range(len(row_states))), vocab_size, eos_token_ids,
+                                 device, rng)
+    return VerifyRows(batch, _to_device(np.array(draft_ids, dtype=np.int64), device), logit_rows, first_rows,
+                      drafts)
+
+
+def emitted_logprobs(logits: torch.Tensor, rows: VerifyRows, tokens: list[list[int]], states: list[RequestState],
+                     seq_idx: list[int]) -> dict[int, list]:
+    """Raw-model logprobs of each emitted token (and the top-k), for requests that asked."""
+    result = {}
+    for r0, toks, i in zip(rows.first_rows, tokens, seq_idx):
+        k = states[i].sampling_params.logprobs
+        if k is None:
+            continue
+        raw = logits[r0 : r0 + len(toks)].log_softmax(dim=-1, dtype=torch.float32)
+        chosen = raw.gather(1, torch.tensor(toks, device=raw.device).unsqueeze(1)).squeeze(1).tolist()
+        if k > 0:
+            vals, ids = raw.topk(k, dim=-1)
+            tops = [dict(zip(i_, v_)) for i_, v_ in zip(ids.tolist(), vals.tolist())]
+        else:
+            tops = [{} for _ in toks]
+        result[i] = list(zip(chosen, tops))
+    return result
