@@ -45,6 +45,27 @@ def read_envs(environ: Mapping[str, str] | None = None) -> AtomEnvs:
     )
 
 
+def read_torchrun_env(environ: Mapping[str, str] | None = None) -> dict:
+    """The multi-node options torchrun's environment implies ({} when not launched by torchrun).
+
+    torchrun starts one `atomctl` per node (`--nproc-per-node 1`), which starts that node's
+    ranks itself: nnodes = WORLD_SIZE, node_rank = GROUP_RANK (the node's index), and the
+    ranks meet at MASTER_ADDR, port MASTER_PORT + 1 (torchrun's own store listens on MASTER_PORT).
+    """
+    env = os.environ if environ is None else environ
+    if "TORCHELASTIC_RUN_ID" not in env and "GROUP_RANK" not in env:
+        return {}
+    if env_int(env, "LOCAL_WORLD_SIZE", 1) != 1:
+        raise ValueError(f"under torchrun, start one atomctl per node (--nproc-per-node 1; got "
+                         f"LOCAL_WORLD_SIZE={env['LOCAL_WORLD_SIZE']}): it starts the node's ranks itself")
+    out = {"nnodes": env_int(env, "WORLD_SIZE", 1), "node_rank": env_int(env, "GROUP_RANK", 0)}
+    if env_str(env, "MASTER_ADDR"):
+        out["master_addr"] = env_str(env, "MASTER_ADDR")
+    if env_str(env, "MASTER_PORT"):
+        out["master_port"] = env_int(env, "MASTER_PORT", 0) + 1
+    return out
+
+
 def env_str(env: Mapping[str, str], name: str) -> str | None:
     value = env.get(name, "").strip()
     return value or None

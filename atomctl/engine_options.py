@@ -35,6 +35,16 @@ ENGINE_OPTIONS = {
     "async_scheduling": (bool, typer.Option(True, "--async-scheduling/--no-async-scheduling")),
     "num_scheduler_steps": (Optional[int], typer.Option(None, help="Decode steps per host round trip while no request waits (multi-step; 1 = off). Default 8; serve and profile default to 1.")),
     "torch_profiler_dir": (Optional[str], typer.Option(None, help="Write torch profiler traces here (default: $ATOM_TORCH_PROFILER_DIR).")),
+    "tensor_parallel_size": (int, typer.Option(1, "--tensor-parallel-size", "-tp", help="Ranks (GPUs) one model is split over.")),
+    "enable_expert_parallel": (bool, typer.Option(False, "--enable-expert-parallel", help="MoE: each tensor-parallel rank holds whole experts (default: a slice of every expert).")),
+    "nnodes": (Optional[int], typer.Option(None, help="Nodes the tensor-parallel ranks span (default 1, or from torchrun's environment).")),
+    "node_rank": (Optional[int], typer.Option(None, help="This node's index; node 0 runs the engine, the others only workers (default 0, or torchrun's GROUP_RANK).")),
+    "master_addr": (Optional[str], typer.Option(None, help="Address of node 0, where the ranks meet (default 127.0.0.1, or torchrun's MASTER_ADDR).")),
+    "master_port": (Optional[int], typer.Option(None, help="Port on node 0 where the ranks meet (default: a free port on one node; required across nodes, or torchrun's MASTER_PORT).")),
+    "method": (Optional[str], typer.Option(None, help="Speculative decoding method: ngram (prompt lookup over the request's own tokens).")),
+    "num_speculative_tokens": (Optional[int], typer.Option(None, help="Draft tokens verified per decoding request and step (ngram: 1..8).")),
+    "ngram_min": (Optional[int], typer.Option(None, help="Shortest suffix n-gram the ngram method matches (default 5, or --ngram-max).")),
+    "ngram_max": (Optional[int], typer.Option(None, help="Longest suffix n-gram the ngram method matches (default 5, or --ngram-min).")),
 }
 
 
@@ -63,6 +73,10 @@ def _with_env_defaults(kwargs: dict) -> dict:
     """ATOM_* profiling variables (read in atom_core.envs) fill what the options left unset."""
     from atom_core.envs import read_envs
 
+    from atom_core.envs import read_torchrun_env
+
+    for name, value in read_torchrun_env().items():  # launched by torchrun: its rendezvous, unless given
+        kwargs.setdefault(name, value)
     envs = read_envs()
     if envs.torch_profiler_dir and "torch_profiler_dir" not in kwargs:
         kwargs["torch_profiler_dir"] = envs.torch_profiler_dir

@@ -82,6 +82,9 @@ class EngineCore:
         """One rank: the runner in this process; tensor parallel: a worker process per extra rank."""
         if self.config.parallel.world_size == 1:
             return InProcessExecutor(self.config, self.model, self.profiler)
+        if self.config.parallel.node_rank > 0:
+            raise ValueError(f"node_rank={self.config.parallel.node_rank} runs only workers: start it with "
+                             "`atomctl serve --nnodes N --node-rank R ...`; the engine runs on node 0")
         from atom_core.distributed.checks import check_parallel
         from atom_core.worker.multiproc_executor import MultiprocExecutor
 

@@ -152,6 +152,9 @@ class MultiprocExecutor(Executor):
             time.sleep(2 * _WATCH_S)  # let the watchdog see the exit
             if self.dead_reason is not None:
                 raise WorkerDiedError(self.dead_reason) from e
+            if any(word in str(e).lower() for word in ("gloo", "nccl", "connection")):  # a rank on another node
+                raise WorkerDiedError(f"a collective with the other tensor-parallel ranks failed ({str(e).splitlines()[0]}); "
+                                      "a worker process, possibly on another node, has died") from e
             raise
         finally:
             self._in_call = False
