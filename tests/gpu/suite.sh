@@ -150,6 +150,12 @@ case $mode in
   kernels-q06)  # kernel tests in 4 processes (Triton compiles are CPU-bound), then the Qwen3-0.6B matrix
     kernel_tests
     step matrix-q06 270 python3 tests/gpu/bench_matrix.py preset:Qwen3-0.6B --level 3 --steps 1,8 --latency-bs 1 --out "$OUT/matrix_q06.json" ;;
+  int4)  # INT4/INT8: kernel + engine GPU tests, kernel microbench vs bf16, Llama-3-8B W4A16 vs bf16 TPOT (dummy weights)
+    step int-gpu-tests 110 python3 -m pytest -q --tb=short -m gpu tests/quant/test_int_kernels.py tests/quant/test_gptq_awq.py -p no:cacheprovider
+    step int4-kernel-bench 50 python3 tests/gpu/bench_int4.py --out "$OUT/int4_kernels.json"
+    step lat-l8w4-bs1 90 python3 -m atomctl.main bench latency --model preset:Llama-3-8B-W4A16 --load-format dummy --max-model-len 4096 --bs 1 --output-json "$OUT/lat_l8w4_bs1.json"
+    step lat-l8-bs1 70 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-json "$OUT/lat_l8_bs1.json"
+    step lat-l8w4-bs32 50 python3 -m atomctl.main bench latency --model preset:Llama-3-8B-W4A16 --load-format dummy --max-model-len 4096 --bs 32 --output-json "$OUT/lat_l8w4_bs32.json" ;;
   tests|all)
     step kernel-tests 240 python3 -m pytest -q -x tests/kernels -p no:cacheprovider
     step engine-gpu-tests 300 python3 -m pytest -q -x tests/gpu -p no:cacheprovider ;;&

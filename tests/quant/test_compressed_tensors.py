@@ -152,3 +152,26 @@ def test_target_and_ignore_matching():
     assert cfg._scheme_of("model.layers.0.mlp.down_proj") is not None
     assert cfg._scheme_of("model.layers.1.mlp.down_proj") is None
     assert cfg._scheme_of("model.layers.0.self_attn.q_proj") is None
+
+
+def test_w4a16_preset_builds_with_dummy_weights():
+    """preset:Llama-3-8B-W4A16 (the benchmark's config: Llama-3-8B + llm-compressor's W4A16
+    quantization_config) at toy sizes: every linear gets the int4 method, dummy weights fill the
+    packed tensors, and the model runs."""
+    from atom_core.loader import build_model
+    from atom_core.loader.model_dir import resolve_model_files
+    from atom_core.quant import get_quant_config
+    from atom_core.quant.int4 import CompressedTensorsW4A16Method
+    from tests.models.harness import greedy_generate
+
+    cfg = resolve_model_files("preset:Llama-3-8B-W4A16").hf_config
+    qc = get_quant_config(cfg)
+    assert qc.schemes[0].weights.group_size == 128 and qc.ignore == ["lm_head"]
+    for key, value in dict(hidden_size=256, intermediate_size=512, num_hidden_layers=1, vocab_size=300,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=64).items():
+        setattr(cfg, key, value)
+    model = build_model(cfg, None, torch.float32, "cpu", load_format="dummy", quant_config=qc)
+    down = model.model.layers[0].mlp.down_proj
+    assert isinstance(down.quant_method, CompressedTensorsW4A16Method) and down.w4_scales.shape == (256, 4)
+    out = greedy_generate(model, [[1, 2, 3]], 3)
+    assert len(out[0]) == 3

@@ -25,8 +25,7 @@ GEMV_MAX_M = 8
 
 _GEMV_CONFIGS = [
     triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-    for bn, bk, w, s in [(8, 256, 4, 2), (8, 512, 4, 2), (16, 256, 4, 2), (16, 512, 8, 2), (32, 256, 8, 2),
-                         (4, 512, 4, 3), (8, 1024, 8, 2), (16, 128, 4, 3)]
+    for bn, bk, w, s in [(8, 256, 4, 2), (8, 512, 4, 2), (16, 256, 4, 2), (16, 512, 8, 2), (4, 512, 4, 2)]
 ]
 _GEMV_INTERPRET = {"BLOCK_N": 8, "BLOCK_K": 64}
 
