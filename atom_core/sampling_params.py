@@ -4,6 +4,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
+from atom_core.structured.params import StructuredOutputsParams
+
 
 @dataclass
 class SamplingParams:
@@ -15,6 +17,7 @@ class SamplingParams:
     `seed` makes the request's samples reproducible whatever else shares its batch.
     `logprobs` = k returns the chosen token's logprob and the top-k per step (0: chosen only);
     `prompt_logprobs` = k returns the same for every prompt token (first one is None).
+    `structured_outputs` constrains the output to a grammar (JSON schema, regex, choice, ...).
     """
 
     temperature: float = 1.0
@@ -34,6 +37,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -72,6 +76,9 @@ class SamplingParams:
             fail("seed", "must be a non-negative 64-bit integer")
         if any(not isinstance(s, str) or not s for s in self.stop):
             fail("stop", "stop strings must be non-empty strings")
+        if self.structured_outputs is not None and self.min_tokens > 0:
+            # min_tokens bans EOS where the grammar may allow nothing else.
+            fail("min_tokens", "must be 0 with structured outputs")
 
     @functools.cached_property
     def is_greedy(self) -> bool:
@@ -89,5 +96,7 @@ class SamplingParams:
     def allows_multi_step(self) -> bool:
         """Whether several decode steps may run on the device before the host sees the tokens.
         Penalties and logprobs need every token on the host, and a stop string may end the
-        request inside a window, after tokens the client should not see."""
-        return not self.has_penalties and self.logprobs is None and not self.stop
+        request inside a window, after tokens the client should not see. A grammar must see each
+        token before it can mask the next one."""
+        return (not self.has_penalties and self.logprobs is None and not self.stop
+                and self.structured_outputs is None)

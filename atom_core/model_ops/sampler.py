@@ -61,6 +61,7 @@ class SamplingBatch:
     prompt_mask: torch.Tensor | None = None  # [B, V] bool
     output_counts: torch.Tensor | None = None  # [B, V] float32
     banned_mask: torch.Tensor | None = None  # [B, V] bool: EOS/stop ids before min_tokens
+    grammar_bitmask: torch.Tensor | None = None  # [B, ceil(V / 32)] int32 allowed tokens (structured outputs)
     max_num_logprobs: int = -1  # -1: none requested
 
 
@@ -83,6 +84,14 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.presence_penalties is not None:
         logits = logits - batch.presence_penalties[:, None] * (batch.output_counts > 0)
     return logits
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """-inf for every token a row's bitmask [B, ceil(V / 32)] int32 does not allow (bit j of word
+    w allows token 32 w + j; a row of all ones allows every token). Elementwise on the device."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(bitmask.shape[0], -1)[:, : logits.shape[-1]]
+    return logits.masked_fill(allowed == 0, float("-inf"))
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps: torch.Tensor | None) -> torch.Tensor:
@@ -131,6 +140,8 @@ class Sampler(nn.Module):
             logits = apply_penalties(logits.float(), batch)
         if batch.banned_mask is not None:
             logits = logits.masked_fill(batch.banned_mask, float("-inf"))
+        if batch.grammar_bitmask is not None:
+            logits = apply_token_bitmask(logits, batch.grammar_bitmask)
         if batch.all_greedy:
             out.token_ids = logits.argmax(dim=-1)
         elif self._can_fuse(logits, batch):

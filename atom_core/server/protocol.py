@@ -7,12 +7,21 @@ is never silently ignored.
 """
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, StrictStr, model_validator
 
 from atom_core.sampling_params import SamplingParams
+from atom_core.server.structured_request import (
+    ChatTool,
+    ConstraintError,
+    ResponseFormat,
+    StructuredOutputsRequest,
+    ToolChoice,
+    structured_params,
+)
 
 MAX_N = 128
 
@@ -64,6 +73,14 @@ class ChatMessage(BaseModel):
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             message["content"] = "".join(part.text for part in self.content)
+        for call in message.get("tool_calls") or []:
+            # OpenAI sends arguments as JSON text; chat templates (Llama 3, Qwen3, ...) expect a dict.
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                try:
+                    function["arguments"] = json.loads(function["arguments"])
+                except json.JSONDecodeError:
+                    pass  # not JSON: the template gets the text as it came
         return message
 
 
@@ -100,7 +117,14 @@ class _SamplingRequest(_Strict):
     # Known but not implemented: only their no-op value passes (see _reject_unsupported).
     best_of: int | None = None
     logit_bias: dict[str, float] | None = None
-    response_format: dict[str, Any] | None = None
+    # Output constraints (structured outputs); at most one per request.
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    _structured = PrivateAttr(None)
 
     @model_validator(mode="before")
     @classmethod
@@ -135,10 +159,16 @@ class _SamplingRequest(_Strict):
             raise _field_error("best_of", "best_of other than n is not supported")
         if self.logit_bias:
             raise _field_error("logit_bias", "logit_bias is not supported")
-        if self.response_format not in (None, {"type": "text"}):
-            raise _field_error("response_format", "response_format other than {'type': 'text'} is not supported")
         if self.stream_options is not None and not self.stream:
             raise _field_error("stream_options", "stream_options is only allowed with stream=true")
+        return self
+
+    @model_validator(mode="after")
+    def _check_constraints(self):
+        try:
+            self._structured = structured_params(self)
+        except ConstraintError as e:
+            raise _field_error(e.param, str(e)) from None
         return self
 
     @property
@@ -156,7 +186,7 @@ class _SamplingRequest(_Strict):
                 stop_token_ids=self.stop_token_ids or [], include_stop_str_in_output=self.include_stop_str_in_output,
                 repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                skip_special_tokens=self.skip_special_tokens,
+                skip_special_tokens=self.skip_special_tokens, structured_outputs=self._structured,
             )
         except ValueError as e:
             raise sampling_error(e) from None
@@ -169,17 +199,12 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
-    # Tools are not implemented: only "no tools" passes.
-    tools: list | None = None
-    tool_choice: str | dict | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, else "none"
     parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _check_chat(self):
-        if self.tools:
-            raise _field_error("tools", "tool calling is not supported")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise _field_error("tool_choice", "tool calling is not supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise _field_error("top_logprobs", "top_logprobs needs logprobs=true")
         return self
