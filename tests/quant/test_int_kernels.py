@@ -92,6 +92,8 @@ class TestTritonKernels:
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     @pytest.mark.parametrize("m, n, k, group, asym", [
         (1, 40, 128, 32, True), (3, 24, 192, 64, False), (20, 40, 128, 128, True), (17, 24, 64, 32, False),
+        (2, 16, 96, 96, True), (18, 16, 96, 96, False),  # per channel, K not a power of two
+        (1, 16, 512, 128, False),  # several groups per GEMV step on the GPU
     ])
     def test_w4a16_matches_reference(self, device, dtype, m, n, k, group, asym):
         from atom_core.kernels.triton.w4a16 import w4a16_gemm
@@ -124,4 +126,4 @@ class TestTritonKernels:
 
         _, _, scales, qweight = _int4_case(8, 64, 32, False, torch.float32)
         with pytest.raises(ValueError, match="group size"):
-            w4a16_gemm(torch.randn(1, 64, device=device), qweight.to(device), scales.to(device), None, 48)
+            w4a16_gemm(torch.randn(1, 64, device=device), qweight.to(device), scales.to(device), None, 16)

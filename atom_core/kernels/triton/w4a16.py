@@ -19,7 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from atom_core.kernels.triton.common import check_dim, check_float, check_last_dim_contiguous, check_same_device
+from atom_core.kernels.triton.common import (
+    check_dim, check_float, check_last_dim_contiguous, check_same_device, next_pow2,
+)
 
 GEMV_MAX_M = 8
 
@@ -34,6 +36,10 @@ _GEMV_INTERPRET = {"BLOCK_N": 8, "BLOCK_K": 64}
 def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_qn, stride_sn, stride_zn,
                        stride_ym, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # A K step covers NG whole groups of SUB columns (SUB = min(GROUP, BLOCK_K)), so scales and
+    # zeros load once per group as [BLOCK_N, NG] and broadcast over the group's columns.
+    SUB: tl.constexpr = GROUP if GROUP < BLOCK_K else BLOCK_K
+    NG: tl.constexpr = BLOCK_K // SUB
     pid_n = tl.program_id(0)
     m = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -41,25 +47,24 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, K, stride_x
     offs_w = tl.arange(0, BLOCK_K // 8)
     shifts = tl.arange(0, 8) * 4
     offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    offs_g = tl.arange(0, NG) * SUB
+    acc = tl.zeros([BLOCK_N, NG, SUB], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k = k0 + offs_k
-        mask_k = k < K
         words = tl.load(qw_ptr + offs_n[:, None] * stride_qn + (k0 // 8 + offs_w)[None, :],
                         mask=mask_n[:, None] & ((k0 + offs_w * 8) < K)[None, :], other=0)
         nib = (words[:, :, None] >> shifts[None, None, :]) & 0xF  # [BLOCK_N, BLOCK_K/8, 8]
-        w = tl.reshape(nib, (BLOCK_N, BLOCK_K)).to(tl.float32)
-        g = k // GROUP
-        scale = tl.load(s_ptr + offs_n[:, None] * stride_sn + g[None, :], mask=mask_n[:, None] & mask_k[None, :],
-                        other=0.0).to(tl.float32)
+        w = tl.reshape(nib, (BLOCK_N, NG, SUB)).to(tl.float32)
+        g = (k0 + offs_g) // GROUP
+        mask_g = mask_n[:, None] & ((k0 + offs_g) < K)[None, :]
+        scale = tl.load(s_ptr + offs_n[:, None] * stride_sn + g[None, :], mask=mask_g, other=0.0).to(tl.float32)
         if HAS_ZERO:
-            zero = tl.load(z_ptr + offs_n[:, None] * stride_zn + g[None, :], mask=mask_n[:, None] & mask_k[None, :],
-                           other=0).to(tl.float32)
+            zero = tl.load(z_ptr + offs_n[:, None] * stride_zn + g[None, :], mask=mask_g, other=0).to(tl.float32)
         else:
-            zero = 8.0
-        xv = tl.load(x_ptr + m * stride_xm + k, mask=mask_k, other=0.0).to(tl.float32)
-        acc += (w - zero) * scale * xv[None, :]
-    out = tl.sum(acc, axis=1)
+            zero = tl.full([BLOCK_N, NG], 8.0, tl.float32)
+        k = k0 + offs_k
+        xv = tl.reshape(tl.load(x_ptr + m * stride_xm + k, mask=k < K, other=0.0).to(tl.float32), (1, NG, SUB))
+        acc += (w - zero[:, :, None]) * scale[:, :, None] * xv
+    out = tl.sum(tl.sum(acc, axis=2), axis=1)
     if HAS_BIAS:
         out += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     tl.store(y_ptr + m * stride_ym + offs_n, out.to(y_ptr.dtype.element_ty), mask=mask_n)
@@ -126,9 +131,12 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     if qweight.dtype != torch.int32:
         raise ValueError(f"qweight has dtype {qweight.dtype}; expected int32")
     n, k = qweight.shape[0], x.shape[-1]
-    if k % group_size or group_size % 32 or qweight.shape[1] * 8 != k:
+    one_group = group_size == k
+    if k % group_size or qweight.shape[1] * 8 != k or not (one_group or (group_size & (group_size - 1) == 0
+                                                                          and group_size >= 32)):
         raise ValueError(f"x has K={k}, qweight {tuple(qweight.shape)}, group size {group_size}: the kernel needs "
-                         f"qweight [N, K/8], a group size that is a multiple of 32 and divides K")
+                         f"qweight [N, K/8] and a group size that divides K and is a power of two >= 32, or is K "
+                         f"(per channel)")
     if scales.shape != (n, k // group_size):
         raise ValueError(f"scales shape {tuple(scales.shape)} != ({n}, {k // group_size})")
     if zeros is not None and (zeros.shape != scales.shape or zeros.dtype != torch.uint8):
@@ -145,7 +153,8 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     b = bias if bias is not None else scales
     args = (x2, qweight, scales, z, b, y, *((m,) if m > GEMV_MAX_M else ()), n, k, x2.stride(0), qweight.stride(0),
             scales.stride(0), z.stride(0), y.stride(0))
-    consts = dict(GROUP=group_size, HAS_ZERO=zeros is not None, HAS_BIAS=bias is not None)
+    # One group (per channel): any power of two >= K indexes group 0 for every column.
+    consts = dict(GROUP=next_pow2(k) if one_group else group_size, HAS_ZERO=zeros is not None, HAS_BIAS=bias is not None)
     if m <= GEMV_MAX_M:
         if x.device.type == "cuda":
             grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), m)  # noqa: E731
