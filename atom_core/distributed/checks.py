@@ -37,8 +37,9 @@ def check_parallel(par: ParallelConfig, model: ResolvedModel) -> None:
             raise ValueError(f"the experts' intermediate size {inter} is not divisible by tensor_parallel_size={tp}; "
                              "try enable_expert_parallel")
     if model.device.type == "cuda":
-        needed = par.ranks_per_node * par.data_parallel_size
+        first = model.device.index or 0  # a data-parallel replica starts past the ones before it
+        needed = first + par.ranks_per_node * par.data_parallel_size
         have = torch.cuda.device_count()
         if needed > have:
             raise ValueError(f"tensor_parallel_size={tp} x data_parallel_size={par.data_parallel_size} over "
-                             f"{par.nnodes} node(s) needs {needed} GPUs on this node; it has {have}")
+                             f"{par.nnodes} node(s) from cuda:{first} needs {needed} GPUs on this node; it has {have}")

@@ -30,6 +30,11 @@ class CoreStats:
     num_free_blocks: int
     prefix_hit_rate: float
     num_preemptions: int
+    # speculative decoding counters since start (spec_decode.stats.SpecDecodeStats)
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_accepted_per_position: tuple[int, ...] = ()
 
 
 def validate_request(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int,
@@ -62,6 +67,9 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig):
         start = time.perf_counter()
+        if config.parallel.data_parallel_size > 1:
+            raise ValueError(f"data_parallel_size={config.parallel.data_parallel_size}: one engine core is one replica; "
+                             "data-parallel replicas run behind `atomctl serve` (LLMEngine runs one)")
         self.config = config
         self.files = resolve_model_files(config.model.model, config.model.tokenizer)
         self.model = config.model.resolve(self.files)
@@ -80,15 +88,16 @@ class EngineCore:
 
     def _make_executor(self):
         """One rank: the runner in this process; tensor parallel: a worker process per extra rank."""
+        from atom_core.distributed.checks import check_parallel
+
+        check_parallel(self.config.parallel, self.model)
         if self.config.parallel.world_size == 1:
             return InProcessExecutor(self.config, self.model, self.profiler)
         if self.config.parallel.node_rank > 0:
             raise ValueError(f"node_rank={self.config.parallel.node_rank} runs only workers: start it with "
                              "`atomctl serve --nnodes N --node-rank R ...`; the engine runs on node 0")
-        from atom_core.distributed.checks import check_parallel
         from atom_core.worker.multiproc_executor import MultiprocExecutor
 
-        check_parallel(self.config.parallel, self.model)
         return MultiprocExecutor(self.config, self.model, self.profiler)
 
     def shutdown(self) -> None:
@@ -259,6 +268,7 @@ class EngineCore:
         )
 
     def stats(self) -> CoreStats:
+        spec = self.scheduler.spec_stats
         return CoreStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -266,4 +276,8 @@ class EngineCore:
             num_free_blocks=self.kv.num_free_blocks,
             prefix_hit_rate=self.kv.prefix_hit_rate,
             num_preemptions=self.scheduler.num_preemptions,
+            spec_decode_num_drafts=spec.num_drafts,
+            spec_decode_num_draft_tokens=spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_decode_accepted_per_position=tuple(spec.accepted_per_position),
         )

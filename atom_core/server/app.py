@@ -4,6 +4,12 @@ Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET 
 GET /metrics, POST /start_profile, POST /stop_profile. With an API key, everything but
 /health and /metrics needs `Authorization: Bearer KEY` (the scheme in any case). Every error
 is an OpenAI error body.
+
+Lifecycle (`ServerLifecycle`): SIGTERM/SIGINT start a drain: new requests get 503, requests in
+flight finish; after `shutdown_timeout` seconds the rest end with an error (a final SSE error
+event for streams, a 503 otherwise) and the server exits 0. A second signal stops at once.
+A dead engine core makes the server exit 1 after ENGINE_DEAD_EXIT_DELAY_S (in-flight requests
+get their 503s first), so a supervisor restarts it; nothing restarts the core in-process.
 """
 from __future__ import annotations
 
@@ -14,15 +20,21 @@ import signal
 import socket
 import time
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
+import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from atom_core.config import EngineConfig
-from atom_core.engine.async_engine import AsyncEngine, EngineDeadError
-from atom_core.server.metrics import ServerMetrics
+from atom_core.engine.async_engine import AsyncEngine, EngineDeadError, ServerStoppingError
+from atom_core.engine.dp_engine import DataParallelEngine
+from atom_core.server.chat_output import ChatOptions
+from atom_core.server.guards import RequestGuard, ServerState
+from atom_core.server.metrics import CONTENT_TYPE, METRICS_PREFIXES, ServerMetrics
 from atom_core.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -34,29 +46,127 @@ from atom_core.server.serving import OpenAIServing, engine_error
 
 logger = logging.getLogger(__name__)
 
+ENGINE_DEAD_EXIT_DELAY_S = 1.0  # a dead core: answer 503 this long, then exit 1
+_DRAIN_POLL_S = 0.05
+_FAILED_STREAMS_GRACE_S = 5.0  # after the drain timeout: time for the error events to go out
 
-def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
-    """The app over a started engine; its lifespan attaches the engine and shuts it down."""
-    metrics = ServerMetrics(model_name)
-    serving = OpenAIServing(engine, model_name, metrics)
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """Limits of the HTTP server (the engine's are in EngineConfig)."""
+
+    shutdown_timeout: float = 30.0  # seconds a drain waits for requests in flight
+    max_request_bytes: int = 8 * 1024 * 1024  # a larger body gets 413, unparsed
+    body_read_timeout: float = 30.0  # seconds to receive a whole request body, else 408
+    metrics_prefix: str = "atom"  # "vllm": vLLM's metric names
+
+    def __post_init__(self) -> None:
+        if not self.shutdown_timeout >= 0:
+            raise ValueError(f"invalid --shutdown-timeout {self.shutdown_timeout}; expected seconds >= 0")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"invalid --max-request-bytes {self.max_request_bytes}; expected >= 1")
+        if not self.body_read_timeout > 0:
+            raise ValueError(f"invalid --body-read-timeout {self.body_read_timeout}; expected seconds > 0")
+        if self.metrics_prefix not in METRICS_PREFIXES:
+            raise ValueError(f"unknown --metrics-prefix {self.metrics_prefix!r}; expected one of: {', '.join(METRICS_PREFIXES)}")
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error of this server (OpenAI's error body)."""
+
+    error: ErrorDetail
+
+
+_ERRORS = {
+    400: {"model": ErrorResponse, "description": "Invalid request (bad JSON, unknown or out-of-range field, too long)."},
+    401: {"model": ErrorResponse, "description": "Missing or wrong API key (when the server has one)."},
+    404: {"model": ErrorResponse, "description": "Unknown model or path."},
+    408: {"model": ErrorResponse, "description": "The body did not arrive within --body-read-timeout."},
+    413: {"model": ErrorResponse, "description": "The body is over --max-request-bytes."},
+    503: {"model": ErrorResponse, "description": "The engine core is dead, or the server is shutting down."},
+}
+
+
+class ServerLifecycle:
+    """Drain on a signal, exit on a dead core (see the module docstring). Runs on the loop;
+    `stop(exit_code)` is set by run_server to end uvicorn's loop."""
+
+    def __init__(self, engine: AsyncEngine, state: ServerState, options: ServerOptions):
+        self.engine, self.state, self.options = engine, state, options
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.exit_code = 0
+        self.stop = lambda: None
+        self._drain_task: asyncio.Task | None = None
+
+    def begin_drain(self) -> None:
+        if self.state.draining:
+            return
+        self.state.draining = True
+        logger.warning("draining: %d request(s) in flight, waiting up to %g s", self.state.num_in_flight,
+                       self.options.shutdown_timeout)
+        self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        if not await self._wait_idle(self.options.shutdown_timeout):
+            n = self.engine.fail_pending(ServerStoppingError(
+                f"the server is shutting down and stopped this request after --shutdown-timeout "
+                f"{self.options.shutdown_timeout:g} s"))
+            logger.warning("drain timed out: stopped %d engine request(s)", n)
+            await self._wait_idle(_FAILED_STREAMS_GRACE_S)
+        self.stop()
+
+    async def _wait_idle(self, timeout: float) -> bool:
+        deadline = self.loop.time() + timeout
+        while self.state.num_in_flight and self.loop.time() < deadline:
+            await asyncio.sleep(_DRAIN_POLL_S)
+        return not self.state.num_in_flight
+
+    def on_engine_dead(self, reason: str) -> None:
+        logger.error("%s; exiting with status 1 in %g s", reason, ENGINE_DEAD_EXIT_DELAY_S)
+        self.exit_code = 1
+        self.loop.call_later(ENGINE_DEAD_EXIT_DELAY_S, self.stop)
+
+
+def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
+              chat_options: ChatOptions | None = None, options: ServerOptions | None = None) -> FastAPI:
+    """The app over a started engine; its lifespan attaches the engine and shuts it down.
+    `app.state.lifecycle` is the ServerLifecycle run_server drives."""
+    options = options or ServerOptions()
+    metrics = ServerMetrics(model_name, engine, options.metrics_prefix)
+    engine.on_progress = metrics.observe_progress
+    serving = OpenAIServing(engine, model_name, metrics, chat_options)
+    state = ServerState(options.max_request_bytes, options.body_read_timeout)
+    lifecycle = ServerLifecycle(engine, state, options)
+    engine.on_dead.append(lifecycle.on_engine_dead)
     created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
-        engine.attach(asyncio.get_running_loop())
+        lifecycle.loop = asyncio.get_running_loop()
+        engine.attach(lifecycle.loop)
         yield
-        # uvicorn has drained the in-flight requests by now (graceful shutdown).
         engine.shutdown()
 
     app = FastAPI(title="atom_core OpenAI-compatible server", lifespan=lifespan)
+    app.state.lifecycle = lifecycle
+    app.add_middleware(RequestGuard, state=state)
     _add_error_handlers(app)
-    guarded = APIRouter(dependencies=[Depends(_bearer_auth(api_key))] if api_key else [])
+    _document_errors(app)
+    guarded = APIRouter(dependencies=[Depends(_bearer_auth(api_key))] if api_key else [],
+                        responses={k: _ERRORS[k] for k in ((400, 401, 408, 413, 503) if api_key else (400, 408, 413, 503))})
 
-    @guarded.post("/v1/chat/completions")
+    @guarded.post("/v1/chat/completions", responses={404: _ERRORS[404]})
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         return await serving.chat(req, raw)
 
-    @guarded.post("/v1/completions")
+    @guarded.post("/v1/completions", responses={404: _ERRORS[404]})
     async def completions(req: CompletionRequest, raw: Request):
         return await serving.completions(req, raw)
 
@@ -75,21 +185,18 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
     async def stop_profile():
         return {"status": "stopped", "traces": await _core_call(engine.stop_profile())}
 
-    @app.get("/health")
+    @app.get("/health", responses={503: _ERRORS[503]})
     async def health():
         if not engine.is_healthy:
             return JSONResponse(error_body("engine core process is not running", "server_error", code="engine_dead"), 503)
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={200: {
+        "content": {"text/plain": {"schema": {"type": "string"}}},
+        "description": "Prometheus text exposition (format 0.0.4)."}})
     async def prometheus_metrics():
-        stats = None
-        if engine.is_healthy:
-            try:
-                stats = await engine.stats()
-            except EngineDeadError:
-                pass  # rendered as engine_healthy 0
-        return PlainTextResponse(metrics.render(stats, engine.num_unfinished), media_type="text/plain; version=0.0.4")
+        # From the API process's registry (the core pushes its gauges): never waits on the core.
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     app.include_router(guarded)
     return app
@@ -115,6 +222,23 @@ def _bearer_auth(api_key: str):
     return check
 
 
+def _document_errors(app: FastAPI) -> None:
+    """The OpenAPI document lists the statuses the server sends: validation errors are 400
+    (not FastAPI's 422) with the OpenAI error body."""
+    def openapi():
+        if app.openapi_schema is None:
+            schema = FastAPI.openapi(app)
+            for path in schema.get("paths", {}).values():
+                for operation in path.values():
+                    operation.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_request: Request, e: APIError):
@@ -138,21 +262,21 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 # ---- the server process ---------------------------------------------------------------
 def run_server(config: EngineConfig, host: str, port: int, model_name: str, api_key: str | None = None,
-               access_log: bool = False) -> None:
-    """Bind, start the engine core process, serve until SIGINT/SIGTERM, drain, exit cleanly."""
-    import uvicorn
-
+               access_log: bool = False, chat_options: ChatOptions | None = None,
+               options: ServerOptions | None = None) -> int:
+    """Bind, start the engine core process, serve until SIGINT/SIGTERM, drain, stop the core.
+    Returns the exit status: 0, or 1 when the engine core died."""
     sock = _bind(host, port)  # before the (slow) engine start, so a busy port fails at once
-    engine = AsyncEngine(config)
+    engine = AsyncEngine(config) if config.parallel.data_parallel_size == 1 else DataParallelEngine(config)
     info = engine.start()
     print(f"serving '{model_name}' (max_model_len {info.max_model_len}, {info.num_kv_blocks} KV blocks) "
           f"at http://{host}:{port}/v1", flush=True)
     try:
-        app = build_app(engine, model_name, api_key)
-        server = uvicorn.Server(uvicorn.Config(app, log_level="info", access_log=access_log,
-                                               timeout_keep_alive=30))
-        # uvicorn re-raises the signal that stopped it once it has drained; a no-op handler
-        # here makes that a normal return, so the engine is shut down and the exit code is 0.
+        app = build_app(engine, model_name, api_key, chat_options, options)
+        server = _DrainingServer(uvicorn.Config(app, log_level="info", access_log=access_log, timeout_keep_alive=30,
+                                                timeout_graceful_shutdown=_FAILED_STREAMS_GRACE_S),
+                                 app.state.lifecycle)
+        # uvicorn re-raises a signal that stopped it; a no-op handler makes that a normal return.
         previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             server.run(sockets=[sock])
@@ -162,6 +286,26 @@ def run_server(config: EngineConfig, host: str, port: int, model_name: str, api_
     finally:
         engine.shutdown()
         sock.close()
+    return app.state.lifecycle.exit_code
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose first SIGTERM/SIGINT starts our drain instead of its shutdown."""
+
+    def __init__(self, config: uvicorn.Config, lifecycle: ServerLifecycle):
+        super().__init__(config)
+        self.lifecycle = lifecycle
+        lifecycle.stop = self._stop
+
+    def _stop(self) -> None:
+        self.should_exit = True
+
+    def handle_exit(self, sig, frame) -> None:
+        lifecycle = self.lifecycle
+        if lifecycle.loop is None or lifecycle.state.draining or self.should_exit:
+            super().handle_exit(sig, frame)  # not started yet, or a second signal: stop now
+        else:
+            lifecycle.loop.call_soon_threadsafe(lifecycle.begin_drain)
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -68,11 +68,12 @@ def free_port() -> int:
 
 
 def rank_model(config: EngineConfig, model: ResolvedModel, rank: int) -> ResolvedModel:
-    """The model part as rank `rank` sees it: GPUs are numbered per node."""
+    """The model part as rank `rank` sees it: GPUs are numbered per node, from the replica's
+    first GPU (cuda:N: a data-parallel replica's offset)."""
     if model.device.type != "cuda":
         return model
     local = rank - config.parallel.node_rank * config.parallel.ranks_per_node
-    return dataclasses.replace(model, device=torch.device("cuda", local))
+    return dataclasses.replace(model, device=torch.device("cuda", (model.device.index or 0) + local))
 
 
 def _join(config: EngineConfig, model: ResolvedModel, rank: int, init_method: str):
