@@ -32,6 +32,15 @@ def _breakdown(phases: dict[str, float]) -> str:
     return ", ".join(f"{name.replace('_', ' ')} {seconds:.1f}" for name, seconds in phases.items())
 
 
+def _spec_rows(stats: dict | None) -> list[tuple[str, str]]:
+    """Acceptance rate and mean accepted length of the timed runs (speculative decoding only)."""
+    if stats is None:
+        return []
+    drafts, proposed, accepted = stats["num_drafts"], stats["num_draft_tokens"], stats["num_accepted_tokens"]
+    return [("spec decode acceptance rate", f"{accepted / proposed:.1%}" if proposed else "no drafts"),
+            ("spec decode mean accepted length", f"{1 + accepted / drafts:.2f}" if drafts else "no drafts")]
+
+
 def _show(title: str, rows: list[tuple[str, str]], output_json: Optional[Path], data: dict) -> None:
     table = Table(title=title)
     table.add_column("metric")
@@ -71,6 +80,7 @@ def offline_cmd(
         ("output tok/s", f"{result.output_throughput:,.0f}"),
         ("total tok/s", f"{result.total_throughput:,.0f}"),
         ("requests/s", f"{result.request_throughput:.2f}"),
+        *_spec_rows(result.spec_decode),
         ("start to ready (s)", f"{result.startup_s:.1f}"),
         ("  of which (s)", _breakdown(phases)),
     ], output_json, {"workload": as_json(workload), **as_json(result), "engine_args": engine_kwargs(engine_args),
@@ -85,6 +95,7 @@ def latency_cmd(
     output_len: int = typer.Option(256),
     num_iters: int = typer.Option(3, help="Timed iterations (medians reported)."),
     num_iters_warmup: int = typer.Option(1),
+    prompt_period: Optional[int] = typer.Option(None, help="Repeat a random motif of this many tokens to fill each prompt (a repetitive workload, e.g. for --method ngram)."),
     output_json: Optional[Path] = typer.Option(None, help="Write the result as JSON."),
     engine_args: dict = None,
 ):
@@ -94,7 +105,8 @@ def latency_cmd(
     if min(batch_size, input_len, output_len, num_iters) < 1 or num_iters_warmup < 0:
         raise ValueError("--batch-size, --input-len, --output-len and --num-iters must be >= 1")
     engine, startup = _start_engine(engine_args)
-    r = run_latency(engine, batch_size, input_len, output_len, num_iters, num_iters_warmup, startup_s=startup)
+    r = run_latency(engine, batch_size, input_len, output_len, num_iters, num_iters_warmup, startup_s=startup,
+                    prompt_period=prompt_period)
     phases = _startup_phases(engine, startup)
     ms = lambda s: f"{s * 1000:.2f}"  # noqa: E731
     _show(f"atomctl bench latency (bs={batch_size}, in={input_len}, out={output_len})", [
@@ -102,6 +114,7 @@ def latency_cmd(
         ("TPOT ms", ms(r.tpot_s)),
         ("end-to-end ms mean / median / p99", f"{ms(r.e2e_s['mean'])} / {ms(r.e2e_s['median'])} / {ms(r.e2e_s['p99'])}"),
         ("output tok/s", f"{r.output_tokens_per_s:,.1f}"),
+        *_spec_rows(r.spec_decode),
         ("start to ready (s)", f"{r.startup_s:.1f}"),
         ("  of which (s)", _breakdown(phases)),
     ], output_json, {**as_json(r), "engine_args": engine_kwargs(engine_args), "startup_breakdown_s": phases})

@@ -5,7 +5,9 @@ Workloads reproduce the reference runs exactly (see ANCHORS in the docs):
   that many ids randint(0, 10000); then per request max_tokens randint(min_out, max_out);
   temperature 0.6, ignore_eos. Defaults give 256 requests and 133,966 output tokens.
 - latency: batch B of `input_len` random ids, greedy, ignore_eos; TTFT = median time of a
-  max_tokens=1 run; TPOT = (median T(output_len) - TTFT) / (output_len - 1).
+  max_tokens=1 run; TPOT = (median T(output_len) - TTFT) / (output_len - 1). prompt_period P:
+  each prompt repeats a random P-token motif instead (a repetitive workload for n-gram drafts).
+With speculative decoding, each result carries the timed runs' acceptance counters (`spec_decode`).
 """
 from __future__ import annotations
 
@@ -56,6 +58,7 @@ class ThroughputResult:
     output_throughput: float
     total_throughput: float
     request_throughput: float
+    spec_decode: dict | None = None  # acceptance over the timed run (speculative decoding)
 
 
 def run_throughput(engine, workload: ThroughputWorkload, startup_s: float = 0.0) -> ThroughputResult:
@@ -66,13 +69,25 @@ def run_throughput(engine, workload: ThroughputWorkload, startup_s: float = 0.0)
     # A run before this one on the same engine (another window size, say) left these prompts
     # in the prefix cache: its prefill would be free and the number ~25% too high.
     engine.reset_prefix_cache()
+    before = engine.spec_decode_stats()
     start = time.perf_counter()
     outputs = engine.generate(prompts, params)
     elapsed = time.perf_counter() - start
     n_in = sum(len(p) for p in prompts)
     n_out = sum(o["num_tokens_output"] for o in outputs)
     return ThroughputResult(len(prompts), n_in, n_out, elapsed, startup_s, n_out / elapsed,
-                            (n_in + n_out) / elapsed, len(prompts) / elapsed)
+                            (n_in + n_out) / elapsed, len(prompts) / elapsed, _spec_delta(engine, before))
+
+
+def _spec_delta(engine, before: dict) -> dict | None:
+    """Acceptance counters gained since `before` (None without speculative decoding)."""
+    if engine.config.speculative.method is None:
+        return None
+    after = engine.spec_decode_stats()
+    per_position = [a - (before["accepted_per_position"][i] if i < len(before["accepted_per_position"]) else 0)
+                    for i, a in enumerate(after["accepted_per_position"])]
+    return {**{k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")},
+            "accepted_per_position": per_position}
 
 
 def _stats(values: list[float]) -> dict[str, float]:
@@ -92,18 +107,24 @@ class LatencyResult:
     e2e_s: dict = field(default_factory=dict)
     tpot_s: float = 0.0
     output_tokens_per_s: float = 0.0
+    spec_decode: dict | None = None  # acceptance over the timed end-to-end runs (speculative decoding)
 
 
 def run_latency(engine, batch_size: int, input_len: int, output_len: int, num_iters: int = 3,
-                num_warmup: int = 1, seed: int = 0, startup_s: float = 0.0) -> LatencyResult:
+                num_warmup: int = 1, seed: int = 0, startup_s: float = 0.0,
+                prompt_period: int | None = None) -> LatencyResult:
     if batch_size < 1 or input_len < 1 or output_len < 1 or num_iters < 1 or num_warmup < 0:
         raise ValueError("batch_size, input_len, output_len and num_iters must be >= 1, num_warmup >= 0")
+    if prompt_period is not None and not 1 <= prompt_period <= input_len:
+        raise ValueError(f"invalid prompt_period={prompt_period}: must be in [1, input_len={input_len}]")
     rng = random.Random(seed)
     max_id = min(10000, engine.core.vocab_size - 1)
+    period = prompt_period or input_len
 
     def timed(max_tokens: int) -> float:
         # Fresh prompts every run: repeated ones would be prefix-cache hits and skip the prefill.
-        prompts = [[rng.randint(0, max_id) for _ in range(input_len)] for _ in range(batch_size)]
+        motifs = [[rng.randint(0, max_id) for _ in range(period)] for _ in range(batch_size)]
+        prompts = [(m * (input_len // period + 1))[:input_len] for m in motifs]
         params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=max_tokens)
         start = time.perf_counter()
         engine.generate(prompts, params)
@@ -112,11 +133,12 @@ def run_latency(engine, batch_size: int, input_len: int, output_len: int, num_it
     for _ in range(num_warmup):
         timed(output_len)
     ttfts = [timed(1) for _ in range(num_iters)]
+    before = engine.spec_decode_stats()
     e2es = [timed(output_len) for _ in range(num_iters)]
     ttft = statistics.median(ttfts)
     tpot = (statistics.median(e2es) - ttft) / max(output_len - 1, 1)
     return LatencyResult(batch_size, input_len, output_len, num_iters, startup_s, _stats(ttfts), _stats(e2es),
-                         tpot, batch_size * output_len / statistics.median(e2es))
+                         tpot, batch_size * output_len / statistics.median(e2es), _spec_delta(engine, before))
 
 
 def as_json(result) -> dict:

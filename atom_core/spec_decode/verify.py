@@ -8,9 +8,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from atom_core.model_ops.forward_context import AttentionMetadata
 from atom_core.model_ops.sampler import SamplingBatch
 from atom_core.scheduler_output import SchedulerOutput
-from atom_core.worker.batch_builder import FlatBatch, _to_device, build_sampling_batch
+from atom_core.worker.batch_builder import (FlatBatch, _block_table_array, _to_device, build_sampling_batch,
+                                            slot_of)
 from atom_core.worker.input_batch import RequestState
 
 
@@ -65,3 +67,54 @@ def emitted_logprobs(logits: torch.Tensor, rows: VerifyRows, tokens: list[list[i
             tops = [{} for _ in toks]
         result[i] = list(zip(chosen, tops))
     return result
+
+
+def build_padded_verify_batch(out: SchedulerOutput, states: list[RequestState], query_len: int, block_size: int,
+                              device: torch.device) -> FlatBatch:
+    """A decode step whose requests verify up to query_len - 1 drafts each, laid out as exactly
+    query_len rows per request so a CUDA graph can run it: a request with fewer drafts gets
+    padding rows (token 0, slot -1: no KV stored, logits not read). Every request's seq_len is
+    its position + query_len, so the causal rows line up; real rows attend only to real KV.
+    The caller checks that each request decodes and position + query_len <= max_model_len."""
+    q = query_len
+    input_ids, positions, slots, logit_rows, sample_rows, seq_lens = [], [], [], [], [], []
+    for i, (state, extra) in enumerate(zip(states, out.extra_tokens)):
+        start, table = state.num_computed_tokens, state.block_ids
+        tokens = [state.token_at(start), *extra]
+        assert tokens[0] is not None, "a verify step needs its pending token on the host"
+        sample_rows.append(len(logit_rows))
+        for j in range(q):
+            positions.append(start + j)
+            if j < len(tokens):
+                input_ids.append(tokens[j])
+                slots.append(slot_of(table, start + j, block_size))
+                logit_rows.append(i * q + j)
+            else:
+                input_ids.append(0)
+                slots.append(-1)
+        seq_lens.append(start + q)
+    num = len(states)
+    attn = AttentionMetadata(
+        query_start_loc=_to_device(np.arange(num + 1, dtype=np.int32) * q, device),
+        seq_lens=_to_device(np.array(seq_lens, dtype=np.int32), device),
+        # padding rows may sit past a request's last block: they read block 0 there
+        block_tables=_to_device(_block_table_array(
+            [s.block_ids + [0] * (-(-length // block_size) - len(s.block_ids)) for s, length in zip(states, seq_lens)]),
+            device),
+        slot_mapping=_to_device(np.array(slots, dtype=np.int64), device),
+        max_query_len=q,
+        max_seq_len=max(seq_lens),
+    )
+    return FlatBatch(
+        input_ids=_to_device(np.array(input_ids, dtype=np.int64), device),
+        positions=_to_device(np.array(positions, dtype=np.int64), device),
+        attn=attn,
+        logit_rows=_to_device(np.array(logit_rows, dtype=np.int64), device),
+        sample_rows=sample_rows,
+        sample_seq_idx=list(range(num)),
+        prompt_logprob_spans=[],
+        num_tokens=num * q,
+        placeholder_rows=[],
+        placeholder_seqs=[],
+        verify_query_len=q,
+    )

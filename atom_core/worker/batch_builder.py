@@ -31,6 +31,7 @@ class FlatBatch:
     placeholder_rows: list[int]  # flat rows whose input token is still on the GPU
     placeholder_seqs: list[int]  # the batch index of each such row's sequence
     logits_all_rows: bool = False  # every row needs logits, in order (decode): skip the gather
+    verify_query_len: int = 0  # > 0: a speculative verify step padded to this many rows per request (graphs)
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:

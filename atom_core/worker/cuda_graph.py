@@ -5,6 +5,10 @@ buffers sized for the largest. A batch of B decode tokens replays the graph of t
 captured size >= B: the real rows are copied into the buffers, padded rows point at slot -1
 (their KV is never stored) and read one cached token (their output is ignored). Attention
 inside a graph sizes its grid from max_model_len, so any context length replays correctly.
+
+Speculative decoding verifies 1 + k tokens per request: a runner built with query_len = 1 + k
+captures batches of that many tokens per request (sizes count requests; a graph of bs requests
+runs bs * query_len tokens, and query_start_loc steps by query_len).
 """
 from __future__ import annotations
 
@@ -39,18 +43,19 @@ class CUDAGraphRunner:
     """
 
     def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], sizes: tuple[int, ...],
-                 max_model_len: int, block_size: int, device: torch.device, profiler=None):
+                 max_model_len: int, block_size: int, device: torch.device, profiler=None, query_len: int = 1):
         self.forward = forward
         self.profiler = profiler
         self.max_model_len = max_model_len
+        self.query_len = q = query_len
         self.sizes = tuple(sorted(sizes))
         self.max_bs = self.sizes[-1]
         max_blocks = (max_model_len + block_size - 1) // block_size
-        self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((self.max_bs,), -1, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(self.max_bs, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(self.max_bs + 1, dtype=torch.int32, device=device)
+        self.input_ids = torch.zeros(self.max_bs * q, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(self.max_bs * q, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((self.max_bs * q,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.full((self.max_bs,), q, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(self.max_bs + 1, dtype=torch.int32, device=device) * q
         self.block_tables = torch.zeros(self.max_bs, max_blocks, dtype=torch.int32, device=device)
         self.row_ids = torch.arange(self.max_bs, dtype=torch.int32, device=device)
         self.seq_order = self.row_ids.clone()  # padding rows keep their own index, last
@@ -70,8 +75,8 @@ class CUDAGraphRunner:
             query_start_loc=self.query_start_loc[: bs + 1],
             seq_lens=self.seq_lens[:bs],
             block_tables=self.block_tables[:bs],
-            slot_mapping=self.slot_mapping[:bs],
-            max_query_len=1,
+            slot_mapping=self.slot_mapping[: bs * self.query_len],
+            max_query_len=self.query_len,
             max_seq_len=self.max_model_len,
             seq_order=self.seq_order[:bs],
         )
@@ -82,14 +87,15 @@ class CUDAGraphRunner:
         model, profiler = self.forward, self.profiler
         for bs in reversed(self.sizes):  # largest first: later graphs reuse its pool memory
             meta = self._metadata(bs)
+            tokens = bs * self.query_len
             with set_attention_metadata(meta):
-                model(self.input_ids[:bs], self.positions[:bs])  # warm-up (compiles, autotunes)
+                model(self.input_ids[:tokens], self.positions[:tokens])  # warm-up (compiles, autotunes)
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
 
-                def capture(graph=graph, bs=bs):
+                def capture(graph=graph, bs=bs, tokens=tokens):
                     with torch.cuda.graph(graph, pool=self.pool):
-                        self.outputs[bs] = model(self.input_ids[:bs], self.positions[:bs])
+                        self.outputs[bs] = model(self.input_ids[:tokens], self.positions[:tokens])
 
                 if profiler is not None:
                     profiler.record_graph_capture(bs, capture)
@@ -100,16 +106,19 @@ class CUDAGraphRunner:
             self.graphs[bs] = graph
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
-        logger.info("captured %d CUDA graphs (bs %d..%d) in %.1f s", len(self.sizes), self.sizes[0], self.max_bs, self.capture_seconds)
+        logger.info("captured %d CUDA graphs (bs %d..%d, %d tokens each) in %.1f s", len(self.sizes), self.sizes[0],
+                    self.max_bs, self.query_len, self.capture_seconds)
 
     def replay(self, flat: "FlatBatch", inputs_only: bool = False) -> torch.Tensor:
         """inputs_only: keep the block tables and padding of the previous replay (same batch)."""
-        bs = flat.num_tokens
+        q = self.query_len
+        tokens = flat.num_tokens
+        bs = tokens // q
         padded = self.padded_size(bs)
         meta = flat.attn
-        self.input_ids[:bs].copy_(flat.input_ids, non_blocking=True)
-        self.positions[:bs].copy_(flat.positions, non_blocking=True)
-        self.slot_mapping[:bs].copy_(meta.slot_mapping, non_blocking=True)
+        self.input_ids[:tokens].copy_(flat.input_ids, non_blocking=True)
+        self.positions[:tokens].copy_(flat.positions, non_blocking=True)
+        self.slot_mapping[:tokens].copy_(meta.slot_mapping, non_blocking=True)
         self.seq_lens[:bs].copy_(meta.seq_lens, non_blocking=True)
         if not inputs_only:
             if meta.seq_order is not None:
@@ -120,7 +129,7 @@ class CUDAGraphRunner:
             self.block_tables[:bs, :width].copy_(meta.block_tables, non_blocking=True)
             if padded > bs:
                 self.seq_order[bs:padded].copy_(self.row_ids[bs:padded], non_blocking=True)
-                self.slot_mapping[bs:padded].fill_(-1)
-                self.seq_lens[bs:padded].fill_(1)
+                self.slot_mapping[tokens : padded * q].fill_(-1)
+                self.seq_lens[bs:padded].fill_(q)
         self.graphs[padded].replay()
-        return self.outputs[padded][:bs]
+        return self.outputs[padded][:tokens]

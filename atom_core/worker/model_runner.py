@@ -28,6 +28,7 @@ from atom_core.model_ops.sampler import Sampler
 from atom_core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from atom_core.spec_decode.proposer import build_proposer, can_speculate
 from atom_core.spec_decode.rejection_sampler import RejectionSampler, emitted_tokens
+from atom_core.spec_decode.verify import build_padded_verify_batch, emitted_logprobs, verify_rows
 from atom_core.worker.batch_builder import FlatBatch, build_flat_batch, build_sampling_batch
 from atom_core.worker.input_batch import InputBatch, RequestState
 
@@ -93,6 +94,7 @@ class ModelRunner:
         self.profiler = profiler
         self.input_batch = InputBatch()
         self.graphs = None
+        self.verify_graphs = None  # speculative decoding: graphs of 1 + k tokens per request
         self.compile_seconds = 0.0
         if config.use_compile:
             from atom_core.worker.compile import compile_model
@@ -111,6 +113,8 @@ class ModelRunner:
             self.graphs = CUDAGraphRunner(self.model, config.capture_sizes, self.max_model_len, self.block_size,
                                           self.device, profiler)
             self.graphs.capture_all()
+            if self.proposer is not None:
+                self._capture_verify_graphs(CUDAGraphRunner)
 
     @property
     def startup_breakdown(self) -> dict[str, float]:
@@ -120,8 +124,30 @@ class ModelRunner:
             "compile_setup": self.compile_seconds,  # importing Dynamo/Inductor; compiling is lazy
             "kv_sizing": self.sizing_seconds,
             "kernel_warm_up": self.warm_up_seconds,
-            "graph_capture": self.graphs.capture_seconds if self.graphs is not None else 0.0,
+            "graph_capture": sum(g.capture_seconds for g in (self.graphs, self.verify_graphs) if g is not None),
         }
+
+    def _capture_verify_graphs(self, runner_cls) -> None:
+        """Verify steps replay graphs too; their sizes count tokens: requests x (1 + k) up to the
+        largest decode capture size, in the decode graphs' memory pool."""
+        q = 1 + self.config.speculative.num_draft_tokens
+        largest = max(self.config.capture_sizes)
+        sizes = tuple(s for s in self.config.capture_sizes if s * q <= largest) or (1,)
+        self.verify_graphs = runner_cls(self.model, sizes, self.max_model_len, self.block_size, self.device,
+                                        self.profiler, query_len=q)
+        self.verify_graphs.pool = self.graphs.pool
+        self.verify_graphs.capture_all()
+
+    def _can_replay_verify(self, out: SchedulerOutput, states: list[RequestState]) -> bool:
+        """A verify step runs as a graph when every request decodes its one known pending token
+        (plus drafts) and its padded rows stay inside max_model_len."""
+        graphs = self.verify_graphs
+        if graphs is None or not out.has_drafts or not graphs.can_run(len(out)):
+            return False
+        q = graphs.query_len
+        return all(n == 1 and s.num_computed_tokens + 1 == s.num_known_tokens
+                   and s.num_computed_tokens + q <= self.max_model_len and s.sampling_params.prompt_logprobs is None
+                   for n, s in zip(out.num_scheduled_tokens, states))
 
     # ---- setup ----------------------------------------------------------------------
     def _num_kv_blocks(self) -> int:
@@ -193,7 +219,10 @@ class ModelRunner:
         the step launched just before, whose samples have not reached the host yet.
         """
         states = self.input_batch.update(out)
-        flat = build_flat_batch(out, states, self.block_size, self.device)
+        if self._can_replay_verify(out, states):
+            flat = build_padded_verify_batch(out, states, self.verify_graphs.query_len, self.block_size, self.device)
+        else:
+            flat = build_flat_batch(out, states, self.block_size, self.device)
         if flat.placeholder_rows:
             self._fill_placeholders(flat, out, previous)
         if out.is_window:
@@ -262,8 +291,6 @@ class ModelRunner:
                        states: list[RequestState], flat: FlatBatch) -> None:
         """Speculative decoding: every sampling request's 1 + k rows go through the rejection
         sampler, which keeps the target's distribution (see spec_decode/rejection_sampler.py)."""
-        from atom_core.spec_decode.verify import verify_rows
-
         rows = verify_rows(out, states, flat, self.vocab_size, self.eos_token_ids, self.device, self.rng)
         if flat.prompt_logprob_spans:
             logits = logits[torch.tensor(rows.logit_rows, device=logits.device)]
@@ -274,8 +301,6 @@ class ModelRunner:
         self._record(pending)
 
     def _resolve_verify(self, pending: PendingStep, result: ModelRunnerOutput) -> None:
-        from atom_core.spec_decode.verify import emitted_logprobs
-
         rows, seq_idx = pending.verify, pending.flat.sample_seq_idx
         tokens = emitted_tokens(pending.sampled_host.tolist(), rows.first_rows, rows.drafts)
         for i, toks in zip(seq_idx, tokens):
@@ -342,6 +367,8 @@ class ModelRunner:
 
     def _forward(self, flat: FlatBatch, out: SchedulerOutput, inputs_only: bool = False) -> torch.Tensor:
         """inputs_only: the block tables are those of the last replay (later steps of a window)."""
+        if flat.verify_query_len:
+            return self.verify_graphs.replay(flat)
         if self.graphs is not None and out.is_decode_only and self.graphs.can_run(len(out)):
             return self.graphs.replay(flat, inputs_only)
         with set_attention_metadata(flat.attn):

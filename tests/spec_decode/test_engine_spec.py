@@ -180,3 +180,33 @@ class TestOptions:
 
         result = CliRunner().invoke(app, ["generate", "--method", "mtp", "--num-speculative-tokens", "1", "hi"])
         assert result.exit_code != 0 and "--method" in result.output
+
+
+class _EagerReplay:
+    """Stands in for the verify CUDA graphs on the CPU: runs the same padded flat batch eagerly."""
+
+    def __init__(self, model, query_len: int):
+        self.model, self.query_len = model, query_len
+
+    def can_run(self, batch_size: int) -> bool:
+        return True
+
+    def replay(self, flat):
+        from atom_core.model_ops.forward_context import set_attention_metadata
+
+        with set_attention_metadata(flat.attn):
+            return self.model(flat.input_ids, flat.positions)
+
+
+def test_padded_verify_layout_of_the_graphs_is_exact(tiny_llama, reference):
+    """Verify steps laid out for CUDA graphs (1 + k rows per request, missing drafts padded)."""
+    ps, plain = reference
+    engine = LLMEngine(str(tiny_llama), **NGRAM)
+    runner = engine.core.executor.runner
+    runner.verify_graphs = _EagerReplay(runner.model, 1 + NGRAM["num_speculative_tokens"])
+    calls = []
+    build = runner._can_replay_verify
+    runner._can_replay_verify = lambda out, states: calls.append(build(out, states)) or calls[-1]
+    assert [o["token_ids"] for o in engine.generate(ps, GREEDY)] == plain
+    assert any(calls) and engine.spec_decode_stats()["num_accepted_tokens"] > 0
+    assert engine.core.kv.num_free_blocks == engine.core.kv.num_blocks
