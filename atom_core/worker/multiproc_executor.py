@@ -15,6 +15,7 @@ dead peer) the process exits after a grace period rather than hang.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
@@ -123,6 +124,7 @@ class MultiprocExecutor(Executor):
             self.shutdown()
             raise
         self.num_kv_blocks = self.runner.num_kv_blocks
+        atexit.register(self.shutdown)  # scripts that never call LLMEngine.shutdown()
         logger.info("tensor parallel over %d ranks (%d on this node) via %s", par.world_size, len(par.local_ranks),
                     init_method)
 
@@ -185,6 +187,7 @@ class MultiprocExecutor(Executor):
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self.shutdown)
         alive = all(p.poll() is None for p in self.workers.values())
         if alive and self.dead_reason is None and hasattr(self, "broadcaster"):
             try:

@@ -28,10 +28,18 @@ def _hf(path):
 ])
 def test_tp2_engine_equals_hf(tiny_dist_models, arch, options):
     path = tiny_dist_models(arch)
+    # Every rank samples for itself (same seeds, the same gathered logits): they must agree, or
+    # the workers would feed themselves other tokens than rank 0 returns.
+    sampled = [SamplingParams(temperature=0.9, top_p=0.9, seed=s, max_tokens=MAX_TOKENS, ignore_eos=True)
+               for s in range(len(PROMPTS))]
+    single = LLMEngine(str(path), kv_cache_memory_gb=0.02,
+                       **{k: v for k, v in options.items() if k != "enable_expert_parallel"})
+    reference = [o["token_ids"] for o in single.generate(PROMPTS, sampled)]
     engine = LLMEngine(str(path), tensor_parallel_size=2, kv_cache_memory_gb=0.02, **options)
     try:
         outputs = engine.generate(PROMPTS, GREEDY)
         assert [o["token_ids"] for o in outputs] == _hf(path)
+        assert [o["token_ids"] for o in engine.generate(PROMPTS, sampled)] == reference
         assert engine.core.kv.num_free_blocks == engine.core.kv.num_blocks
     finally:
         engine.shutdown()

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks, a short table last.
-# Usage: bash tests/gpu/suite.sh [all|tests|bench-small|bench-8b|final]  (carry .whl for the server wheels)
+# Usage: bash tests/gpu/suite.sh [all|tests|bench-small|bench-8b|final|tp]  (carry .whl for the server wheels)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -210,6 +210,21 @@ case $mode in
     mx=(--model preset:Mixtral-8x7B --load-format dummy --max-model-len 4096)
     step lat-mixtral-bs1 200 python3 -m atomctl.main bench latency "${mx[@]}" --bs 1 --output-json "$OUT/lat_mixtral_bs1.json"
     step off-mixtral 200 python3 -m atomctl.main bench offline "${mx[@]}" --output-json "$OUT/off_mixtral.json" ;;
+  tp)  # issue 18 on nvidia-h200-x2: TP=2 vs TP=1 parity (eager, graphs, compile), then TP=1/TP=2 and TP/EP speed (dummy weights)
+    l8=(--model preset:Llama-3-8B --load-format dummy --max-model-len 4096)
+    l70=(--model preset:Llama-3.1-70B --load-format dummy --max-model-len 4096)
+    a3b=(--model preset:Qwen3-30B-A3B --load-format dummy --max-model-len 4096)
+    step tp-gpu-tests 300 python3 -m pytest -q --tb=short tests/distributed/test_tp_gpu.py -p no:cacheprovider
+    step lat-l8-tp1-bs1 100 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-json "$OUT/lat_l8_tp1_bs1.json"
+    step lat-l8-tp2-bs1 150 python3 -m atomctl.main bench latency "${l8[@]}" -tp 2 --bs 1 --output-json "$OUT/lat_l8_tp2_bs1.json"
+    step off-l8-tp2 200 python3 -m atomctl.main bench offline "${l8[@]}" -tp 2 --output-json "$OUT/off_l8_tp2.json"
+    step lat-l70-tp2-bs1 300 python3 -m atomctl.main bench latency "${l70[@]}" -tp 2 --bs 1 --output-json "$OUT/lat_l70_tp2_bs1.json"
+    step off-l70-tp2 300 python3 -m atomctl.main bench offline "${l70[@]}" -tp 2 --output-json "$OUT/off_l70_tp2.json"
+    step off-a3b-tp2 250 python3 -m atomctl.main bench offline "${a3b[@]}" -tp 2 --output-json "$OUT/off_a3b_tp2.json"
+    step off-a3b-ep2 250 python3 -m atomctl.main bench offline "${a3b[@]}" -tp 2 --enable-expert-parallel --output-json "$OUT/off_a3b_ep2.json" ;;
+  specdec)  # issue 15: n-gram speculation, Llama-3-8B (dummy): bf16 greedy parity in graphs, batch-1 TPOT on a repetitive workload with/without drafts, verify-step cost k=0..4; then the default engine on the same workload
+    step specdec-l8 230 python3 tests/gpu/spec_decode_bench.py preset:Llama-3-8B --k 4 --out "$OUT/specdec_l8.json"
+    step lat-l8-period16 110 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --input-len 512 --output-len 128 --prompt-period 16 --num-iters 2 --output-json "$OUT/lat_l8_period16.json" ;;
   *) ;;
 esac
 echo "=== summary"

@@ -1,0 +1,33 @@
+"""Tensor parallelism on two GPUs (NCCL): TP=2 equals TP=1 in float32, eagerly and with CUDA
+graphs / torch.compile around the all-reduce; expert parallelism equals the TP=1 MoE."""
+import pytest
+import torch
+
+from atom_core import LLMEngine, SamplingParams
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def _prompts(n=12, vocab=300):
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(3, vocab, (int(l),), generator=g).tolist() for l in torch.randint(1, 200, (n,), generator=g)]
+
+
+def _tokens(path, **options):
+    engine = LLMEngine(str(path), device="cuda", dtype="float32", num_kv_blocks=512, max_num_batched_tokens=256,
+                       **options)
+    try:
+        return [o["token_ids"] for o in engine.generate(_prompts(), GREEDY)]
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("arch,extra", [("llama", {}), ("qwen3_moe", {}), ("qwen3_moe", {"enable_expert_parallel": True})])
+def test_tp2_equals_tp1_in_fp32(tiny_dist_models, arch, extra):
+    path = tiny_dist_models(arch)
+    reference = _tokens(path, enforce_eager=True)
+    for compile_options in ({"enforce_eager": True}, {"level": 1}, {"level": 3}):  # eager, graphs, compile + graphs
+        assert _tokens(path, tensor_parallel_size=2, **extra, **compile_options) == reference, compile_options
