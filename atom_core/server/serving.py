@@ -12,8 +12,10 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
+from functools import partial
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -21,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from atom_core.engine.async_engine import AsyncEngine, EngineDeadError
 from atom_core.engine.output_processor import RequestState
 from atom_core.sampling_params import SamplingParams
+from atom_core.server.chat_output import ChatOptions, ChatOutputParser
 from atom_core.server.logprobs import LogprobFormatter
 from atom_core.server.metrics import ServerMetrics
 from atom_core.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
@@ -38,6 +41,8 @@ class EngineRequest:
     prompt_text: str | None
     prompt_ids: list[int]
     params: SamplingParams
+    output: ChatOutputParser | None = None  # chat: reasoning / tool-call parsing of the text
+    arrival_time: float | None = None  # the HTTP request's (perf_counter), stamped by RequestGuard
 
 
 def sse(data: dict | str) -> str:
@@ -45,8 +50,8 @@ def sse(data: dict | str) -> str:
 
 
 def engine_error(e: Exception) -> APIError:
-    if isinstance(e, EngineDeadError):
-        return APIError(str(e), 503, "server_error", code="engine_dead")
+    if isinstance(e, EngineDeadError):  # engine_dead, or server_shutting_down
+        return APIError(str(e), 503, "server_error", code=e.code)
     if isinstance(e, ValueError):
         return APIError(str(e))
     return APIError(f"internal error: {type(e).__name__}: {e}", 500, "server_error")
@@ -55,19 +60,28 @@ def engine_error(e: Exception) -> APIError:
 class OpenAIServing:
     """Chat and text completions over an AsyncEngine (runs on the event loop only)."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics):
+    def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics,
+                 chat_options: ChatOptions | None = None):
+        self.chat_options = chat_options or ChatOptions()
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
         self.tokenizer = engine.tokenizer
         self.logprobs = LogprobFormatter(engine.tokenizer)
+        # Chat templates and tokenization run here, off the event loop (a huge prompt must not
+        # stall /health and every stream); one thread, as a tokenizer is not safe to share.
+        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="atom-tokenize")
+
+    async def _off_loop(self, fn, *args, **kwargs):
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, partial(fn, *args, **kwargs))
 
     # ---- endpoints --------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self._check_model(req.model)
-        text = self._apply_chat_template(req)
-        ids = self._require_tokenizer("chat completions").encode(text, add_special_tokens=False)
-        subs = self._engine_requests("chatcmpl", req, [(text, ids)])
+        text = await self._off_loop(self._apply_chat_template, req)
+        ids = await self._off_loop(self._require_tokenizer("chat completions").encode, text, add_special_tokens=False)
+        subs = _stamped(self._engine_requests("chatcmpl", req, [(text, ids)]), raw)
+        self._add_output_parsers(req, subs)
         response_id = subs[0].request_id.rsplit("-", 1)[0]
         if req.stream:
             return self._stream(self._chat_chunks(response_id, req, subs))
@@ -77,8 +91,8 @@ class OpenAIServing:
 
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
         self._check_model(req.model)
-        prompts = [self._completion_prompt(p) for p in req.prompts]
-        subs = self._engine_requests("cmpl", req, prompts)
+        prompts = await self._off_loop(lambda: [self._completion_prompt(p) for p in req.prompts])
+        subs = _stamped(self._engine_requests("cmpl", req, prompts), raw)
         response_id = subs[0].request_id.rsplit("-", 1)[0]
         if req.stream:
             return self._stream(self._completion_chunks(response_id, req, subs))
@@ -97,6 +111,15 @@ class OpenAIServing:
             raise APIError(f"{what} need a tokenizer; this model has none (start the server with --tokenizer)")
         return self.tokenizer
 
+    def _add_output_parsers(self, req: ChatCompletionRequest, subs: list[EngineRequest]) -> None:
+        for sub in subs:
+            try:
+                sub.output = self.chat_options.output_parser(req, sub.prompt_text or "")
+            except ValueError as e:
+                raise APIError(str(e), param="tool_choice") from None
+            if self.chat_options.needs_special_tokens(sub.output):
+                sub.params.skip_special_tokens = False  # the parser reads the format's special tokens
+
     def _apply_chat_template(self, req: ChatCompletionRequest) -> str:
         tok = self._require_tokenizer("chat completions")
         if not getattr(tok, "chat_template", None):
@@ -104,6 +127,7 @@ class OpenAIServing:
         try:
             return tok.apply_chat_template([m.for_template() for m in req.messages], tokenize=False,
                                            add_generation_prompt=req.add_generation_prompt,
+                                           tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
                                            **(req.chat_template_kwargs or {}))
         except Exception as e:  # noqa: BLE001 - template errors (jinja raise_exception, bad kwargs) are the client's
             raise APIError(f"cannot apply the chat template: {type(e).__name__}: {e}", param="messages") from None
@@ -156,7 +180,8 @@ class OpenAIServing:
     async def _pump(self, sub: EngineRequest, updates: asyncio.Queue) -> None:
         state = None
         try:
-            async with aclosing(self.engine.generate(sub.request_id, sub.prompt_ids, sub.params, sub.prompt_text)) as gen:
+            async with aclosing(self.engine.generate(sub.request_id, sub.prompt_ids, sub.params, sub.prompt_text,
+                                                  sub.arrival_time)) as gen:
                 async for state in gen:
                     updates.put_nowait((sub, state))
         except Exception as e:  # noqa: BLE001 - handed to the consumer, which turns it into an error body
@@ -200,8 +225,9 @@ class OpenAIServing:
         logprobs = None
         if req.logprobs:
             logprobs = {"content": self.logprobs.chat(state.token_ids, state.logprobs, req.top_logprobs or 0)}
-        return {"index": sub.index, "message": {"role": "assistant", "content": state.text},
-                "logprobs": logprobs, "finish_reason": state.finish_reason}
+        message = sub.output.message(state.text) if sub.output else {"role": "assistant", "content": state.text}
+        return {"index": sub.index, "message": message, "logprobs": logprobs,
+                "finish_reason": _chat_finish_reason(sub, state)}
 
     def _completion_choice(self, sub: EngineRequest, state: RequestState, req: CompletionRequest) -> dict:
         text, ids, entries = state.text, list(state.token_ids), list(state.logprobs)
@@ -233,9 +259,14 @@ class OpenAIServing:
             if req.logprobs:
                 entries = state.logprobs[start : start + len(ids)]
                 logprobs = {"content": self.logprobs.chat(ids, entries, req.top_logprobs or 0)}
-            delta = {"content": text} if text else {}
+            if sub.output is not None:  # the text released so far (stop strings held back), parsed
+                delta = sub.output.delta(state.text[: state.sent_chars], state.finished)
+                if not delta and not state.finished and not logprobs:
+                    continue  # all of it held back (a marker still arriving)
+            else:
+                delta = {"content": text} if text else {}
             yield sse(head | {"choices": [{"index": sub.index, "delta": delta, "logprobs": logprobs,
-                                           "finish_reason": state.finish_reason if state.finished else None}]})
+                                           "finish_reason": _chat_finish_reason(sub, state) if state.finished else None}]})
             if state.finished:
                 final[sub.index] = state
         if req.include_usage:
@@ -266,6 +297,20 @@ class OpenAIServing:
         if req.include_usage:
             yield sse(head | {"choices": [], "usage": self._usage(subs, [final[s.index] for s in subs])})
         yield sse("[DONE]")
+
+
+def _chat_finish_reason(sub: EngineRequest, state: RequestState) -> str | None:
+    """"tool_calls" when the model chose to call tools (auto or required), as OpenAI reports it."""
+    if state.finish_reason == "stop" and sub.output is not None and sub.output.called_tools(state.text):
+        return "tool_calls"
+    return state.finish_reason
+
+
+def _stamped(subs: list[EngineRequest], raw: Request) -> list[EngineRequest]:
+    arrival = getattr(raw.state, "arrival_time", None)
+    for sub in subs:
+        sub.arrival_time = arrival
+    return subs
 
 
 async def _with_error_event(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
