@@ -80,6 +80,8 @@ class PagedMHABackend(AttentionBackend):
 _BACKENDS: dict[tuple[str, str], tuple[str, str]] = {
     ("mha", "cuda"): (__name__, "PagedMHABackend"),
     ("mha", "cpu"): (__name__, "PagedMHABackend"),
+    ("mla", "cuda"): ("atom_core.model_ops.mla", "MLABackend"),
+    ("mla", "cpu"): ("atom_core.model_ops.mla", "MLABackend"),
 }
 _INSTANCES: dict[tuple[str, str], AttentionBackend] = {}
 

@@ -43,6 +43,37 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_mid, mid, scaled)
 
 
+def _yarn_inv_freq(inv_freq: torch.Tensor, rotary_dim: int, base: float, scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN (HF `_compute_yarn_parameters`): frequencies blended between interpolated (/factor)
+    and original over a ramp of dims, and the factor cos/sin are multiplied by (`attention_factor`,
+    else mscale / mscale_all_dim as DeepSeek sets them)."""
+    factor = scaling["factor"]
+    old_len = scaling["original_max_position_embeddings"]
+
+    def get_mscale(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = (get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+                            if mscale and mscale_all_dim else get_mscale(factor))
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return rotary_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    return inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation, float(attention_factor)
+
+
 class RotaryEmbedding(nn.Module):
     """The float32 cos/sin cache [max_position, rotary_dim] RoPE reads; the rotation itself runs
     inside the attention op's fused q/k-norm + RoPE + KV-store kernel (`qkv_rope_store`)."""
@@ -58,9 +89,13 @@ class RotaryEmbedding(nn.Module):
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
         elif kind == "linear":
             inv_freq = inv_freq / scaling["factor"]
+        elif kind == "yarn":
+            inv_freq, attention_factor = _yarn_inv_freq(inv_freq, rotary_dim, base, scaling)
         elif kind is not None:
-            raise ValueError(f"unsupported rope scaling {kind!r}; expected one of: llama3, linear")
+            raise ValueError(f"unsupported rope scaling {kind!r}; expected one of: llama3, linear, yarn")
         t = torch.arange(max_position, dtype=torch.float32, device="cpu")
         freqs = torch.outer(t, inv_freq)
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        if kind == "yarn":
+            cache = cache * attention_factor
         self.register_buffer("cos_sin_cache", cache.to(torch.get_default_device()), persistent=False)

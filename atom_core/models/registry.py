@@ -12,6 +12,8 @@ _MODELS = {
     "Qwen3MoeForCausalLM": ("atom_core.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "MixtralForCausalLM": ("atom_core.models.mixtral", "MixtralForCausalLM"),
     "Glm4MoeForCausalLM": ("atom_core.models.glm4_moe", "Glm4MoeForCausalLM"),
+    "DeepseekV2ForCausalLM": ("atom_core.models.deepseek_v2", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("atom_core.models.deepseek_v2", "DeepseekV3ForCausalLM"),
 }
 
 

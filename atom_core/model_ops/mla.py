@@ -1,0 +1,134 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2): the attention layer over a latent KV
+cache, and its backend (registered for kind "mla" in model_ops/attention_backends).
+
+Per token the cache holds one row of kv_lora_rank + qk_rope_head_dim values (576 for V3): the
+normalised latent c and the roped shared key part r. The backend ropes q and r, stores
+[c, r], and attends in the absorbed form for every row of the flat batch (prefill chunks and
+decode alike): kv_b_proj's key half is folded into the query (q_latent = q_nope @ W_UK), the
+kernel averages latents, and the value half maps the result back (o = o_latent @ W_UV^T).
+Kernels: `mla_attention` of the device's provider (kernels/triton/mla.py, kernels/mla_ref.py).
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from atom_core.kernels import kernel_ops
+from atom_core.model_ops.attention_backends import AttentionBackend, get_attention_backend
+from atom_core.model_ops.forward_context import get_attention_metadata
+from atom_core.model_ops.kv_spec import KVSpec
+from atom_core.model_ops.rotary import RotaryEmbedding
+
+_LAYERS: "weakref.WeakValueDictionary[int, MLAAttention]" = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("atom::mla_attention", mutates_args=())
+def mla_attention_op(q: torch.Tensor, kv_latent: torch.Tensor, k_rope: torch.Tensor, positions: torch.Tensor,
+                     layer_key: torch.Tensor) -> torch.Tensor:
+    """Opaque to torch.compile, as atom::paged_attention: the cache store is a side effect the
+    compiler never sees; the layer (weights, cache views) is looked up by key."""
+    layer = _LAYERS[int(layer_key)]
+    return layer.backend(q.device).forward(layer, q, kv_latent, k_rope, positions)
+
+
+@mla_attention_op.register_fake
+def _(q, kv_latent, k_rope, positions, layer_key):
+    layer = _LAYERS[int(layer_key)]
+    return q.new_empty(q.shape[0], layer.num_heads * layer.v_head_dim)
+
+
+class MLAAttention(nn.Module):
+    """q [T, H, N + R], kv_latent [T, C] (after kv_a_layernorm), k_rope [T, R] (not yet roped)
+    -> [T, H * V] for the flat batch in the forward context.
+
+    `kv_b_proj` is the model's own layer (kept registered where the checkpoint names it; held
+    here through a plain reference); its weight, whatever its quant format, is read back once
+    as W_UK / W_UV for the absorbed form. `interleaved`: the rope dims come in (x0, x1) pairs
+    (DeepSeek's layout) rather than neox halves. The KV spec is kind "mla": one row of C + R.
+    """
+
+    def __init__(self, num_heads: int, qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
+                 kv_lora_rank: int, scale: float, rotary: RotaryEmbedding, kv_b_proj: nn.Module,
+                 interleaved: bool, prefix: str = ""):
+        super().__init__()
+        self.num_heads, self.v_head_dim = num_heads, v_head_dim
+        self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank = qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank
+        self.scale, self.interleaved, self.prefix = scale, interleaved, prefix
+        self._refs = (rotary, kv_b_proj)  # not submodules: their owners register them
+        self.dtype = torch.get_default_dtype()
+        self.kv_spec = KVSpec("mla", 1, kv_lora_rank + qk_rope_head_dim, self.dtype)
+        self.k_cache = self.v_cache = torch.empty(0)
+        self.w_uk: torch.Tensor | None = None  # [H, N, C]
+        self.w_uv_t: torch.Tensor | None = None  # [H, C, V]
+        self._backend: AttentionBackend | None = None
+        self.layer_key = torch.tensor([id(self)], dtype=torch.int64, device="cpu")
+        _LAYERS[id(self)] = self
+
+    @property
+    def rotary(self) -> RotaryEmbedding:
+        return self._refs[0]
+
+    def backend(self, device: torch.device) -> AttentionBackend:
+        if self._backend is None:
+            self._backend = get_attention_backend(self.kv_spec.kind, device)
+        return self._backend
+
+    @torch.no_grad()
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [H, N, C], W_UV^T [H, C, V]) from kv_b_proj, computed on first use (after loading):
+        kv_b_proj(I) is its weight transposed, dequantized by its own quant method."""
+        if self.w_uk is None:
+            kv_b_proj = self._refs[1]
+            eye = torch.eye(self.kv_lora_rank, dtype=self.dtype, device=_device(kv_b_proj))
+            w = kv_b_proj(eye).t().reshape(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, -1)
+            self.w_uk = w[:, :self.qk_nope_head_dim].contiguous()
+            self.w_uv_t = w[:, self.qk_nope_head_dim:].transpose(1, 2).contiguous()
+        return self.w_uk, self.w_uv_t
+
+    def forward(self, q: torch.Tensor, kv_latent: torch.Tensor, k_rope: torch.Tensor,
+                positions: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return mla_attention_op(q, kv_latent, k_rope, positions, self.layer_key)
+        assert self.k_cache.numel(), "KV cache not allocated for this MLA layer"
+        return self.backend(q.device).forward(self, q, kv_latent, k_rope, positions)
+
+
+def _device(module: nn.Module) -> torch.device:
+    return next(module.parameters()).device
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """(x0, x1, x2, x3, ...) -> (x0, x2, ..., x1, x3, ...): DeepSeek's rope pairs as neox halves."""
+    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+
+
+class MLABackend(AttentionBackend):
+    """Absorbed MLA over the paged latent cache. No sliding window, no sinks."""
+
+    name = "mla"
+
+    def __init__(self, device_type: str):
+        super().__init__(device_type)
+        self.ops = kernel_ops(device_type)
+
+    def forward(self, layer: MLAAttention, q: torch.Tensor, kv_latent: torch.Tensor, k_rope: torch.Tensor,
+                positions: torch.Tensor) -> torch.Tensor:
+        meta = get_attention_metadata()
+        num_tokens, nope = q.shape[0], layer.qk_nope_head_dim
+        q_nope, q_rope = q[..., :nope], q[..., nope:]
+        k_rope = k_rope.view(num_tokens, 1, -1)
+        if layer.interleaved:
+            q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
+        q_rope, k_rope = self.ops.rotary_embedding(positions, q_rope.contiguous(), k_rope.contiguous(),
+                                                   layer.rotary.cos_sin_cache)
+        entry = torch.cat([kv_latent.view(num_tokens, 1, -1), k_rope.to(kv_latent.dtype)], dim=-1)
+        self.ops.store_kv_cache(entry, entry, layer.k_cache, layer.k_cache, meta.slot_mapping)
+        w_uk, w_uv_t = layer.absorbed_weights()
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, C], rows strided
+        o_latent = self.ops.mla_attention(q_latent, q_rope.to(q_latent.dtype), layer.k_cache, meta.block_tables,
+                                          meta.query_start_loc, meta.seq_lens, layer.scale, meta.max_query_len,
+                                          meta.max_seq_len)
+        out = torch.bmm(o_latent.transpose(0, 1), w_uv_t)  # [H, T, V]
+        return out.transpose(0, 1).reshape(num_tokens, layer.num_heads * layer.v_head_dim)
