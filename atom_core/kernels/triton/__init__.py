@@ -14,3 +14,6 @@ __all__ = [
 from atom_core.kernels.triton.moe import fused_moe, moe_align_block_size, moe_route  # noqa: E402
 
 __all__ += ["fused_moe", "moe_align_block_size", "moe_route"]
+from atom_core.kernels.triton.mla import mla_attention  # noqa: E402
+
+__all__ += ["mla_attention"]
