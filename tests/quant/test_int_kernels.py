@@ -127,3 +127,35 @@ class TestTritonKernels:
         _, _, scales, qweight = _int4_case(8, 64, 32, False, torch.float32)
         with pytest.raises(ValueError, match="group size"):
             w4a16_gemm(torch.randn(1, 64, device=device), qweight.to(device), scales.to(device), None, 16)
+
+
+def test_kernels_compile_for_hopper():
+    """Compile every kernel for sm_90 without a GPU (Triton ships the NVIDIA toolchain), so a
+    construct the interpreter accepts but the compiler rejects (an int8 dot without an int32
+    out_dtype did) fails on the CPU; the quantization must use IEEE division (div.rn)."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from atom_core.kernels.triton import int8 as k8, w4a16 as k4
+
+    def ptx(fn, sig, consts, **options):
+        src = ASTSource(fn=fn, signature={**sig, **{c: "constexpr" for c in consts}}, constexprs=consts)
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+    quant = ptx(k8._quant_per_token_kernel, {"x_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "K": "i32",
+                                             "stride_xm": "i32", "stride_qm": "i32"}, {"BLOCK_K": 4096}, num_warps=8)
+    assert set(re.findall(r"div\.[a-z.0-9]+", quant)) == {"div.rn.f32"}
+    ptx(k8._int8_mm_kernel, {"a_ptr": "*i8", "b_ptr": "*i8", "sa_ptr": "*fp32", "sb_ptr": "*fp32", "bias_ptr": "*fp32",
+                             "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_am": "i32",
+                             "stride_bn": "i32", "stride_ym": "i32"},
+        {"HAS_BIAS": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256}, num_warps=4, num_stages=4)
+    w4 = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8", "b_ptr": "*bf16", "y_ptr": "*bf16",
+          "N": "i32", "K": "i32", "stride_xm": "i32", "stride_qn": "i32", "stride_sn": "i32", "stride_zn": "i32",
+          "stride_ym": "i32"}
+    ptx(k4._w4a16_gemv_kernel, w4, {"GROUP": 128, "HAS_ZERO": True, "HAS_BIAS": False, "BLOCK_N": 8, "BLOCK_K": 512})
+    ptx(k4._w4a16_mm_kernel, {**w4, "M": "i32"},
+        {"GROUP": 128, "HAS_ZERO": False, "HAS_BIAS": True, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64,
+         "DOT_PRECISION": None, "DOT_IN_FP32": False}, num_warps=4, num_stages=3)

@@ -20,9 +20,11 @@ def _quant_per_token_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK_
     offs = tl.arange(0, BLOCK_K)
     mask = offs < K
     x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.max(tl.abs(x), axis=0) / 127.5
+    # IEEE divisions (div_rn): Triton's `/` on float32 is approximate on the GPU and moved values
+    # across rounding boundaries
+    scale = tl.div_rn(tl.max(tl.abs(x), axis=0), 127.5)
     scale = tl.where(scale == 0.0, 1.0, scale)
-    v = x / scale
+    v = tl.div_rn(x, tl.zeros_like(x) + scale)
     r = tl.floor(v + 0.5)
     tie_to_odd = ((r - v) == 0.5) & ((r - 2.0 * tl.floor(r * 0.5)) != 0.0)  # round half to even
     r = tl.where(tie_to_odd, r - 1.0, r)
@@ -45,7 +47,7 @@ def _int8_mm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, y_ptr, M, N, K, stri
         k = k0 + offs_k
         a = tl.load(a_ptr + offs_m[:, None] * stride_am + k[None, :], mask=mask_m[:, None] & (k < K)[None, :], other=0)
         b = tl.load(b_ptr + offs_n[None, :] * stride_bn + k[:, None], mask=mask_n[None, :] & (k < K)[:, None], other=0)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, out_dtype=tl.int32)
     sa = tl.load(sa_ptr + offs_m, mask=mask_m, other=0.0)
     sb = tl.load(sb_ptr + offs_n, mask=mask_n, other=0.0)
     y = acc.to(tl.float32) * sa[:, None] * sb[None, :]
