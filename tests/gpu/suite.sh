@@ -225,6 +225,8 @@ case $mode in
   specdec)  # issue 15: n-gram speculation, Llama-3-8B (dummy): bf16 greedy parity in graphs, batch-1 TPOT on a repetitive workload with/without drafts, verify-step cost k=0..4; then the default engine on the same workload
     step specdec-l8 230 python3 tests/gpu/spec_decode_bench.py preset:Llama-3-8B --k 4 --out "$OUT/specdec_l8.json"
     step lat-l8-period16 110 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --input-len 512 --output-len 128 --prompt-period 16 --num-iters 2 --output-json "$OUT/lat_l8_period16.json" ;;
+  structured)  # issue 20: structured outputs on CUDA (xgrammar: fetch its wheels with device-wheels.sh xgrammar apache-tvm-ffi)
+    step structured-gpu 300 python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu/test_structured_gpu.py ;;
   *) ;;
 esac
 echo "=== summary"
