@@ -95,8 +95,15 @@ class TestTritonKernels:
         (2, 16, 96, 96, True), (18, 16, 96, 96, False),  # per channel, K not a power of two
         (1, 16, 512, 128, False),  # several groups per GEMV step on the GPU
     ])
-    def test_w4a16_matches_reference(self, device, dtype, m, n, k, group, asym):
+    @pytest.mark.parametrize("factored", [True, False])
+    def test_w4a16_matches_reference(self, device, dtype, m, n, k, group, asym, factored, monkeypatch):
+        from atom_core.kernels.triton import w4a16
         from atom_core.kernels.triton.w4a16 import w4a16_gemm
+
+        if device == "cpu":  # the GEMV's two inner products (on the GPU the autotuner runs both)
+            monkeypatch.setitem(w4a16._GEMV_INTERPRET, "FACTORED", factored)
+        elif not factored:
+            pytest.skip("on the GPU the autotuner's configs cover both")
 
         u, zeros, scales, qweight = _int4_case(n, k, group, asym, dtype, seed=m)
         x = torch.randn(m, k).to(dtype)
@@ -129,6 +136,7 @@ class TestTritonKernels:
             w4a16_gemm(torch.randn(1, 64, device=device), qweight.to(device), scales.to(device), None, 16)
 
 
+@pytest.mark.skipif(INTERPRET, reason="the interpreter replaces the compiled kernels")
 def test_kernels_compile_for_hopper():
     """Compile every kernel for sm_90 without a GPU (Triton ships the NVIDIA toolchain), so a
     construct the interpreter accepts but the compiler rejects (an int8 dot without an int32
@@ -155,7 +163,9 @@ def test_kernels_compile_for_hopper():
     w4 = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8", "b_ptr": "*bf16", "y_ptr": "*bf16",
           "N": "i32", "K": "i32", "stride_xm": "i32", "stride_qn": "i32", "stride_sn": "i32", "stride_zn": "i32",
           "stride_ym": "i32"}
-    ptx(k4._w4a16_gemv_kernel, w4, {"GROUP": 128, "HAS_ZERO": True, "HAS_BIAS": False, "BLOCK_N": 8, "BLOCK_K": 512})
+    for factored in (True, False):
+        ptx(k4._w4a16_gemv_kernel, w4, {"GROUP": 128, "HAS_ZERO": True, "HAS_BIAS": False, "BLOCK_N": 8,
+                                        "BLOCK_K": 512, "FACTORED": factored})
     ptx(k4._w4a16_mm_kernel, {**w4, "M": "i32"},
         {"GROUP": 128, "HAS_ZERO": False, "HAS_BIAS": True, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64,
          "DOT_PRECISION": None, "DOT_IN_FP32": False}, num_warps=4, num_stages=3)

@@ -26,18 +26,24 @@ from atom_core.kernels.triton.common import (
 GEMV_MAX_M = 8
 
 _GEMV_CONFIGS = [
-    triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-    for bn, bk, w, s in [(8, 256, 4, 2), (8, 512, 4, 2), (16, 256, 4, 2), (16, 512, 8, 2), (4, 512, 4, 2)]
+    triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "FACTORED": f}, num_warps=w, num_stages=2)
+    for bn, bk, w, f in [(8, 256, 4, True), (8, 512, 4, True), (16, 256, 4, True), (16, 512, 8, True),
+                         (4, 512, 4, True), (8, 512, 4, False), (16, 256, 4, False)]
 ]
-_GEMV_INTERPRET = {"BLOCK_N": 8, "BLOCK_K": 64}
+_GEMV_INTERPRET = {"BLOCK_N": 8, "BLOCK_K": 64, "FACTORED": True}  # the tile off the GPU (tests flip FACTORED)
+MAGIC = tl.constexpr(0x4B000000)  # float32 bits of 2**23: (u | MAGIC) reinterpreted is 2**23 + u exactly (no int->float convert)
 
 
 @triton.jit
 def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_qn, stride_sn, stride_zn,
                        stride_ym, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FACTORED: tl.constexpr):
     # A K step covers NG whole groups of SUB columns (SUB = min(GROUP, BLOCK_K)), so scales and
     # zeros load once per group as [BLOCK_N, NG] and broadcast over the group's columns.
+    # FACTORED: per group, scale * (sum_k u_k x_k - zero * sum_k x_k), so the per-element work is
+    # unpack + one fma (the scale and zero move out of the inner product); otherwise every element
+    # is dequantized, (u - zero) * scale * x. The autotuner picks per shape (the ALU work per
+    # byte, not the bytes, is what limits a 4-bit GEMV).
     SUB: tl.constexpr = GROUP if GROUP < BLOCK_K else BLOCK_K
     NG: tl.constexpr = BLOCK_K // SUB
     pid_n = tl.program_id(0)
@@ -48,12 +54,18 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, K, stride_x
     shifts = tl.arange(0, 8) * 4
     offs_k = tl.arange(0, BLOCK_K)
     offs_g = tl.arange(0, NG) * SUB
-    acc = tl.zeros([BLOCK_N, NG, SUB], dtype=tl.float32)
+    if FACTORED:
+        acc = tl.zeros([BLOCK_N, NG], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, NG, SUB], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         words = tl.load(qw_ptr + offs_n[:, None] * stride_qn + (k0 // 8 + offs_w)[None, :],
                         mask=mask_n[:, None] & ((k0 + offs_w * 8) < K)[None, :], other=0)
         nib = (words[:, :, None] >> shifts[None, None, :]) & 0xF  # [BLOCK_N, BLOCK_K/8, 8]
-        w = tl.reshape(nib, (BLOCK_N, NG, SUB)).to(tl.float32)
+        if FACTORED:
+            w = tl.reshape(nib | MAGIC, (BLOCK_N, NG, SUB)).to(tl.float32, bitcast=True) - 8388608.0
+        else:
+            w = tl.reshape(nib, (BLOCK_N, NG, SUB)).to(tl.float32)
         g = (k0 + offs_g) // GROUP
         mask_g = mask_n[:, None] & ((k0 + offs_g) < K)[None, :]
         scale = tl.load(s_ptr + offs_n[:, None] * stride_sn + g[None, :], mask=mask_g, other=0.0).to(tl.float32)
@@ -63,8 +75,14 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, K, stride_x
             zero = tl.full([BLOCK_N, NG], 8.0, tl.float32)
         k = k0 + offs_k
         xv = tl.reshape(tl.load(x_ptr + m * stride_xm + k, mask=k < K, other=0.0).to(tl.float32), (1, NG, SUB))
-        acc += (w - zero[:, :, None]) * scale[:, :, None] * xv
-    out = tl.sum(tl.sum(acc, axis=2), axis=1)
+        if FACTORED:
+            acc += scale * (tl.sum(w * xv, axis=2) - zero * tl.sum(xv, axis=2))
+        else:
+            acc += (w - zero[:, :, None]) * scale[:, :, None] * xv
+    if FACTORED:
+        out = tl.sum(acc, axis=1)
+    else:
+        out = tl.sum(tl.sum(acc, axis=2), axis=1)
     if HAS_BIAS:
         out += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     tl.store(y_ptr + m * stride_ym + offs_n, out.to(y_ptr.dtype.element_ty), mask=mask_n)
@@ -94,14 +112,14 @@ def _w4a16_mm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_
         words = tl.load(qw_ptr + offs_n[:, None] * stride_qn + (k0 // 8 + offs_w)[None, :],
                         mask=mask_n[:, None] & ((k0 + offs_w * 8) < K)[None, :], other=0)
         nib = (words[:, :, None] >> shifts[None, None, :]) & 0xF
-        w = tl.trans(tl.reshape(nib, (BLOCK_N, BLOCK_K))).to(tl.float32)  # [BLOCK_K, BLOCK_N]
+        w = tl.trans(tl.reshape(nib | MAGIC, (BLOCK_N, BLOCK_K))).to(tl.float32, bitcast=True)  # 2**23 + u
         g = k0 // GROUP  # BLOCK_K divides GROUP: one group per step
         scale = tl.load(s_ptr + offs_n * stride_sn + g, mask=mask_n, other=0.0).to(tl.float32)
         if HAS_ZERO:
-            zero = tl.load(z_ptr + offs_n * stride_zn + g, mask=mask_n, other=0).to(tl.float32)
+            zero = tl.load(z_ptr + offs_n * stride_zn + g, mask=mask_n, other=0).to(tl.float32) + 8388608.0
         else:
-            zero = tl.full([BLOCK_N], 8.0, tl.float32)
-        w = ((w - zero[None, :]) * scale[None, :]).to(x_ptr.dtype.element_ty)
+            zero = tl.full([BLOCK_N], 8.0 + 8388608.0, tl.float32)
+        w = ((w - zero[None, :]) * scale[None, :]).to(x_ptr.dtype.element_ty)  # exact: both sides are 2**23 + int
         if DOT_IN_FP32:  # the interpreter's bf16 dot is wrong; same rounded operands, fp32 product
             acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision=DOT_PRECISION)
         else:
@@ -113,13 +131,16 @@ def _w4a16_mm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_
 
 
 def _mm_config(m: int, group: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by M; BLOCK_K divides the group size."""
-    block_k = 64 if group % 64 == 0 else 32
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by M; BLOCK_K divides the group size
+    (a power of two >= 32). Small M: narrow N tiles, so N = 4096 still gives 128+ programs (the
+    first H100 run had 64 programs at batch 32, and a 1.7x slower step than bf16)."""
+    if m <= 16:
+        return 16, 32, min(group, 128), 4, 4
     if m <= 32:
-        return 32, 64, block_k, 4, 3
+        return 32, 32, min(group, 128), 4, 4
     if m <= 64:
-        return 64, 64, block_k, 4, 3
-    return 128, 128, block_k, 8, 3
+        return 64, 64, min(group, 64), 4, 3
+    return 128, 128, min(group, 64), 8, 3
 
 
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
