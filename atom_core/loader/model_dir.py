@@ -80,6 +80,20 @@ def _eos_ids(path: Path, hf_config) -> set[int]:
     return ids
 
 
+def _remote_code_config(raw: dict, arch: str):
+    """A trust_remote_code config (model_type unknown to transformers, e.g. Kimi-K2's "kimi_k2")
+    of an architecture whose HF config class transformers has: read with that class, so no
+    remote code runs (and AutoConfig does not prompt for it). None for every other config."""
+    from transformers import CONFIG_MAPPING
+
+    from atom_core.models.registry import native_model_type
+
+    native = native_model_type(arch)
+    if native is None or raw.get("model_type") in CONFIG_MAPPING:
+        return None
+    return CONFIG_MAPPING[native].from_dict({k: v for k, v in raw.items() if k != "auto_map"})
+
+
 def resolve_model_files(model: str, tokenizer: str | None = None) -> ModelFiles:
     from transformers import AutoConfig
 
@@ -90,9 +104,9 @@ def resolve_model_files(model: str, tokenizer: str | None = None) -> ModelFiles:
         raw = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"cannot read config.json of {path}: {e}") from e
-    check_architectures(raw.get("architectures"))
+    arch = check_architectures(raw.get("architectures"))
     try:
-        hf_config = AutoConfig.from_pretrained(str(path))
+        hf_config = _remote_code_config(raw, arch) or AutoConfig.from_pretrained(str(path))
     except (ValueError, KeyError, OSError) as e:
         message = " ".join(str(e).split())  # one line for the CLI
         raise ValueError(f"cannot read config.json of {path}: {message}") from e

@@ -26,7 +26,7 @@ _LAYERS: "weakref.WeakValueDictionary[int, MLAAttention]" = weakref.WeakValueDic
 
 @torch.library.custom_op("atom::mla_attention", mutates_args=())
 def mla_attention_op(q: torch.Tensor, kv_latent: torch.Tensor, k_rope: torch.Tensor, positions: torch.Tensor,
-                     layer_key: torch.Tensor) -> torch.Tensor:
+                     layer_key: torch.Tensor, out_width: int) -> torch.Tensor:
     """Opaque to torch.compile, as atom::paged_attention: the cache store is a side effect the
     compiler never sees; the layer (weights, cache views) is looked up by key."""
     layer = _LAYERS[int(layer_key)]
@@ -34,9 +34,8 @@ def mla_attention_op(q: torch.Tensor, kv_latent: torch.Tensor, k_rope: torch.Ten
 
 
 @mla_attention_op.register_fake
-def _(q, kv_latent, k_rope, positions, layer_key):
-    layer = _LAYERS[int(layer_key)]
-    return q.new_empty(q.shape[0], layer.num_heads * layer.v_head_dim)
+def _(q, kv_latent, k_rope, positions, layer_key, out_width):
+    return q.new_empty(q.shape[0], out_width)
 
 
 class MLAAttention(nn.Module):
@@ -90,7 +89,7 @@ class MLAAttention(nn.Module):
     def forward(self, q: torch.Tensor, kv_latent: torch.Tensor, k_rope: torch.Tensor,
                 positions: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            return mla_attention_op(q, kv_latent, k_rope, positions, self.layer_key)
+            return mla_attention_op(q, kv_latent, k_rope, positions, self.layer_key, self.num_heads * self.v_head_dim)
         assert self.k_cache.numel(), "KV cache not allocated for this MLA layer"
         return self.backend(q.device).forward(self, q, kv_latent, k_rope, positions)
 

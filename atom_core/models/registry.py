@@ -17,6 +17,15 @@ _MODELS = {
 }
 
 
+# Architectures whose checkpoints may carry a trust_remote_code config (their own model_type)
+# that transformers' native config class reads as well: Kimi-K2 ("kimi_k2") is a DeepSeek-V3.
+_NATIVE_MODEL_TYPES = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
+
+
+def native_model_type(architecture: str) -> str | None:
+    return _NATIVE_MODEL_TYPES.get(architecture)
+
+
 def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 

@@ -75,3 +75,45 @@ def profile_kv_budget(run_peak_step: Callable[[], int], utilization: float, grap
             "raise gpu_memory_utilization or lower max_num_batched_tokens"
         )
     return plan.kv_budget
+
+
+def model_weight_bytes(hf_config, dtype: torch.dtype, quant_config=None) -> int:
+    """Bytes this rank's parameters and buffers take: the model built on the meta device (shapes
+    only, nothing allocated), so a model that cannot fit is refused before loading anything."""
+    from atom_core.models.registry import resolve_model_class
+
+    old_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = resolve_model_class(hf_config)(hf_config, quant_config=quant_config)
+    finally:
+        torch.set_default_dtype(old_dtype)
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def check_weights_fit(weight_bytes: int, total_bytes: int, utilization: float, tp_size: int = 1,
+                      quantized: bool = False) -> None:
+    """ValueError naming what the weights need, what the GPU allows, and which options would
+    help, when this rank's weights alone exceed total_bytes * utilization."""
+    allowed = total_bytes * utilization
+    if weight_bytes <= allowed:
+        return
+    gib = 1 << 30
+    hints = []
+    ranks = tp_size
+    while weight_bytes * tp_size / ranks > allowed * 0.9 and ranks < 1024:  # leave room for KV and activations
+        ranks *= 2
+    if ranks < 1024:
+        hints.append(f"--tensor-parallel-size {ranks} (about {weight_bytes * tp_size / ranks / gib:.0f} GiB per GPU)")
+    if not quantized:
+        hints.append("a quantized checkpoint (FP8 halves bf16 weights; its quantization_config is read from "
+                     "config.json)")
+    if weight_bytes < total_bytes * 0.95:
+        hints.append(f"--gpu-memory-utilization {min(0.98, weight_bytes / total_bytes + 0.05):.2f}")
+    raise ValueError(
+        f"the model does not fit: its weights need {weight_bytes / gib:.1f} GiB per GPU, but the GPU has "
+        f"{total_bytes / gib:.1f} GiB, of which {allowed / gib:.1f} GiB at gpu_memory_utilization {utilization}; "
+        f"options: {'; '.join(hints)}"
+    )

@@ -78,6 +78,12 @@ class ModelRunner:
             from atom_core.kernels.triton.common import pin_triton_cache_dir
 
             pin_triton_cache_dir(self.device.index or 0)
+        if self.device.type == "cuda":  # refuse a model that cannot fit before loading any of it
+            from atom_core.worker.memory import check_weights_fit, model_weight_bytes
+
+            check_weights_fit(model_weight_bytes(model.hf_config, model.dtype, model.quant_config),
+                              torch.cuda.mem_get_info(self.device)[1], config.cache.gpu_memory_utilization,
+                              tp_size=config.parallel.tensor_parallel_size, quantized=model.quant_config is not None)
         start = time.perf_counter()
         self.model = build_model(model.hf_config, model.path, model.dtype, model.device, model.load_format, model.seed,
                                  model.quant_config)

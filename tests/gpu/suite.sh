@@ -156,6 +156,17 @@ case $mode in
     step lat-l8w4-bs1 90 python3 -m atomctl.main bench latency --model preset:Llama-3-8B-W4A16 --load-format dummy --max-model-len 4096 --bs 1 --output-json "$OUT/lat_l8w4_bs1.json"
     step lat-l8-bs1 70 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-json "$OUT/lat_l8_bs1.json"
     step lat-l8w4-bs32 50 python3 -m atomctl.main bench latency --model preset:Llama-3-8B-W4A16 --load-format dummy --max-model-len 4096 --bs 32 --output-json "$OUT/lat_l8w4_bs32.json" ;;
+  deepseek|deepseek-a)  # issue 14: MLA kernel GPU tests, MLA decode bandwidth (bs 64, ctx 2048) over a tile sweep, V2-Lite bs1/bs32/nano/start on one engine
+    step mla-kernel-tests 90 python3 -m pytest -q --tb=short -m gpu tests/kernels/test_mla.py -p no:cacheprovider
+    step mla-bw-sweep 70 python3 tests/gpu/bench_mla.py --bs 64 --ctx 2048 --sweep --out "$OUT/mla_sweep.json"
+    step matrix-dsv2l 200 python3 tests/gpu/bench_matrix.py preset:DeepSeek-V2-Lite --level 3 --steps 8 --latency-bs 1,32 --out "$OUT/matrix_dsv2l.json" ;;&
+  deepseek|deepseek-b)  # issue 14: tiny V2/V3 on CUDA vs HF (graphs+compile and eager), MLA bandwidth at the defaults, one V2-Lite decode-step profile
+    step deepseek-model-gpu-tests 150 python3 -m pytest -q --tb=short -m gpu tests/models/test_deepseek.py -p no:cacheprovider
+    step mla-bw 40 python3 tests/gpu/bench_mla.py --bs 64 --ctx 2048
+    step mla-bw-v3-heads 40 python3 tests/gpu/bench_mla.py --bs 64 --ctx 2048 --heads 128
+    step profile-dsv2l 110 python3 -m atomctl.main profile --model preset:DeepSeek-V2-Lite --load-format dummy --max-model-len 4096 --mark-trace --bs 32 --input-length 1024 --output-length 4 --torch-profiler-dir /tmp/traces
+    trace=$(ls -t /tmp/traces/rank_0/*.json.gz 2>/dev/null | head -1)
+    step parse-trace-dsv2l 60 python3 -m atomctl.main parse-trace "$trace" --layer 3 --out-dir "$OUT" ;;
   tests|all)
     step kernel-tests 240 python3 -m pytest -q -x tests/kernels -p no:cacheprovider
     step engine-gpu-tests 300 python3 -m pytest -q -x tests/gpu -p no:cacheprovider ;;&

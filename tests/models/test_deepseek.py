@@ -132,3 +132,15 @@ def test_mtp_layer_weights_are_skipped(model_and_ref, tmp_path):
     save_file(weights, str(copy / "model.safetensors"), metadata={"format": "pt"})
     engine = LLMEngine(str(copy))
     _check(engine.generate(model_and_ref[1][:2], GREEDY), model_and_ref[2][:2])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs_compiled", "eager"])
+def test_cuda_engine_matches_hf(model_and_ref, eager):
+    """The Triton path (MLA kernel, CUDA graphs and torch.compile by default) in fp32 against HF
+    on the CPU; chunked prefill so prefill chunks, decode rows and mixed batches all occur."""
+    path, prompts, ref, _, _ = model_and_ref
+    engine = LLMEngine(str(path), device="cuda", dtype="float32", max_num_batched_tokens=64, enforce_eager=eager)
+    _check(engine.generate(prompts, GREEDY), ref)
+    assert engine.core.kv.num_free_blocks == engine.core.kv.num_blocks
