@@ -88,8 +88,13 @@ def init_distributed(rank: int, world_size: int, init_method: str, device: torch
     assert not dist.is_initialized(), "torch.distributed is already initialized in this process"
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank,
-                            timeout=timedelta(seconds=timeout_s), **kwargs)
+    # Our own store, not init_method=tcp://: under torchrun, torch's tcp:// handler would turn
+    # rank 0 into a client of torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE) and wait.
+    assert init_method.startswith("tcp://"), f"expected tcp://host:port, got {init_method!r}"
+    host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, int(port), world_size, is_master=rank == 0, timeout=timeout)
+    dist.init_process_group(backend, store=store, world_size=world_size, rank=rank, timeout=timeout, **kwargs)
     ranks = tuple(range(world_size))
     # The default group already is the device group; the host side gets its own gloo group.
     cpu_group = dist.new_group(list(ranks), backend="gloo") if backend != "gloo" else dist.new_group(list(ranks))

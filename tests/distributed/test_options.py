@@ -47,3 +47,40 @@ def test_tp_short_flag_and_bad_value_exit_with_a_message(tiny_dist_models):
                                       "-tp", "3", "hello"])
     assert result.exit_code != 0
     assert "num_attention_heads=4 is not divisible by tensor_parallel_size=3" in result.output
+
+
+def test_two_local_nodes_under_torchrun(tiny_dist_models, tmp_path):
+    """torchrun on two "nodes" of this machine, one atomctl each: node 1 serves its rank only,
+    node 0 generates; the text equals one rank's."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.server.conftest import free_port
+
+    torchrun = shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not on PATH")
+    model, port = str(tiny_dist_models("llama")), free_port()
+    engine = ["--device", "cpu", "--kv-cache-memory-gb", "0.02"]
+    gen = ["generate", "-m", model, *engine, "--max-tokens", "8", "--temperature", "0", "hello world"]
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN}
+
+    def node(rank, args):
+        return [torchrun, "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1",
+                "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "atomctl.main", *args]
+
+    with open(tmp_path / "node1.log", "wb") as log:
+        node1 = subprocess.Popen(node(1, ["serve", "-m", model, *engine, "-tp", "2"]), stdout=log,
+                                 stderr=subprocess.STDOUT, env=env)
+    try:
+        node0 = subprocess.run(node(0, [*gen, "-tp", "2"]), capture_output=True, text=True, env=env, timeout=150)
+        assert node0.returncode == 0, node0.stderr[-2000:]
+        assert node1.wait(30) == 0, (tmp_path / "node1.log").read_text()[-2000:]
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+    single = subprocess.run([sys.executable, "-m", "atomctl.main", *gen], capture_output=True, text=True, env=env,
+                            timeout=120)
+    assert single.returncode == 0 and node0.stdout == single.stdout
