@@ -1,5 +1,6 @@
-"""Prompt lookup: draft the tokens that followed the last earlier occurrence of the request's
-own most recent n tokens (n from ngram_max down to ngram_min), as vLLM's n-gram proposer."""
+"""Prompt lookup: draft the tokens that followed the earliest occurrence of the request's own
+most recent n tokens (the longest n from ngram_max down to ngram_min), as vLLM's n-gram proposer
+(the earliest match leaves the most tokens after it, e.g. in a loop)."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,14 +10,14 @@ from atom_core.spec_decode.proposer import Proposer
 
 
 def ngram_lookup(tokens: np.ndarray, k: int, ngram_min: int, ngram_max: int) -> list[int]:
-    """Up to k tokens following the latest earlier match of the longest suffix n-gram."""
+    """Up to k tokens following the earliest match of the longest suffix n-gram."""
     length = len(tokens)
     for n in range(min(ngram_max, length - 1), ngram_min - 1, -1):
         suffix = tokens[length - n :]
         windows = sliding_window_view(tokens[: length - 1], n)  # every n-gram that ends before the last token
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if len(hits):
-            start = int(hits[-1]) + n
+            start = int(hits[0]) + n
             return tokens[start : start + k].tolist()
     return []
 

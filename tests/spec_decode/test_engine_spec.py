@@ -118,11 +118,11 @@ def tiny_vocab_model(tmp_path_factory):
 
 
 def test_sampling_distribution_matches_plain_sampling(tiny_vocab_model):
-    """Chi-square (contingency) on each of the four tokens of 800 draws with and without
+    """Chi-square (contingency) on each of the four tokens of 500 draws with and without
     speculation, on a prompt where drafts are always proposed and often accepted."""
     prompt = list(range(12)) * 2  # every token has occurred: a 1-gram always matches
     params = SamplingParams(temperature=1.0, top_k=8, max_tokens=4, ignore_eos=True)
-    n = 800
+    n = 500
 
     def draws(**options):
         engine = LLMEngine(str(tiny_vocab_model), max_num_seqs=n, max_num_batched_tokens=n * 30, **options)
@@ -131,7 +131,7 @@ def test_sampling_distribution_matches_plain_sampling(tiny_vocab_model):
 
     plain, _ = draws()
     spec, stats = draws(method="ngram", num_speculative_tokens=2, ngram_min=1, ngram_max=2)
-    assert stats["num_accepted_tokens"] > 60  # the test exercises accepted drafts, not just rejections
+    assert stats["num_accepted_tokens"] > 40  # the test exercises accepted drafts, not just rejections
     for position in (0, 1, 2, 3):
         table = np.zeros((2, 12))
         for row, outs in enumerate((plain, spec)):
