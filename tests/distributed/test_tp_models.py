@@ -7,11 +7,13 @@ import pytest
 import torch
 
 from tests.distributed.ranks import run_ranks, tp_greedy_jobs
+from tests.models.test_deepseek import build_tiny_deepseek
 from tests.models.harness import hf_greedy
 
 MAX_TOKENS = 8
 CASES = {"llama": ("llama", False), "qwen3": ("qwen3", False), "qwen3_moe_tp": ("qwen3_moe", False),
-         "qwen3_moe_ep": ("qwen3_moe", True), "llama_one_kv_head": ("kv1", False)}
+         "qwen3_moe_ep": ("qwen3_moe", True), "llama_one_kv_head": ("kv1", False),
+         "deepseek_v2_mla": ("deepseek_v2", False), "deepseek_v3_mla_ep": ("deepseek_v3", True)}
 
 
 def _prompts(path):
@@ -38,6 +40,8 @@ def _one_kv_head_llama(path):
 def tp_results(tiny_dist_models, tmp_path_factory):
     paths = {arch: tiny_dist_models(arch) for arch in ("llama", "qwen3", "qwen3_moe")}
     paths["kv1"] = _one_kv_head_llama(tmp_path_factory.mktemp("kv1"))
+    for version in ("v2", "v3"):  # MLA: q and kv_b heads split, the latent replicated
+        paths[f"deepseek_{version}"] = build_tiny_deepseek(tmp_path_factory.mktemp(f"ds_{version}"), version)
     jobs = [(paths[arch], _prompts(paths[arch]), MAX_TOKENS, ep, 16) for arch, ep in CASES.values()]
     ranks = run_ranks(2, tp_greedy_jobs, jobs)
     return paths, dict(zip(CASES, zip(*ranks)))
