@@ -33,7 +33,6 @@ def _w4(group_size: int | None, symmetric: bool) -> dict:
 SCHEMES = {
     "llama-w8a8": ("llama", 64, {"scheme": "W8A8"}),
     "llama-w4a16-g128": ("llama", 128, {"scheme": "W4A16"}),  # the preset: group 128, symmetric
-    "llama-w4a16-g32": ("llama", 64, _w4(32, True)),
     "llama-w4a16-g64-asym": ("llama", 64, _w4(64, False)),
     "llama-w4a16-channel-asym": ("llama", 64, _w4(None, False)),
     "qwen3-w8a8": ("qwen3", 64, {"scheme": "W8A8"}),

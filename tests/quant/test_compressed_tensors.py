@@ -41,8 +41,14 @@ W4A16 = [n for n in SCHEMES if "w4a16" in n]
 W8A8 = [n for n in SCHEMES if "w8a8" in n]
 
 
+CHUNKED = {"llama-w8a8", "llama-w4a16-g64-asym"}  # also run with chunked prefill and max_num_seqs=2
+
+
 def _engines(path):
-    return [LLMEngine(str(path)), LLMEngine(str(path), max_num_batched_tokens=16, max_num_seqs=2)]
+    engines = [LLMEngine(str(path))]
+    if path.name in CHUNKED:
+        engines.append(LLMEngine(str(path), max_num_batched_tokens=16, max_num_seqs=2))
+    return engines
 
 
 @pytest.mark.parametrize("name", W4A16)
