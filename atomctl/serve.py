@@ -1,4 +1,6 @@
 """`atomctl serve`: the OpenAI-compatible HTTP server (engine core in its own process)."""
+import os
+import sys
 from typing import Optional
 
 import typer
@@ -23,14 +25,20 @@ def serve_cmd(
         False, "--enable-auto-tool-choice", help="Let the model decide when to call tools (tool_choice auto); needs --tool-call-parser."),
     reasoning_parser: Optional[str] = typer.Option(
         None, help="Split reasoning into reasoning_content: qwen3, deepseek_r1, gpt_oss."),
+    shutdown_timeout: float = typer.Option(
+        30.0, help="Seconds SIGTERM waits for requests in flight; then they end with an error and the server exits 0."),
+    max_request_bytes: int = typer.Option(8 * 1024 * 1024, help="Larger request bodies get 413, unparsed."),
+    body_read_timeout: float = typer.Option(30.0, help="Seconds to receive a request body, else 408."),
+    metrics_prefix: str = typer.Option("atom", help="Metric names: atom (atom_*) or vllm (vllm:*, for vLLM dashboards)."),
     engine_args: dict = None,
 ):
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models) plus /health and /metrics."""
     from atom_core.config import EngineConfig
     from atom_core.envs import read_envs
-    from atom_core.server.app import run_server
+    from atom_core.server.app import ServerOptions, run_server
     from atom_core.server.chat_output import ChatOptions
 
+    options = ServerOptions(shutdown_timeout, max_request_bytes, body_read_timeout, metrics_prefix)
     chat_options = ChatOptions(tool_call_parser, enable_auto_tool_choice, reasoning_parser)  # bad names fail here, before the engine starts
     kwargs = engine_kwargs(engine_args)
     # Streaming clients want every token as it comes: windows would deliver them in bursts
@@ -42,8 +50,12 @@ def serve_cmd(
 
         raise typer.Exit(run_node_workers(config))
     api_key = api_key or read_envs().api_key  # the flag wins over the environment
-    run_server(config, host, port, served_model_name or engine_args["model"], api_key=api_key, access_log=access_log,
-               chat_options=chat_options)
+    status = run_server(config, host, port, served_model_name or engine_args["model"], api_key=api_key,
+                        access_log=access_log, chat_options=chat_options, options=options)
+    if status:  # the engine core died: exit non-zero at once (everything is shut down), so a supervisor restarts us
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)  # skips interpreter teardown (seconds with torch loaded), which the 5 s promise cannot afford
 
 
 def register(app: typer.Typer) -> None:

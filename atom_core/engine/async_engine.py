@@ -164,6 +164,7 @@ def run_core(config: EngineConfig, in_q: mp.Queue, out_q: mp.Queue) -> None:
 
 def _core_loop(core, in_q: mp.Queue, out_q: mp.Queue) -> None:
     parent = mp.parent_process()
+    out_q.put(StatsUpdate(core.stats()))
     last_push, last_counts = 0.0, None
     while True:
         for cmd in _drain(in_q, block=not core.has_unfinished(), parent=parent):
@@ -239,6 +240,7 @@ class AsyncEngine:
         self._call_ids = itertools.count()
         self._dead_reason: str | None = None
         self._stopping = False  # set by shutdown(): the core's exit is expected from then on
+        self._refusal: EngineDeadError | None = None  # set by fail_pending()
         self.latest_stats = None  # the core's last pushed CoreStats
         self.on_dead: list[Callable[[str], None]] = []  # run on the loop when the core dies
         # (state, number of new tokens, now) after each step's update of a request (metrics).
@@ -314,6 +316,8 @@ class AsyncEngine:
         return len(self._queues)
 
     def check_health(self) -> None:
+        if self._refusal is not None:
+            raise self._refusal
         if self._dead_reason is not None:
             raise EngineDeadError(self._dead_reason)
         if not self.is_healthy:
@@ -360,7 +364,8 @@ class AsyncEngine:
 
     def fail_pending(self, error: EngineDeadError) -> int:
         """End every pending request with `error` (their generators raise it and abort them in
-        the core); returns how many there were."""
+        the core), and refuse new ones with it; returns how many there were."""
+        self._refusal = error
         for q in self._queues.values():
             q.put_nowait(error)
         return len(self._queues)

@@ -25,6 +25,10 @@ class CoreOutput:
     new_logprobs: list = field(default_factory=list)  # per new token: (logprob, {id: logprob})
     prompt_logprobs: list | None = None  # full list, sent once, first entry None
     num_cached_tokens: int = 0
+    # With a request's first token(s): seconds in the core's queue (arrival to first
+    # scheduled) and in prefill (first scheduled to first token).
+    queue_time: float | None = None
+    prefill_time: float | None = None
 
 
 @dataclass
@@ -46,6 +50,8 @@ class RequestState:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_cached_tokens: int = 0
+    queue_time: float | None = None  # in the core (see CoreOutput)
+    prefill_time: float | None = None
     sent_tokens: int = 0
     sent_chars: int = 0
 
@@ -120,6 +126,8 @@ class OutputProcessor:
             state.num_cached_tokens = out.num_cached_tokens or state.num_cached_tokens
             if out.new_token_ids and state.first_token_time is None:
                 state.first_token_time = now
+            if out.queue_time is not None:
+                state.queue_time, state.prefill_time = out.queue_time, out.prefill_time
             state.token_ids.extend(out.new_token_ids)
             state.logprobs.extend(out.new_logprobs)
             if self._append_text(state, out):

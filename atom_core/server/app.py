@@ -46,7 +46,7 @@ from atom_core.server.serving import OpenAIServing, engine_error
 
 logger = logging.getLogger(__name__)
 
-ENGINE_DEAD_EXIT_DELAY_S = 1.0  # a dead core: answer 503 this long, then exit 1
+ENGINE_DEAD_EXIT_DELAY_S = 1.5  # a dead core: answer 503 this long, then exit 1
 _DRAIN_POLL_S = 0.05
 _FAILED_STREAMS_GRACE_S = 5.0  # after the drain timeout: time for the error events to go out
 

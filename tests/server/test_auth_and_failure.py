@@ -88,6 +88,7 @@ class TestEngineDeath:
             t.start()
         assert running.wait(30)
         time.sleep(0.2)
+        killed = time.monotonic()
         os.kill(srv.core_pid(), signal.SIGKILL)
         for t in threads:
             t.join(30)
@@ -104,4 +105,7 @@ class TestEngineDeath:
         r = httpx.post(f"{srv.url}/v1/chat/completions", headers=srv.headers, timeout=10,
                        json={"messages": [{"role": "user", "content": "hi"}], "stream": True})
         assert r.status_code == 503
-        assert srv.proc.poll() is None  # the API process stays up to report the failure
+        # Then the API process exits non-zero, so a supervisor restarts the server.
+        assert srv.proc.wait(10) == 1, srv.log()
+        assert time.monotonic() - killed < 5
+        assert "exiting with status 1" in srv.log()

@@ -5,7 +5,6 @@ import pytest
 from pydantic import ValidationError
 
 from atom_core.server.logprobs import LogprobFormatter
-from atom_core.server.metrics import Histogram, ServerMetrics
 from atom_core.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -136,18 +135,3 @@ class TestLogprobFormatter:
         [entry] = LogprobFormatter(FakeTokenizer()).chat([4], [(-0.5, {4: -0.5, 0: -1.5, 1: -2.5})], 2)
         assert entry == {"token": " w", "logprob": -0.5, "bytes": [32, 119], "top_logprobs": [
             {"token": " w", "logprob": -0.5, "bytes": [32, 119]}, {"token": "He", "logprob": -1.5, "bytes": [72, 101]}]}
-
-
-class TestMetrics:
-    def test_histogram_is_cumulative(self):
-        h = Histogram("x", "help", (1.0, 2.0))
-        for v in (0.5, 1.5, 3.0):
-            h.observe(v)
-        lines = h.render('m="a"')
-        assert 'x_bucket{m="a",le="1.0"} 1' in lines and 'x_bucket{m="a",le="2.0"} 2' in lines
-        assert 'x_bucket{m="a",le="+Inf"} 3' in lines and 'x_count{m="a"} 3' in lines
-
-    def test_render_without_core_stats_marks_unhealthy(self):
-        text = ServerMetrics('we"ird').render(None, 0)
-        assert 'atom_engine_healthy{model_name="we\\"ird"} 0' in text
-        assert "atom_num_requests_running" not in text

@@ -1,0 +1,180 @@
+"""Operator limits of `atomctl serve` over real sockets: request size and body-read limits,
+tokenization off the event loop, vLLM metric names parsed by prometheus_client, and the
+bounded SIGTERM drain (in flight finishes, new requests 503, past --shutdown-timeout the rest
+end with an error event; exit 0 either way).
+
+Each server's drain test stops it, so it stays last in its class.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.conftest import MAX_MODEL_LEN, start_server
+
+LIMIT = 1 << 20
+LONG = {"max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True, "temperature": 0}
+
+
+def sse_events(lines) -> list:
+    return [line[6:] if line[6:] == "[DONE]" else json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+
+
+def stream_in_thread(srv, results: dict, key, started: threading.Event, body: dict):
+    def run():
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:
+            lines = []
+            for line in r.iter_lines():
+                lines.append(line)
+                started.set()
+            results[key] = (r.status_code, sse_events(lines))
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def wait_draining(srv, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if httpx.get(f"{srv.url}/health", timeout=5).status_code == 503:
+            return
+        time.sleep(0.02)
+    raise AssertionError("the server did not start draining")
+
+
+@pytest.fixture(scope="module")
+def limited(tiny_llama, tmp_path_factory):
+    srv = start_server(tiny_llama, tmp_path_factory.mktemp("serve_limits"), "--max-request-bytes", str(LIMIT),
+                       "--body-read-timeout", "1", "--metrics-prefix", "vllm", "--max-num-seqs", "1")
+    yield srv
+    srv.stop()
+
+
+class TestLimitedServer:
+    def test_body_over_the_limit_is_413(self, limited):
+        body = {"prompt": "x" * LIMIT, "max_tokens": 1}
+        r = httpx.post(f"{limited.url}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 413, r.text
+        assert r.json()["error"]["code"] == "request_too_large" and "--max-request-bytes" in r.json()["error"]["message"]
+        with pytest.raises(openai.APIStatusError) as e:
+            limited.openai().completions.create(model=limited.model_name, prompt="x" * LIMIT, max_tokens=1)
+        assert e.value.status_code == 413
+
+    def test_chunked_body_over_the_limit_is_413(self, limited):
+        def chunks():  # no Content-Length: the guard counts what arrives
+            for _ in range(LIMIT // 65536 + 2):
+                yield b" " * 65536
+
+        r = httpx.post(f"{limited.url}/v1/completions", content=chunks(), timeout=30,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+    def test_body_under_the_limit_is_served(self, limited):
+        r = httpx.post(f"{limited.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+
+    def test_body_that_never_completes_is_408(self, limited):
+        with socket.create_connection(("127.0.0.1", limited.port), timeout=10) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 100\r\n\r\n{\"prompt\":")
+            start = time.monotonic()
+            reply = s.recv(65536).decode()
+            assert reply.startswith("HTTP/1.1 408"), reply
+            assert time.monotonic() - start < 5
+            assert "request_timeout" in reply
+
+    def test_health_answers_while_a_huge_prompt_is_tokenized(self, limited):
+        prompt = "hello world 123 + 456 = " * 30000  # ~720 KB, seconds of tokenization
+        result = {}
+
+        def big():
+            start = time.monotonic()
+            result["r"] = httpx.post(f"{limited.url}/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=120)
+            result["s"] = time.monotonic() - start
+
+        t = threading.Thread(target=big)
+        t.start()
+        time.sleep(0.3)
+        latencies = []
+        while t.is_alive():
+            start = time.monotonic()
+            assert httpx.get(f"{limited.url}/health", timeout=10).status_code == 200
+            latencies.append(time.monotonic() - start)
+            time.sleep(0.05)
+        t.join()
+        assert result["r"].status_code == 400 and "max_model_len" in result["r"].json()["error"]["message"]
+        assert len(latencies) >= 3, (result["s"], latencies)
+        # 100 ms on an idle machine; CI shares its 2 cores, so allow for scheduling noise.
+        assert max(latencies) < 0.5, latencies
+
+    def test_vllm_metric_names_parse(self, limited):
+        httpx.post(f"{limited.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "ignore_eos": True}, timeout=30)
+        start = time.monotonic()
+        text = httpx.get(f"{limited.url}/metrics", timeout=10).text
+        assert time.monotonic() - start < 1.0
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        assert families["vllm:num_requests_running"].type == "gauge"
+        assert families["vllm:kv_cache_usage_perc"].type == "gauge"
+        assert families["vllm:time_to_first_token_seconds"].type == "histogram"
+        assert families["vllm:request_success"].type == "counter"
+        assert families["vllm:num_preemptions"].type == "counter"
+        for name in ("vllm:inter_token_latency_seconds", "vllm:request_queue_time_seconds",
+                     "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
+                     "vllm:e2e_request_latency_seconds"):
+            count = [s for s in families[name].samples if s.name.endswith("_count")]
+            assert count and count[0].value >= 1, name
+        assert not any(name.startswith("atom_") for name in families)
+
+    def test_sigterm_finishes_streams_and_refuses_new_requests(self, limited):
+        results, started = {}, threading.Event()
+        body = {"stream": True, **LONG, "max_tokens": 200}  # 3 in a row (--max-num-seqs 1): well within 30 s
+        threads = [stream_in_thread(limited, results, i, started, {"prompt": f"Hello {i}", **body}) for i in range(3)]
+        assert started.wait(30)
+        limited.proc.send_signal(signal.SIGTERM)
+        wait_draining(limited)
+        r = httpx.post(f"{limited.url}/v1/completions", json={"prompt": "late", "max_tokens": 2}, timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down"
+        assert httpx.get(f"{limited.url}/metrics", timeout=10).status_code == 200  # scrapes stay open
+        start = time.monotonic()
+        for t in threads:
+            t.join(60)
+        assert limited.proc.wait(60) == 0, limited.log()
+        assert time.monotonic() - start < 25, "the drain waited for its timeout"
+        assert len(results) == 3
+        for status, events in results.values():
+            assert status == 200 and events[-1] == "[DONE]"
+            assert "error" not in events[-2], events[-2]
+            assert events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+class TestShutdownTimeout:
+    def test_streams_past_the_timeout_end_with_an_error_event(self, tiny_llama, tmp_path):
+        srv = start_server(tiny_llama, tmp_path, "--shutdown-timeout", "0.2", "--max-num-seqs", "1")
+        try:
+            results, started = {}, threading.Event()
+            threads = [stream_in_thread(srv, results, i, started, {"prompt": f"Hello {i}", "stream": True, **LONG})
+                       for i in range(4)]
+            assert started.wait(30)
+            t0 = time.monotonic()
+            srv.proc.send_signal(signal.SIGTERM)
+            for t in threads:
+                t.join(60)
+            assert srv.proc.wait(30) == 0, srv.log()
+            assert time.monotonic() - t0 < 10
+        finally:
+            srv.stop()
+        stopped = [events for _, events in results.values() if events[-2].get("error")]
+        assert stopped, "every stream finished within 0.2 s; the test needs longer streams"
+        for events in stopped:
+            assert events[-1] == "[DONE]"
+            assert events[-2]["error"]["code"] == "server_shutting_down"
+            assert "--shutdown-timeout" in events[-2]["error"]["message"]
