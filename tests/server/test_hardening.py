@@ -178,3 +178,59 @@ class TestShutdownTimeout:
             assert events[-1] == "[DONE]"
             assert events[-2]["error"]["code"] == "server_shutting_down"
             assert "--shutdown-timeout" in events[-2]["error"]["message"]
+
+
+# ---- without a server -----------------------------------------------------------------
+def stub_engine():
+    """Only what build_app touches before serving (the OpenAPI document needs no engine)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(on_dead=[], on_progress=None, tokenizer=None, latest_stats=None, is_healthy=True,
+                           num_unfinished=0)
+
+
+class TestOpenAPI:
+    def test_documents_error_bodies_and_metrics_as_text(self):
+        from fastapi.testclient import TestClient
+
+        from atom_core.server.app import build_app
+
+        doc = TestClient(build_app(stub_engine(), "m", api_key="k")).app.openapi()
+        chat = doc["paths"]["/v1/chat/completions"]["post"]["responses"]
+        assert {"400", "401", "404", "413", "503"} <= set(chat) and "422" not in chat
+        assert chat["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
+        assert "error" in doc["components"]["schemas"]["ErrorResponse"]["properties"]
+        assert "text/plain" in doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+        assert not any("422" in op["responses"] for path in doc["paths"].values() for op in path.values())
+
+
+class TestServerOptions:
+    @pytest.mark.parametrize("kwargs, fragment", [
+        ({"shutdown_timeout": -1}, "--shutdown-timeout"), ({"max_request_bytes": 0}, "--max-request-bytes"),
+        ({"body_read_timeout": 0}, "--body-read-timeout"), ({"metrics_prefix": "tgi"}, "--metrics-prefix"),
+    ])
+    def test_bad_values_are_rejected(self, kwargs, fragment):
+        from atom_core.server.app import ServerOptions
+
+        with pytest.raises(ValueError, match=fragment):
+            ServerOptions(**kwargs)
+
+    def test_cli_flags_reach_the_server(self, monkeypatch):
+        import typer
+        from typer.testing import CliRunner
+
+        import atom_core.server.app as server_app
+        from atomctl.serve import register
+
+        seen = {}
+        monkeypatch.setattr(server_app, "run_server", lambda config, *a, **k: seen.update(k))
+        app = typer.Typer()
+        register(app)
+        app.callback()(lambda: None)
+        args = ["serve", "--model", "/m", "--shutdown-timeout", "5", "--max-request-bytes", "1000",
+                "--body-read-timeout", "2.5", "--metrics-prefix", "vllm"]
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 0, result.output
+        assert seen["options"] == server_app.ServerOptions(5.0, 1000, 2.5, "vllm")
+        result = CliRunner().invoke(app, ["serve", "--model", "/m", "--metrics-prefix", "tgi"])
+        assert result.exit_code == 1 and "--metrics-prefix" in result.output
