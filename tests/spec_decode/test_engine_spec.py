@@ -210,3 +210,17 @@ def test_padded_verify_layout_of_the_graphs_is_exact(tiny_llama, reference):
     assert [o["token_ids"] for o in engine.generate(ps, GREEDY)] == plain
     assert any(calls) and engine.spec_decode_stats()["num_accepted_tokens"] > 0
     assert engine.core.kv.num_free_blocks == engine.core.kv.num_blocks
+
+
+def test_tensor_parallel_ranks_agree_under_speculation(tiny_llama, reference):
+    """Two gloo ranks: every rank verifies and proposes for itself; their tokens must match."""
+    ps, plain = reference
+    sampled = [SamplingParams(temperature=0.9, top_p=0.9, seed=s, max_tokens=16, ignore_eos=True) for s in range(4)]
+    single = LLMEngine(str(tiny_llama), kv_cache_memory_gb=0.02, **NGRAM).generate(ps, sampled)
+    engine = LLMEngine(str(tiny_llama), tensor_parallel_size=2, kv_cache_memory_gb=0.02, **NGRAM)
+    try:
+        assert [o["token_ids"] for o in engine.generate(ps, GREEDY)] == plain
+        assert [o["token_ids"] for o in engine.generate(ps, sampled)] == [o["token_ids"] for o in single]
+        assert engine.spec_decode_stats()["num_drafts"] > 0
+    finally:
+        engine.shutdown()
