@@ -146,10 +146,9 @@ class ChatOptions:
         from atom_core.server.reasoning import make_reasoning_parser
 
         mode, named = self.tool_mode(req)
-        # A grammar constrains the output from its first token: there is no reasoning to split then.
-        constrained = req._structured is not None
-        reasoning = (make_reasoning_parser(self.reasoning_parser, prompt_text)
-                     if self.reasoning_parser and not constrained else None)
+        constrained = req._structured is not None  # a grammar shapes the output from its first token
+        reasoning = (make_reasoning_parser(self.reasoning_parser, prompt_text, constrained)
+                     if self.reasoning_parser else None)
         if mode == "none" and reasoning is None:
             return None
         tools = self.tool_parser_class() if mode == "auto" else None

@@ -63,12 +63,14 @@ class GptOssReasoningParser(ReasoningParser):
         return "".join(reasoning), "".join(content)
 
 
-def make_reasoning_parser(name: str, prompt_text: str) -> ReasoningParser:
+def make_reasoning_parser(name: str, prompt_text: str, constrained: bool = False) -> ReasoningParser:
+    """constrained: an output grammar applies from the first token, so reasoning is only what the
+    output itself opens with <think> (a JSON answer stays content, whatever the template opened)."""
     check_reasoning_parser(name)
     if name == "gpt_oss":
         return GptOssReasoningParser()
     opened = prompt_text.rstrip().endswith(ThinkParser.start)
-    return ThinkParser(starts_in_reasoning=opened or name == "deepseek_r1")
+    return ThinkParser(starts_in_reasoning=not constrained and (opened or name == "deepseek_r1"))
 
 
 def check_reasoning_parser(name: str) -> None:

@@ -121,3 +121,16 @@ def reference_engine(tiny_llama):
     from atom_core import LLMEngine
 
     return LLMEngine(str(tiny_llama), device="cpu", kv_cache_memory_gb=0.05, max_model_len=MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="session")
+def demo_tools_server(tmp_path_factory):
+    """The demo model served with the Hermes tool parser, auto tool choice and the qwen3 reasoning
+    parser (structured outputs, tool-calling and reasoning tests share it; the demo model writes
+    no <think>, so its plain answers stay content)."""
+    from atom_core.loader.model_dir import DEMO_MODEL_DIR
+
+    srv = start_server(DEMO_MODEL_DIR, tmp_path_factory.mktemp("demo_tools"), "--tool-call-parser", "hermes",
+                       "--enable-auto-tool-choice", "--reasoning-parser", "qwen3")
+    yield srv
+    srv.stop()

@@ -35,32 +35,38 @@ def test_splits_reasoning_streamed_and_not(name, prompt, text, expected):
     assert _split_streamed(name, prompt, text) == expected
 
 
+def test_under_a_grammar_only_a_written_think_is_reasoning():
+    for name in ("qwen3", "deepseek_r1"):
+        parser = make_reasoning_parser(name, "<|im_start|>assistant\n<think>\n", constrained=True)
+        assert parser.split('{"answer": 579}', final=True) == ("", '{"answer": 579}')
+        assert parser.split("<think>adding</think>579", final=True) == ("adding", "579")
+
+
 class TestServer:
-    """The demo model writes no </think>: under deepseek_r1 (reasoning from the first token, as
-    R1's template opens it) its whole answer is reasoning_content."""
+    """`--reasoning-parser qwen3` on the shared demo server. The demo model never thinks, so a
+    guided regex writes the <think> block; its plain answers stay content."""
 
-    @pytest.fixture(scope="class")
-    def server(self, tmp_path_factory):
-        from atom_core.loader.model_dir import DEMO_MODEL_DIR
-        from tests.server.conftest import start_server
+    REGEX = r"<think>[a-z]{3,6}</think>[0-9]{2}"
 
-        srv = start_server(DEMO_MODEL_DIR, tmp_path_factory.mktemp("reasoning"), "--reasoning-parser", "deepseek_r1")
-        yield srv
-        srv.stop()
-
-    def test_reasoning_content_streamed_and_not(self, server):
+    def _create(self, server, stream: bool, **kw):
         client = server.openai()
-        kw = dict(model=server.model_name, messages=[{"role": "user", "content": "123 + 456"}], temperature=0, max_tokens=8)
-        msg = client.chat.completions.create(**kw).choices[0].message
-        assert msg.reasoning_content and not msg.content
-        streamed = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or ""
-                           for c in client.chat.completions.create(**kw, stream=True) if c.choices)
-        assert streamed == msg.reasoning_content
+        kw = dict(model=server.model_name, messages=[{"role": "user", "content": "123 + 456"}], temperature=0,
+                  max_tokens=30) | kw
+        if not stream:
+            msg = client.chat.completions.create(**kw).choices[0].message
+            return msg.reasoning_content, msg.content
+        reasoning = content = ""
+        for chunk in client.chat.completions.create(**kw, stream=True):
+            if chunk.choices:
+                reasoning += getattr(chunk.choices[0].delta, "reasoning_content", None) or ""
+                content += chunk.choices[0].delta.content or ""
+        return reasoning or None, content
 
-    def test_tools_without_auto_tool_choice_are_a_400(self, server):
-        import openai
+    @pytest.mark.parametrize("stream", [False, True])
+    def test_think_block_becomes_reasoning_content(self, demo_tools_server, stream):
+        reasoning, content = self._create(demo_tools_server, stream, extra_body={"guided_regex": self.REGEX})
+        assert 3 <= len(reasoning) <= 6 and reasoning.isalpha() and content.isdigit() and len(content) == 2
 
-        tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-        with pytest.raises(openai.BadRequestError, match="--enable-auto-tool-choice"):
-            server.openai().chat.completions.create(model=server.model_name, tools=tools,
-                                                    messages=[{"role": "user", "content": "1 + 1"}])
+    def test_plain_answer_stays_content(self, demo_tools_server):
+        reasoning, content = self._create(demo_tools_server, False, max_tokens=8)
+        assert reasoning is None and content.isdigit()

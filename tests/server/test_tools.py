@@ -22,14 +22,9 @@ KEYS = {"add": {"a", "b"}, "negate": {"x"}}
 MESSAGES = [{"role": "user", "content": "123 + 456"}]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from tests.server.conftest import start_server
-
-    srv = start_server(DEMO_MODEL_DIR, tmp_path_factory.mktemp("tools"), "--tool-call-parser", "hermes",
-                       "--enable-auto-tool-choice")
-    yield srv
-    srv.stop()
+@pytest.fixture
+def server(demo_tools_server):
+    return demo_tools_server
 
 
 def _create(server, stream: bool, **kw):
@@ -73,10 +68,10 @@ def test_named_function_is_called_with_its_schema(server, stream):
     assert set(json.loads(calls[0][2])) == {"x"}
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_auto_parses_the_models_hermes_output(server, stream):
+def test_auto_parses_the_models_hermes_output(server):
+    """Streamed (the harder path; the non-streamed parse of the same text is in test_tools_parsers)."""
     regex = r'Sure\.\n<tool_call>\n\{"name": "add", "arguments": \{"a": 1[0-9], "b": 2\}\}\n</tool_call>'
-    content, calls, finish = _create(server, stream, tool_choice="auto", extra_body={"guided_regex": regex})
+    content, calls, finish = _create(server, True, tool_choice="auto", extra_body={"guided_regex": regex})
     assert content == "Sure.\n" and finish == "tool_calls"
     assert [(n, set(json.loads(a))) for _, n, a in calls] == [("add", {"a", "b"})]
 
@@ -115,6 +110,16 @@ def test_bad_tool_requests_are_a_400(server, body, param, match):
     err = r.json()["error"]
     assert err["param"] == param, err
     assert match is None or match in err["message"], err
+
+
+def test_auto_needs_the_server_flags():
+    from atom_core.server.chat_output import ChatOptions
+    from atom_core.server.protocol import ChatCompletionRequest
+
+    req = ChatCompletionRequest(messages=MESSAGES, tools=TOOLS)  # tool_choice defaults to auto
+    with pytest.raises(ValueError, match="--enable-auto-tool-choice"):
+        ChatOptions().output_parser(req, "")
+    assert ChatOptions("hermes", True).output_parser(req, "").mode == "auto"
 
 
 class TestCli:
