@@ -54,15 +54,21 @@ def venv_dir() -> Path:
 
 def llmcompressor_python() -> str:
     """The python of a virtual environment with llm-compressor (made on first use, ~30 s)."""
+    import fcntl
+
     venv = venv_dir()
     python = venv / "bin" / "python"
-    if (venv / "ready").exists():
-        return str(python)
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--clear", str(venv)], check=True)
-    done = subprocess.run([str(python), "-m", "pip", "install", "-q", LLMCOMPRESSOR], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"installing {LLMCOMPRESSOR} into {venv} failed:\n{done.stdout}\n{done.stderr}")
-    (venv / "ready").write_text(LLMCOMPRESSOR)
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with open(venv.parent / f"{venv.name}.lock", "w") as lock:  # one maker at a time (parallel test runs)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (venv / "ready").exists():
+            return str(python)
+        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--clear", str(venv)], check=True)
+        done = subprocess.run([str(python), "-m", "pip", "install", "-q", LLMCOMPRESSOR], capture_output=True,
+                              text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"installing {LLMCOMPRESSOR} into {venv} failed:\n{done.stdout}\n{done.stderr}")
+        (venv / "ready").write_text(LLMCOMPRESSOR)
     return str(python)
 
 
