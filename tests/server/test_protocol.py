@@ -60,7 +60,7 @@ class TestChatRequest:
         assert req.messages[0].for_template() == {"role": "user", "content": "ab"}
 
     @pytest.mark.parametrize("body, param", [
-        ({"n": 0}, "n"), ({"tools": [{"type": "function"}]}, "tools"), ({"top_logprobs": 2}, "top_logprobs"),
+        ({"n": 0}, "n"), ({"tools": [{"type": "function"}]}, "tools.0.function"), ({"top_logprobs": 2}, "top_logprobs"),
         ({"logit_bias": {"1": 1.0}}, "logit_bias"), ({"bogus": 1}, "bogus"), ({"stream_options": {"include_usage": True}}, "stream_options"),
     ])
     def test_unsupported_values_name_the_field(self, body, param):
