@@ -166,7 +166,7 @@ class TestChatOptions:
                                     tools=[{"type": "function", "function": {"name": "f"}}])
         opts = ChatOptions("openai", True)
         assert opts.needs_special_tokens(opts.output_parser(req, ""))
-        opts = ChatOptions("hermes", True)
+        opts = ChatOptions("llama3_json", True)
         assert not opts.needs_special_tokens(opts.output_parser(req, ""))
 
 

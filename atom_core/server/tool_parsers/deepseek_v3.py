@@ -17,6 +17,7 @@ _V31 = re.compile(r"\s*(?P<name>[^\n<]+?)" + SEP + r"(?P<args>.*)$", re.DOTALL)
 
 class DeepSeekV3ToolParser(MarkedToolParser):
     start = "<｜tool▁calls▁begin｜>"
+    needs_special_tokens = True
     end = "<｜tool▁calls▁end｜>"
 
     def decode(self, body: str) -> list[ToolCall] | None:

@@ -9,6 +9,7 @@ from atom_core.server.tool_parsers import MarkedToolParser, ToolCall, call_from_
 
 class HermesToolParser(MarkedToolParser):
     start = "<tool_call>"
+    needs_special_tokens = True  # some tokenizers mark <tool_call> special (vLLM keeps them too)
     end = "</tool_call>"
 
     def decode(self, body: str) -> list[ToolCall] | None:
