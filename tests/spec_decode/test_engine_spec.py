@@ -224,3 +224,21 @@ def test_tensor_parallel_ranks_agree_under_speculation(tiny_llama, reference):
         assert engine.spec_decode_stats()["num_drafts"] > 0
     finally:
         engine.shutdown()
+
+
+def test_mixed_batch_with_prompt_logprobs_stop_strings_and_min_tokens(tiny_llama, reference):
+    """Requests that do not draft (stop strings) or need per-row care (min_tokens, prompt
+    logprobs in a step shared with verification) come out as in plain decoding."""
+    ps, _ = reference
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, prompt_logprobs=1),
+              SamplingParams(temperature=0, max_tokens=20, min_tokens=15),
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=["zzzz"])]
+    plain = LLMEngine(str(tiny_llama), max_num_batched_tokens=24).generate(ps, params)
+    engine = LLMEngine(str(tiny_llama), max_num_batched_tokens=24, **NGRAM)
+    spec = engine.generate(ps, params)
+    for p, s in zip(plain, spec):
+        assert p["token_ids"] == s["token_ids"]
+    lp = lambda o: [None if e is None else e[0] for e in o["prompt_logprobs"]]  # noqa: E731
+    assert np.allclose(lp(plain[1])[1:], lp(spec[1])[1:], atol=1e-4)
+    assert engine.spec_decode_stats()["num_drafts"] > 0
