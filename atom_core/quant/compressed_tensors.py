@@ -120,7 +120,11 @@ class CompressedTensorsConfig(QuantConfig):
                             QuantArgs.parse(group.get("weights")), QuantArgs.parse(group.get("input_activations")))
             scheme.make_method()  # an unsupported scheme fails here, at start
             schemes.append(scheme)
-        return cls(schemes, list(qc.get("ignore") or []))
+        config = cls(schemes, list(qc.get("ignore") or []))
+        if config._scheme_of("lm_head") is not None:  # our LM head is never quantized
+            raise ValueError("compressed-tensors with a quantized lm_head is not supported (add lm_head to ignore "
+                             "when quantizing)")
+        return config
 
     def _scheme_of(self, name: str) -> Scheme | None:
         """The scheme of checkpoint module `name` (a Linear), or None when it stays unquantized."""

@@ -143,6 +143,10 @@ class TestConfigErrors:
         with pytest.raises(ValueError, match="kv_cache_scheme"):
             self._get({**_ct_config(), "kv_cache_scheme": {"num_bits": 8}})
 
+    def test_quantized_lm_head_rejected(self):
+        with pytest.raises(ValueError, match="lm_head"):
+            self._get({**_ct_config(), "ignore": []})
+
     def test_unknown_quant_method_lists_supported(self):
         with pytest.raises(ValueError, match=r"unsupported quantization 'bitsandbytes'.*compressed-tensors"):
             self._get({"quant_method": "bitsandbytes"})

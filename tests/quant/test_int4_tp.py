@@ -44,7 +44,7 @@ def _config(fmt):
 
     qc = {"gptq": {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False, "sym": False},
           "awq": {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"},
-          "ct": {"quant_method": "compressed-tensors", "config_groups": {"g": {
+          "ct": {"quant_method": "compressed-tensors", "ignore": ["lm_head"], "config_groups": {"g": {
               "targets": ["Linear"], "format": "pack-quantized",
               "weights": {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": GROUP}}}},
           }[fmt]
@@ -108,7 +108,7 @@ def test_int8_row_parallel_slices_k():
     from atom_core.quant import get_quant_config
 
     qc = get_quant_config(SimpleNamespace(quantization_config={
-        "quant_method": "compressed-tensors", "config_groups": {"g": {
+        "quant_method": "compressed-tensors", "ignore": ["lm_head"], "config_groups": {"g": {
             "targets": ["Linear"], "format": "int-quantized",
             "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
             "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
