@@ -88,9 +88,12 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """-inf for every token a row's bitmask [B, ceil(V / 32)] int32 does not allow (bit j of word
-    w allows token 32 w + j; a row of all ones allows every token). Elementwise on the device."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(bitmask.shape[0], -1)[:, : logits.shape[-1]]
+    w allows token 32 w + j; a row of all ones allows every token). Elementwise on the device, by
+    bytes (little-endian: byte k of word w holds tokens 32 w + 8 k ...), so the unpacked
+    temporary is one byte per logit, not four."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=bitmask.device)
+    bits = (bitmask.view(torch.uint8).unsqueeze(-1) >> shifts) & 1  # [B, 4 W, 8]
+    allowed = bits.view(bitmask.shape[0], -1)[:, : logits.shape[-1]]
     return logits.masked_fill(allowed == 0, float("-inf"))
 
 
