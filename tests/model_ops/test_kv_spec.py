@@ -113,5 +113,6 @@ class TestBackendRegistry:
         assert get_attention_backend("mha", "cpu") is get_attention_backend("mha", torch.device("cpu"))
 
     def test_unknown_kind_names_what_exists(self):
-        with pytest.raises(ValueError, match=r"no attention backend for 'mla' attention on 'cpu'; available: mha@"):
-            get_attention_backend("mla", "cpu")
+        with pytest.raises(ValueError, match=r"no attention backend for 'mha' attention on 'meta'; available: mha@cpu, "
+                                             r"mha@cuda, mla@cpu, mla@cuda"):
+            get_attention_backend("mha", "meta")
