@@ -84,7 +84,7 @@ class W4A16LinearMethod(QuantMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         qweight, scales, zeros = self._canonical(layer)
-        dtype = torch.get_default_dtype() if layer.w4_params_dtype is None else layer.w4_params_dtype
+        dtype = layer.w4_params_dtype  # the model dtype at construction (the loader runs under float32)
         for name in self.checkpoint_params:
             if hasattr(layer, name):
                 delattr(layer, name)
@@ -106,7 +106,7 @@ class CompressedTensorsW4A16Method(W4A16LinearMethod):
     def create_weights(self, layer: nn.Module, *, input_size: int, output_sizes: list[int], weight_loader,
                        params_dtype: torch.dtype | None = None) -> None:
         n, group = sum(output_sizes), self._layer_group(layer, input_size)
-        layer.w4_params_dtype = params_dtype
+        layer.w4_params_dtype = params_dtype or torch.get_default_dtype()
         grouped = self.group_size is not None
         _param(layer, "weight_packed", (n, input_size // INT4_PER_INT32), torch.int32, weight_loader,
                output_dim=0, input_dim=1)
@@ -152,7 +152,7 @@ class GPTQW4A16Method(W4A16LinearMethod):
     def create_weights(self, layer: nn.Module, *, input_size: int, output_sizes: list[int], weight_loader,
                        params_dtype: torch.dtype | None = None) -> None:
         n, group = sum(output_sizes), self._layer_group(layer, input_size)
-        layer.w4_params_dtype = params_dtype
+        layer.w4_params_dtype = params_dtype or torch.get_default_dtype()
         grouped = self.group_size is not None
         if any(s % INT4_PER_INT32 for s in output_sizes):
             raise ValueError(f"{layer.prefix}: GPTQ zero points pack 8 outputs per int32; output sizes {output_sizes}")
@@ -186,7 +186,7 @@ class AWQW4A16Method(W4A16LinearMethod):
     def create_weights(self, layer: nn.Module, *, input_size: int, output_sizes: list[int], weight_loader,
                        params_dtype: torch.dtype | None = None) -> None:
         n, group = sum(output_sizes), self._layer_group(layer, input_size)
-        layer.w4_params_dtype = params_dtype
+        layer.w4_params_dtype = params_dtype or torch.get_default_dtype()
         if any(s % INT4_PER_INT32 for s in output_sizes):
             raise ValueError(f"{layer.prefix}: AWQ packs 8 outputs per int32; output sizes {output_sizes}")
         _param(layer, "qweight", (input_size, n // INT4_PER_INT32), torch.int32, packed_output_loader(layer),

@@ -118,3 +118,18 @@ def test_int8_row_parallel_slices_k():
     layer = RowParallelLinear(64, 16, quant_config=qc, prefix="o_proj", tp_size=2, tp_rank=1)
     _load(layer, {"weight": weight, "weight_scale": scale})
     assert torch.equal(layer.weight, weight[:, 32:]) and torch.equal(layer.weight_scale, scale)
+
+
+def test_scales_take_the_model_dtype_at_construction():
+    """build_model restores the default dtype before loading: the repacked scales must still be
+    in the model's dtype (bf16 here), not the loader's float32."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        layer = RowParallelLinear(256, 64, quant_config=_config("gptq"), prefix="down_proj", tp_size=1, tp_rank=0)
+    finally:
+        torch.set_default_dtype(old)
+    q, zeros, scales, _ = _rtn(64, 256, seed=0)
+    _load(layer, _tensors("gptq", q, zeros, scales))
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.w4_scales.dtype == torch.bfloat16
