@@ -12,27 +12,21 @@ import re
 import typing
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Any, Callable, List, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Callable, List, Optional
 
 import typer
 from rich.console import Console
 
-from atom_core.bench import serve_bench
-from atom_core.bench.datasets import DATASET_NAMES, DatasetConfig
-from atom_core.bench.serve_bench import ServeBenchConfig, report, run_benchmark
-from atom_core.bench.serve_client import BACKENDS
-from atom_core.bench.sweep import (
-    load_result_set,
-    parse_number_list,
-    plot_result_sets,
-    result_set_from_files,
-    run_sweep,
-)
+from atom_core.bench.names import BACKENDS, DATASET_NAMES
 from atomctl.errors import friendly_errors
+
+if TYPE_CHECKING:  # the benchmark itself (numpy, httpx) is imported by the commands: --help stays fast
+    from atom_core.bench.serve_bench import ServeBenchConfig
 
 bench_app = typer.Typer(
     help="Benchmarks: online serving against any OpenAI-compatible server (serve, sweep, plot); the engine offline.",
     no_args_is_help=True,
+    rich_markup_mode=None,  # plain click help, as atomctl's: readable at 80 columns
 )
 
 def _option(name: str, type_: Any, default: Any, help: str, *flags: str) -> tuple[str, Any, Any]:
@@ -97,7 +91,8 @@ def _with_serve_options(command: Callable[..., None]) -> Callable[..., None]:
 
     Errors become one line and exit 1 (atomctl.errors.friendly_errors; --debug shows tracebacks)."""
     own = inspect.signature(command)
-    own_hints = typing.get_type_hints(command, include_extras=True)
+    # cfg's type is imported for type checkers only; the wrapper drops that parameter anyway.
+    own_hints = typing.get_type_hints(command, localns={"ServeBenchConfig": Any}, include_extras=True)
     own_params = [
         p.replace(annotation=own_hints.get(p.name, p.annotation)) for p in own.parameters.values() if p.name != "cfg"
     ]
@@ -119,6 +114,9 @@ def _with_serve_options(command: Callable[..., None]) -> Callable[..., None]:
 
 
 def _build_config(ctx: typer.Context, o: dict[str, Any]) -> ServeBenchConfig:
+    from atom_core.bench.datasets import DatasetConfig
+    from atom_core.bench.serve_bench import ServeBenchConfig
+
     goodput = list(o["goodput"] or [])
     extra = list(ctx.args)
     # vLLM spells --goodput with nargs="+": `--goodput ttft:200 tpot:50` leaves tpot:50 as an extra argument.
@@ -179,6 +177,9 @@ def serve(
     ] = None,
 ) -> None:
     """Benchmark an online server: TTFT, TPOT, ITL, E2EL, throughput, goodput."""
+    from atom_core.bench import serve_bench
+    from atom_core.bench.serve_bench import report, run_benchmark
+
     console = Console()
     result = run_benchmark(cfg, console=console)
     report(result, console)
@@ -204,6 +205,8 @@ def sweep(
     plot_path: Annotated[Optional[Path], typer.Option(help="PNG path (default RESULT_DIR/sweep.png).")] = None,
 ) -> None:
     """Run the benchmark at several concurrencies (or rates); write each JSON and a throughput-latency PNG."""
+    from atom_core.bench.sweep import load_result_set, parse_number_list, plot_result_sets, result_set_from_files, run_sweep
+
     if (max_concurrency_list is None) == (request_rate_list is None):
         raise ValueError("give exactly one of --max-concurrency-list and --request-rate-list")
     concurrencies = rates = None
@@ -229,6 +232,8 @@ def plot(
     title: Annotated[Optional[str], typer.Option(help="Chart title.")] = None,
 ) -> None:
     """Plot output throughput vs median TPOT and TTFT from existing result files."""
+    from atom_core.bench.sweep import load_result_set, plot_result_sets
+
     labels = list(label or [])
     if labels and len(labels) != len(paths):
         raise ValueError(f"got {len(labels)} --label values for {len(paths)} paths")

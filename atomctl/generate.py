@@ -7,7 +7,6 @@ from typing import List, Optional
 
 import typer
 
-from atom_core.spec_decode.stats import spec_decode_summary
 from atomctl.engine_options import engine_kwargs, with_engine_options
 from atomctl.errors import friendly_errors
 
@@ -59,25 +58,30 @@ def generate_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print the output dicts as JSON."),
     engine_args: dict = None,
 ):
-    """Generate text for one or more prompts."""
+    """Generate text for one or more prompts.
+
+    The built-in demo model (--model demo) was trained on small arithmetic: sums and differences
+    of 0-99, a three-digit number plus a two-digit one, products up to 12 x 12 and two-digit x
+    one-digit. Outside that (e.g. 123 + 456) its answers are wrong.
+    """
     from atom_core import LLMEngine, SamplingParams
 
-    texts = read_prompts(prompts or [], file)
+    user_prompts = read_prompts(prompts or [], file)
     params = SamplingParams(
         temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=sampling_seed,
         max_tokens=max_tokens, stop=stop or [], ignore_eos=ignore_eos, repetition_penalty=repetition_penalty,
         presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
     )
     engine = LLMEngine(**engine_kwargs(engine_args))
-    texts = [apply_chat(engine, t, chat) for t in texts]
+    texts = [apply_chat(engine, t, chat) for t in user_prompts]
     start = time.perf_counter()
     if as_json or len(texts) > 1:
         outputs = engine.generate(texts, params)
         if as_json:
             print(json.dumps(outputs, indent=2))
         else:
-            for prompt, out in zip(texts, outputs):
-                print(f"--- {prompt!r}\n{out['text']}")
+            for prompt, out in zip(user_prompts, outputs):  # what the user typed, not the chat template
+                print(f"--- {prompt}\n{out['text']}")
     else:
         def on_token(_state, _ids, text):
             sys.stdout.write(text)
@@ -98,6 +102,8 @@ def _print_stats(outputs: list, elapsed: float, engine) -> None:
     print(f"[{len(outputs)} request(s), {n_out} tokens, TTFT {ttft * 1000:.1f} ms, TPOT {tpot * 1000:.1f} ms, "
           f"{n_out / max(elapsed, 1e-9):.1f} tok/s]", file=sys.stderr)
     if engine.config.speculative.method is not None:
+        from atom_core.spec_decode.stats import spec_decode_summary
+
         print(f"[speculative: {spec_decode_summary(engine.spec_decode_stats())}]", file=sys.stderr)
 
 

@@ -5,8 +5,9 @@ import typer
 
 from atomctl.errors import DEBUG
 
+# Plain click help (rich_markup_mode=None): rich's tables cut long option names at 80 columns.
 app = typer.Typer(help="atomctl: a small, fast LLM inference engine and its tools.", no_args_is_help=True,
-                  pretty_exceptions_enable=False)
+                  pretty_exceptions_enable=False, rich_markup_mode=None)
 
 
 @app.callback()

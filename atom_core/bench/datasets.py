@@ -17,12 +17,11 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any
 
 import numpy as np
 
-DatasetName = Literal["random", "sharegpt", "custom", "prefix-repetition"]
-DATASET_NAMES: tuple[str, ...] = get_args(DatasetName)
+from atom_core.bench.names import DATASET_NAMES, DatasetName  # noqa: F401 - re-exported
 
 _MAX_FIT_ROUNDS = 16
 

@@ -19,12 +19,11 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Literal, get_args
+from typing import Any, Awaitable, Callable
 
 import httpx
 
-Backend = Literal["openai", "vllm", "atom", "openai-chat", "tgi"]
-BACKENDS: tuple[str, ...] = get_args(Backend)
+from atom_core.bench.names import BACKENDS, Backend  # noqa: F401 - re-exported
 _DEFAULT_ENDPOINTS = {"openai-chat": "/v1/chat/completions", "tgi": "/generate_stream"}
 
 

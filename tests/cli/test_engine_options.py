@@ -42,7 +42,7 @@ def test_serve_defaults_to_single_steps_but_honours_the_option(monkeypatch, args
     from atomctl.serve import register
 
     seen = {}
-    monkeypatch.setattr(server_app, "run_server", lambda config, *a, **k: seen.setdefault("config", config))
+    monkeypatch.setattr(server_app, "run_server", lambda config, *a, **k: seen.update(config=config))  # returns None: exit status 0
     app = typer.Typer()
     register(app)
     app.callback()(lambda: None)

@@ -154,9 +154,17 @@ class TestOutput:
         assert result.exit_code == 0, result.output
         for prompt in ("Hello", "world"):
             text = reference(prompt, chat=False, max_tokens=4)["text"]
-            assert f"--- {prompt!r}\n{text}\n" in result.stdout
+            assert f"--- {prompt}\n{text}\n" in result.stdout
         match = STATS.search(result.stderr)
         assert match and match.group(1) == "2"
+
+    def test_multiple_prompts_show_the_users_prompt_not_the_template(self, model, reference):
+        result = invoke(["generate", *model, "--max-tokens", "4", "--chat", "Hello", "world"])
+        assert result.exit_code == 0, result.output
+        for prompt in ("Hello", "world"):
+            assert f"--- {prompt}\n{reference(prompt, max_tokens=4)['text']}\n" in result.stdout
+        headers = [line for line in result.stdout.splitlines() if line.startswith("--- ")]
+        assert headers == ["--- Hello", "--- world"]
 
 
 class TestErrors:
