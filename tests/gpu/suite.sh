@@ -167,6 +167,10 @@ case $mode in
     step profile-dsv2l 100 python3 -m atomctl.main profile --model preset:DeepSeek-V2-Lite --load-format dummy --max-model-len 4096 --mark-trace --random-input --bs 1 --input-length 512 --output-length 8 --torch-profiler-dir /tmp/traces
     trace=$(ls -t /tmp/traces/rank_0/*.json.gz 2>/dev/null | head -1)
     step parse-trace-dsv2l 40 python3 -m atomctl.main parse-trace "$trace" --layer 3 --out-dir "$OUT" ;;
+  int8)  # W8A8: the INT8 kernel tests, then Llama-3-8B W8A8 (dummy weights) batch-1 and batch-32 TPOT
+    step int8-gpu-tests 90 python3 -m pytest -q --tb=short -m gpu tests/quant/test_int_kernels.py -k int8 -p no:cacheprovider
+    step lat-l8w8-bs1 90 python3 -m atomctl.main bench latency --model preset:Llama-3-8B-W8A8 --load-format dummy --max-model-len 4096 --bs 1 --output-json "$OUT/lat_l8w8_bs1.json"
+    step lat-l8w8-bs32 70 python3 -m atomctl.main bench latency --model preset:Llama-3-8B-W8A8 --load-format dummy --max-model-len 4096 --bs 32 --output-json "$OUT/lat_l8w8_bs32.json" ;;
   tests|all)
     step kernel-tests 240 python3 -m pytest -q -x tests/kernels -p no:cacheprovider
     step engine-gpu-tests 300 python3 -m pytest -q -x tests/gpu -p no:cacheprovider ;;&

@@ -164,24 +164,30 @@ def test_target_and_ignore_matching():
     assert cfg._scheme_of("model.layers.0.self_attn.q_proj") is None
 
 
-def test_w4a16_preset_builds_with_dummy_weights():
-    """preset:Llama-3-8B-W4A16 (the benchmark's config: Llama-3-8B + llm-compressor's W4A16
-    quantization_config) at toy sizes: every linear gets the int4 method, dummy weights fill the
-    packed tensors, and the model runs."""
+@pytest.mark.parametrize("preset", ["Llama-3-8B-W4A16", "Llama-3-8B-W8A8"])
+def test_quantized_presets_build_with_dummy_weights(preset):
+    """preset:Llama-3-8B-W4A16 / -W8A8 (the benchmarks' configs: Llama-3-8B + llm-compressor's
+    quantization_config) at toy sizes: every linear gets the scheme's method, dummy weights fill
+    the quantized tensors, and the model runs."""
     from atom_core.loader import build_model
     from atom_core.loader.model_dir import resolve_model_files
     from atom_core.quant import get_quant_config
     from atom_core.quant.int4 import CompressedTensorsW4A16Method
+    from atom_core.quant.int8 import Int8W8A8LinearMethod
     from tests.models.harness import greedy_generate
 
-    cfg = resolve_model_files("preset:Llama-3-8B-W4A16").hf_config
+    cfg = resolve_model_files(f"preset:{preset}").hf_config
     qc = get_quant_config(cfg)
-    assert qc.schemes[0].weights.group_size == 128 and qc.ignore == ["lm_head"]
+    assert qc.ignore == ["lm_head"]
     for key, value in dict(hidden_size=256, intermediate_size=512, num_hidden_layers=1, vocab_size=300,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=64).items():
         setattr(cfg, key, value)
     model = build_model(cfg, None, torch.float32, "cpu", load_format="dummy", quant_config=qc)
     down = model.model.layers[0].mlp.down_proj
-    assert isinstance(down.quant_method, CompressedTensorsW4A16Method) and down.w4_scales.shape == (256, 4)
+    if preset.endswith("W4A16"):
+        assert qc.schemes[0].weights.group_size == 128
+        assert isinstance(down.quant_method, CompressedTensorsW4A16Method) and down.w4_scales.shape == (256, 4)
+    else:
+        assert isinstance(down.quant_method, Int8W8A8LinearMethod) and down.weight.dtype == torch.int8
     out = greedy_generate(model, [[1, 2, 3]], 3)
     assert len(out[0]) == 3
