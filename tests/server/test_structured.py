@@ -101,6 +101,8 @@ class TestEngine:
 
         engine = LLMEngine(str(tiny_llama), device="cpu", kv_cache_memory_gb=0.05, max_model_len=256,
                            async_scheduling=False, num_scheduler_steps=1)
+        engine.generate(["Hello"], SamplingParams(max_tokens=4))
+        assert engine.core.grammars is None  # requests without a grammar build nothing
         outs = engine.generate(["Hello world"] * 2, [
             SamplingParams(temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=SCHEMA)),
             SamplingParams(temperature=0.7, seed=5, max_tokens=60, structured_outputs=StructuredOutputsParams(json=SCHEMA))])
@@ -109,6 +111,12 @@ class TestEngine:
                 assert _follows_schema(json.loads(out["text"])), out["text"]
             else:  # a random model may run to max_tokens inside a string: still a prefix of valid JSON
                 assert out["text"].startswith('{"answer": ')
+        assert not engine.core.grammars.matchers and not engine.core._needs_known_tokens()  # ended: forgotten
+        [rid] = engine.add_request(["Hello"], SamplingParams(max_tokens=50, structured_outputs=StructuredOutputsParams(json=SCHEMA)))
+        engine.step()
+        assert rid in engine.core.grammars
+        engine.abort_request(rid)
+        assert not engine.core.grammars.matchers
 
     def test_bad_schema_is_refused_before_queueing(self, demo):
         with pytest.raises(ValueError, match="invalid structured output"):
