@@ -76,14 +76,19 @@ class MLAAttention(nn.Module):
 
     @torch.no_grad()
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W_UK [H, N, C], W_UV^T [H, C, V]) from kv_b_proj, computed on first use (after loading):
-        kv_b_proj(I) is its weight transposed, dequantized by its own quant method."""
+        """(W_UK [H, N, C], W_UV^T [H, C, V]) from kv_b_proj, on first use (after loading). A plain
+        weight in the model dtype is viewed, not copied; any other format is read back once as
+        kv_b_proj(I), its weight transposed, dequantized by its own quant method."""
         if self.w_uk is None:
             kv_b_proj = self._refs[1]
-            eye = torch.eye(self.kv_lora_rank, dtype=self.dtype, device=_device(kv_b_proj))
-            w = kv_b_proj(eye).t().reshape(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, -1)
-            self.w_uk = w[:, :self.qk_nope_head_dim].contiguous()
-            self.w_uv_t = w[:, self.qk_nope_head_dim:].transpose(1, 2).contiguous()
+            weight = getattr(kv_b_proj, "weight", None)
+            if isinstance(weight, torch.Tensor) and weight.dtype == self.dtype and weight.dim() == 2:
+                w = weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, -1)
+            else:
+                eye = torch.eye(self.kv_lora_rank, dtype=self.dtype, device=_device(kv_b_proj))
+                w = kv_b_proj(eye).t().reshape(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, -1)
+            self.w_uk = w[:, :self.qk_nope_head_dim]
+            self.w_uv_t = w[:, self.qk_nope_head_dim:].transpose(1, 2)
         return self.w_uk, self.w_uv_t
 
     def forward(self, q: torch.Tensor, kv_latent: torch.Tensor, k_rope: torch.Tensor,
