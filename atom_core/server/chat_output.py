@@ -133,7 +133,9 @@ class ChatOptions:
         """(mode, function name) for a chat request; APIError-worthy ValueError for auto without the flags."""
         from atom_core.server.structured_request import NamedToolChoice
 
-        choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none")
+        if not req.tools:
+            return "none", None
+        choice = req.tool_choice if req.tool_choice is not None else "auto"
         if isinstance(choice, NamedToolChoice):
             return "named", choice.function.name
         if choice == "auto" and not self.enable_auto_tool_choice:

@@ -110,7 +110,7 @@ def tool_constraint(req) -> list[tuple[str, dict]]:
     """The grammar that `tool_choice: required` or a named function needs ([] for auto / none)."""
     choice = getattr(req, "tool_choice", None)
     tools = getattr(req, "tools", None) or []
-    if choice not in (None, "none") and not tools:
+    if choice not in (None, "none", "auto") and not tools:  # auto without tools: nothing to call
         raise ConstraintError("tool_choice", f"tool_choice {_choice_name(choice)} needs tools")
     names = [t.function.name for t in tools]
     if len(set(names)) != len(names):

@@ -116,6 +116,9 @@ def test_auto_needs_the_server_flags():
     from atom_core.server.chat_output import ChatOptions
     from atom_core.server.protocol import ChatCompletionRequest
 
+    no_tools = ChatCompletionRequest(messages=MESSAGES, tool_choice="auto")  # nothing to call: plain chat
+    assert ChatOptions().output_parser(no_tools, "") is None
+
     req = ChatCompletionRequest(messages=MESSAGES, tools=TOOLS)  # tool_choice defaults to auto
     with pytest.raises(ValueError, match="--enable-auto-tool-choice"):
         ChatOptions().output_parser(req, "")
