@@ -243,7 +243,7 @@ class ParallelConfig:
         return range(self.node_rank * self.ranks_per_node, (self.node_rank + 1) * self.ranks_per_node)
 
 
-SPEC_METHODS = {"ngram": 8}  # method -> the most draft tokens it may propose per step
+SPEC_METHODS = {"ngram": 8, "draft": 8}  # method -> the most draft tokens it may propose per step
 
 
 @dataclass(frozen=True)
@@ -252,17 +252,19 @@ class SpeculativeConfig:
     num_speculative_tokens tokens per decoding request, the target model verifies them in one
     forward and a rejection sampler keeps its distribution. ngram: prompt lookup over the
     request's own tokens, matching its last ngram_max..ngram_min tokens (both default to 5, as
-    vLLM's prompt lookup; one given sets the other). Speculation replaces multi-step windows."""
+    vLLM's prompt lookup; one given sets the other); draft: greedy tokens of draft_model, a small
+    model of the same tokenizer. Speculation replaces multi-step windows."""
 
     method: str | None = None
     num_speculative_tokens: int | None = None
     ngram_min: int | None = None
     ngram_max: int | None = None
+    draft_model: str | None = None
 
     def __post_init__(self) -> None:
         k = self.num_speculative_tokens
         if self.method is None:
-            for name in ("num_speculative_tokens", "ngram_min", "ngram_max"):
+            for name in ("num_speculative_tokens", "ngram_min", "ngram_max", "draft_model"):
                 if getattr(self, name) is not None:
                     _fail(self, name, "needs a speculative method (--method)")
             return
@@ -272,6 +274,10 @@ class SpeculativeConfig:
             _fail(self, "num_speculative_tokens", f"required with method {self.method}")
         if not 1 <= k <= SPEC_METHODS[self.method]:
             _fail(self, "num_speculative_tokens", f"must be between 1 and {SPEC_METHODS[self.method]} for {self.method}")
+        if (self.method == "draft") != (self.draft_model is not None):
+            _fail(self, "draft_model", "a draft model directory is required with method draft, and only there")
+        if self.method != "ngram" and (self.ngram_min is not None or self.ngram_max is not None):
+            _fail(self, "ngram_min" if self.ngram_min is not None else "ngram_max", "applies to method ngram only")
         lo, hi = self.ngram_window
         if lo < 1 or hi < lo:
             _fail(self, "ngram_min", f"the ngram window must satisfy 1 <= ngram_min <= ngram_max (got {lo}..{hi})")
@@ -302,7 +308,7 @@ class ProfilerConfig:
 _PARTS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "compile": CompileConfig,
           "parallel": ParallelConfig, "speculative": SpeculativeConfig, "profiler": ProfilerConfig}
 _NULLABLE = {"max_model_len", "num_kv_blocks", "tokenizer", "torch_profiler_dir", "master_port", "method",
-             "num_speculative_tokens", "ngram_min", "ngram_max"}
+             "num_speculative_tokens", "ngram_min", "ngram_max", "draft_model"}
 
 
 @dataclass(frozen=True)

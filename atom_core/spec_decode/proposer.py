@@ -25,6 +25,16 @@ class Proposer(ABC):
     @abstractmethod
     def propose(self, states: list["RequestState"]) -> list[list[int]]: ...
 
+    # A proposer with a model of its own also keeps KV (sized with the target's blocks).
+    def kv_layers(self) -> list:
+        return []
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        pass
+
+    def forget(self, req_ids) -> None:
+        """The worker dropped these requests (finished or aborted)."""
+
 
 def can_speculate(params) -> bool:
     """Requests that draft: not under a grammar (it must see each token before masking the next)
@@ -33,11 +43,17 @@ def can_speculate(params) -> bool:
     return getattr(params, "structured_outputs", None) is None and not params.stop
 
 
-def build_proposer(config: "SpeculativeConfig") -> Proposer | None:
+def build_proposer(config: "SpeculativeConfig", target=None, block_size: int = 16,
+                   max_num_seqs: int = 1) -> Proposer | None:
+    """target: the ResolvedModel (a draft model takes its dtype, device and vocabulary)."""
     if config.method is None:
         return None
     if config.method == "ngram":
         from atom_core.spec_decode.ngram import NgramProposer
 
         return NgramProposer(config.num_draft_tokens, *config.ngram_window)
+    if config.method == "draft":
+        from atom_core.spec_decode.draft_model import DraftModelProposer
+
+        return DraftModelProposer(config, target, block_size, max_num_seqs)
     raise ValueError(f"unknown speculative method {config.method!r}")

@@ -95,7 +95,7 @@ class ModelRunner:
 
             mark_modules(self.model)
         self.sampler = Sampler()
-        self.proposer = build_proposer(config.speculative)
+        self.proposer = build_proposer(config.speculative, model, self.block_size, config.scheduler.max_num_seqs)
         self.rejection_sampler = RejectionSampler() if self.proposer is not None else None
         self.profiler = profiler
         self.input_batch = InputBatch()
@@ -111,6 +111,8 @@ class ModelRunner:
         start = time.perf_counter()
         self.num_kv_blocks = self._num_kv_blocks()  # on a GPU: a max-size dummy step (compiles, if compiling)
         self.kv_cache = allocate_kv_cache(self.attention_layers, self.num_kv_blocks, self.block_size, self.device)
+        if self.proposer is not None:
+            self.proposer.allocate_kv(self.num_kv_blocks)
         self.sizing_seconds = time.perf_counter() - start
         self.warm_up_seconds = self._warm_up_kernels()
         if config.use_cuda_graphs:
@@ -160,7 +162,8 @@ class ModelRunner:
         cache, sched = self.config.cache, self.config.scheduler
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
-        per_block = kv_bytes_per_block(self.attention_layers, self.block_size)
+        draft_layers = self.proposer.kv_layers() if self.proposer is not None else []
+        per_block = kv_bytes_per_block(self.attention_layers + draft_layers, self.block_size)
         if self.device.type == "cuda":
             from atom_core.worker.memory import GRAPH_RESERVE_BYTES, profile_kv_budget
 
@@ -225,6 +228,8 @@ class ModelRunner:
         the step launched just before, whose samples have not reached the host yet.
         """
         states = self.input_batch.update(out)
+        if self.proposer is not None and out.finished_req_ids:
+            self.proposer.forget(out.finished_req_ids)
         if self._can_replay_verify(out, states):
             flat = build_padded_verify_batch(out, states, self.verify_graphs.query_len, self.block_size, self.device)
         else:
