@@ -51,4 +51,7 @@ class LMHead(VocabEmbedding):
         logits = F.linear(hidden, self.weight)
         if self.tp_size == 1:
             return logits
-        return all_gather(logits, dim=-1)[:, : self.vocab_size]
+        logits = all_gather(logits, dim=-1)
+        if logits.shape[-1] != self.vocab_size:  # the last rank's padding rows (kernels want unit-stride rows)
+            logits = logits[:, : self.vocab_size].contiguous()
+        return logits
