@@ -74,3 +74,15 @@ def test_bad_draft_options(options, match):
 
     with pytest.raises(ValueError, match=match):
         EngineConfig.from_kwargs("/m", **options)
+
+
+def test_generate_command_takes_a_draft_model(tiny_llama, other_draft):
+    from typer.testing import CliRunner
+
+    from atomctl.main import app
+
+    result = CliRunner().invoke(app, ["generate", "--model", str(tiny_llama), "--no-chat", "--max-tokens", "12",
+                                      "--ignore-eos", "--method", "draft", "--draft-model", str(other_draft),
+                                      "--num-speculative-tokens", "2", "hello hello hello"])
+    assert result.exit_code == 0, result.output
+    assert "[speculative: acceptance rate" in result.output
