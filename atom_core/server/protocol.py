@@ -69,6 +69,12 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
 
+    @model_validator(mode="after")
+    def _tool_result_has_content(self):
+        if self.role == "tool" and self.content is None:  # templates fail on it with an internal error
+            raise _field_error("messages", "a 'tool' message needs 'content' (the tool's result)")
+        return self
+
     def for_template(self) -> dict:
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
@@ -290,7 +296,7 @@ def validation_error_to_api_error(errors: list[dict]) -> APIError:
     """The first pydantic/FastAPI validation error as a 400 with `param` set."""
     if not errors:
         return APIError("invalid request")
-    err = errors[0]
+    err = _most_specific(errors)
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
     ctx_error = (err.get("ctx") or {}).get("error")
     if isinstance(ctx_error, _FieldError):
@@ -302,7 +308,22 @@ def validation_error_to_api_error(errors: list[dict]) -> APIError:
     if err.get("type") == "missing" and not loc:
         return APIError("the request body is missing; send a JSON object")
     param = ".".join(_first_field(loc))
+    if err.get("type") == "greater_than_equal" and any("constrained-int" in p for p in loc):
+        return APIError(f"{param}: token ids must be integers >= 0; got {err.get('input')!r}", param=loc[0])
     return APIError(f"{param or 'body'}: {err.get('msg', 'invalid value')}", param=param or None)
+
+
+def _most_specific(errors: list[dict]) -> dict:
+    """For a union field (prompt: text or token ids), pydantic reports every branch; a branch
+    whose shape matched but whose value broke a constraint (a negative token id) says more than
+    "Input should be a valid string" from the first branch."""
+    first = errors[0]
+    field = [p for p in first.get("loc", ()) if p != "body"][:1]
+    for err in errors:
+        same_field = [p for p in err.get("loc", ()) if p != "body"][:1] == field
+        if same_field and not err.get("type", "").endswith("_type"):
+            return err
+    return first
 
 
 def _first_field(loc: list[str]) -> list[str]:

@@ -302,7 +302,7 @@ BAD_INPUTS = [
     ("token_id_out_of_range", "/v1/completions", {"prompt": [1, 10**6]}, 400, "prompt", "out of range"),
     ("prompt_too_long", "/v1/completions", {"prompt": LONG, "max_tokens": 1}, 400, "prompt", "max_model_len"),
     ("prompt_plus_max_tokens_too_long", "/v1/completions", {"prompt": PROMPT, "max_tokens": MAX_MODEL_LEN}, 400,
-     "prompt", "exceeds max_model_len"),
+     "max_tokens", "exceeds max_model_len"),
     ("chat_too_long", "/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, 400, "messages", "max_model_len"),
     ("negative_max_tokens", "/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens", ">= 1"),
     ("negative_max_completion_tokens", "/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": -5}, 400,
