@@ -242,6 +242,10 @@ case $mode in
     step lat-l8-period16 110 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --input-len 512 --output-len 128 --prompt-period 16 --num-iters 2 --output-json "$OUT/lat_l8_period16.json" ;;
   structured)  # issue 20: structured outputs on CUDA (xgrammar: fetch its wheels with device-wheels.sh xgrammar apache-tvm-ffi)
     step structured-gpu 300 python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu/test_structured_gpu.py ;;
+  specdec-draft)  # issue 15: --method draft on the GPU (Qwen3-8B with a Qwen3-0.6B draft; dummy weights, so the acceptance is meaningless: this measures the draft's cost per step); not yet run
+    q8=(--model preset:Qwen3-8B --load-format dummy --max-model-len 4096)
+    step lat-q8-draft 200 python3 -m atomctl.main bench latency "${q8[@]}" --bs 1 --output-len 64 --num-iters 2 --method draft --draft-model preset:Qwen3-0.6B --num-speculative-tokens 2 --output-json "$OUT/lat_q8_draft.json"
+    step lat-q8 120 python3 -m atomctl.main bench latency "${q8[@]}" --bs 1 --output-len 64 --num-iters 2 --output-json "$OUT/lat_q8.json" ;;
   *) ;;
 esac
 echo "=== summary"
