@@ -21,6 +21,21 @@ def parse_limit(limit: Optional[float]) -> int | float | None:
     return int(limit)
 
 
+# The built-in tasks write the demo model's chat format out as text; with --apply-chat-template
+# the template would wrap it a second time, so they switch to their chat form (the bare question).
+CHAT_FORMS = {"atom_arith_gen": "atom_arith_gen_chat", "atom_arith": "atom_arith_gen_chat"}
+LOGLIKELIHOOD_ONLY = ("atom_arith_mc",)
+
+
+def tasks_for_chat(tasks: tuple[str, ...]) -> tuple[str, ...]:
+    """The task list to run with --apply-chat-template (built-in tasks in their chat form)."""
+    bad = [t for t in tasks if t in LOGLIKELIHOOD_ONLY]
+    if bad:
+        raise ValueError(f"{', '.join(bad)} scores log-likelihoods, which the chat API does not return; "
+                         "run it without --apply-chat-template")
+    return tuple(dict.fromkeys(CHAT_FORMS.get(t, t) for t in tasks))
+
+
 @friendly_errors
 def eval_cmd(
     tasks: str = typer.Option("atom_arith", "--tasks", "-t",
@@ -40,7 +55,9 @@ def eval_cmd(
                                                help="Write results.json and per-sample logs to this directory."),
     apply_chat_template: bool = typer.Option(False, "--apply-chat-template",
                                              help="Send chat messages to /v1/chat/completions "
-                                                  "(local-chat-completions; generation tasks only)."),
+                                                  "(local-chat-completions; generation tasks only). "
+                                                  "Built-in tasks run in their chat form: atom_arith and "
+                                                  "atom_arith_gen become atom_arith_gen_chat."),
     backend: str = typer.Option("server", help="server (atom_core over HTTP) or hf (lm-eval's transformers "
                                                "backend on --model, the reference)."),
     serve_args: Optional[str] = typer.Option(None, "--serve-args",
@@ -61,8 +78,9 @@ def eval_cmd(
         logging.getLogger().setLevel(logging.INFO)
     if model is None and base_url is None:
         model = "demo"
+    task_names = tuple(t.strip() for t in tasks.split(","))
     config = EvalConfig(
-        tasks=tuple(t.strip() for t in tasks.split(",")),
+        tasks=tasks_for_chat(task_names) if apply_chat_template else task_names,
         model=resolve_model_arg(model) if model else None,
         base_url=base_url,
         tokenizer=tokenizer,
