@@ -112,6 +112,8 @@ def paged_attention(
     max_seq_len: int,
     out: torch.Tensor | None = None,  # [T, H, D]
     seq_order: torch.Tensor | None = None,  # [S] int32: a launch schedule for kernels; no effect on results
+    sliding_window: int | None = None,  # a row at position p sees KV positions (p - window, p]
+    sinks: torch.Tensor | None = None,  # [H] float: a per-head logit in the softmax denominator, no value
 ) -> torch.Tensor:
     """Causal attention of every query token over its sequence's paged KV (already stored).
 
@@ -129,7 +131,7 @@ def paged_attention(
     lens = seq_lens.tolist()
     decode = [s for s in range(len(lens)) if qsl[s + 1] - qsl[s] == 1]
     if len(decode) > 1:
-        _decode_rows(query, k_cache, v_cache, block_tables, qsl, lens, decode, scale, out)
+        _decode_rows(query, k_cache, v_cache, block_tables, qsl, lens, decode, scale, out, sliding_window, sinks)
     decode_set = set(decode) if len(decode) > 1 else set()
     for s, seq_len in enumerate(lens):
         q_start, q_end = qsl[s], qsl[s + 1]
@@ -146,13 +148,26 @@ def paged_attention(
         scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [H, q_len, L]
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)
         k_pos = torch.arange(seq_len, device=query.device).unsqueeze(0)
-        scores.masked_fill_(k_pos > q_pos, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        hidden = k_pos > q_pos
+        if sliding_window is not None:
+            hidden |= k_pos <= q_pos - sliding_window
+        scores.masked_fill_(hidden, float("-inf"))
+        probs = _softmax_with_sinks(scores, sinks)
         out[q_start:q_end] = torch.matmul(probs, v).transpose(0, 1).to(out.dtype)
     return out
 
 
-def _decode_rows(query, k_cache, v_cache, block_tables, qsl, lens, seqs, scale, out) -> None:
+def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """softmax over the last dim of scores [H, ..., L]; a sink (one logit per head) joins the
+    denominator as an extra column whose probability is dropped (it carries no value)."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink = sinks.float().view(-1, *([1] * (scores.dim() - 1))).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+
+
+def _decode_rows(query, k_cache, v_cache, block_tables, qsl, lens, seqs, scale, out,
+                 sliding_window=None, sinks=None) -> None:
     """All single-token rows at once: gather each sequence's KV padded to the longest, mask the pad."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -168,9 +183,17 @@ def _decode_rows(query, k_cache, v_cache, block_tables, qsl, lens, seqs, scale, 
     rows = torch.tensor([qsl[s] for s in seqs], device=device)
     q = query[rows].float().view(len(seqs), num_kv_heads, group, head_dim)  # [B, KH, G, D]
     scores = torch.einsum("bkgd,blkd->bkgl", q, k) * scale
-    pad = torch.arange(max_len, device=device)[None, :] >= seq_lens[:, None]  # [B, L]
+    k_pos = torch.arange(max_len, device=device)[None, :]
+    pad = k_pos >= seq_lens[:, None]  # [B, L]
+    if sliding_window is not None:  # the row sits at position seq_len - 1
+        pad |= k_pos <= seq_lens[:, None] - 1 - sliding_window
     scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # seq_len 0: attention over nothing is 0
+    if sinks is not None:  # [B, KH, G, L] -> heads first for _softmax_with_sinks
+        probs = _softmax_with_sinks(scores.permute(1, 2, 0, 3).reshape(num_heads, len(seqs), max_len), sinks)
+        probs = probs.view(num_kv_heads, group, len(seqs), max_len).permute(2, 0, 1, 3)
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    probs = probs.nan_to_num(0.0)  # seq_len 0: attention over nothing is 0
     o = torch.einsum("bkgl,blkd->bkgd", probs, v).reshape(len(seqs), num_heads, head_dim)
     out[rows] = o.to(out.dtype)
 
