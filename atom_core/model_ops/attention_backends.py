@@ -49,6 +49,8 @@ class PagedMHABackend(AttentionBackend):
     def __init__(self, device_type: str):
         super().__init__(device_type)
         self.ops = kernel_ops(device_type)
+        # The torch reference (CPU) masks a per-layer window; the Triton kernels do not yet.
+        self.supports_sliding_window = device_type == "cpu"
 
     def forward(self, layer: "Attention", qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         meta = get_attention_metadata()
@@ -58,8 +60,14 @@ class PagedMHABackend(AttentionBackend):
                                     meta.slot_mapping, layer.num_heads, *norm)
         out = self.ops.paged_attention(q, layer.k_cache, layer.v_cache, meta.block_tables, meta.query_start_loc,
                                        meta.seq_lens, layer.scale, meta.max_query_len, meta.max_seq_len,
-                                       seq_order=meta.seq_order)
+                                       seq_order=meta.seq_order, **self._window_args(layer))
         return out.view(-1, layer.num_heads * layer.head_dim)
+
+    def _window_args(self, layer: "Attention") -> dict:
+        """Only a backend that masks windows gets one (elsewhere check_attention_supported
+        allows a window only when it covers max_model_len, where it changes nothing)."""
+        window = layer.kv_spec.sliding_window
+        return {"sliding_window": window} if window is not None and self.supports_sliding_window else {}
 
     def warm_up(self, layers: list["Attention"], max_tokens: int, threads: int) -> int:
         if self.device_type != "cuda":

@@ -93,10 +93,13 @@ class TestSupportCheck:
         layers = [make_layer(), make_layer(window=256, prefix="model.layers.1.self_attn.attn")]
         with pytest.raises(ValueError, match=r"model\.layers\.1.*sliding-window attention \(256 tokens\).*"
                                              r"max_model_len <= 256"):
-            check_attention_supported(layers, max_model_len=257, device="cpu")
+            check_attention_supported(layers, max_model_len=257, device="cuda")  # Triton: no window yet
 
     def test_accepts_a_window_that_covers_max_model_len(self):
-        check_attention_supported([make_layer(window=256)], max_model_len=256, device="cpu")
+        check_attention_supported([make_layer(window=256)], max_model_len=256, device="cuda")
+
+    def test_the_cpu_reference_masks_any_window(self):
+        check_attention_supported([make_layer(window=8)], max_model_len=4096, device="cpu")
 
     def test_accepts_full_attention_at_any_length(self):
         check_attention_supported([make_layer()], max_model_len=1 << 20, device="cpu")
