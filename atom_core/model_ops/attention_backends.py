@@ -45,12 +45,11 @@ class PagedMHABackend(AttentionBackend):
     The kernel provider comes from the device (Triton on CUDA/ROCm, torch_ref on the CPU)."""
 
     name = "paged-mha"
+    supports_sliding_window = True  # both providers (torch_ref, Triton) mask a per-layer window
 
     def __init__(self, device_type: str):
         super().__init__(device_type)
         self.ops = kernel_ops(device_type)
-        # The torch reference (CPU) masks a per-layer window; the Triton kernels do not yet.
-        self.supports_sliding_window = device_type == "cpu"
 
     def forward(self, layer: "Attention", qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         meta = get_attention_metadata()
@@ -63,11 +62,10 @@ class PagedMHABackend(AttentionBackend):
                                        seq_order=meta.seq_order, **self._window_args(layer))
         return out.view(-1, layer.num_heads * layer.head_dim)
 
-    def _window_args(self, layer: "Attention") -> dict:
-        """Only a backend that masks windows gets one (elsewhere check_attention_supported
-        allows a window only when it covers max_model_len, where it changes nothing)."""
+    @staticmethod
+    def _window_args(layer: "Attention") -> dict:
         window = layer.kv_spec.sliding_window
-        return {"sliding_window": window} if window is not None and self.supports_sliding_window else {}
+        return {"sliding_window": window} if window is not None else {}
 
     def warm_up(self, layers: list["Attention"], max_tokens: int, threads: int) -> int:
         if self.device_type != "cuda":
@@ -76,11 +74,12 @@ class PagedMHABackend(AttentionBackend):
 
         count, seen = 0, set()
         for layer in layers:  # variants depend on the head layout and dtype only
-            key = (tuple(layer.k_cache.shape[1:]), layer.k_cache.dtype, layer.dtype, layer.num_heads)
+            window = layer.kv_spec.sliding_window
+            key = (tuple(layer.k_cache.shape[1:]), layer.k_cache.dtype, layer.dtype, layer.num_heads, window is None)
             if key not in seen:
                 seen.add(key)
                 count += warm_up_variants(layer.k_cache, layer.v_cache, layer.num_heads, layer.dtype,
-                                          max_tokens, threads=threads)
+                                          max_tokens, threads=threads, sliding_window=window)
         return count
 
 

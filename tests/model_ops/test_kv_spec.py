@@ -89,17 +89,24 @@ class TestAllocation:
 
 
 class TestSupportCheck:
-    def test_refuses_a_window_shorter_than_max_model_len(self):
+    def test_refuses_a_window_shorter_than_max_model_len(self, monkeypatch):
+        from atom_core.model_ops.attention_backends import PagedMHABackend
+
+        monkeypatch.setattr(PagedMHABackend, "supports_sliding_window", False)  # a backend without windows
         layers = [make_layer(), make_layer(window=256, prefix="model.layers.1.self_attn.attn")]
         with pytest.raises(ValueError, match=r"model\.layers\.1.*sliding-window attention \(256 tokens\).*"
                                              r"max_model_len <= 256"):
-            check_attention_supported(layers, max_model_len=257, device="cuda")  # Triton: no window yet
+            check_attention_supported(layers, max_model_len=257, device="cpu")
 
-    def test_accepts_a_window_that_covers_max_model_len(self):
-        check_attention_supported([make_layer(window=256)], max_model_len=256, device="cuda")
+    def test_accepts_a_window_that_covers_max_model_len(self, monkeypatch):
+        from atom_core.model_ops.attention_backends import PagedMHABackend
 
-    def test_the_cpu_reference_masks_any_window(self):
-        check_attention_supported([make_layer(window=8)], max_model_len=4096, device="cpu")
+        monkeypatch.setattr(PagedMHABackend, "supports_sliding_window", False)
+        check_attention_supported([make_layer(window=256)], max_model_len=256, device="cpu")
+
+    @pytest.mark.parametrize("device", ["cpu", "cuda"])
+    def test_paged_mha_masks_any_window(self, device):
+        check_attention_supported([make_layer(window=8)], max_model_len=4096, device=device)
 
     def test_accepts_full_attention_at_any_length(self):
         check_attention_supported([make_layer()], max_model_len=1 << 20, device="cpu")

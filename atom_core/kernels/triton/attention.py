@@ -50,7 +50,7 @@ def _attend_tile(
     block_table_row, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs, scale_log2e,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr, window=0, HAS_WINDOW: tl.constexpr = False,
 ):
     """One online-softmax step over KV positions [tile * BLOCK_N, (tile + 1) * BLOCK_N)."""
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -82,7 +82,10 @@ def _attend_tile(
 
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_M, BLOCK_N], log2 units
     if MASKED:
-        s = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        if HAS_WINDOW:  # sliding window: a row at position p sees (p - window, p]
+            visible &= offs_n[None, :] > q_pos[:, None] - window
+        s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row may see no position in a masked tile (e.g. a later split); keep exp2 finite.
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -96,7 +99,7 @@ def _attend_tile(
 
 # Per-step sizes are plain runtime ints: specialising on them (== 1, % 16) would JIT-compile
 # new variants in the middle of a run (the block-table width too: a width of 16 did, on the H100).
-@triton.jit(do_not_specialize=["num_tokens", "num_q_blocks", "num_splits", "stride_bt"])
+@triton.jit(do_not_specialize=["num_tokens", "num_q_blocks", "num_splits", "stride_bt", "window"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, seq_order_ptr,
@@ -107,7 +110,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
-    HAS_ORDER: tl.constexpr, HEADS_INNER: tl.constexpr,
+    HAS_ORDER: tl.constexpr, HEADS_INNER: tl.constexpr, window=0, HAS_WINDOW: tl.constexpr = False,
 ):
     if HEADS_INNER:  # the kv heads of one sequence are neighbours in launch order
         pid = tl.program_id(0) // (NUM_HEADS // GROUP)
@@ -150,11 +153,17 @@ def _paged_attention_kernel(
     first_pos = ctx_len + q_block * BLOCK_Q
     kv_end = tl.minimum(seq_len, ctx_len + tl.minimum(q_len, (q_block + 1) * BLOCK_Q))
     num_tiles = tl.cdiv(kv_end, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    tile_lo = split * tiles_per_split
+    first_tile = 0
+    if HAS_WINDOW:  # tiles wholly before the first row's window are read by no row
+        first_tile = tl.maximum(first_pos - window + 1, 0) // BLOCK_N
+    tiles_per_split = tl.cdiv(num_tiles - first_tile, num_splits)
+    tile_lo = first_tile + split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
-    # Tiles ending at or before first_pos + 1 are visible to every row: no mask needed.
+    # Tiles ending at or before first_pos + 1 are visible to every row: no mask needed
+    # (with a window every tile is masked: its lower edge moves with the row).
     tile_mid = tl.maximum(tl.minimum(tile_hi, (first_pos + 1) // BLOCK_N), tile_lo)
+    if HAS_WINDOW:
+        tile_mid = tile_lo
 
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head * stride_kh
@@ -171,7 +180,7 @@ def _paged_attention_kernel(
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, q_pos, tile, kv_end, block_table_row, k_base, v_base,
             stride_kb, stride_ks, stride_vb, stride_vs, scale_log2e,
-            HEAD_DIM, BLOCK_D, KV_BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, DOT_IN_FP32)
+            HEAD_DIM, BLOCK_D, KV_BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, DOT_IN_FP32, window, HAS_WINDOW)
 
     # l_i == 0 only for an empty range (seq_len 0 padding rows, empty splits): output 0.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -289,7 +298,7 @@ def launch_paged_attention(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_query_len: int,
     max_seq_len: int, out: torch.Tensor | None = None, *, num_kv_splits: int | None = None,
-    seq_order: torch.Tensor | None = None, heads_inner: bool | None = None,
+    seq_order: torch.Tensor | None = None, heads_inner: bool | None = None, sliding_window: int | None = None,
 ) -> torch.Tensor:
     """`paged_attention` with overrides of the split count and launch order (tests, benchmarks)."""
     _check_attention_args(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out)
@@ -336,7 +345,7 @@ def launch_paged_attention(
         BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
         IS_SPLIT=is_split, DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
         DOT_IN_FP32=_INTERPRETED and query.dtype == torch.bfloat16, HAS_ORDER=seq_order is not None,
-        HEADS_INNER=heads_inner,
+        HEADS_INNER=heads_inner, window=sliding_window or 0, HAS_WINDOW=sliding_window is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if is_split:
@@ -361,6 +370,7 @@ def paged_attention(
     max_seq_len: int,
     out: torch.Tensor | None = None,  # [T, H, D]
     seq_order: torch.Tensor | None = None,  # [S] int32, a permutation: programs start in this order
+    sliding_window: int | None = None,  # a row at position p sees KV positions (p - window, p]
 ) -> torch.Tensor:
     """Causal paged attention; same contract as `torch_ref.paged_attention`.
 
@@ -370,13 +380,15 @@ def paged_attention(
     (T beyond query_start_loc[S]) are left untouched, as in the reference.
     """
     return launch_paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-                                  scale, max_query_len, max_seq_len, out, seq_order=seq_order)
+                                  scale, max_query_len, max_seq_len, out, seq_order=seq_order,
+                                  sliding_window=sliding_window)
 
 
 def warm_up_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, dtype: torch.dtype,
-                     max_query_len: int, threads: int = 1) -> int:
+                     max_query_len: int, threads: int = 1, sliding_window: int | None = None) -> int:
     """JIT-compile every kernel variant a run can need (decode and each prefill tile height,
     split and unsplit) on tiny inputs, so no step pays a compile; returns how many launched.
+    A layer with a sliding window compiles its own (HAS_WINDOW) variants: pass its window.
 
     The variants depend only on constexprs (tile shape per max_query_len class, IS_SPLIT); the
     inputs read block 0 of the real cache and write a scratch output. threads > 1 compiles
@@ -401,7 +413,7 @@ def warm_up_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: in
         tables = torch.zeros(1, triton.cdiv(seq_len, k_cache.shape[1]), dtype=torch.int32, device=device)
         order = qsl[:1] if q_len == 1 else None  # decode batches carry a sequence order
         launch_paged_attention(query, k_cache, v_cache, tables, qsl, lens, 1.0, q_len, seq_len, num_kv_splits=splits,
-                               seq_order=order)
+                               seq_order=order, sliding_window=sliding_window)
 
     variants = [(q_len, splits) for q_len in lengths for splits in (1, 2)]
     if threads > 1:
