@@ -86,9 +86,10 @@ def _case(device, seqs, dtype, block=4, heads=4, kv_heads=2, dim=16, seed=0):
     return args + [dim**-0.5, max(n for _, n in seqs), max(lens)]
 
 
-@pytest.mark.parametrize("window", [1, 8, 128, 10_000])
+@pytest.mark.parametrize("window", [None, 1, 8, 128, 10_000])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_triton_window_matches_reference(device, window, splits):
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_triton_window_matches_reference(device, window, splits, with_sinks):
     """Triton prefill (with cached context, chunks crossing the window), decode and split-KV
     decode with a sliding window against the torch reference (windows 1, 8, 128, > context)."""
     pytest.importorskip("triton")
@@ -97,8 +98,12 @@ def test_triton_window_matches_reference(device, window, splits):
     seqs = SEQS if device == "cpu" else [(0, 200), (150, 37), (300, 1), (3, 1), (700, 1), (0, 1)]
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     args = _case(device, seqs, dtype)
-    got = launch_paged_attention(*args, num_kv_splits=splits, sliding_window=window)
+    sinks = (torch.randn(args[0].shape[1], generator=torch.Generator().manual_seed(3)) * 2).to(device) \
+        if with_sinks else None
+    if window is None and not with_sinks:
+        pytest.skip("plain causal attention: tests/kernels/test_triton_kernels.py")
+    got = launch_paged_attention(*args, num_kv_splits=splits, sliding_window=window, sinks=sinks)
     ref = torch_ref.paged_attention(*[a.cpu() if isinstance(a, torch.Tensor) else a for a in args],
-                                    sliding_window=window)
+                                    sliding_window=window, sinks=None if sinks is None else sinks.cpu())
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.cpu().float(), ref.float(), atol=tol, rtol=tol)

@@ -111,6 +111,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
     HAS_ORDER: tl.constexpr, HEADS_INNER: tl.constexpr, window=0, HAS_WINDOW: tl.constexpr = False,
+    sinks_ptr=None, HAS_SINKS: tl.constexpr = False,
 ):
     if HEADS_INNER:  # the kv heads of one sequence are neighbours in launch order
         pid = tl.program_id(0) // (NUM_HEADS // GROUP)
@@ -184,6 +185,9 @@ def _paged_attention_kernel(
 
     # l_i == 0 only for an empty range (seq_len 0 padding rows, empty splits): output 0.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    if HAS_SINKS and not IS_SPLIT:  # the sink joins the denominator (split: in the merge)
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_safe = l_i + tl.math.exp2(sink - tl.where(m_i == float("-inf"), 0.0, m_i))
     o = acc / l_safe[:, None]
     if IS_SPLIT:
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
@@ -200,6 +204,7 @@ def _merge_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, query_start_loc_ptr,
     num_seqs, num_tokens, num_splits, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_P: tl.constexpr,
+    sinks_ptr=None, HAS_SINKS: tl.constexpr = False,
 ):
     token = tl.program_id(0)
     head = tl.program_id(1)
@@ -213,11 +218,16 @@ def _merge_splits_kernel(
     row = (offs_s.to(tl.int64) * num_tokens + token) * NUM_HEADS + head
     lse = tl.load(part_lse_ptr + row, mask=s_ok, other=float("-inf"))
     lse_max = tl.max(lse, 0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634  # log2 units, like lse
+        lse_max = tl.maximum(lse_max, sink)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     w = tl.math.exp2(lse - lse_max)  # 0 for empty splits
     parts = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
                     mask=s_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
     w_sum = tl.sum(w, 0)
+    if HAS_SINKS:  # a per-head logit in the denominator, no value
+        w_sum += tl.math.exp2(sink - lse_max)
     o = tl.sum(parts * w[:, None], 0) / tl.where(w_sum == 0.0, 1.0, w_sum)
     o_ptrs = out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + offs_d
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
@@ -299,6 +309,7 @@ def launch_paged_attention(
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_query_len: int,
     max_seq_len: int, out: torch.Tensor | None = None, *, num_kv_splits: int | None = None,
     seq_order: torch.Tensor | None = None, heads_inner: bool | None = None, sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`paged_attention` with overrides of the split count and launch order (tests, benchmarks)."""
     _check_attention_args(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out)
@@ -346,6 +357,7 @@ def launch_paged_attention(
         IS_SPLIT=is_split, DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
         DOT_IN_FP32=_INTERPRETED and query.dtype == torch.bfloat16, HAS_ORDER=seq_order is not None,
         HEADS_INNER=heads_inner, window=sliding_window or 0, HAS_WINDOW=sliding_window is not None,
+        sinks_ptr=sinks, HAS_SINKS=sinks is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if is_split:
@@ -353,7 +365,7 @@ def launch_paged_attention(
             part_out, part_lse, out, query_start_loc,
             num_seqs, num_tokens, num_kv_splits, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=cfg.block_d,
-            SPLITS_P=max(2, next_pow2(num_kv_splits)), num_warps=4,
+            SPLITS_P=max(2, next_pow2(num_kv_splits)), sinks_ptr=sinks, HAS_SINKS=sinks is not None, num_warps=4,
         )
     return out
 
@@ -371,6 +383,7 @@ def paged_attention(
     out: torch.Tensor | None = None,  # [T, H, D]
     seq_order: torch.Tensor | None = None,  # [S] int32, a permutation: programs start in this order
     sliding_window: int | None = None,  # a row at position p sees KV positions (p - window, p]
+    sinks: torch.Tensor | None = None,  # [H] float: a per-head logit in the softmax denominator, no value
 ) -> torch.Tensor:
     """Causal paged attention; same contract as `torch_ref.paged_attention`.
 
@@ -381,7 +394,7 @@ def paged_attention(
     """
     return launch_paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
                                   scale, max_query_len, max_seq_len, out, seq_order=seq_order,
-                                  sliding_window=sliding_window)
+                                  sliding_window=sliding_window, sinks=sinks)
 
 
 def warm_up_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, dtype: torch.dtype,
