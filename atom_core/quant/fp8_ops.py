@@ -1,0 +1,179 @@
+"""FP8 (e4m3) quantization and scaled products: the torch references (the CPU path, and the
+oracle of every GPU kernel test) and the CUDA dispatch.
+
+Conventions (every function below):
+  fp8 dtype     torch.float8_e4m3fn, finite range [-448, 448] (FP8_MAX); values are scaled into
+                that range, rounded to nearest (torch's cast) and clamped.
+  scales        float32 *dequantization* multipliers: real = fp8.float() * scale. This is what
+                checkpoints store as `weight_scale` (compressed-tensors, per-tensor/per-channel)
+                and as `weight_scale_inv` (DeepSeek-V3 / Qwen3-FP8 block layout; despite the
+                name it multiplies).
+  block layout  weight fp8 [N, K] with weight_scale_inv float32 [ceil(N/bn), ceil(K/bk)]; block
+                (i, j) covers rows i*bn .. min((i+1)*bn, N) and columns j*bk .. min((j+1)*bk, K)
+                (the last block of a dimension that is not a multiple of the block is partial).
+
+Activation quantization (dynamic, on the fly):
+  quantize_fp8_per_tensor(x, scale=None) -> (q, scale [1])       static when `scale` is given
+  quantize_fp8_per_token(x)              -> (q, scale [M, 1])    one scale per row
+  quantize_fp8_per_token_group(x, g)     -> (q, scale [M, ceil(K/g)]) one scale per row and
+                                            group of g columns (block-FP8 activations, g = bk)
+Dequantization:
+  dequantize_fp8_block(w, scale_inv, block) -> float32 [N, K]
+Products (y [*, N] in x's dtype, x [*, K] in bf16/fp16/fp32):
+  fp8_linear_ref(x, weight, weight_scale, input_scale=None, bias=None)
+      weight fp8 [N, K], weight_scale float32 scalar/[1]/[N]/[N, 1] (per tensor or per channel);
+      activations per-tensor static when `input_scale` is given, else dynamic per token.
+  fp8_block_linear_ref(x, weight, weight_scale_inv, block_size, bias=None)
+      block weights as above; activations quantized per token per `block_size[1]` columns.
+  fp8_linear / fp8_block_linear: the same signatures as custom ops (`atom::fp8_linear`,
+      `atom::fp8_block_linear`); on CUDA fp8_linear runs torch._scaled_mm (row-wise or
+      per-tensor scales) where the shape allows it, else the reference. fp8_block_linear runs
+      the reference everywhere today (no block-scaled GPU kernel yet).
+
+The references accumulate in float32 over the dequantized operands, which equals the sum over
+K-blocks of the fp8 partial products times their scales up to float32 rounding.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # an all-zero row/group gets a tiny positive scale (stays zero)
+
+
+def _cast(xf: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+# ---------------------------------------------------------------------------------------------
+# quantization
+
+
+def quantize_fp8_per_tensor(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x -> (fp8 like x, float32 scale [1]); dynamic (absmax / 448) unless a static `scale` is given."""
+    xf = x.float()
+    if scale is None:
+        scale = (xf.abs().amax() / FP8_MAX).clamp(min=_MIN_SCALE).reshape(1)
+    scale = scale.float().reshape(1).to(x.device)
+    return _cast(xf, scale), scale
+
+
+def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (fp8 [M, K], float32 scale [M, 1]), one absmax scale per row."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_MIN_SCALE)
+    return _cast(xf, scale), scale
+
+
+def quantize_fp8_per_token_group(x: torch.Tensor, group_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (fp8 [M, K], float32 scale [M, ceil(K / group_size)]); the last group may be partial."""
+    m, k = x.shape
+    groups = -(-k // group_size)
+    xf = torch.nn.functional.pad(x.float(), (0, groups * group_size - k)).reshape(m, groups, group_size)
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_MIN_SCALE)
+    q = _cast(xf, scale).reshape(m, groups * group_size)[:, :k]
+    return q.contiguous(), scale.squeeze(-1)
+
+
+def quantize_fp8_block(w: torch.Tensor, block_size: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] -> (fp8 [N, K], float32 scale_inv [ceil(N/bn), ceil(K/bk)]), absmax per block
+    (how DeepSeek-V3 / Qwen3-FP8 checkpoints are made; used for online quantization and tests)."""
+    bn, bk = block_size
+    n, k = w.shape
+    nb, kb = -(-n // bn), -(-k // bk)
+    wf = torch.nn.functional.pad(w.float(), (0, kb * bk - k, 0, nb * bn - n)).reshape(nb, bn, kb, bk)
+    scale = (wf.abs().amax(dim=(1, 3), keepdim=True) / FP8_MAX).clamp(min=_MIN_SCALE)
+    q = _cast(wf, scale).reshape(nb * bn, kb * bk)[:n, :k]
+    return q.contiguous(), scale.reshape(nb, kb)
+
+
+def dequantize_fp8_block(w: torch.Tensor, scale_inv: torch.Tensor, block_size: tuple[int, int] = (128, 128)) -> torch.Tensor:
+    """Block fp8 W [N, K] with scale_inv [ceil(N/bn), ceil(K/bk)] -> float32 [N, K]."""
+    bn, bk = block_size
+    n, k = w.shape
+    s = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return w.float() * s
+
+
+# ---------------------------------------------------------------------------------------------
+# torch references
+
+
+def _finish(y: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, shape, n: int) -> torch.Tensor:
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*shape[:-1], n)
+
+
+def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                   input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y [*, N] = dequant(quant(x)) @ dequant(weight)^T (+ bias); per-tensor or per-channel weight scales."""
+    shape, n = x.shape, weight.shape[0]
+    x2 = x.reshape(-1, shape[-1])
+    q, x_scale = quantize_fp8_per_token(x2) if input_scale is None else quantize_fp8_per_tensor(x2, input_scale)
+    w_scale = weight_scale.float().reshape(-1)
+    w_scale = w_scale.expand(n) if w_scale.numel() == 1 else w_scale
+    y = (q.float() @ weight.float().t()) * x_scale.reshape(-1, 1) * w_scale.reshape(1, n)
+    return _finish(y, bias, x, shape, n)
+
+
+def fp8_block_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                         block_size: list[int], bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y [*, N] = (x quantized per token per block_size[1] columns) @ block-dequantized weight^T (+ bias)."""
+    bn, bk = block_size
+    shape, n = x.shape, weight.shape[0]
+    x2 = x.reshape(-1, shape[-1])
+    q, x_scale = quantize_fp8_per_token_group(x2, bk)
+    xd = q.float() * x_scale.repeat_interleave(bk, 1)[:, :x2.shape[1]]
+    y = xd @ dequantize_fp8_block(weight, weight_scale_inv, (bn, bk)).t()
+    return _finish(y, bias, x, shape, n)
+
+
+# ---------------------------------------------------------------------------------------------
+# device dispatch (custom ops: a compiled model sees one opaque node)
+
+
+def _scaled_mm_ok(x2: torch.Tensor, weight: torch.Tensor) -> bool:
+    """torch._scaled_mm wants K and N multiples of 16 and an SM89+ (or ROCm MI300) device."""
+    if x2.device.type != "cuda" or x2.shape[1] % 16 or weight.shape[0] % 16:
+        return False
+    return torch.cuda.get_device_capability(x2.device) >= (8, 9)
+
+
+@torch.library.custom_op("atom::fp8_linear", mutates_args=())
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               input_scale: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    shape, n = x.shape, weight.shape[0]
+    x2 = x.reshape(-1, shape[-1])
+    if not _scaled_mm_ok(x2, weight) or x.dtype not in (torch.bfloat16, torch.float16):
+        return fp8_linear_ref(x, weight, weight_scale, input_scale, bias)
+    w_scale = weight_scale.float().reshape(-1)
+    if input_scale is not None and w_scale.numel() == 1:  # per-tensor both sides
+        q, x_scale = quantize_fp8_per_tensor(x2, input_scale)
+        scale_a, scale_b = x_scale.reshape(()), w_scale.reshape(())
+    else:  # row-wise: per-token activations, per-channel weights (a per-tensor weight scale expands)
+        q, x_scale = quantize_fp8_per_token(x2) if input_scale is None else quantize_fp8_per_tensor(x2, input_scale)
+        scale_a = x_scale.reshape(-1, 1).expand(x2.shape[0], 1).contiguous()
+        scale_b = w_scale.expand(n).reshape(1, n).contiguous()
+    y = torch._scaled_mm(q, weight.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=x.dtype,
+                         bias=None if bias is None else bias.to(x.dtype))
+    return y.reshape(*shape[:-1], n)
+
+
+@fp8_linear.register_fake
+def _(x, weight, weight_scale, input_scale=None, bias=None):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op("atom::fp8_block_linear", mutates_args=())
+def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                     block_size: list[int], bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return fp8_block_linear_ref(x, weight, weight_scale_inv, block_size, bias)
+
+
+@fp8_block_linear.register_fake
+def _(x, weight, weight_scale_inv, block_size, bias=None):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
