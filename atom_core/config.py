@@ -40,6 +40,7 @@ class ModelConfig:
     seed: int = 0
     max_model_len: int | None = None
     load_format: Literal["auto", "dummy"] = "auto"
+    quantization: str | None = None  # --quantization: must match the checkpoint's; fp8 also quantizes a bf16 one online
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -85,7 +86,7 @@ class ModelConfig:
             max_model_len=self._resolve_max_model_len(hf),
             eos_token_ids=frozenset(files.eos_token_ids),
             vocab_size=hf.vocab_size,
-            quant_config=get_quant_config(hf),
+            quant_config=get_quant_config(hf, self.quantization),
             seed=self.seed,
             load_format=self.load_format,
         )

@@ -17,6 +17,7 @@ ENGINE_OPTIONS = {
     "dtype": (str, typer.Option("auto", help="auto, bfloat16, float16 or float32.")),
     "device": (str, typer.Option("auto", help="auto, cpu or cuda.")),
     "load_format": (str, typer.Option("auto", help="auto (safetensors) or dummy (random weights, for benchmarks).")),
+    "quantization": (Optional[str], typer.Option(None, "--quantization", help="Weight format; must match the checkpoint's quantization_config. fp8 on a bf16/fp16 checkpoint quantizes it at load (e4m3 per-channel weights, dynamic per-token activations).")),
     "seed": (int, typer.Option(0, help="Engine seed.")),
     "max_model_len": (Optional[int], typer.Option(None, help="Max tokens per sequence (default: the model's).")),
     "max_num_seqs": (int, typer.Option(256, help="Max sequences per step.")),

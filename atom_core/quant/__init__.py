@@ -14,7 +14,12 @@ _QUANT_CONFIGS: dict[str, type[QuantConfig] | str] = {
     "compressed-tensors": "atom_core.quant.compressed_tensors:CompressedTensorsConfig",
     "gptq": "atom_core.quant.gptq:GPTQConfig",
     "awq": "atom_core.quant.awq:AWQConfig",
+    "fp8": "atom_core.quant.fp8:Fp8Config",
 }
+
+
+# formats that `--quantization` may apply to an unquantized checkpoint (quantized at load)
+_ONLINE_QUANTIZATIONS = frozenset({"fp8"})
 
 
 def _config_class(method: str) -> type[QuantConfig]:
@@ -40,7 +45,8 @@ def get_quant_config(hf_config, override: str | None = None) -> QuantConfig | No
     """The checkpoint's QuantConfig, or None for an unquantized model.
 
     `override` is `--quantization`: it must name a supported method, and must agree with the
-    checkpoint's own `quantization_config` when it has one.
+    checkpoint's own `quantization_config` when it has one; on an unquantized checkpoint only
+    an online format (fp8) is accepted.
     """
     qc = getattr(hf_config, "quantization_config", None)
     if qc is not None and not isinstance(qc, dict):
@@ -52,6 +58,10 @@ def get_quant_config(hf_config, override: str | None = None) -> QuantConfig | No
         if method is not None and method != override:
             raise ValueError(f"--quantization {override!r} does not match the checkpoint's "
                              f"quantization_config quant_method {method!r}")
+        if method is None and override not in _ONLINE_QUANTIZATIONS:
+            raise ValueError(f"--quantization {override!r} needs a checkpoint quantized in that format (this one has "
+                             f"no quantization_config); formats that quantize an unquantized checkpoint at load: "
+                             f"{', '.join(sorted(_ONLINE_QUANTIZATIONS))}")
         return _config_class(override).from_config(qc or {})
     if method is None:
         return None

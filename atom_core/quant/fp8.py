@@ -1,0 +1,151 @@
+"""FP8 (`quant_method: fp8`), two ways:
+
+Block FP8 checkpoints (DeepSeek-V3/R1, Qwen3-*-FP8; HF's FineGrainedFP8 layout):
+  quantization_config {"quant_method": "fp8", "activation_scheme": "dynamic",
+                       "weight_block_size": [bn, bk], "modules_to_not_convert"/"ignored_layers": [...]}
+  each quantized Linear stores `weight` float8_e4m3fn [N, K] and `weight_scale_inv` float32
+  [ceil(N/bn), ceil(K/bk)] (a multiplier, see fp8_ops). Activations are quantized per token per
+  bk columns on the fly. On load the block scale is expanded to one row per output row,
+  [N, ceil(K/bk)], so packed shards (q/k/v, gate/up) and tensor-parallel slices of any size
+  (including ones that are not multiples of bn) place exactly like weight rows; the product
+  runs `fp8_block_linear` with block [1, bk].
+
+Online FP8 (`--quantization fp8` on a bf16/fp16 checkpoint, as in vLLM): weights load in the
+  model dtype and are quantized after loading to e4m3 with one float32 scale per output
+  channel; activations get a dynamic per-token scale; the product is `fp8_linear`
+  (torch._scaled_mm on CUDA). Loading holds the model-dtype weights until they are quantized.
+
+Not here yet: quantized MoE experts (a FusedMoE fails at start with a message), static
+activation scales (activation_scheme "static").
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from atom_core.quant.base import QuantConfig, QuantMethod, set_weight_attrs
+from atom_core.quant.fp8_ops import FP8_DTYPE, fp8_block_linear, fp8_linear, quantize_fp8_per_token
+
+PACKED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+class Fp8BlockLinearMethod(QuantMethod):
+    """weight e4m3 [N, K]; weight_scale_inv float32 [N, ceil(K/bk)] (block scales expanded by row at load)."""
+
+    def __init__(self, block_size: tuple[int, int]):
+        self.block_n, self.block_k = block_size
+
+    def create_weights(self, layer: nn.Module, *, input_size: int, output_sizes: list[int], weight_loader,
+                       params_dtype: torch.dtype | None = None) -> None:
+        n, bk = sum(output_sizes), self.block_k
+        if getattr(layer, "tp_dim", None) == 1 and getattr(layer, "tp_size", 1) > 1 and input_size % bk:
+            raise ValueError(f"{getattr(layer, 'prefix', '')}: block-FP8 input size per rank {input_size} is not a "
+                             f"multiple of the weight block {bk}; use a tensor-parallel size that keeps K blocks whole")
+        weight = nn.Parameter(torch.empty(n, input_size, dtype=FP8_DTYPE), requires_grad=False)
+        set_weight_attrs(weight, weight_loader=weight_loader, output_dim=0, input_dim=1)
+        scale = nn.Parameter(torch.empty(n, -(-input_size // bk), dtype=torch.float32), requires_grad=False)
+        set_weight_attrs(scale, weight_loader=self._scale_loader(layer, weight_loader), output_dim=0, input_dim=1)
+        layer.register_parameter("weight", weight)
+        layer.register_parameter("weight_scale_inv", scale)
+
+    def _scale_loader(self, layer: nn.Module, weight_loader):
+        bn = self.block_n
+
+        def load(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+            """Checkpoint block scales [ceil(R/bn), kb] -> one row per weight row, then the layer's loader."""
+            rows = loaded.float().repeat_interleave(bn, 0)
+            tp = layer.tp_size if getattr(layer, "tp_dim", None) == 0 else 1
+            if shard_id is None:
+                full = param.shape[0] * tp
+            else:
+                index = {"q": 0, "k": 1, "v": 2}.get(shard_id, shard_id)
+                full = layer.output_sizes[index] * tp
+            weight_loader(param, rows[:min(full, rows.shape[0])], shard_id)
+
+        return load
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return fp8_block_linear(x, layer.weight, layer.weight_scale_inv, [1, self.block_k], bias)
+
+
+class Fp8OnlineLinearMethod(QuantMethod):
+    """Loads a model-dtype weight [N, K]; after loading: e4m3 weight + float32 weight_scale [N, 1]."""
+
+    def create_weights(self, layer: nn.Module, *, input_size: int, output_sizes: list[int], weight_loader,
+                       params_dtype: torch.dtype | None = None) -> None:
+        weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=params_dtype), requires_grad=False)
+        set_weight_attrs(weight, weight_loader=weight_loader, output_dim=0, input_dim=1)
+        layer.register_parameter("weight", weight)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if layer.weight.dtype == FP8_DTYPE:
+            return
+        q, scale = quantize_fp8_per_token(layer.weight.data)  # one row per output channel
+        layer.weight = nn.Parameter(q, requires_grad=False)
+        layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return fp8_linear(x, layer.weight, layer.weight_scale, None, bias)
+
+
+class Fp8Config(QuantConfig):
+    name = "fp8"
+
+    def __init__(self, block_size: tuple[int, int] | None, ignored: list[str], online: bool):
+        self.block_size, self.ignored, self.online = block_size, ignored, online
+
+    @classmethod
+    def from_config(cls, qc: dict) -> "Fp8Config":
+        if not qc:  # --quantization fp8 on an unquantized checkpoint
+            return cls(None, [], online=True)
+        scheme = qc.get("activation_scheme", "dynamic")
+        if scheme != "dynamic":
+            raise ValueError(f"fp8 activation_scheme {scheme!r} is not supported (only 'dynamic')")
+        fmt = qc.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            raise ValueError(f"fp8 fmt {fmt!r} is not supported (only 'e4m3')")
+        block = qc.get("weight_block_size")
+        if block is None:
+            raise ValueError("fp8 checkpoints without weight_block_size (per-tensor fp8 serialization) are not "
+                             "supported; block FP8 (weight_block_size [128, 128]) and online --quantization fp8 "
+                             "on a bf16 checkpoint are")
+        if len(block) != 2 or any(int(b) <= 0 for b in block):
+            raise ValueError(f"fp8 weight_block_size must be two positive ints, got {block!r}")
+        ignored = list(qc.get("modules_to_not_convert") or []) + list(qc.get("ignored_layers") or [])
+        return cls((int(block[0]), int(block[1])), ignored, online=False)
+
+    def describe(self) -> str:
+        if self.online:
+            return "fp8 online (e4m3 per-channel weights, dynamic per-token activations)"
+        return f"fp8 block {self.block_size[0]}x{self.block_size[1]} (e4m3, dynamic per-token-group activations)"
+
+    def _ignored(self, name: str) -> bool:
+        """HF's rule (modules_to_not_convert): an entry matches when it is a dotted part of the name."""
+        for entry in self.ignored:
+            if entry.startswith("re:"):
+                if re.match(entry[3:], name):
+                    return True
+            elif re.search(rf"(^|\.){re.escape(entry)}(\.|$)", name):
+                return True
+        return False
+
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantMethod | None:
+        from atom_core.model_ops.moe import FusedMoE
+
+        if isinstance(layer, FusedMoE):
+            if self._ignored(prefix):
+                return None
+            raise ValueError(f"{prefix}: FP8 MoE experts are not supported yet ({self.describe()}); dense layers only")
+        if prefix.endswith("lm_head"):
+            return None
+        head, _, leaf = prefix.rpartition(".")
+        names = [f"{head}.{m}" if head else m for m in PACKED_MODULES.get(leaf, (leaf,))]
+        ignored = {self._ignored(n) for n in names}
+        if len(ignored) > 1:
+            raise ValueError(f"{prefix}: the modules fused into this layer are not all quantized "
+                             f"(modules_to_not_convert names some of {names})")
+        if ignored.pop():
+            return None
+        return Fp8OnlineLinearMethod() if self.online else Fp8BlockLinearMethod(self.block_size)
