@@ -51,9 +51,10 @@ def make_expert_params_mapping(num_experts: int, gate: str, down: str, up: str,
     for HF transformers' fused layout (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj`)."""
     rules: list[tuple[str, str, int | None, str | None]] = []
     for e in range(num_experts):
-        rules += [(f"{experts}.w13_weight", f"{experts}.{e}.{gate}.weight", e, "w1"),
-                  (f"{experts}.w13_weight", f"{experts}.{e}.{up}.weight", e, "w3"),
-                  (f"{experts}.w2_weight", f"{experts}.{e}.{down}.weight", e, "w2")]
+        for suffix in ("weight", "weight_scale_inv"):  # weight_scale_inv: block-FP8 experts (quant/fp8.py)
+            rules += [(f"{experts}.w13_{suffix}", f"{experts}.{e}.{gate}.{suffix}", e, "w1"),
+                      (f"{experts}.w13_{suffix}", f"{experts}.{e}.{up}.{suffix}", e, "w3"),
+                      (f"{experts}.w2_{suffix}", f"{experts}.{e}.{down}.{suffix}", e, "w2")]
     rules += [(f"{experts}.w13_weight", f"{experts}.gate_up_proj", None, None),
               (f"{experts}.w2_weight", f"{experts}.down_proj", None, None)]
     return rules

@@ -15,8 +15,9 @@ Online FP8 (`--quantization fp8` on a bf16/fp16 checkpoint, as in vLLM): weights
   channel; activations get a dynamic per-token scale; the product is `fp8_linear`
   (torch._scaled_mm on CUDA). Loading holds the model-dtype weights until they are quantized.
 
-Not here yet: quantized MoE experts (a FusedMoE fails at start with a message), static
-activation scales (activation_scheme "static").
+Block-FP8 MoE experts (FusedMoE) run through a per-expert loop of the block product (correct on
+every device, no fused kernel yet). Not here yet: online FP8 for MoE experts and static
+activation scales (activation_scheme "static"): both fail at start with a message.
 """
 from __future__ import annotations
 
@@ -68,6 +69,65 @@ class Fp8BlockLinearMethod(QuantMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return fp8_block_linear(x, layer.weight, layer.weight_scale_inv, [1, self.block_k], bias)
+
+
+class Fp8BlockMoEMethod(QuantMethod):
+    """Block-FP8 experts: w13_weight e4m3 [E, 2I, H] + w13_weight_scale_inv float32 [E, 2I, ceil(H/bk)],
+    w2_weight e4m3 [E, H, I] + w2_weight_scale_inv [E, H, ceil(I/bk)] (block scales expanded by row
+    at load, as for the linear method). The product is the per-expert reference loop (every device;
+    no fused block-FP8 MoE kernel yet): correct, not fast."""
+
+    def __init__(self, block_size: tuple[int, int]):
+        self.block_n, self.block_k = block_size
+
+    def create_weights(self, layer: nn.Module, *, num_experts: int, hidden_size: int, intermediate_size: int,
+                       weight_loader, params_dtype: torch.dtype | None = None) -> None:
+        bk = self.block_k
+        if getattr(layer, "tp_size", 1) > 1 and not getattr(layer, "use_ep", False) and intermediate_size % bk:
+            raise ValueError(f"{layer.prefix}: block-FP8 expert intermediate size per rank {intermediate_size} is "
+                             f"not a multiple of the weight block {bk}; use expert parallelism or another "
+                             f"tensor-parallel size")
+        shapes = {"w13": (2 * intermediate_size, hidden_size), "w2": (hidden_size, intermediate_size)}
+        experts = range(layer.expert_start, layer.expert_start + num_experts)
+        for name, (rows, cols) in shapes.items():
+            weight = nn.Parameter(torch.empty(num_experts, rows, cols, dtype=FP8_DTYPE), requires_grad=False)
+            set_weight_attrs(weight, weight_loader=weight_loader)
+            scale = nn.Parameter(torch.empty(num_experts, rows, -(-cols // bk), dtype=torch.float32),
+                                 requires_grad=False)
+            set_weight_attrs(scale, weight_loader=self._scale_loader(layer, weight_loader, intermediate_size))
+            shards = ("w1", "w3") if name == "w13" else ("w2",)
+            scale.expected_shards = frozenset((s, e) for e in experts for s in shards)
+            layer.register_parameter(f"{name}_weight", weight)
+            layer.register_parameter(f"{name}_weight_scale_inv", scale)
+
+    def _scale_loader(self, layer: nn.Module, weight_loader, intermediate_size: int):
+        bn = self.block_n
+
+        def load(param: nn.Parameter, loaded: torch.Tensor, shard_id=None, expert_id=None) -> None:
+            if expert_id is None:
+                raise ValueError(f"{layer.prefix}: block-FP8 experts load per expert (experts.N.*.weight_scale_inv)")
+            tp = 1 if layer.use_ep else layer.tp_size
+            full = param.shape[1] if shard_id == "w2" else intermediate_size * tp  # checkpoint rows of this shard
+            rows = loaded.float().repeat_interleave(bn, 0)
+            weight_loader(param, rows[:min(full, rows.shape[0])], shard_id, expert_id)
+
+        return load
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              activation: str = "silu") -> torch.Tensor:
+        block = [1, self.block_k]
+        num_tokens, top_k = topk_ids.shape
+        out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+        flat, flat_w = topk_ids.flatten().long(), topk_weights.flatten().float()
+        for e in torch.unique(flat).tolist():
+            slots = (flat == e).nonzero().squeeze(1)
+            tokens = slots // top_k
+            h = fp8_block_linear(x.index_select(0, tokens), layer.w13_weight[e], layer.w13_weight_scale_inv[e], block)
+            gate, up = h.chunk(2, dim=-1)
+            y = fp8_block_linear(torch.nn.functional.silu(gate) * up, layer.w2_weight[e],
+                                 layer.w2_weight_scale_inv[e], block)
+            out.index_add_(0, tokens, y.float() * flat_w[slots, None])
+        return out.to(x.dtype)
 
 
 class Fp8OnlineLinearMethod(QuantMethod):
@@ -137,7 +197,10 @@ class Fp8Config(QuantConfig):
         if isinstance(layer, FusedMoE):
             if self._ignored(prefix):
                 return None
-            raise ValueError(f"{prefix}: FP8 MoE experts are not supported yet ({self.describe()}); dense layers only")
+            if self.online:
+                raise ValueError(f"{prefix}: online FP8 MoE experts are not supported yet; --quantization fp8 "
+                                 f"quantizes dense layers only, so use a block-FP8 checkpoint for MoE models")
+            return Fp8BlockMoEMethod(self.block_size)
         if prefix.endswith("lm_head"):
             return None
         head, _, leaf = prefix.rpartition(".")
