@@ -28,6 +28,13 @@ def _startup_phases(engine, startup: float) -> dict[str, float]:
     return phases
 
 
+def _model_rows(engine) -> list[tuple[str, str]]:
+    """The weight format, weight bytes and KV bytes per token (rank 0 under tensor parallelism)."""
+    s = engine.core.executor.runner.model_summary
+    return [("weight format", s["format"]), ("weights (GiB, per rank)", f"{s['weight_bytes'] / (1 << 30):.2f}"),
+            ("KV cache bytes/token (per rank)", f"{s['kv_bytes_per_token']:,}")]
+
+
 def _breakdown(phases: dict[str, float]) -> str:
     return ", ".join(f"{name.replace('_', ' ')} {seconds:.1f}" for name, seconds in phases.items())
 
@@ -83,8 +90,9 @@ def offline_cmd(
         *_spec_rows(result.spec_decode),
         ("start to ready (s)", f"{result.startup_s:.1f}"),
         ("  of which (s)", _breakdown(phases)),
+        *_model_rows(engine),
     ], output_json, {"workload": as_json(workload), **as_json(result), "engine_args": engine_kwargs(engine_args),
-                     "startup_breakdown_s": phases})
+                     "startup_breakdown_s": phases, "model": engine.core.executor.runner.model_summary})
 
 
 @friendly_errors
@@ -117,7 +125,9 @@ def latency_cmd(
         *_spec_rows(r.spec_decode),
         ("start to ready (s)", f"{r.startup_s:.1f}"),
         ("  of which (s)", _breakdown(phases)),
-    ], output_json, {**as_json(r), "engine_args": engine_kwargs(engine_args), "startup_breakdown_s": phases})
+        *_model_rows(engine),
+    ], output_json, {**as_json(r), "engine_args": engine_kwargs(engine_args), "startup_breakdown_s": phases,
+                     "model": engine.core.executor.runner.model_summary})
 
 
 def register(bench_app: typer.Typer) -> None:

@@ -90,6 +90,10 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - start
         self.attention_layers = attention_layers(self.model)
         check_attention_supported(self.attention_layers, self.max_model_len, self.device)
+        summary = self.model_summary
+        logger.info("model loaded in %.1f s: format %s, weights %.2f GiB, KV cache %d bytes/token (this rank)",
+                    self.load_seconds, summary["format"], summary["weight_bytes"] / (1 << 30),
+                    summary["kv_bytes_per_token"])
         if config.profiler.mark_trace:  # before graph capture, so capture traces carry module ranges
             from atom_core.profiling.profiler import mark_modules
 
@@ -123,6 +127,16 @@ class ModelRunner:
             self.graphs.capture_all()
             if self.proposer is not None:
                 self._capture_verify_graphs(CUDAGraphRunner)
+
+    @property
+    def model_summary(self) -> dict:
+        """The weight format (the quant config's description), weight bytes and KV bytes per token, on this rank."""
+        qc = self.model_info.quant_config
+        fmt = "unquantized" if qc is None else (qc.describe() if hasattr(qc, "describe") else qc.name)
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        return {"format": f"{fmt} ({self.dtype})".replace("torch.", ""),
+                "weight_bytes": sum(t.numel() * t.element_size() for t in tensors),
+                "kv_bytes_per_token": sum(layer.kv_spec.bytes_per_token for layer in self.attention_layers)}
 
     @property
     def startup_breakdown(self) -> dict[str, float]:

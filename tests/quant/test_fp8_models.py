@@ -247,3 +247,38 @@ class TestConfigErrors:
         bf16 = build_tiny_model(tmp_path / "bf16", "llama")
         result = CliRunner().invoke(app, ["generate", "--model", str(bf16), "--quantization", "gptq", "hello"])
         assert result.exit_code != 0 and "needs a checkpoint quantized" in (result.output + str(result.exception))
+
+
+def test_bench_and_log_report_format_weight_and_kv_bytes(models, tmp_path, caplog):
+    """`bench latency` states the detected format, weight bytes and KV bytes per token (and the
+    startup log says the same); online fp8 halves the linear weights of the bf16 model."""
+    import logging
+
+    from typer.testing import CliRunner
+
+    from atomctl.main import app
+
+    if models.name.startswith("fp8-qwen3_moe"):
+        pytest.skip("one dense model is enough")
+    data = {}
+    for name, extra in [("bf16", []), ("online", ["--quantization", "fp8"]), ("fp8", [])]:
+        out = tmp_path / f"{name}.json"
+        path = models / ("fp8" if name == "fp8" else "bf16")
+        with caplog.at_level(logging.INFO, logger="atom_core"):
+            res = CliRunner().invoke(app, ["bench", "latency", "--model", str(path), "--device", "cpu", "--dtype", "bfloat16",
+                                           "--input-len", "4", "--output-len", "2", "--num-iters", "1", *extra,
+                                           "--output-json", str(out)])
+        assert res.exit_code == 0, res.output
+        assert "weight format" in res.output and "KV cache bytes/token" in res.output
+        data[name] = json.loads(out.read_text())["model"]
+    assert data["bf16"]["format"] == "unquantized (bfloat16)"
+    assert data["online"]["format"].startswith("fp8 online") and data["fp8"]["format"].startswith("fp8 block 128x128")
+    cfg = json.loads((models / "bf16" / "config.json").read_text())
+    h, i, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    linear = layers * (h * (q + 2 * kv) + q * h + 3 * h * i)  # elements in the quantized linears
+    n_rows = layers * (q + 2 * kv + h + 2 * i + h)  # output rows of those linears (one f32 scale each)
+    assert data["bf16"]["weight_bytes"] - data["online"]["weight_bytes"] == linear * 2 - linear - n_rows * 4
+    assert data["fp8"]["kv_bytes_per_token"] == data["bf16"]["kv_bytes_per_token"] == layers * 2 * kv * 2
+    assert any("format fp8 online" in r.getMessage() and "bytes/token" in r.getMessage() for r in caplog.records)
