@@ -26,9 +26,11 @@ Products (y [*, N] in x's dtype, x [*, K] in bf16/fp16/fp32):
   fp8_block_linear_ref(x, weight, weight_scale_inv, block_size, bias=None)
       block weights as above; activations quantized per token per `block_size[1]` columns.
   fp8_linear / fp8_block_linear: the same signatures as custom ops (`atom::fp8_linear`,
-      `atom::fp8_block_linear`); on CUDA fp8_linear runs torch._scaled_mm (row-wise or
-      per-tensor scales) where the shape allows it, else the reference. fp8_block_linear runs
-      the reference everywhere today (no block-scaled GPU kernel yet).
+      `atom::fp8_block_linear`); on CUDA fp8_linear quantizes dynamic activations with one Triton
+      launch (kernels/triton/fp8.py, the reference's bits) and runs torch._scaled_mm (row-wise or
+      per-tensor scales) where the shape allows it (SM89+, K and N multiples of 16), else the
+      reference. fp8_block_linear runs the reference everywhere today (it dequantizes the weight
+      on every call: correct, slow on a GPU; no block-scaled GPU GEMM yet).
 
 The references accumulate in float32 over the dequantized operands, which equals the sum over
 K-blocks of the fp8 partial products times their scales up to float32 rounding.
@@ -155,7 +157,12 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         q, x_scale = quantize_fp8_per_tensor(x2, input_scale)
         scale_a, scale_b = x_scale.reshape(()), w_scale.reshape(())
     else:  # row-wise: per-token activations, per-channel weights (a per-tensor weight scale expands)
-        q, x_scale = quantize_fp8_per_token(x2) if input_scale is None else quantize_fp8_per_tensor(x2, input_scale)
+        if input_scale is None:
+            from atom_core.kernels.triton.fp8 import quantize_fp8_per_token as quantize_triton
+
+            q, x_scale = quantize_triton(x2.contiguous())  # one launch (same bits as the reference)
+        else:
+            q, x_scale = quantize_fp8_per_tensor(x2, input_scale)
         scale_a = x_scale.reshape(-1, 1).expand(x2.shape[0], 1).contiguous()
         scale_b = w_scale.expand(n).reshape(1, n).contiguous()
     y = torch._scaled_mm(q, weight.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=x.dtype,

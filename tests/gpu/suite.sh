@@ -246,6 +246,13 @@ case $mode in
     q8=(--model preset:Qwen3-8B --load-format dummy --max-model-len 4096)
     step lat-q8-draft 200 python3 -m atomctl.main bench latency "${q8[@]}" --bs 1 --output-len 64 --num-iters 2 --method draft --draft-model preset:Qwen3-0.6B --num-speculative-tokens 2 --output-json "$OUT/lat_q8_draft.json"
     step lat-q8 120 python3 -m atomctl.main bench latency "${q8[@]}" --bs 1 --output-len 64 --num-iters 2 --output-json "$OUT/lat_q8.json" ;;
+  fp8|fp8-lat)  # issue 16 FP8: kernel tests (Triton quantizers' bits, _scaled_mm vs reference), _scaled_mm vs bf16 per shape, Llama-3-8B --quantization fp8 (dummy) batch-1/32 TPOT; fp8 adds the nano offline workload
+    step fp8-gpu-tests 90 python3 -m pytest -q --tb=short -m gpu tests/quant/test_fp8_ops.py -p no:cacheprovider
+    step fp8-mm-bench 60 python3 -m atom_core.kernels.triton.fp8_bench
+    step lat-l8fp8-bs1 100 python3 -m atomctl.main bench latency "${l8[@]}" --quantization fp8 --bs 1 --output-json "$OUT/lat_l8fp8_bs1.json"
+    step lat-l8fp8-bs32 80 python3 -m atomctl.main bench latency "${l8[@]}" --quantization fp8 --bs 32 --output-json "$OUT/lat_l8fp8_bs32.json" ;;&
+  fp8)
+    step off-l8fp8 200 python3 -m atomctl.main bench offline "${l8[@]}" --quantization fp8 --output-json "$OUT/off_l8fp8.json" ;;
   *) ;;
 esac
 echo "=== summary"
