@@ -162,9 +162,11 @@ def device(request) -> str:
 
 @pytest.mark.parametrize("m,k,group", [(1, 4096, 4096), (33, 300, 128), (4, 14336, 128), (5, 130, 130)])
 def test_triton_quantizers_vs_reference(device, m, k, group):
-    """Same scales and (on a GPU) the same e4m3 bits as the reference. Triton's interpreter
-    converts float32 -> e4m3 wrongly (126.6 -> 64 seen), so under it only the scales and the
-    layout are compared; the `gpu` run compares every bit."""
+    """Same scales and (on a GPU) the same e4m3 codes as the reference, up to float32 division:
+    the kernel divides amax / 448 in IEEE, PyTorch's CUDA scalar division multiplies by the
+    reciprocal (1 ulp apart, seen on an H100), and an element on a rounding boundary may then
+    round one e4m3 step apart. Triton's interpreter converts float32 -> e4m3 wrongly (126.6 -> 64
+    seen), so under it only the scales and the layout are compared."""
     from atom_core.kernels.triton.fp8 import quantize_fp8_per_token_group as triton_group
 
     g = torch.Generator().manual_seed(m + k)
@@ -173,6 +175,10 @@ def test_triton_quantizers_vs_reference(device, m, k, group):
     q, s = triton_group(x, group)
     rq, rs = quantize_fp8_per_token_group(x, group)
     assert q.dtype == FP8_DTYPE and q.shape == (m, k) and s.shape == rs.shape
-    assert torch.equal(s, rs)
+    assert torch.allclose(s, rs, rtol=2.5e-7, atol=0)  # <= 1 float32 ulp
     if device == "cuda":
-        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+        codes, ref_codes = q.float(), rq.float()
+        differ = codes != ref_codes
+        assert differ.float().mean() < 1e-3  # rare boundary cases only
+        step = ref_codes.abs().clamp(min=2 ** -6) * 2 ** -3  # one e4m3 step at that magnitude
+        assert ((codes - ref_codes).abs() <= step * 1.01)[differ].all()
