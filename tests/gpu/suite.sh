@@ -253,6 +253,11 @@ case $mode in
     step lat-l8fp8-bs32 80 python3 -m atomctl.main bench latency "${l8[@]}" --quantization fp8 --bs 32 --output-json "$OUT/lat_l8fp8_bs32.json" ;;&
   fp8)
     step off-l8fp8 200 python3 -m atomctl.main bench offline "${l8[@]}" --quantization fp8 --output-json "$OUT/off_l8fp8.json" ;;
+  recheck)  # kernel GPU tests written or revised since their last GPU run (sinks/windows, fp8 quantizer, int8/w4a16), then DeepSeek-V2-Lite start to ready cold and warm (issue 14)
+    step recheck-kernel-tests 200 python3 -m pytest -q --tb=short -m gpu tests/kernels/test_attention_sinks.py tests/quant/test_fp8_ops.py tests/quant/test_int_kernels.py -p no:cacheprovider
+    dsl=(--model preset:DeepSeek-V2-Lite --load-format dummy --max-model-len 4096)
+    step lat-dsv2l-bs1-cold 150 python3 -m atomctl.main bench latency "${dsl[@]}" --bs 1 --num-iters 2 --output-json "$OUT/lat_dsv2l_bs1_cold.json"
+    step lat-dsv2l-bs1-warm 120 python3 -m atomctl.main bench latency "${dsl[@]}" --bs 1 --num-iters 2 --output-json "$OUT/lat_dsv2l_bs1_warm.json" ;;
   *) ;;
 esac
 echo "=== summary"
