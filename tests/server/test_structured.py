@@ -66,7 +66,8 @@ class TestParams:
 
 class TestEngine:
     @pytest.fixture(scope="class")
-    def demo(self):
+    @classmethod
+    def demo(cls):
         from atom_core import LLMEngine
 
         return LLMEngine(str(DEMO_MODEL_DIR), device="cpu", kv_cache_memory_gb=0.05, max_model_len=512)
