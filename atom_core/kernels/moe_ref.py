@@ -38,7 +38,8 @@ import torch.nn.functional as F
 
 Scoring = Literal["softmax", "sigmoid"]
 SCORINGS = ("softmax", "sigmoid")
-ACTIVATIONS = ("silu",)
+ACTIVATIONS = ("silu", "swigluoai")
+SWIGLU_ALPHA = 1.702  # GPT-OSS's sigmoid gain (HF swiglu_alpha); every released config uses it
 
 
 def check_route_args(router_logits: torch.Tensor, top_k: int, scoring: str, correction_bias: torch.Tensor | None,
@@ -149,9 +150,28 @@ def moe_align_block_size(
     return sorted_ids, expert_ids, total
 
 
-def _check_activation(activation: str) -> None:
+def check_activation(activation: str, swiglu_limit: float | None) -> None:
+    """Shared by both providers: silu takes no limit, swigluoai needs a positive one."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"unknown activation '{activation}'; expected one of: {', '.join(ACTIVATIONS)}")
+    if activation == "swigluoai" and not (swiglu_limit is not None and swiglu_limit > 0):
+        raise ValueError(f"activation 'swigluoai' needs swiglu_limit > 0 (the config's swiglu_limit), got {swiglu_limit}")
+    if activation == "silu" and swiglu_limit is not None:
+        raise ValueError(f"swiglu_limit={swiglu_limit} applies to activation 'swigluoai' only, not 'silu'")
+
+
+def apply_activation(h: torch.Tensor, activation: str, swiglu_limit: float | None = None) -> torch.Tensor:
+    """h [..., 2I] (gate columns, then up columns) -> [..., I], in h's dtype.
+
+    silu: silu(gate) * up. swigluoai (GPT-OSS, HF `GptOssExperts._apply_gate`): gate clamped
+    above at the limit, up clamped to [-limit, limit], then (up + 1) * gate * sigmoid(1.702 * gate).
+    """
+    gate, up = h.chunk(2, dim=-1)
+    if activation == "silu":
+        return F.silu(gate) * up
+    gate = gate.clamp(max=swiglu_limit)
+    up = up.clamp(min=-swiglu_limit, max=swiglu_limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * SWIGLU_ALPHA))
 
 
 def fused_moe(
@@ -163,15 +183,16 @@ def fused_moe(
     activation: str = "silu",
     w13_bias: torch.Tensor | None = None,  # [E, 2I]
     w2_bias: torch.Tensor | None = None,  # [E, H]
+    swiglu_limit: float | None = None,  # swigluoai's clamp; None for silu
 ) -> torch.Tensor:
     """out[t] = sum_k topk_weights[t, k] * (act(x_t @ w13[e].T + b13[e]) @ w2[e].T + b2[e]) with
-    e = topk_ids[t, k] and act(h) = silu(h[:I]) * h[I:].
+    e = topk_ids[t, k] and act = apply_activation (silu(h[:I]) * h[I:], or GPT-OSS's swigluoai).
 
     Precision: both matmuls and the activation run in hidden's dtype (each result rounded to it,
     as an eager HF expert does); the weighted sum over the K experts accumulates in float32 and is
     cast to hidden's dtype once at the end (HF accumulates in hidden's dtype with index_add_).
     """
-    _check_activation(activation)
+    check_activation(activation, swiglu_limit)
     num_tokens, top_k = topk_ids.shape
     num_experts = w13.shape[0]
     out = torch.zeros(num_tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
@@ -183,7 +204,6 @@ def fused_moe(
         slots = (flat == e).nonzero().squeeze(1)
         tokens = slots // top_k
         h = F.linear(hidden.index_select(0, tokens), w13[e], None if w13_bias is None else w13_bias[e])
-        gate, up = h.chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[e], None if w2_bias is None else w2_bias[e])
+        y = F.linear(apply_activation(h, activation, swiglu_limit), w2[e], None if w2_bias is None else w2_bias[e])
         out.index_add_(0, tokens, y.float() * flat_weights[slots, None])
     return out.to(hidden.dtype)

@@ -474,7 +474,7 @@ class TestFusedMoeKernel:
     def test_rejects_bad_arguments(self, device):
         args = make_moe_inputs(3, 4, 2, 32, 16, torch.float32, device, seed=2)
         with pytest.raises(ValueError, match="expected one of: silu"):
-            tm.fused_moe(**args, activation="swigluoai")
+            tm.fused_moe(**args, activation="gelu")
         with pytest.raises(ValueError, match="w13"):
             tm.fused_moe(**(args | {"w13": args["w13"][:, :20]}))
         with pytest.raises(ValueError, match="topk_weights must be float32"):

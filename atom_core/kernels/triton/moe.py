@@ -22,9 +22,9 @@ aligned list read num_tokens_post_padded and return at once.
 
 Tile configs come from moe_configs/E={E},N={I},K={H},dtype={dtype},device={name}.json (written
 by `python -m atom_core.kernels.tune_moe`), a table from token count to MoeConfig; without a
-file, default_moe_config. To add an activation (e.g. GPT-OSS's clamped "swigluoai"), give it a
-code in ACTIVATIONS and a branch in _activate; quantized weights would add scale pointers to
-the two GEMMs' B-tile loads.
+file, default_moe_config. An activation is a code in ACTIVATIONS and a branch in _activate
+(silu, and GPT-OSS's clamped "swigluoai" with its `limit` a runtime argument); quantized weights
+would add scale pointers to the two GEMMs' B-tile loads.
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from atom_core.kernels.moe_ref import SWIGLU_ALPHA, check_activation
 from atom_core.kernels.triton.common import (
     check_dim, check_float, check_int, check_last_dim_contiguous, check_same_device, next_pow2,
 )
@@ -46,7 +47,8 @@ from atom_core.kernels.triton.common import (
 from atom_core.kernels.triton.moe_routing import launch_moe_align, moe_align_block_size, moe_route  # noqa: E402,F401
 
 CONFIG_DIR = Path(__file__).with_name("moe_configs")
-ACTIVATIONS = {"silu": 0}  # name -> the _activate code
+ACTIVATIONS = {"silu": 0, "swigluoai": 1}  # name -> the _activate code
+_SWIGLU_ALPHA = tl.constexpr(SWIGLU_ALPHA)
 SUM_BLOCK_H = 1024
 
 
@@ -84,9 +86,14 @@ def _tile_ids(num_m_blocks, NUM_N_BLOCKS: tl.constexpr, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _activate(gate, up, ACTIVATION: tl.constexpr):
+def _activate(gate, up, limit, ACTIVATION: tl.constexpr):
+    """float32 gate/up tiles -> the activation (moe_ref.apply_activation); `limit` is read by swigluoai only."""
     if ACTIVATION == 0:  # silu(gate) * up
         return gate * tl.sigmoid(gate) * up
+    elif ACTIVATION == 1:  # swigluoai: (clamp(up, -l, l) + 1) * g * sigmoid(alpha * g), g = min(gate, l)
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        return (up + 1.0) * (gate * tl.sigmoid(gate * _SWIGLU_ALPHA))
     else:
         tl.static_assert(False, "unknown activation code")
 
@@ -94,7 +101,7 @@ def _activate(gate, up, ACTIVATION: tl.constexpr):
 @triton.jit(do_not_specialize=["num_assignments", "num_m_blocks"])
 def _gemm1_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
-    num_assignments, num_m_blocks, stride_xt, stride_we, stride_wn, stride_be, stride_ot,
+    num_assignments, num_m_blocks, stride_xt, stride_we, stride_wn, stride_be, stride_ot, limit,
     INTER: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
@@ -138,7 +145,7 @@ def _gemm1_kernel(
         b_ptrs = bias_ptr + expert * stride_be + offs_n
         acc_g += tl.load(b_ptrs).to(tl.float32)[None, :]
         acc_u += tl.load(b_ptrs + INTER).to(tl.float32)[None, :]
-    act = _activate(acc_g, acc_u, ACTIVATION)
+    act = _activate(acc_g, acc_u, limit, ACTIVATION)
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_ot + cols[None, :]
     tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=(cols < INTER)[None, :])
 
@@ -214,7 +221,7 @@ def _dot_args(dtype: torch.dtype) -> dict:
 
 def moe_gemm1(hidden: torch.Tensor, w13: torch.Tensor, w13_bias: Optional[torch.Tensor], sorted_ids: torch.Tensor,
               expert_ids: torch.Tensor, num_post: torch.Tensor, top_k: int, block_m: int, tile: GemmTile,
-              out: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+              out: torch.Tensor, activation: str = "silu", swiglu_limit: float | None = None) -> torch.Tensor:
     """GEMM1 stage: out [max_padded, I] in aligned order; every row of a used block is written."""
     inter, num_assignments = w13.shape[1] // 2, hidden.shape[0] * top_k
     num_m = triton.cdiv(sorted_ids.shape[0], block_m)
@@ -222,7 +229,7 @@ def moe_gemm1(hidden: torch.Tensor, w13: torch.Tensor, w13_bias: Optional[torch.
     _gemm1_kernel[grid](
         hidden, w13, w13_bias if w13_bias is not None else w13, out, sorted_ids, expert_ids, num_post,
         num_assignments, num_m, hidden.stride(0), w13.stride(0), w13.stride(1),
-        w13_bias.stride(0) if w13_bias is not None else 0, out.stride(0),
+        w13_bias.stride(0) if w13_bias is not None else 0, out.stride(0), float(swiglu_limit or 0.0),
         INTER=inter, HIDDEN=hidden.shape[1], TOP_K=top_k, ACTIVATION=ACTIVATIONS[activation],
         HAS_BIAS=w13_bias is not None, BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         GROUP_M=tile.group_m, num_warps=tile.num_warps, num_stages=tile.num_stages, **_dot_args(hidden.dtype),
@@ -327,9 +334,8 @@ def get_moe_config(num_experts: int, hidden_size: int, inter: int, top_k: int, d
 # fused_moe
 
 
-def _check_moe_args(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias) -> None:
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"unknown activation '{activation}'; expected one of: {', '.join(ACTIVATIONS)}")
+def _check_moe_args(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, swiglu_limit) -> None:
+    check_activation(activation, swiglu_limit)
     check_dim("hidden", hidden, 2)
     check_dim("w13", w13, 3)
     check_dim("w2", w2, 3)
@@ -363,10 +369,10 @@ def _check_moe_args(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bia
 
 def launch_fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, activation: str = "silu", w13_bias: Optional[torch.Tensor] = None,
-                     w2_bias: Optional[torch.Tensor] = None, *, config: MoeConfig | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     w2_bias: Optional[torch.Tensor] = None, swiglu_limit: Optional[float] = None, *,
+                     config: MoeConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """`fused_moe` with a config override and an output buffer (tests, the tuner)."""
-    _check_moe_args(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias)
+    _check_moe_args(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, swiglu_limit)
     if out is None:
         out = torch.empty_like(hidden)
     num_tokens, hidden_size = hidden.shape
@@ -376,7 +382,8 @@ def launch_fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     cfg = config or get_moe_config(num_experts, hidden_size, inter, top_k, hidden.dtype, num_tokens, hidden.device)
     sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, cfg.block_m, num_experts)
     act = hidden.new_empty((sorted_ids.shape[0], inter))
-    moe_gemm1(hidden, w13, w13_bias, sorted_ids, expert_ids, num_post, top_k, cfg.block_m, cfg.gemm1, act, activation)
+    moe_gemm1(hidden, w13, w13_bias, sorted_ids, expert_ids, num_post, top_k, cfg.block_m, cfg.gemm1, act, activation,
+              swiglu_limit)
     partial = hidden.new_empty((num_tokens * top_k, hidden_size))
     moe_gemm2(act, w2, w2_bias, topk_weights, sorted_ids, expert_ids, num_post, cfg.block_m, cfg.gemm2, partial)
     return moe_sum(partial, topk_ids, num_experts, out)
@@ -387,22 +394,22 @@ def launch_fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
 @torch.library.custom_op("atom::fused_moe", mutates_args=())
 def fused_moe_op(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                  topk_ids: torch.Tensor, activation: str = "silu", w13_bias: Optional[torch.Tensor] = None,
-                 w2_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    return launch_fused_moe(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias)
+                 w2_bias: Optional[torch.Tensor] = None, swiglu_limit: Optional[float] = None) -> torch.Tensor:
+    return launch_fused_moe(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, swiglu_limit)
 
 
 @fused_moe_op.register_fake
-def _(hidden, w13, w2, topk_weights, topk_ids, activation="silu", w13_bias=None, w2_bias=None):
-    _check_moe_args(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias)
+def _(hidden, w13, w2, topk_weights, topk_ids, activation="silu", w13_bias=None, w2_bias=None, swiglu_limit=None):
+    _check_moe_args(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, swiglu_limit)
     return torch.empty_like(hidden)
 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, activation: str = "silu", w13_bias: Optional[torch.Tensor] = None,
-              w2_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+              w2_bias: Optional[torch.Tensor] = None, swiglu_limit: Optional[float] = None) -> torch.Tensor:
     """Same contract as `moe_ref.fused_moe`; four or five launches (see the module docstring).
     Precision: float32 accumulation in both GEMMs, the activation in float32 rounded once to
     hidden's dtype, each weighted expert output rounded once, their sum in float32."""
     if torch.compiler.is_compiling():
-        return fused_moe_op(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias)
-    return launch_fused_moe(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias)
+        return fused_moe_op(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, swiglu_limit)
+    return launch_fused_moe(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, swiglu_limit)
