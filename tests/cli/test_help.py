@@ -58,9 +58,12 @@ class TestHelpIsFast:
         for path, heavy in zip(PATHS, result["heavy"]):
             assert heavy == [], f"`atomctl {' '.join(path)} --help` imported {heavy}"
 
-    def test_top_level_help_under_half_a_second_of_cpu(self):
+    @pytest.mark.parametrize("path", PATHS, ids=lambda p: " ".join(p) or "atomctl")
+    def test_help_under_half_a_second_of_cpu(self, path):
+        # One fresh interpreter per screen: what a user waits for is start-up plus that one --help.
         # CPU time, not wall time: CI shares its cores, and the budget is about what we do.
-        assert probe([()])["cpu_s"] < 0.5
+        cpu_s = probe([path])["cpu_s"]
+        assert cpu_s < 0.5, f"`atomctl {' '.join(path)} --help` took {cpu_s:.2f} s of CPU"
 
 
 class TestHelpAt80Columns:
