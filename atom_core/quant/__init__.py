@@ -15,6 +15,7 @@ _QUANT_CONFIGS: dict[str, type[QuantConfig] | str] = {
     "gptq": "atom_core.quant.gptq:GPTQConfig",
     "awq": "atom_core.quant.awq:AWQConfig",
     "fp8": "atom_core.quant.fp8:Fp8Config",
+    "mxfp4": "atom_core.quant.mxfp4:Mxfp4Config",
 }
 
 
