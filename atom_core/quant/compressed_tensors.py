@@ -7,8 +7,10 @@ an exact module name, or "re:<regex>" matched from the name's start. Schemes run
   int-quantized   W8A8 INT8: int8 weights per channel, activations int8 per token (dynamic)
   pack-quantized  W4A16: int4 weights in groups of 32/64/128 (or per channel), symmetric or
                   asymmetric (zero points)
+  float-quantized FP8 (FP8_DYNAMIC, FP8): e4m3 weights per channel or per tensor; activations
+                  e4m3 per token (dynamic) or per tensor (static input_scale)
 
-Anything else (static activation scales, act-order g_idx, sparsity, KV-cache schemes, other
+Anything else (static INT8 activation scales, FP8 weights without FP8 activations, act-order g_idx, sparsity, KV-cache schemes, other
 bit widths, quantized MoE experts) fails at start with a message naming it.
 """
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from atom_core.quant.base import QuantConfig, QuantMethod
+from atom_core.quant.fp8 import Fp8ScaledLinearMethod
 from atom_core.quant.int4 import CompressedTensorsW4A16Method
 from atom_core.quant.int8 import Int8W8A8LinearMethod
 
@@ -80,12 +83,23 @@ class Scheme:
             if w.actorder == "group":
                 raise self._unsupported("actorder 'group' (weight_g_idx)")
             return CompressedTensorsW4A16Method(w.group_size if w.strategy == "group" else None, w.symmetric)
+        if self.format == "float-quantized":
+            if (w.type, w.num_bits, w.symmetric) != ("float", 8, True) or w.strategy not in ("tensor", "channel"):
+                raise self._unsupported(f"weights {w.describe()} (expected float8 tensor or channel symmetric)")
+            fp8_acts = {("float", 8, "token", True, True), ("float", 8, "tensor", True, False)}
+            if a is None or (a.type, a.num_bits, a.strategy, a.symmetric, a.dynamic) not in fp8_acts:
+                acts = "none" if a is None else a.describe()
+                raise self._unsupported(f"input activations {acts} (expected float8 token dynamic or float8 "
+                                        f"tensor static)")
+            return Fp8ScaledLinearMethod(per_tensor_weight=w.strategy == "tensor", static_input=not a.dynamic)
         raise self._unsupported("format")
 
     def _unsupported(self, what: str) -> ValueError:
         return ValueError(f"compressed-tensors config group {self.name!r} (format {self.format!r}): unsupported "
                           f"{what}; supported schemes: int-quantized W8A8 (int8 channel weights, dynamic int8 "
-                          f"per-token activations), pack-quantized W4A16 (int4 group/channel weights)")
+                          f"per-token activations), pack-quantized W4A16 (int4 group/channel weights), float-quantized FP8 "
+                          f"(float8 tensor/channel weights, float8 dynamic per-token or static per-tensor "
+                          f"activations)")
 
 
 def matches(target: str, name: str, class_names: tuple[str, ...]) -> bool:

@@ -26,6 +26,7 @@ import re
 import torch
 from torch import nn
 
+from atom_core.kernels.moe_ref import apply_activation
 from atom_core.quant.base import QuantConfig, QuantMethod, set_weight_attrs
 from atom_core.quant.fp8_ops import FP8_DTYPE, fp8_block_linear, fp8_linear, quantize_fp8_per_token
 
@@ -81,7 +82,9 @@ class Fp8BlockMoEMethod(QuantMethod):
         self.block_n, self.block_k = block_size
 
     def create_weights(self, layer: nn.Module, *, num_experts: int, hidden_size: int, intermediate_size: int,
-                       weight_loader, params_dtype: torch.dtype | None = None) -> None:
+                       weight_loader, has_bias: bool = False, params_dtype: torch.dtype | None = None) -> None:
+        if has_bias:
+            raise ValueError(f"{layer.prefix}: block-FP8 experts with biases (e.g. GPT-OSS) are not supported")
         bk = self.block_k
         if getattr(layer, "tp_size", 1) > 1 and not getattr(layer, "use_ep", False) and intermediate_size % bk:
             raise ValueError(f"{layer.prefix}: block-FP8 expert intermediate size per rank {intermediate_size} is "
@@ -114,7 +117,7 @@ class Fp8BlockMoEMethod(QuantMethod):
         return load
 
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              activation: str = "silu") -> torch.Tensor:
+              activation: str = "silu", swiglu_limit: float | None = None) -> torch.Tensor:
         block = [1, self.block_k]
         num_tokens, top_k = topk_ids.shape
         out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
@@ -123,8 +126,7 @@ class Fp8BlockMoEMethod(QuantMethod):
             slots = (flat == e).nonzero().squeeze(1)
             tokens = slots // top_k
             h = fp8_block_linear(x.index_select(0, tokens), layer.w13_weight[e], layer.w13_weight_scale_inv[e], block)
-            gate, up = h.chunk(2, dim=-1)
-            y = fp8_block_linear(torch.nn.functional.silu(gate) * up, layer.w2_weight[e],
+            y = fp8_block_linear(apply_activation(h, activation, swiglu_limit), layer.w2_weight[e],
                                  layer.w2_weight_scale_inv[e], block)
             out.index_add_(0, tokens, y.float() * flat_w[slots, None])
         return out.to(x.dtype)
@@ -148,6 +150,58 @@ class Fp8OnlineLinearMethod(QuantMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return fp8_linear(x, layer.weight, layer.weight_scale, None, bias)
+
+
+class Fp8ScaledLinearMethod(QuantMethod):
+    """FP8 weights with checkpoint scales (compressed-tensors `float-quantized`: llm-compressor's
+    FP8_DYNAMIC and FP8 schemes). weight e4m3 [N, K]; weight_scale float32 [N, 1]: a per-channel
+    checkpoint scale loads as it is, a per-tensor one is repeated over its shard's rows, so fused
+    q/k/v or gate/up with different scales run one row-wise product. Activations: dynamic per
+    token, or static per tensor with input_scale [1] (the max over the fused shards; llm-compressor
+    observes one input for q/k/v and one for gate/up, so their scales are equal)."""
+
+    def __init__(self, per_tensor_weight: bool, static_input: bool):
+        self.per_tensor_weight, self.static_input = per_tensor_weight, static_input
+
+    def create_weights(self, layer: nn.Module, *, input_size: int, output_sizes: list[int], weight_loader,
+                       params_dtype: torch.dtype | None = None) -> None:
+        n = sum(output_sizes)
+        weight = nn.Parameter(torch.empty(n, input_size, dtype=FP8_DTYPE), requires_grad=False)
+        set_weight_attrs(weight, weight_loader=weight_loader, output_dim=0, input_dim=1)
+        layer.register_parameter("weight", weight)
+        scale = nn.Parameter(torch.empty(n, 1, dtype=torch.float32), requires_grad=False)
+        loader = self._tensor_scale_loader(layer) if self.per_tensor_weight else weight_loader
+        set_weight_attrs(scale, weight_loader=loader, output_dim=0)
+        layer.register_parameter("weight_scale", scale)
+        if self.static_input:
+            input_scale = nn.Parameter(torch.zeros(1, dtype=torch.float32), requires_grad=False)
+            set_weight_attrs(input_scale, weight_loader=self._input_scale_loader)
+            layer.register_parameter("input_scale", input_scale)
+
+    @staticmethod
+    def _tensor_scale_loader(layer: nn.Module):
+        def load(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+            if loaded.numel() != 1:
+                raise ValueError(f"{layer.prefix}: a per-tensor weight_scale must hold one value, got "
+                                 f"{tuple(loaded.shape)}")
+            if shard_id is None:
+                param.data.fill_(float(loaded))
+                return
+            index = {"q": 0, "k": 1, "v": 2}.get(shard_id, shard_id)
+            rows = layer.output_sizes[index] * getattr(layer, "tp_size", 1)  # the start row is not needed
+            offset, size, _ = layer._shard_range(shard_id, rows)
+            param.data.narrow(0, offset, size).fill_(float(loaded))
+
+        return load
+
+    @staticmethod
+    def _input_scale_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if loaded.numel() != 1:
+            raise ValueError(f"a static per-tensor input_scale must hold one value, got {tuple(loaded.shape)}")
+        param.data.copy_(torch.maximum(param.data, loaded.float().reshape(1).to(param.device)))
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return fp8_linear(x, layer.weight, layer.weight_scale, getattr(layer, "input_scale", None), bias)
 
 
 class Fp8Config(QuantConfig):

@@ -37,7 +37,20 @@ SCHEMES = {
     "llama-w4a16-channel-asym": ("llama", 64, _w4(None, False)),
     "qwen3-w8a8": ("qwen3", 64, {"scheme": "W8A8"}),
     "qwen3-w4a16-g32-asym": ("qwen3", 64, _w4(32, False)),
+    "llama-fp8-dynamic": ("llama", 64, {"scheme": "FP8_DYNAMIC"}),  # float8 channel weights, dynamic per-token acts
+    "qwen3-fp8-static": ("qwen3", 64, {"scheme": "FP8"}),  # float8 tensor weights, static per-tensor acts
 }
+STATIC_ACTIVATIONS = {"qwen3-fp8-static"}  # calibrated on CALIBRATION_SAMPLES random sequences
+
+
+def calibration_dataset(vocab: int):
+    """Random token sequences for the observers of static activation scales."""
+    import torch
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(7)
+    ids = [torch.randint(3, vocab, (32,), generator=g).tolist() for _ in range(8)]
+    return Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * 32 for _ in ids]})
 
 
 def prompts(vocab: int) -> list[list[int]]:
@@ -125,7 +138,12 @@ def main(out: Path, names: list[str]) -> None:
         base = bases.get((arch, hidden)) or _base_model(out / f"base-{arch}-{hidden}", arch, hidden)
         bases[(arch, hidden)] = base
         model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-        oneshot(model=model, recipe=QuantizationModifier(targets="Linear", ignore=["lm_head"], **kwargs))
+        calibration = {}
+        if name in STATIC_ACTIVATIONS:
+            calibration = dict(dataset=calibration_dataset(model.config.vocab_size), num_calibration_samples=8,
+                               max_seq_length=32)
+        oneshot(model=model, recipe=QuantizationModifier(targets="Linear", ignore=["lm_head"], **kwargs),
+                **calibration)
         model.save_pretrained(str(out / name), save_compressed=True)
         AutoTokenizer.from_pretrained(str(base)).save_pretrained(str(out / name))
         hf = AutoModelForCausalLM.from_pretrained(str(out / name), dtype=torch.float32).eval()

@@ -9,6 +9,9 @@ W8A8: both sides quantize activations per token by compressed-tensors' rule (abs
 round half to even, clamp), but we accumulate int8 products exactly in int32 while HF multiplies
 the dequantized values in float32. The ~1e-7 relative difference can move an activation across
 a rounding boundary in a later layer, which shifts a logit by up to about one quantum's effect.
+FP8 (FP8_DYNAMIC, static FP8) is the same situation: both sides quantize activations to e4m3 by
+the same rule and multiply in float32, in a different order. Same check, same bound.
+
 So the check is: teacher-forced over HF's own continuation, our logits are within EPS of HF's
 at every step (this bounds the whole effect), and our greedy tokens equal HF's at least up to
 the first step where HF's top-2 logit margin is below 2 * EPS (before it, a margin above 2 * EPS
@@ -36,12 +39,12 @@ def _tokens(engine, vocab):
     return [o["token_ids"] for o in engine.generate(prompts(vocab), GREEDY)]
 
 
-EPS = 0.1  # max |our logit - HF logit| allowed for W8A8 (measured up to 0.05 on these models, logits of size 1-3)
+EPS = 0.1  # max |our logit - HF logit| allowed for W8A8 and FP8 (measured up to 0.05 on these models, logits of size 1-3)
 W4A16 = [n for n in SCHEMES if "w4a16" in n]
-W8A8 = [n for n in SCHEMES if "w8a8" in n]
+W8A8 = [n for n in SCHEMES if "w8a8" in n or "fp8" in n]  # activations quantized too: a logit bound
 
 
-CHUNKED = {"llama-w8a8", "llama-w4a16-g64-asym"}  # also run with chunked prefill and max_num_seqs=2
+CHUNKED = {"llama-w8a8", "llama-w4a16-g64-asym", "qwen3-fp8-static"}  # also run with chunked prefill and max_num_seqs=2
 
 
 def _engines(path):
@@ -61,7 +64,7 @@ def test_w4a16_matches_hf_token_for_token(checkpoints, name):
 
 
 @pytest.mark.parametrize("name", W8A8)
-def test_w8a8_matches_hf_within_logit_bound(checkpoints, name):
+def test_activation_quantized_matches_hf_within_logit_bound(checkpoints, name):
     from transformers import AutoConfig
 
     from atom_core.loader import build_model
@@ -91,19 +94,35 @@ def test_layers_get_the_checkpoint_scheme(checkpoints):
     from atom_core.loader import build_model
     from atom_core.quant import get_quant_config
     from atom_core.quant.int4 import CompressedTensorsW4A16Method
+    from atom_core.quant.fp8 import Fp8ScaledLinearMethod
     from atom_core.quant.int8 import Int8W8A8LinearMethod
 
     out, _ = checkpoints
-    for name, method_cls in [("llama-w8a8", Int8W8A8LinearMethod), ("llama-w4a16-g64-asym", CompressedTensorsW4A16Method)]:
+    for name, method_cls in [("llama-w8a8", Int8W8A8LinearMethod), ("llama-w4a16-g64-asym", CompressedTensorsW4A16Method),
+                             ("llama-fp8-dynamic", Fp8ScaledLinearMethod), ("qwen3-fp8-static", Fp8ScaledLinearMethod)]:
         cfg = AutoConfig.from_pretrained(str(out / name))
         model = build_model(cfg, out / name, torch.float32, "cpu", quant_config=get_quant_config(cfg))
         layer = model.model.layers[0]
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             assert isinstance(linear.quant_method, method_cls)
         assert type(model.lm_head).__name__ and not hasattr(model.lm_head, "weight_scale")  # lm_head is ignored
-    asym = model.model.layers[0].mlp.down_proj
-    assert asym.w4_qweight.dtype == torch.int32 and asym.w4_zeros.dtype == torch.uint8
-    assert asym.w4_group_size == 64 and not hasattr(asym, "weight_packed")  # repacked after loading
+        if name == "llama-w4a16-g64-asym":
+            asym = model.model.layers[0].mlp.down_proj
+            assert asym.w4_qweight.dtype == torch.int32 and asym.w4_zeros.dtype == torch.uint8
+            assert asym.w4_group_size == 64 and not hasattr(asym, "weight_packed")  # repacked after loading
+        if name == "qwen3-fp8-static":  # per-tensor scales repeated over each fused shard's rows
+            from safetensors.torch import load_file
+
+            ckpt = load_file(str(out / name / "model.safetensors"))
+            qkv = layer.self_attn.qkv_proj
+            rows = dict(zip("qkv", qkv.output_sizes))
+            start = 0
+            for shard in "qkv":
+                want = ckpt[f"model.layers.0.self_attn.{shard}_proj.weight_scale"].float()
+                assert torch.equal(qkv.weight_scale[start:start + rows[shard]], want.expand(rows[shard], 1))
+                start += rows[shard]
+            assert torch.equal(qkv.input_scale, ckpt["model.layers.0.self_attn.q_proj.input_scale"].float())
+            assert not hasattr(model.model.layers[0].mlp.down_proj, "weight_zero_point")
 
 
 def _ct_config(**group) -> dict:
@@ -122,6 +141,10 @@ class TestConfigErrors:
 
     def test_supported_config_parses(self):
         assert self._get(_ct_config()).schemes[0].format == "pack-quantized"
+        fp8 = {"format": "float-quantized", "weights": {"num_bits": 8, "type": "float", "strategy": "tensor"},
+               "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}}
+        method = self._get(_ct_config(**fp8)).schemes[0].make_method()
+        assert method.per_tensor_weight and method.static_input
 
     @pytest.mark.parametrize("group, message", [
         ({"format": "naive-quantized"}, "unsupported format"),
@@ -132,6 +155,14 @@ class TestConfigErrors:
           "input_activations": {"num_bits": 8, "type": "int", "strategy": "tensor", "dynamic": False}},
          "expected int8 token"),
         ({"output_activations": {"num_bits": 8}}, "output activation"),
+        ({"format": "float-quantized", "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}},
+         "input activations none"),  # FP8 weight-only
+        ({"format": "float-quantized", "weights": {"num_bits": 8, "type": "float", "strategy": "block"},
+          "input_activations": {"num_bits": 8, "type": "float", "strategy": "group", "dynamic": True}},
+         "expected float8 tensor or channel"),
+        ({"format": "float-quantized", "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+          "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": False}},
+         "expected float8 token dynamic"),
     ])
     def test_unsupported_scheme_names_it(self, group, message):
         with pytest.raises(ValueError, match=message):
