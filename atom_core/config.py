@@ -244,7 +244,7 @@ class ParallelConfig:
         return range(self.node_rank * self.ranks_per_node, (self.node_rank + 1) * self.ranks_per_node)
 
 
-SPEC_METHODS = {"ngram": 8, "draft": 8}  # method -> the most draft tokens it may propose per step
+SPEC_METHODS = {"ngram": 8, "draft": 8, "mtp": 4}  # method -> the most draft tokens it may propose per step
 
 
 @dataclass(frozen=True)
@@ -254,7 +254,8 @@ class SpeculativeConfig:
     forward and a rejection sampler keeps its distribution. ngram: prompt lookup over the
     request's own tokens, matching its last ngram_max..ngram_min tokens (both default to 5, as
     vLLM's prompt lookup; one given sets the other); draft: greedy tokens of draft_model, a small
-    model of the same tokenizer. Speculation replaces multi-step windows."""
+    model of the same tokenizer; mtp: the checkpoint's own nextn layer (DeepSeek-V3 layout),
+    run k times. Speculation replaces multi-step windows."""
 
     method: str | None = None
     num_speculative_tokens: int | None = None

@@ -169,7 +169,12 @@ class DecoderForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def skip_checkpoint_weight(self, name: str) -> bool:
-        return "rotary_emb.inv_freq" in name  # HF's buffer; ours is computed
+        if "rotary_emb.inv_freq" in name:  # HF's buffer; ours is computed
+            return True
+        # Multi-token-prediction (nextn) layers follow the last decoder layer
+        # (model.layers.{num_hidden_layers}...); speculative decoding (spec_decode/mtp.py) builds them.
+        parts = name.split(".", 3)
+        return parts[:2] == ["model", "layers"] and int(parts[2]) >= self.config.num_hidden_layers
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

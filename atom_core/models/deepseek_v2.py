@@ -7,9 +7,9 @@ Routing: V2 "greedy" (softmax top-k) or "group_limited_greedy" (softmax, best gr
 never renormalised; V3 "noaux_tc" (sigmoid + correction bias, groups by top-2 sum, renormalised
 iff norm_topk_prob); both times routed_scaling_factor.
 
-For speculative decoding (MTP) the pieces are reusable: `DeepseekV2DecoderLayer(config, prefix,
-quant_config)` builds any layer index (read from the prefix), and `DeepseekV2ForCausalLM.model`
-returns the final hidden states that `compute_logits` turns into logits.
+The checkpoint's MTP layer (model.layers.{num_hidden_layers}) is skipped here (DecoderForCausalLM);
+with `--method mtp`, spec_decode/mtp.py builds it from `layer_cls` (a layer index >=
+first_k_dense_replace gets the MoE block) and feeds it the final hidden states this model returns.
 """
 from __future__ import annotations
 
@@ -153,14 +153,6 @@ class DeepseekV2ForCausalLM(DecoderForCausalLM):
         super().__init__(config, prefix, quant_config)
         self.expert_params_mapping = make_expert_params_mapping(config.n_routed_experts, "gate_proj", "down_proj",
                                                                 "up_proj")
-
-    def skip_checkpoint_weight(self, name: str) -> bool:
-        # The MTP layer(s) follow the last decoder layer (model.layers.{num_hidden_layers}...);
-        # speculative decoding builds them itself.
-        parts = name.split(".")
-        if parts[:2] == ["model", "layers"] and int(parts[2]) >= self.config.num_hidden_layers:
-            return True
-        return super().skip_checkpoint_weight(name)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

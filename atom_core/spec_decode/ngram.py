@@ -28,6 +28,6 @@ class NgramProposer(Proposer):
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max
 
-    def propose(self, states) -> list[list[int]]:
+    def propose(self, states, target=None) -> list[list[int]]:
         return [ngram_lookup(np.asarray(s.prompt_token_ids + s.output_token_ids, dtype=np.int64),
                              self.num_draft_tokens, self.ngram_min, self.ngram_max) for s in states]

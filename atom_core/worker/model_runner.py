@@ -25,8 +25,8 @@ from atom_core.model_ops.forward_context import set_attention_metadata
 from atom_core.model_ops.kv_spec import (allocate_kv_cache, attention_layers, check_attention_supported,
                                          kv_bytes_per_block, release_kv_cache, warm_up_attention)
 from atom_core.model_ops.sampler import Sampler
-from atom_core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from atom_core.spec_decode.proposer import build_proposer, can_speculate
+from atom_core.scheduler_output import PLACEHOLDER, ModelRunnerOutput, SchedulerOutput
+from atom_core.spec_decode.proposer import TargetHidden, build_proposer, can_speculate
 from atom_core.spec_decode.rejection_sampler import RejectionSampler, emitted_tokens
 from atom_core.spec_decode.verify import build_padded_verify_batch, emitted_logprobs, verify_rows
 from atom_core.worker.batch_builder import FlatBatch, build_flat_batch, build_sampling_batch
@@ -50,6 +50,7 @@ class PendingStep:
     prompt_logprobs: dict = field(default_factory=dict)
     verify: object = None  # spec_decode.verify.VerifyRows of a step that verifies drafts
     verify_logits: torch.Tensor | None = None  # its logit rows, kept when a request wants logprobs
+    hidden: torch.Tensor | None = None  # the forward's hidden states, for a proposer that drafts from them
 
 
 def _to_host_async(t: torch.Tensor) -> torch.Tensor:
@@ -99,7 +100,8 @@ class ModelRunner:
 
             mark_modules(self.model)
         self.sampler = Sampler()
-        self.proposer = build_proposer(config.speculative, model, self.block_size, config.scheduler.max_num_seqs)
+        self.proposer = build_proposer(config.speculative, model, self.block_size, config.scheduler.max_num_seqs,
+                                       target_model=self.model)
         self.rejection_sampler = RejectionSampler() if self.proposer is not None else None
         self.profiler = profiler
         self.input_batch = InputBatch()
@@ -254,6 +256,10 @@ class ModelRunner:
             return self._launch_window(out, states, flat)
         hidden = self._forward(flat, out)
         pending = PendingStep(out, states, flat)
+        if self.proposer is not None and self.proposer.uses_target_hidden:
+            # A graph replay's output buffer is safe until the next launch: speculative steps
+            # resolve (and propose) before it (EngineCore._needs_known_tokens).
+            pending.hidden = hidden
         if not flat.sample_seq_idx and not flat.prompt_logprob_spans:
             return pending
         rows = hidden if flat.logits_all_rows else hidden[flat.logit_rows]
@@ -333,15 +339,31 @@ class ModelRunner:
         if pending.verify_logits is not None:
             result.logprobs.update(emitted_logprobs(pending.verify_logits, rows, tokens, pending.states, seq_idx))
 
-    def _propose(self, result: ModelRunnerOutput) -> None:
+    def _propose(self, result: ModelRunnerOutput, pending: PendingStep) -> None:
         """Drafts for every request that just gained tokens (its state is up to date now)."""
         requests = self.input_batch.requests
         idx = [i for i, (rid, toks) in enumerate(zip(result.req_ids, result.sampled))
                if toks and rid in requests and can_speculate(requests[rid].sampling_params)]
-        if not idx:
+        target = self._target_hidden(pending, result) if pending.hidden is not None else None
+        if not idx and target is None:
             return
-        drafts = self.proposer.propose([requests[result.req_ids[i]] for i in idx])
+        drafts = self.proposer.propose([requests[result.req_ids[i]] for i in idx], target)
         result.draft_token_ids = {i: d for i, d in zip(idx, drafts) if d}
+
+    @staticmethod
+    def _target_hidden(pending: PendingStep, result: ModelRunnerOutput) -> TargetHidden:
+        """Where each request's verified rows sit in the step's hidden states: its scheduled
+        tokens plus the drafts it accepted (the rows after them saw rejected tokens)."""
+        out, flat = pending.out, pending.flat
+        assert not out.is_window, "speculative decoding replaces multi-step windows"
+        q = flat.verify_query_len  # a padded verify step: request i's rows start at i * q
+        row_starts, num_rows, offset = [], [], 0
+        for i, (n, extra, sampled) in enumerate(zip(out.num_scheduled_tokens, out.extra_tokens, result.sampled)):
+            num_drafts = len(extra) if extra and extra[0] != PLACEHOLDER else 0
+            row_starts.append(i * q if q else offset)
+            offset += n + num_drafts
+            num_rows.append(n + max(len(sampled) - 1, 0))
+        return TargetHidden(pending.hidden, pending.states, row_starts, list(out.num_computed_tokens), num_rows)
 
     def _record(self, pending: PendingStep) -> None:
         pending.sampled_host = _to_host_async(pending.sampled)
@@ -366,6 +388,8 @@ class ModelRunner:
         out, flat = pending.out, pending.flat
         result = ModelRunnerOutput(out.req_ids, [[] for _ in out.req_ids], prompt_logprobs=pending.prompt_logprobs)
         if pending.sampled is None:
+            if pending.hidden is not None:  # prefill chunks that sample nothing still feed an MTP layer
+                self._propose(result, pending)
             return result
         if pending.event is not None:
             pending.event.synchronize()
@@ -381,7 +405,7 @@ class ModelRunner:
                 self._collect_logprobs(result, pending.states, flat, pending.sampler_out)
         self.input_batch.append_sampled(out.req_ids, result.sampled)
         if self.proposer is not None:
-            self._propose(result)
+            self._propose(result, pending)
         return result
 
     def graph_batch_size(self, out: SchedulerOutput) -> int | None:

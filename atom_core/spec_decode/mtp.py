@@ -1,0 +1,240 @@
+"""Multi-token prediction (MTP): the checkpoint's own "nextn" layer drafts the next tokens.
+
+Layout (DeepSeek-V3's, also GLM-4.5's): layer index N = num_hidden_layers holds `enorm`,
+`hnorm`, `eh_proj` [H, 2H], `shared_head.norm`, `shared_head.head`, its own `embed_tokens`, and
+a full decoder block of the family (for DeepSeek-V3 the MLA + MoE block). At position t it reads
+the target's final hidden state h_t and the token t+1, and predicts token t+2:
+
+    y_t = shared_head.norm(block(eh_proj(cat(enorm(embed(token_{t+1})), hnorm(h_t)))))
+
+h_t is what the target model returns: after its final norm. That is what the checkpoints were
+trained on (DeepSeek's own modeling code hands the normed hidden states to the MTP module, whose
+`hnorm` was fit on them), and what ATOM feeds. k > 1 drafts run the same layer again, one
+position further, feeding its own normed output y in place of h (ATOM and vLLM also run one layer
+k times; the checkpoints train one step only, so later drafts are weaker). When the checkpoint
+lacks the layer's `embed_tokens` or `shared_head.head` (the demo model ships neither), the
+target's embedding and LM head serve (they are copies of them in DeepSeek-V3).
+
+Every verified position of the target gets its MTP row, prefill chunks included, so the layer's
+attention sees the whole context: its KV lives in its own cache on the target's block tables
+(spec_decode/draft_kv.py), written when the step that computed the position resolves.
+Positions a prefix-cache hit skipped keep the MTP KV that the request which computed those
+blocks wrote (the last row of such a block paired that request's next token: drafts may be a
+little worse there, never the output). Drafts are greedy (a point mass, which the rejection
+sampler verifies exactly at any temperature).
+"""
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from atom_core.model_ops.embed_head import LMHead, VocabEmbedding
+from atom_core.model_ops.forward_context import set_attention_metadata
+from atom_core.model_ops.kv_spec import attention_layers
+from atom_core.model_ops.layernorm import RMSNorm
+from atom_core.model_ops.linear import ReplicatedLinear
+from atom_core.spec_decode.draft_kv import DraftKV
+from atom_core.spec_decode.proposer import Proposer, TargetHidden, can_speculate
+
+if TYPE_CHECKING:
+    from atom_core.config import ResolvedModel, SpeculativeConfig
+    from atom_core.worker.input_batch import RequestState
+
+
+def num_nextn_layers(hf_config) -> int:
+    return int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0)
+
+
+def checkpoint_names(path: Path, prefix: str) -> set[str]:
+    """Names of the tensors under `prefix` in a model directory's safetensors (the index's
+    weight map when there is one, else every file's header)."""
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        names = json.loads(index.read_text())["weight_map"]
+    else:
+        names = []
+        for file in sorted(path.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                names.extend(f.keys())
+    return {n for n in names if n.startswith(prefix)}
+
+
+class SharedHead(nn.Module):
+    def __init__(self, config, has_head: bool):
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if has_head:
+            self.head = LMHead(config.vocab_size, config.hidden_size)
+
+
+@functools.cache
+def nextn_layer_class(layer_cls: type[nn.Module]) -> type[nn.Module]:
+    """The family's decoder layer plus the nextn parts, so parameter names are the checkpoint's
+    (`model.layers.N.self_attn...` beside `model.layers.N.eh_proj...`)."""
+
+    class NextNLayer(layer_cls):
+        def __init__(self, config, prefix: str, quant_config, has_embed: bool, has_head: bool):
+            super().__init__(config, prefix, quant_config)
+            hidden = config.hidden_size
+            self.enorm = RMSNorm(hidden, config.rms_norm_eps)
+            self.hnorm = RMSNorm(hidden, config.rms_norm_eps)
+            # Unquantized in FP8 checkpoints too (DeepSeek-V3 keeps eh_proj in bf16).
+            self.eh_proj = ReplicatedLinear(2 * hidden, hidden, bias=False, prefix=f"{prefix}.eh_proj")
+            self.shared_head = SharedHead(config, has_head)
+            if has_embed:
+                self.embed_tokens = VocabEmbedding(config.vocab_size, hidden)
+
+        def forward_nextn(self, input_ids: torch.Tensor, positions: torch.Tensor, previous_hidden: torch.Tensor,
+                          embed: nn.Module) -> torch.Tensor:
+            """[T] next tokens, [T] positions, [T, H] previous hidden -> [T, H] normed output."""
+            x = torch.cat([self.enorm(embed(input_ids)), self.hnorm(previous_hidden)], dim=-1)
+            hidden, residual = self(positions, self.eh_proj(x), None)
+            return self.shared_head.norm(hidden, residual)[0]
+
+    NextNLayer.__name__ = NextNLayer.__qualname__ = f"{layer_cls.__name__}NextN"
+    return NextNLayer
+
+
+class MTPModel(nn.Module):
+    """The nextn layer at `model.layers.{index}`, with the target's loading rules: a module the
+    loader fills from the target's checkpoint, skipping every tensor outside that layer."""
+
+    def __init__(self, config, index: int, layer: nn.Module, target_model: nn.Module):
+        super().__init__()
+        self.config = config
+        self.prefix = f"model.layers.{index}."
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleDict({str(index): layer})
+        self.stacked_params_mapping = target_model.stacked_params_mapping
+        self.expert_params_mapping = target_model.expert_params_mapping
+
+    def skip_checkpoint_weight(self, name: str) -> bool:
+        return not name.startswith(self.prefix) or "rotary_emb.inv_freq" in name
+
+
+def build_mtp_model(target: "ResolvedModel", target_model: nn.Module) -> MTPModel:
+    """The checkpoint's first nextn layer, loaded (or dummy-filled like the target); ValueError
+    when the checkpoint has none."""
+    from atom_core.loader import init_dummy_weights, load_weights, process_weights_after_loading
+
+    hf = target.hf_config
+    index = hf.num_hidden_layers
+    if num_nextn_layers(hf) < 1:
+        raise ValueError(f"--method mtp needs a checkpoint with a multi-token-prediction (nextn) layer, and "
+                         f"{target.path} has none (config.json num_nextn_predict_layers is "
+                         f"{getattr(hf, 'num_nextn_predict_layers', 'absent')}); use --method ngram or draft")
+    layer_cls = getattr(target_model, "layer_cls", None)
+    if layer_cls is None:
+        raise ValueError(f"--method mtp is not supported for {target.architecture}")
+    prefix = f"model.layers.{index}"
+    dummy = target.load_format == "dummy"
+    names = set() if dummy else checkpoint_names(Path(target.path), prefix + ".")
+    if not dummy and f"{prefix}.eh_proj.weight" not in names:
+        raise ValueError(f"--method mtp: config.json of {target.path} declares num_nextn_predict_layers "
+                         f"{num_nextn_layers(hf)}, but its safetensors hold no {prefix}.eh_proj.weight "
+                         f"({len(names)} tensors under {prefix}): the nextn layer's weights are missing")
+    # Dummy weights reuse the target's embedding and head (real checkpoints' copies equal them).
+    has_embed, has_head = f"{prefix}.embed_tokens.weight" in names, f"{prefix}.shared_head.head.weight" in names
+    old_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(target.dtype)
+    try:
+        with torch.device(target.device):
+            layer = nextn_layer_class(layer_cls)(hf, prefix, target.quant_config, has_embed, has_head)
+            model = MTPModel(hf, index, layer, target_model)
+    finally:
+        torch.set_default_dtype(old_dtype)
+    if dummy:
+        init_dummy_weights(model, target.seed + 1)
+    else:
+        load_weights(model, Path(target.path))
+    process_weights_after_loading(model)
+    return model.eval()
+
+
+class MTPProposer(Proposer):
+    """Contract: as Proposer, with `uses_target_hidden`: `propose(states, target)` after every
+    step (first feeding the step's verified rows to the layer, then drafting for `states`);
+    `allocate_kv(num_blocks)` once the target's block count is known; `forget(req_ids)`."""
+
+    uses_target_hidden = True
+
+    def __init__(self, config: "SpeculativeConfig", target: "ResolvedModel", target_model: nn.Module,
+                 block_size: int, max_num_seqs: int):
+        super().__init__(config.num_draft_tokens)
+        if block_size < self.num_draft_tokens:
+            raise ValueError(f"block_size {block_size} must be >= num_speculative_tokens {self.num_draft_tokens}")
+        self.model = build_mtp_model(target, target_model)
+        self.layer = next(iter(self.model.model.layers.values()))
+        own_embed, own_head = getattr(self.layer, "embed_tokens", None), getattr(self.layer.shared_head, "head", None)
+        self.embed = own_embed if own_embed is not None else target_model.model.embed_tokens
+        self.head = own_head if own_head is not None else target_model.lm_head
+        self.device = target.device
+        self.max_model_len = target.max_model_len
+        self.layers = attention_layers(self.model)
+        self.kv = DraftKV(self.layers, block_size, max_num_seqs, target.device)
+
+    def kv_layers(self) -> list:
+        return self.layers
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        self.kv.allocate(num_blocks)
+
+    def forget(self, req_ids) -> None:
+        self.kv.release(req_ids)
+
+    @torch.inference_mode()
+    def propose(self, states: list["RequestState"], target: TargetHidden | None = None) -> list[list[int]]:
+        assert target is not None, "the MTP proposer drafts from the target's hidden states"
+        wanted = {s.req_id for s in states}
+        token_ids, counts, starts, tables, hidden_rows = [], [], [], [], []
+        drafting: dict[str, int] = {}  # request id -> its entry in this forward
+        for i, state in enumerate(target.states):
+            n, first = target.num_rows[i], target.first_positions[i]
+            if n == 0 or not can_speculate(state.sampling_params):
+                continue
+            assert first + n < state.num_known_tokens, "an MTP row pairs a position with the known token after it"
+            rid = state.req_id
+            if (rid in wanted and state.num_known_tokens + self.num_draft_tokens <= self.max_model_len
+                    and self.kv.claim(rid)):
+                assert first + n + 1 == state.num_known_tokens, "a drafting request's rows end at its newest token"
+                drafting[rid] = len(counts)
+            token_ids.extend(state.tokens(first + 1, first + n + 1))
+            counts.append(n)
+            starts.append(first)
+            tables.append(self.kv.table(state, first + n))
+            hidden_rows.append(torch.arange(target.row_starts[i], target.row_starts[i] + n))
+        drafts: list[list[int]] = [[] for _ in states]
+        if not counts:
+            return drafts
+        rows = torch.cat(hidden_rows).to(self.device)
+        out = self._forward(token_ids, counts, starts, tables, target.hidden.index_select(0, rows))
+        if not drafting:
+            return drafts
+        entries = list(drafting.values())
+        last = torch.tensor([sum(counts[: e + 1]) - 1 for e in entries], device=self.device)
+        hidden = out.index_select(0, last)
+        tokens = [self.head(hidden).argmax(dim=-1)]
+        # Later drafts: one row per request, one position further, over its scratch blocks.
+        positions = [starts[e] + counts[e] for e in entries]  # the newest token's position
+        draft_tables = [tables[e] for e in entries]
+        for _ in range(self.num_draft_tokens - 1):
+            hidden = self._forward(tokens[-1], [1] * len(entries), positions, draft_tables, hidden)
+            tokens.append(self.head(hidden).argmax(dim=-1))
+            positions = [p + 1 for p in positions]
+        by_request = dict(zip(drafting, torch.stack(tokens, dim=1).tolist()))
+        return [by_request.get(s.req_id, []) for s in states]
+
+    def _forward(self, token_ids, counts: list[int], starts: list[int], tables: list[list[int]],
+                 previous_hidden: torch.Tensor) -> torch.Tensor:
+        """The nextn layer over each request's rows; [rows, H] normed outputs."""
+        positions, meta = self.kv.metadata(counts, starts, tables)
+        ids = token_ids if isinstance(token_ids, torch.Tensor) else torch.tensor(token_ids, device=self.device)
+        with set_attention_metadata(meta):
+            return self.layer.forward_nextn(ids, positions, previous_hidden, self.embed)
