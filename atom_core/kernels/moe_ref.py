@@ -198,12 +198,14 @@ def fused_moe(
     out = torch.zeros(num_tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
     flat = topk_ids.flatten().long()
     flat_weights = topk_weights.flatten().float()
+    h_dtype = hidden.dtype  # biases of another float dtype are rounded to it, as F.linear needs
     for e in torch.unique(flat).tolist():
         if not 0 <= e < num_experts:
             continue
         slots = (flat == e).nonzero().squeeze(1)
         tokens = slots // top_k
-        h = F.linear(hidden.index_select(0, tokens), w13[e], None if w13_bias is None else w13_bias[e])
-        y = F.linear(apply_activation(h, activation, swiglu_limit), w2[e], None if w2_bias is None else w2_bias[e])
+        h = F.linear(hidden.index_select(0, tokens), w13[e], None if w13_bias is None else w13_bias[e].to(h_dtype))
+        y = F.linear(apply_activation(h, activation, swiglu_limit), w2[e],
+                     None if w2_bias is None else w2_bias[e].to(h_dtype))
         out.index_add_(0, tokens, y.float() * flat_weights[slots, None])
     return out.to(hidden.dtype)

@@ -95,7 +95,10 @@ def load_weights(model: nn.Module, path: Path) -> None:
                 param = params[target]
                 loader = getattr(param, "weight_loader", default_weight_loader)
                 loader(param, f.get_tensor(name), **kwargs)
-                loaded.setdefault(target, set()).add((kwargs.get("shard_id"), kwargs.get("expert_id")))
+                # An expert rule without an expert id fills every expert at once (its shard id names a layout).
+                whole = "expert_id" in kwargs and kwargs["expert_id"] is None
+                loaded.setdefault(target, set()).add((None, None) if whole else (kwargs.get("shard_id"),
+                                                                                 kwargs.get("expert_id")))
     missing = []
     for name, param in params.items():
         keys = loaded.get(name)

@@ -8,9 +8,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from atom_core.distributed import get_tp_group
 from atom_core.model_ops.attention_backends import AttentionBackend, get_attention_backend
 from atom_core.model_ops.kv_spec import KVSpec
 from atom_core.model_ops.layernorm import RMSNorm
+from atom_core.model_ops.linear import copy_weight
 from atom_core.model_ops.rotary import RotaryEmbedding
 
 
@@ -68,22 +70,40 @@ class Attention(nn.Module):
     default dtype the model is built under. The worker assigns `k_cache`/`v_cache` views
     (kv_spec.allocate_kv_cache) before the first forward. `use_custom_op` (set when
     compiling) routes through the opaque op.
+
+    sinks=True (GPT-OSS) adds the parameter `sinks` [num_heads] (this rank's heads): a learned
+    logit per head that joins the softmax denominator and carries no value. Float32 whatever the
+    model dtype: the kernels' softmax runs in float32, and a bf16 checkpoint loads into it exactly
+    (HF holds it in the model dtype). Its loader takes this rank's slice of the checkpoint's heads.
     """
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, qk: QKTransform,
-                 sliding_window: int | None = None, prefix: str = ""):
+                 sliding_window: int | None = None, prefix: str = "", sinks: bool = False):
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale = scale
         self.qk = qk
         self.prefix = prefix
         self.dtype = torch.get_default_dtype()  # the compute (query) dtype
-        self.kv_spec = KVSpec("mha", num_kv_heads, head_dim, self.dtype, sliding_window)
+        self.kv_spec = KVSpec("mha", num_kv_heads, head_dim, self.dtype, sliding_window, has_sinks=sinks)
+        if sinks:
+            self.sinks = nn.Parameter(torch.empty(num_heads, dtype=torch.float32), requires_grad=False)
+            self.sinks.weight_loader = self._load_sinks
+        else:
+            self.sinks = None
         self.k_cache = self.v_cache = torch.empty(0)
         self.use_custom_op = False
         self._backend: AttentionBackend | None = None
         self.layer_key = torch.tensor([id(self)], dtype=torch.int64, device="cpu")
         _LAYERS[id(self)] = self
+
+    def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        """[total heads] -> this rank's heads (query heads split evenly over the TP ranks)."""
+        group = get_tp_group()
+        if loaded.shape != (self.num_heads * group.world_size,):
+            raise ValueError(f"{self.prefix}: sinks of shape {tuple(loaded.shape)}; expected "
+                             f"[{self.num_heads * group.world_size}] (one per attention head)")
+        copy_weight(param.data, loaded.narrow(0, group.rank_in_group * self.num_heads, self.num_heads))
 
     def backend(self, device: torch.device) -> AttentionBackend:
         if self._backend is None:

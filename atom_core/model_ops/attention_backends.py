@@ -46,6 +46,7 @@ class PagedMHABackend(AttentionBackend):
 
     name = "paged-mha"
     supports_sliding_window = True  # both providers (torch_ref, Triton) mask a per-layer window
+    supports_sinks = True  # and add a per-head sink to the softmax denominator
 
     def __init__(self, device_type: str):
         super().__init__(device_type)
@@ -59,13 +60,18 @@ class PagedMHABackend(AttentionBackend):
                                     meta.slot_mapping, layer.num_heads, *norm)
         out = self.ops.paged_attention(q, layer.k_cache, layer.v_cache, meta.block_tables, meta.query_start_loc,
                                        meta.seq_lens, layer.scale, meta.max_query_len, meta.max_seq_len,
-                                       seq_order=meta.seq_order, **self._window_args(layer))
+                                       seq_order=meta.seq_order, **self._layer_args(layer))
         return out.view(-1, layer.num_heads * layer.head_dim)
 
     @staticmethod
-    def _window_args(layer: "Attention") -> dict:
-        window = layer.kv_spec.sliding_window
-        return {"sliding_window": window} if window is not None else {}
+    def _layer_args(layer: "Attention") -> dict:
+        """The layer's options the kernels take: its sliding window and its sinks, where it has them."""
+        args = {}
+        if layer.kv_spec.sliding_window is not None:
+            args["sliding_window"] = layer.kv_spec.sliding_window
+        if layer.kv_spec.has_sinks:
+            args["sinks"] = layer.sinks
+        return args
 
     def warm_up(self, layers: list["Attention"], max_tokens: int, threads: int) -> int:
         if self.device_type != "cuda":
@@ -73,13 +79,14 @@ class PagedMHABackend(AttentionBackend):
         from atom_core.kernels.triton.attention import warm_up_variants
 
         count, seen = 0, set()
-        for layer in layers:  # variants depend on the head layout and dtype only
-            window = layer.kv_spec.sliding_window
-            key = (tuple(layer.k_cache.shape[1:]), layer.k_cache.dtype, layer.dtype, layer.num_heads, window is None)
+        for layer in layers:  # variants depend on the head layout, dtype, and whether a window / sinks exist
+            args = self._layer_args(layer)
+            key = (tuple(layer.k_cache.shape[1:]), layer.k_cache.dtype, layer.dtype, layer.num_heads,
+                   tuple(sorted(args)))
             if key not in seen:
                 seen.add(key)
                 count += warm_up_variants(layer.k_cache, layer.v_cache, layer.num_heads, layer.dtype,
-                                          max_tokens, threads=threads, sliding_window=window)
+                                          max_tokens, threads=threads, **args)
         return count
 
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from atom_core.distributed import all_reduce, expert_parallel_enabled, get_ep_group
 from atom_core.kernels import kernel_ops
+from atom_core.kernels.moe_ref import check_activation
 from atom_core.model_ops.linear import ReplicatedLinear, copy_weight
 from atom_core.quant import QuantConfig, UnquantizedFusedMoEMethod, set_weight_attrs
 
@@ -76,31 +77,56 @@ def _(hidden, router_logits, correction_bias, layer_key):
     return torch.empty_like(hidden)
 
 
+# Whole-tensor checkpoint layouts (expert_id None), named by the shard id of the loader rule.
+WHOLE_LAYOUTS = {
+    None: "[E, 2I, H] / [E, H, I] (biases [E, 2I] / [E, H])",
+    "transposed": "[E, H, 2I] / [E, I, H], applied as x @ W (HF GptOssExperts.gate_up_proj / down_proj)",
+}
+
+
 class FusedMoE(nn.Module):
     """hidden [T, H], router_logits [T, E] -> sum over the top-k experts of weight * expert(hidden).
 
     Parameters (from the quant method): w13_weight [E, 2I, H] (gate rows, then up rows) and
-    w2_weight [E, H, I]. `weight_loader(param, tensor, shard_id, expert_id)` places one
-    expert's w1 (gate) / w3 (up) / w2 (down); expert_id None loads the whole stacked tensor.
+    w2_weight [E, H, I]; with has_bias also w13_bias [E, 2I] and w2_bias [E, H].
+    `weight_loader(param, tensor, shard_id, expert_id)` places one expert's w1 (gate) / w3 (up) /
+    w2 (down); expert_id None loads a whole tensor of every expert in one of WHOLE_LAYOUTS.
+    gate_up_interleaved: the checkpoint's whole w13 tensors alternate gate and up rows, gate first
+    (GPT-OSS); the loader de-interleaves them into gate rows, then up rows.
+
+    activation: "silu", or "swigluoai" (GPT-OSS: clamped at swiglu_limit, see moe_ref.apply_activation).
+    Under tensor parallelism w2_bias lives on rank 0 only (zeros elsewhere): every rank's output
+    is a partial sum of the down projection over its intermediate slice, and the all_reduce adds
+    them, so a bias on every rank would be added tp times. Zeros rather than bias / tp: exact,
+    whatever tp is.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, routing: MoERouting,
-                 prefix: str = "", quant_config: QuantConfig | None = None, activation: str = "silu"):
+                 prefix: str = "", quant_config: QuantConfig | None = None, activation: str = "silu",
+                 swiglu_limit: float | None = None, has_bias: bool = False, gate_up_interleaved: bool = False):
         super().__init__()
         if not 1 <= routing.top_k <= num_experts:
             raise ValueError(f"{prefix}: num_experts_per_tok={routing.top_k} must be in [1, {num_experts}]")
-        if activation != "silu":
-            raise ValueError(f"unsupported MoE activation {activation!r}; expected silu")
+        try:
+            check_activation(activation, swiglu_limit)
+        except ValueError as exc:
+            raise ValueError(f"{prefix}: {exc}") from exc
         self._split_over_ranks(num_experts, intermediate_size, prefix)
-        self.routing, self.activation, self.prefix = routing, activation, prefix
+        self.routing, self.activation, self.swiglu_limit, self.prefix = routing, activation, swiglu_limit, prefix
+        self.gate_up_interleaved = gate_up_interleaved
         method = quant_config.get_quant_method(self, prefix) if quant_config is not None else None
         self.quant_method = method or UnquantizedFusedMoEMethod()
         # The quant method makes this rank's part: its experts, each with its intermediate slice.
         self.quant_method.create_weights(self, num_experts=self.num_local_experts, hidden_size=hidden_size,
-                                         intermediate_size=self.intermediate_size, weight_loader=self.weight_loader)
+                                         intermediate_size=self.intermediate_size, weight_loader=self.weight_loader,
+                                         has_bias=has_bias)
         experts = range(self.expert_start, self.expert_start + self.num_local_experts)
-        self.w13_weight.expected_shards = frozenset((s, e) for e in experts for s in ("w1", "w3"))
-        self.w2_weight.expected_shards = frozenset(("w2", e) for e in experts)
+        for name in ("w13_weight", "w13_bias"):
+            if hasattr(self, name):
+                getattr(self, name).expected_shards = frozenset((s, e) for e in experts for s in ("w1", "w3"))
+        for name in ("w2_weight", "w2_bias"):
+            if hasattr(self, name):
+                getattr(self, name).expected_shards = frozenset(("w2", e) for e in experts)
         self.ops = kernel_ops(torch.get_default_device())
         self.model_dtype = torch.get_default_dtype()
         self.layer_key = torch.tensor([id(self)], dtype=torch.int64, device="cpu")
@@ -134,19 +160,51 @@ class FusedMoE(nn.Module):
             return loaded
         return loaded.narrow(dim, self.tp_rank * size, size)
 
+    def _is_w13(self, param: nn.Parameter) -> bool:
+        """w13_* parameters (weight, bias, a quant method's scales) hold gate rows, then up rows, in dim 1."""
+        return any(p is param for name, p in self.named_parameters(recurse=False) if name.startswith("w13"))
+
+    def _off_rank_zero_w2_bias(self, param: nn.Parameter) -> bool:
+        return param is getattr(self, "w2_bias", None) and self.tp_size > 1 and not self.use_ep and self.tp_rank != 0
+
+    def _to_stacked(self, param: nn.Parameter, loaded: torch.Tensor, layout: str | None) -> torch.Tensor:
+        """A whole checkpoint tensor in `layout` (WHOLE_LAYOUTS) -> ours, all experts, every TP slice."""
+        if layout not in WHOLE_LAYOUTS:
+            raise ValueError(f"{self.prefix}: unknown expert tensor layout {layout!r}; expected one of: "
+                             f"{', '.join(map(str, WHOLE_LAYOUTS))}")
+        transposed = layout == "transposed"
+        if loaded.dim() < 2 or loaded.shape[0] != self.num_experts or (transposed and loaded.dim() != 3):
+            raise ValueError(f"{self.prefix}: a checkpoint tensor of shape {tuple(loaded.shape)} is not "
+                             f"{self.num_experts} experts in the layout {WHOLE_LAYOUTS[layout]}")
+        if transposed:
+            loaded = loaded.transpose(1, 2)
+        if self.gate_up_interleaved and self._is_w13(param):
+            if loaded.shape[1] % 2:
+                raise ValueError(f"{self.prefix}: interleaved gate/up rows need an even count, got {tuple(loaded.shape)}")
+            loaded = torch.cat([loaded[:, 0::2], loaded[:, 1::2]], dim=1)
+        return loaded
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None,
                       expert_id: int | None = None) -> None:
-        if expert_id is None:  # the stacked layout [E, 2I, H] / [E, H, I]: every expert at once
+        if self._off_rank_zero_w2_bias(param):
+            loaded = torch.zeros_like(loaded)  # added once over the all_reduce: see the class docstring
+        if expert_id is None:  # every expert at once
+            shape = tuple(loaded.shape)
+            loaded = self._to_stacked(param, loaded, shard_id)
             if self.use_ep:
                 loaded = loaded.narrow(0, self.expert_start, self.num_local_experts)
-            elif self.tp_size > 1 and param.dim() == 3 and param is self.w13_weight:
+            elif self.tp_size > 1 and self._is_w13(param):
                 gate, up = loaded.chunk(2, dim=1)
                 half = param.data.shape[1] // 2
                 loaded = torch.cat([self._tp_slice(param.data[:, :half], gate, 1),
                                     self._tp_slice(param.data[:, half:], up, 1)], dim=1)
             elif self.tp_size > 1:
                 loaded = self._tp_slice(param.data, loaded, loaded.dim() - 1)
-            copy_weight(param.data, loaded)
+            try:
+                copy_weight(param.data, loaded)
+            except ValueError as exc:
+                raise ValueError(f"{self.prefix}: checkpoint tensor of shape {shape} in the layout "
+                                 f"{WHOLE_LAYOUTS[shard_id]}: {exc}") from exc
             return
         local = expert_id - self.expert_start
         if not 0 <= local < self.num_local_experts:
@@ -184,7 +242,8 @@ class FusedMoE(nn.Module):
             owned = (local >= 0) & (local < self.num_local_experts)
             weights = weights * owned
             ids = torch.where(owned, local, 0).to(ids.dtype)
-        out = self.quant_method.apply(self, hidden, weights, ids, activation=self.activation)
+        out = self.quant_method.apply(self, hidden, weights, ids, activation=self.activation,
+                                      swiglu_limit=self.swiglu_limit)
         return all_reduce(out) if self.tp_size > 1 else out  # partial sums: a slice of each expert, or some experts
 
 

@@ -1,6 +1,8 @@
 """Rotary position embedding (neox style): the cos/sin cache, with the rope scalings our models use."""
 from __future__ import annotations
 
+import functools
+import json
 import math
 
 import torch
@@ -99,3 +101,18 @@ class RotaryEmbedding(nn.Module):
         if kind == "yarn":
             cache = cache * attention_factor
         self.register_buffer("cos_sin_cache", cache.to(torch.get_default_device()), persistent=False)
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_rotary(head_dim: int, rotary_dim: int, max_position: int, base: float, scaling_json: str,
+                   device: str) -> RotaryEmbedding:
+    return RotaryEmbedding(head_dim, rotary_dim, max_position, base, json.loads(scaling_json))
+
+
+def shared_rotary_embedding(head_dim: int, rotary_dim: int, max_position: int, base: float,
+                            scaling: dict | None = None) -> RotaryEmbedding:
+    """One RotaryEmbedding (on the default device) for every layer with these arguments: a
+    131072-position cache is 33 MB at head_dim 64, so a model whose layers all rotate alike
+    should not hold one per layer. The cache is constant, so sharing it is safe."""
+    return _cached_rotary(head_dim, rotary_dim, max_position, float(base), json.dumps(scaling, sort_keys=True),
+                          str(torch.get_default_device()))

@@ -22,10 +22,11 @@ class UnquantizedLinearMethod(QuantMethod):
 
 
 class UnquantizedFusedMoEMethod(QuantMethod):
-    """Stacked expert weights w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I]."""
+    """Stacked expert weights w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I]; with
+    has_bias, w13_bias [E, 2I] and w2_bias [E, H] in the model dtype (as HF holds them)."""
 
     def create_weights(self, layer: nn.Module, *, num_experts: int, hidden_size: int, intermediate_size: int,
-                       weight_loader, params_dtype: torch.dtype | None = None) -> None:
+                       weight_loader, has_bias: bool = False, params_dtype: torch.dtype | None = None) -> None:
         w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=params_dtype),
                            requires_grad=False)
         w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, dtype=params_dtype),
@@ -34,7 +35,22 @@ class UnquantizedFusedMoEMethod(QuantMethod):
             set_weight_attrs(param, weight_loader=weight_loader)
         layer.register_parameter("w13_weight", w13)
         layer.register_parameter("w2_weight", w2)
+        if has_bias:
+            register_moe_biases(layer, num_experts, hidden_size, intermediate_size, weight_loader, params_dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              activation: str = "silu") -> torch.Tensor:
-        return layer.ops.fused_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, activation=activation)
+              activation: str = "silu", swiglu_limit: float | None = None) -> torch.Tensor:
+        return layer.ops.fused_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, activation=activation,
+                                   w13_bias=getattr(layer, "w13_bias", None), w2_bias=getattr(layer, "w2_bias", None),
+                                   swiglu_limit=swiglu_limit)
+
+
+def register_moe_biases(layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size: int,
+                        weight_loader, params_dtype: torch.dtype | None = None) -> None:
+    """The expert biases a MoE method with has_bias registers: w13_bias [E, 2I] (gate, then up;
+    split over TP ranks like w13's rows) and w2_bias [E, H] (whole on every rank; the layer's
+    loader zeroes it off rank 0 under TP, see FusedMoE.weight_loader)."""
+    for name, cols in (("w13_bias", 2 * intermediate_size), ("w2_bias", hidden_size)):
+        bias = nn.Parameter(torch.empty(num_experts, cols, dtype=params_dtype), requires_grad=False)
+        set_weight_attrs(bias, weight_loader=weight_loader)
+        layer.register_parameter(name, bias)

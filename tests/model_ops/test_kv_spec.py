@@ -111,11 +111,20 @@ class TestSupportCheck:
     def test_accepts_full_attention_at_any_length(self):
         check_attention_supported([make_layer()], max_model_len=1 << 20, device="cpu")
 
-    def test_refuses_sinks_the_backend_lacks(self):
+    def test_refuses_sinks_the_backend_lacks(self, monkeypatch):
+        from atom_core.model_ops.attention_backends import PagedMHABackend
+
+        monkeypatch.setattr(PagedMHABackend, "supports_sinks", False)  # a backend without sinks
         layer = make_layer()
         layer.kv_spec = KVSpec("mha", 2, 16, torch.float32, has_sinks=True)
         with pytest.raises(ValueError, match="attention sinks"):
             check_attention_supported([layer], max_model_len=16, device="cpu")
+
+    @pytest.mark.parametrize("device", ["cpu", "cuda"])
+    def test_paged_mha_adds_sinks(self, device):
+        layer = make_layer(window=8)
+        layer.kv_spec = KVSpec("mha", 2, 16, torch.float32, sliding_window=8, has_sinks=True)
+        check_attention_supported([layer], max_model_len=4096, device=device)
 
 
 class TestBackendRegistry:

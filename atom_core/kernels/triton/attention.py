@@ -313,6 +313,12 @@ def launch_paged_attention(
 ) -> torch.Tensor:
     """`paged_attention` with overrides of the split count and launch order (tests, benchmarks)."""
     _check_attention_args(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out)
+    if sinks is not None:
+        if sinks.shape != (query.shape[1],):
+            raise ValueError(f"sinks must be [H={query.shape[1]}] (one logit per query head), got {tuple(sinks.shape)}")
+        check_float("sinks", sinks)
+        check_last_dim_contiguous("sinks", sinks)
+        check_same_device(query=query, sinks=sinks)
     if out is None:
         out = torch.empty_like(query)
     num_tokens, num_heads, head_dim = query.shape
@@ -398,10 +404,12 @@ def paged_attention(
 
 
 def warm_up_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, dtype: torch.dtype,
-                     max_query_len: int, threads: int = 1, sliding_window: int | None = None) -> int:
+                     max_query_len: int, threads: int = 1, sliding_window: int | None = None,
+                     sinks: torch.Tensor | None = None) -> int:
     """JIT-compile every kernel variant a run can need (decode and each prefill tile height,
     split and unsplit) on tiny inputs, so no step pays a compile; returns how many launched.
-    A layer with a sliding window compiles its own (HAS_WINDOW) variants: pass its window.
+    A layer with a sliding window or sinks compiles its own (HAS_WINDOW / HAS_SINKS) variants:
+    pass its window and its sinks.
 
     The variants depend only on constexprs (tile shape per max_query_len class, IS_SPLIT); the
     inputs read block 0 of the real cache and write a scratch output. threads > 1 compiles
@@ -426,7 +434,7 @@ def warm_up_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: in
         tables = torch.zeros(1, triton.cdiv(seq_len, k_cache.shape[1]), dtype=torch.int32, device=device)
         order = qsl[:1] if q_len == 1 else None  # decode batches carry a sequence order
         launch_paged_attention(query, k_cache, v_cache, tables, qsl, lens, 1.0, q_len, seq_len, num_kv_splits=splits,
-                               seq_order=order, sliding_window=sliding_window)
+                               seq_order=order, sliding_window=sliding_window, sinks=sinks)
 
     variants = [(q_len, splits) for q_len in lengths for splits in (1, 2)]
     if threads > 1:

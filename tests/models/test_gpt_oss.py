@@ -1,0 +1,187 @@
+"""GPT-OSS against HF transformers greedy, token for token, on a tiny random model: window 8
+(prompts and chunks cross it), random sinks, biases and norms, clamped SwiGLU whose clamps bite,
+YaRN; under default settings, chunked prefill (chunks of 6 and 11: smaller than and crossing
+the window), prefix caching and max_num_seqs=2. The loader's checks on expert tensors."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from atom_core import LLMEngine, SamplingParams
+from tests.models.harness import hf_greedy
+
+MAX_TOKENS = 12
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+        "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
+LIMIT = 0.6  # swiglu_limit: small enough that the random weights' pre-activations cross it
+
+
+def build_tiny_gpt_oss(path: Path, seed: int = 0) -> Path:
+    """3 layers (sliding, full, sliding; window 8), 4 heads / 2 kv heads of 8, hidden 32,
+    4 experts top-2 of intermediate 24 (so [E, H, 2I], [E, 2I, H] and [E, I, H] all differ)."""
+    import transformers as tf
+
+    from tests.tiny_models import build_tokenizer
+
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(path)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    config = tf.GptOssConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=24, num_hidden_layers=3,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                             num_experts_per_tok=2, sliding_window=8, max_position_embeddings=256,
+                             rope_parameters=dict(YARN), swiglu_limit=LIMIT, eos_token_id=eos, pad_token_id=0)
+    torch.manual_seed(seed)
+    model = tf.GptOssForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.15)
+        for name, t in model.state_dict().items():  # HF inits norms to 1, biases and sinks to ~0
+            if "norm" in name:
+                t.copy_(1 + 0.2 * torch.randn_like(t))
+            elif "sinks" in name:
+                t.copy_(torch.randn_like(t))
+            elif "bias" in name:
+                t.copy_(0.1 * torch.randn_like(t))
+    model.save_pretrained(str(path))
+    tf.GenerationConfig(eos_token_id=eos, pad_token_id=0).save_pretrained(str(path))
+    return path
+
+
+def _hf(path: Path, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **overrides).eval()
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    path = build_tiny_gpt_oss(tmp_path_factory.mktemp("tiny_gpt_oss"))
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    g = torch.Generator().manual_seed(7)
+    prefix = torch.randint(3, vocab, (21,), generator=g).tolist()
+    prompts = [prefix + torch.randint(3, vocab, (n,), generator=g).tolist() for n in (1, 5, 30)]
+    prompts.append(torch.randint(3, vocab, (3,), generator=g).tolist())  # shorter than the window
+    hf = _hf(path)
+    ref = hf_greedy(hf, prompts, MAX_TOKENS)
+    return path, prompts, ref, hf
+
+
+class TestFeaturesMatter:
+    """Each feature changes HF's greedy output on these prompts, so matching it checks the feature."""
+
+    @pytest.mark.parametrize("overrides", [
+        {"sliding_window": 4096},  # no window
+        {"swiglu_limit": 1e4},  # no clamp
+    ], ids=["window", "clamp"])
+    def test_config_feature_changes_the_output(self, gpt_oss, overrides):
+        path, prompts, ref, _ = gpt_oss
+        assert hf_greedy(_hf(path, **overrides), prompts, MAX_TOKENS) != ref
+
+    def test_sinks_change_the_output(self, gpt_oss):
+        path, prompts, ref, _ = gpt_oss
+        hf = _hf(path)
+        with torch.no_grad():
+            for layer in hf.model.layers:
+                layer.self_attn.sinks.fill_(-1e4)  # exp(-1e4) = 0: no sink
+        assert hf_greedy(hf, prompts, MAX_TOKENS) != ref
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"max_num_batched_tokens": 6}, {"max_num_batched_tokens": 11},
+                                    {"enable_prefix_caching": True}, {"max_num_seqs": 2}],
+                         ids=["default", "chunk6", "chunk11", "prefix", "seqs2"])
+def test_matches_hf_greedy(gpt_oss, kwargs):
+    path, prompts, ref, _ = gpt_oss
+    engine = LLMEngine(str(path), device="cpu", **kwargs)
+    outs = engine.generate(prompts, GREEDY)
+    if kwargs.get("enable_prefix_caching"):  # second pass: the 21-token shared prefix comes from the cache
+        outs = engine.generate(prompts, GREEDY)
+        assert engine.core.kv.num_hit_tokens > 0
+    assert [o["token_ids"] for o in outs] == ref
+    assert engine.core.kv.num_free_blocks == engine.core.kv.num_blocks
+
+
+def test_prompt_logits_match_hf(gpt_oss):
+    from transformers import AutoConfig
+
+    from atom_core.loader import build_model
+    from tests.models.harness import prompt_logits
+
+    path, prompts, _, hf = gpt_oss
+    model = build_model(AutoConfig.from_pretrained(str(path)), path, torch.float32, "cpu")
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompts[2]])).logits[0]
+    torch.testing.assert_close(prompt_logits(model, prompts[2]), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_layers_declare_windows_and_sinks(gpt_oss):
+    from atom_core.model_ops.kv_spec import attention_layers
+
+    engine = LLMEngine(str(gpt_oss[0]), device="cpu")
+    layers = attention_layers(engine.core.executor.runner.model)
+    assert [layer.kv_spec.sliding_window for layer in layers] == [8, None, 8]
+    assert all(layer.kv_spec.has_sinks and layer.sinks.dtype == torch.float32 for layer in layers)
+    assert layers[0].qk.rotary is layers[1].qk.rotary  # one cos/sin cache for every layer
+
+
+def _rewrite(src: Path, dst: Path, edit) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    weights = load_file(str(dst / "model.safetensors"))
+    edit(weights)
+    save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+class TestLoaderChecks:
+    def test_rejects_gate_up_proj_in_our_orientation(self, gpt_oss, tmp_path):
+        """[E, 2I, H] where HF's [E, H, 2I] is expected: named clearly, not loaded transposed."""
+        def edit(w):
+            name = "model.layers.1.mlp.experts.gate_up_proj"
+            w[name] = w[name].transpose(1, 2).contiguous()
+
+        path = _rewrite(gpt_oss[0], tmp_path / "bad", edit)
+        with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.experts: checkpoint tensor of shape \(4, 48, 32\) "
+                                             r"in the layout \[E, H, 2I\] / \[E, I, H\]"):
+            LLMEngine(str(path), device="cpu")
+
+    def test_rejects_a_wrong_expert_count(self, gpt_oss, tmp_path):
+        def edit(w):
+            w["model.layers.0.mlp.experts.down_proj_bias"] = w["model.layers.0.mlp.experts.down_proj_bias"][:3]
+
+        path = _rewrite(gpt_oss[0], tmp_path / "bad", edit)
+        with pytest.raises(ValueError, match=r"shape \(3, 32\) is not 4 experts"):
+            LLMEngine(str(path), device="cpu")
+
+    def test_rejects_sinks_of_the_wrong_head_count(self, gpt_oss, tmp_path):
+        def edit(w):
+            w["model.layers.2.self_attn.sinks"] = torch.zeros(5)
+
+        path = _rewrite(gpt_oss[0], tmp_path / "bad", edit)
+        with pytest.raises(ValueError, match=r"self_attn\.attn: sinks of shape \(5,\); expected \[4\]"):
+            LLMEngine(str(path), device="cpu")
+
+    def test_rejects_an_unsupported_swiglu_alpha(self, gpt_oss, tmp_path):
+        path = shutil.copytree(gpt_oss[0], tmp_path / "alpha")
+        cfg = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps(cfg | {"swiglu_alpha": 1.5}))
+        with pytest.raises(ValueError, match="swiglu_alpha=1.5 is not supported"):
+            LLMEngine(str(path), device="cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs_compiled", "eager"])
+def test_cuda_engine_matches_hf(gpt_oss, eager):
+    """The Triton path (paged attention with windows and sinks, the swigluoai MoE kernel, CUDA
+    graphs and torch.compile by default) in fp32 against HF on the CPU, with chunked prefill."""
+    path, prompts, ref, _ = gpt_oss
+    engine = LLMEngine(str(path), device="cuda", dtype="float32", max_num_batched_tokens=11, enforce_eager=eager)
+    assert [o["token_ids"] for o in engine.generate(prompts, GREEDY)] == ref
+    assert engine.core.kv.num_free_blocks == engine.core.kv.num_blocks
