@@ -1,0 +1,340 @@
+"""Fused MoE over MXFP4 expert weights (Triton): the GEMMs read the packed e2m1 bytes and e8m0
+scales and dequantize in the inner loop, so a decode step reads 4.25 bits per weight.
+
+Same pipeline and contracts as `kernels/triton/moe.py` (alignment by expert, GEMM1 with the
+activation in its epilogue, GEMM2 weighting rows by their top-k weight, a float32 sum over the
+K rows of each token), whose alignment, tile order and sum it reuses. Oracle:
+`quant/mxfp4.fused_moe_mxfp4_ref` (same signature). Weight layout (see quant/mxfp4.py):
+w13 uint8 [E, 2I, H/2] (gate rows, then up rows), w13_scale uint8 [E, 2I, H/32], w2 uint8
+[E, H, I/2], w2_scale uint8 [E, H, I/32]; byte j of a row holds values 2j (low nibble) and 2j+1.
+
+Inner loop, per BLOCK_K columns of K: the weight tile is loaded as [BLOCK_K/32 groups, 16 bytes,
+BLOCK_N rows] with its [groups, BLOCK_N] scales; each nibble becomes float32 by bit placement
+(sign to bit 31, the 3 magnitude bits to bits 24-22: e2m1 read as a float32 2^-126 too small,
+so one multiply by 2^126 restores it, subnormal 0.5 included) and one multiply by the scale
+2^(s-127) (float32 bits s << 23; s = 0 is the subnormal 2^-127): the product HF's `ldexp`
+computes, rounded once to the activations' dtype. The low nibbles multiply the even columns of
+x and the high nibbles the odd ones: two dots of BLOCK_K/2, no interleaving shuffle. Both
+accumulate in float32. Epilogue: bias, then silu(gate) * up or GPT-OSS's swigluoai
+((up + 1) * gate * sigmoid(1.702 gate), gate clamped above at the limit, up to +-limit).
+
+Decode (M = 1 to a few tokens, each expert's rows one BLOCK_M=16 block): narrow N tiles (32 rows
+of gate and 32 of up; 32 of H) give ~360 programs per GEMM on GPT-OSS-20b's shapes (I = H = 2880,
+top-4), so every SM streams weights; long K tiles (256) amortise the per-tile setup.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from atom_core.kernels.moe_ref import SWIGLU_ALPHA, check_activation
+from atom_core.kernels.triton.common import check_dim, check_float, check_int, check_same_device
+from atom_core.kernels.triton.moe import GemmTile, MoeConfig, _tile_ids, moe_align_block_size, moe_sum
+
+ACTIVATIONS = {"silu": 0, "swigluoai": 1}  # name -> the _activate code
+MX_GROUP = 32  # values per scale
+TWO_POW_126 = 2.0 ** 126
+
+
+@triton.jit
+def _activate(gate, up, limit, ACTIVATION: tl.constexpr, ALPHA: tl.constexpr):
+    if ACTIVATION == 0:  # silu(gate) * up
+        return gate * tl.sigmoid(gate) * up
+    else:  # swigluoai (GPT-OSS)
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        return (up + 1.0) * (gate * tl.sigmoid(gate * ALPHA))
+
+
+@triton.jit
+def _dequant(packed, scales, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """packed uint8 [G, 16, BLOCK_N] (G = BLOCK_K / 32), scales uint8 [G, BLOCK_N] -> the values of the
+    even (low nibble) and odd (high nibble) columns, each [BLOCK_K / 2, BLOCK_N] in OUT_DTYPE."""
+    p = packed.to(tl.uint32)
+    s = scales.to(tl.uint32)
+    scale = tl.where(s == 0, 0x400000, s << 23).to(tl.float32, bitcast=True)[:, None, :]
+    lo = (((p & 0x7) << 22) | ((p & 0x8) << 28)).to(tl.float32, bitcast=True) * TWO_POW_126 * scale
+    hi = (((p & 0x70) << 18) | ((p & 0x80) << 24)).to(tl.float32, bitcast=True) * TWO_POW_126 * scale
+    lo = tl.reshape(lo.to(OUT_DTYPE), [BLOCK_K // 2, BLOCK_N])
+    hi = tl.reshape(hi.to(OUT_DTYPE), [BLOCK_K // 2, BLOCK_N])
+    return lo, hi
+
+
+@triton.jit
+def _weight_ptrs(w_ptr, s_ptr, expert, offs_n, stride_we, stride_wn, stride_se, stride_sn,
+                 BLOCK_K: tl.constexpr):
+    """Pointers of one [G, 16, BLOCK_N] byte tile and its [G, BLOCK_N] scales at K = 0."""
+    offs_g = tl.arange(0, BLOCK_K // 32)
+    offs_b = tl.arange(0, 16)
+    w_ptrs = (w_ptr + expert * stride_we + offs_n[None, None, :] * stride_wn
+              + (offs_g[:, None, None] * 16 + offs_b[None, :, None]))
+    s_ptrs = s_ptr + expert * stride_se + offs_n[None, :] * stride_sn + offs_g[:, None]
+    return w_ptrs, s_ptrs
+
+
+@triton.jit
+def _load_tile(w_ptrs, s_ptrs, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One K step of bytes and scales; K is a multiple of 32, so whole groups are in or out."""
+    if K % BLOCK_K == 0:
+        return tl.load(w_ptrs), tl.load(s_ptrs)
+    g_ok = k0 + tl.arange(0, BLOCK_K // 32) * 32 < K
+    return tl.load(w_ptrs, mask=g_ok[:, None, None], other=0), tl.load(s_ptrs, mask=g_ok[:, None], other=0)
+
+
+@triton.jit
+def _load_pairs(a_ptrs, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Even and odd columns [rows, BLOCK_K / 2] of activations at K step k0 (a_ptrs: the even ones)."""
+    if K % BLOCK_K == 0:
+        return tl.load(a_ptrs), tl.load(a_ptrs + 1)
+    k_ok = (k0 + 2 * tl.arange(0, BLOCK_K // 2) < K)[None, :]
+    return tl.load(a_ptrs, mask=k_ok, other=0.0), tl.load(a_ptrs + 1, mask=k_ok, other=0.0)
+
+
+@triton.jit(do_not_specialize=["num_assignments", "num_m_blocks", "limit"])
+def _gemm1_kernel(
+    x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
+    num_assignments, num_m_blocks, limit, stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_be,
+    stride_ot, INTER: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, ACTIVATION: tl.constexpr,
+    ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_IN_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """act(x[tokens] @ w13[e].T + b13[e]) for BLOCK_M aligned rows x BLOCK_N columns of I."""
+    pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(INTER, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    flat = tl.load(sorted_ptr + rows)
+    # Pad rows compute on token 0 and are stored too, so GEMM2 never reads unwritten memory.
+    token = tl.where(flat < num_assignments, flat // TOP_K, 0).to(tl.int64)
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = cols % INTER  # columns past I wrap onto real rows; they are never stored
+    g_ptrs, gs_ptrs = _weight_ptrs(w_ptr, s_ptr, expert, offs_n, stride_we, stride_wn, stride_se, stride_sn, BLOCK_K)
+    u_ptrs = g_ptrs + INTER * stride_wn
+    us_ptrs = gs_ptrs + INTER * stride_sn
+    a_ptrs = x_ptr + token[:, None] * stride_xt + 2 * tl.arange(0, BLOCK_K // 2)[None, :]
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, HIDDEN, BLOCK_K):
+        a_even, a_odd = _load_pairs(a_ptrs, k0, HIDDEN, BLOCK_K)
+        wg, sg = _load_tile(g_ptrs, gs_ptrs, k0, HIDDEN, BLOCK_K)
+        wu, su = _load_tile(u_ptrs, us_ptrs, k0, HIDDEN, BLOCK_K)
+        g_lo, g_hi = _dequant(wg, sg, BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty)
+        u_lo, u_hi = _dequant(wu, su, BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty)
+        if DOT_IN_FP32:
+            a_even, a_odd = a_even.to(tl.float32), a_odd.to(tl.float32)
+            g_lo, g_hi, u_lo, u_hi = g_lo.to(tl.float32), g_hi.to(tl.float32), u_lo.to(tl.float32), u_hi.to(tl.float32)
+        acc_g = tl.dot(a_even, g_lo, acc_g, input_precision=DOT_PRECISION)
+        acc_g = tl.dot(a_odd, g_hi, acc_g, input_precision=DOT_PRECISION)
+        acc_u = tl.dot(a_even, u_lo, acc_u, input_precision=DOT_PRECISION)
+        acc_u = tl.dot(a_odd, u_hi, acc_u, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K // 2
+        u_ptrs += BLOCK_K // 2
+        gs_ptrs += BLOCK_K // 32
+        us_ptrs += BLOCK_K // 32
+    if HAS_BIAS:
+        b_ptrs = bias_ptr + expert * stride_be + offs_n
+        acc_g += tl.load(b_ptrs).to(tl.float32)[None, :]
+        acc_u += tl.load(b_ptrs + INTER).to(tl.float32)[None, :]
+    act = _activate(acc_g, acc_u, limit, ACTIVATION, ALPHA)
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_ot + cols[None, :]
+    tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=(cols < INTER)[None, :])
+
+
+@triton.jit(do_not_specialize=["num_assignments", "num_m_blocks"])
+def _gemm2_kernel(
+    a_ptr, w_ptr, s_ptr, bias_ptr, topk_weights_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
+    num_assignments, num_m_blocks, stride_at, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_ot,
+    HIDDEN: tl.constexpr, INTER: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """topk_weight * (act[rows] @ w2[e].T + b2[e]) for BLOCK_M aligned rows x BLOCK_N columns of H,
+    stored at the rows' flat ids t*K + k."""
+    pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(HIDDEN, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    flat = tl.load(sorted_ptr + rows)
+    row_ok = flat < num_assignments
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = cols % HIDDEN
+    w_ptrs, ws_ptrs = _weight_ptrs(w_ptr, s_ptr, expert, offs_n, stride_we, stride_wn, stride_se, stride_sn, BLOCK_K)
+    a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_at + 2 * tl.arange(0, BLOCK_K // 2)[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, INTER, BLOCK_K):
+        a_even, a_odd = _load_pairs(a_ptrs, k0, INTER, BLOCK_K)
+        w, s = _load_tile(w_ptrs, ws_ptrs, k0, INTER, BLOCK_K)
+        lo, hi = _dequant(w, s, BLOCK_K, BLOCK_N, a_ptr.dtype.element_ty)
+        if DOT_IN_FP32:
+            a_even, a_odd, lo, hi = a_even.to(tl.float32), a_odd.to(tl.float32), lo.to(tl.float32), hi.to(tl.float32)
+        acc = tl.dot(a_even, lo, acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(a_odd, hi, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K // 2
+        ws_ptrs += BLOCK_K // 32
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + expert * stride_be + offs_n).to(tl.float32)[None, :]
+    acc *= tl.load(topk_weights_ptr + flat, mask=row_ok, other=0.0)[:, None]
+    out_ptrs = out_ptr + flat.to(tl.int64)[:, None] * stride_ot + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < HIDDEN)[None, :])
+
+
+@triton.jit
+def _dequant_kernel(w_ptr, s_ptr, out_ptr, num_rows, stride_wr, stride_sr, stride_or,
+                    K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out [rows, K] = the values of packed rows [rows, K/2] (the GEMMs' decode, for tests)."""
+    r0 = tl.program_id(0) * BLOCK_R
+    k0 = tl.program_id(1) * BLOCK_K
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    rows = tl.minimum(offs_r, num_rows - 1).to(tl.int64)
+    w_ptrs, s_ptrs = _weight_ptrs(w_ptr + k0 // 2, s_ptr + k0 // 32, 0, rows, 0, stride_wr, 0, stride_sr, BLOCK_K)
+    packed, scales = _load_tile(w_ptrs, s_ptrs, k0, K, BLOCK_K)
+    lo, hi = _dequant(packed, scales, BLOCK_K, BLOCK_R, out_ptr.dtype.element_ty)
+    cols = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+    ptrs = out_ptr + rows[None, :] * stride_or + cols[:, None]
+    mask = (offs_r < num_rows)[None, :] & (cols < K)[:, None]
+    tl.store(ptrs, lo, mask=mask)
+    tl.store(ptrs + 1, hi, mask=mask)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[rows, K/2] uint8 blocks and [rows, K/32] uint8 scales -> [rows, K] in `dtype`, with the
+    GEMMs' inner-loop decode (so tests can check its bits against HF's dequantization)."""
+    check_dim("blocks", blocks, 2)
+    check_dim("scales", scales, 2)
+    num_rows, k = blocks.shape[0], blocks.shape[1] * 2
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or scales.shape != (num_rows, k // MX_GROUP) \
+            or k % MX_GROUP or blocks.stride(1) != 1 or scales.stride(1) != 1:
+        raise ValueError(f"need uint8 blocks [rows, K/2] and scales [rows, K/32] (K a multiple of {MX_GROUP}, "
+                         f"last dims contiguous), got {blocks.dtype} {tuple(blocks.shape)} and {scales.dtype} "
+                         f"{tuple(scales.shape)}")
+    check_same_device(blocks=blocks, scales=scales)
+    out = torch.empty((num_rows, k), dtype=dtype, device=blocks.device)
+    block_r, block_k = 16, min(256, 1 << (k - 1).bit_length())
+    _dequant_kernel[(triton.cdiv(num_rows, block_r), triton.cdiv(k, block_k))](
+        blocks, scales, out, num_rows, blocks.stride(0), scales.stride(0), out.stride(0),
+        K=k, BLOCK_R=block_r, BLOCK_K=block_k,
+    )
+    return out
+
+
+# Triton's CPU interpreter multiplies bf16 dot operands as raw uint16 (see moe.py); there, and
+# only there, the GEMMs upcast them first.
+_INTERPRETED = not isinstance(_gemm1_kernel, triton.runtime.jit.JITFunction)
+
+
+def _dot_args(dtype: torch.dtype) -> dict:
+    return {"DOT_PRECISION": "ieee" if dtype == torch.float32 else None,
+            "DOT_IN_FP32": _INTERPRETED and dtype == torch.bfloat16}
+
+
+def default_mxfp4_config(num_tokens: int, top_k: int, num_experts: int) -> MoeConfig:
+    """Tiles by the average rows per expert (untuned; the tiers of moe.py's default, with the
+    narrow decode N tiles the packed weights want, see the module docstring)."""
+    rows_per_expert = num_tokens * top_k / num_experts
+    if rows_per_expert <= 8:  # decode: weight-bandwidth bound
+        return MoeConfig(16, GemmTile(32, 256, 1, 4, 3), GemmTile(32, 256, 1, 4, 3))
+    if rows_per_expert <= 32:
+        return MoeConfig(32, GemmTile(64, 128, 1, 4, 3), GemmTile(64, 128, 1, 4, 3))
+    if rows_per_expert <= 128:
+        return MoeConfig(64, GemmTile(64, 128, 4, 4, 3), GemmTile(128, 128, 4, 4, 3))
+    return MoeConfig(128, GemmTile(64, 128, 8, 8, 3), GemmTile(128, 128, 8, 8, 3))
+
+
+def _check_args(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, activation, w13_bias, w2_bias,
+                swiglu_limit) -> None:
+    check_activation(activation, swiglu_limit)
+    check_dim("hidden", hidden, 2)
+    check_float("hidden", hidden)
+    for name, t in (("w13", w13), ("w13_scale", w13_scale), ("w2", w2), ("w2_scale", w2_scale)):
+        check_dim(name, t, 3)
+        if t.dtype != torch.uint8:
+            raise ValueError(f"{name} must be uint8 (packed e2m1 / e8m0 bytes), got {t.dtype}")
+        if t.stride(2) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
+    num_tokens, hidden_size = hidden.shape
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    if hidden_size % MX_GROUP or inter % MX_GROUP:
+        raise ValueError(f"MXFP4 needs H and I multiples of {MX_GROUP}, got H={hidden_size}, I={inter}")
+    expect = {"w13": (num_experts, 2 * inter, hidden_size // 2), "w13_scale": (num_experts, 2 * inter, hidden_size // 32),
+              "w2": (num_experts, hidden_size, inter // 2), "w2_scale": (num_experts, hidden_size, inter // 32)}
+    for name, t in (("w13", w13), ("w13_scale", w13_scale), ("w2", w2), ("w2_scale", w2_scale)):
+        if tuple(t.shape) != expect[name]:
+            raise ValueError(f"{name} must be {list(expect[name])} for H={hidden_size}, I={inter}, E={num_experts}, "
+                             f"got {tuple(t.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != num_tokens or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"need topk_weights and topk_ids [T={num_tokens}, K], got {tuple(topk_weights.shape)} "
+                         f"and {tuple(topk_ids.shape)}")
+    check_int("topk_ids", topk_ids)
+    if topk_weights.dtype != torch.float32 or not (topk_ids.is_contiguous() and topk_weights.is_contiguous()):
+        raise ValueError("topk_weights must be float32, and topk_weights and topk_ids contiguous")
+    if hidden.stride(1) != 1:
+        raise ValueError(f"hidden must be contiguous in its last dim, got strides {hidden.stride()}")
+    for name, t, shape in (("w13_bias", w13_bias, (num_experts, 2 * inter)), ("w2_bias", w2_bias,
+                                                                              (num_experts, hidden_size))):
+        if t is not None:
+            if tuple(t.shape) != shape or t.stride(1) != 1:
+                raise ValueError(f"{name} must be {list(shape)}, contiguous in its last dim, got {tuple(t.shape)}")
+            check_float(name, t)
+    check_same_device(hidden=hidden, w13=w13, w13_scale=w13_scale, w2=w2, w2_scale=w2_scale,
+                      topk_weights=topk_weights, topk_ids=topk_ids)
+
+
+def fused_moe_mxfp4(
+    hidden: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2I, H/2] uint8: gate rows then up rows
+    w13_scale: torch.Tensor,  # [E, 2I, H/32] uint8 (e8m0)
+    w2: torch.Tensor,  # [E, H, I/2] uint8
+    w2_scale: torch.Tensor,  # [E, H, I/32] uint8
+    topk_weights: torch.Tensor,  # [T, K] float32
+    topk_ids: torch.Tensor,  # [T, K] int32
+    activation: str = "silu",
+    w13_bias: Optional[torch.Tensor] = None,  # [E, 2I]
+    w2_bias: Optional[torch.Tensor] = None,  # [E, H]
+    swiglu_limit: Optional[float] = None,
+    *,
+    config: MoeConfig | None = None,
+) -> torch.Tensor:
+    """Same contract as `quant.mxfp4.fused_moe_mxfp4_ref`; five launches, no host sync (CUDA-graph
+    safe). Precision: float32 accumulation, the activation in float32 rounded once to hidden's
+    dtype, each weighted expert output rounded once, their sum in float32."""
+    _check_args(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, activation, w13_bias, w2_bias,
+                swiglu_limit)
+    out = torch.empty_like(hidden)
+    num_tokens, hidden_size = hidden.shape
+    num_experts, inter, top_k = w13.shape[0], w13.shape[1] // 2, topk_ids.shape[1]
+    if num_tokens == 0:
+        return out
+    cfg = config or default_mxfp4_config(num_tokens, top_k, num_experts)
+    for tile in (cfg.gemm1, cfg.gemm2):
+        if tile.block_k < MX_GROUP or tile.block_k & (tile.block_k - 1):
+            raise ValueError(f"MXFP4 tiles need block_k a power of two >= {MX_GROUP}, got {tile.block_k}")
+    sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, cfg.block_m, num_experts)
+    num_m = triton.cdiv(sorted_ids.shape[0], cfg.block_m)
+    act = hidden.new_empty((sorted_ids.shape[0], inter))
+    t1 = cfg.gemm1
+    _gemm1_kernel[(num_m * triton.cdiv(inter, t1.block_n),)](
+        hidden, w13, w13_scale, w13_bias if w13_bias is not None else hidden, act, sorted_ids, expert_ids, num_post,
+        num_tokens * top_k, num_m, float(swiglu_limit or 0.0), hidden.stride(0), w13.stride(0), w13.stride(1),
+        w13_scale.stride(0), w13_scale.stride(1), w13_bias.stride(0) if w13_bias is not None else 0, act.stride(0),
+        INTER=inter, HIDDEN=hidden_size, TOP_K=top_k, ACTIVATION=ACTIVATIONS[activation], ALPHA=SWIGLU_ALPHA,
+        HAS_BIAS=w13_bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=t1.block_n, BLOCK_K=t1.block_k,
+        GROUP_M=t1.group_m, num_warps=t1.num_warps, num_stages=t1.num_stages, **_dot_args(hidden.dtype),
+    )
+    partial = hidden.new_empty((num_tokens * top_k, hidden_size))
+    t2 = cfg.gemm2
+    _gemm2_kernel[(num_m * triton.cdiv(hidden_size, t2.block_n),)](
+        act, w2, w2_scale, w2_bias if w2_bias is not None else hidden, topk_weights, partial, sorted_ids, expert_ids,
+        num_post, num_tokens * top_k, num_m, act.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0),
+        w2_scale.stride(1), w2_bias.stride(0) if w2_bias is not None else 0, partial.stride(0),
+        HIDDEN=hidden_size, INTER=inter, HAS_BIAS=w2_bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=t2.block_n,
+        BLOCK_K=t2.block_k, GROUP_M=t2.group_m, num_warps=t2.num_warps, num_stages=t2.num_stages,
+        **_dot_args(hidden.dtype),
+    )
+    return moe_sum(partial, topk_ids, num_experts, out)

@@ -1,0 +1,381 @@
+"""MXFP4 experts: the format against HF transformers' own code, the loader, the CPU reference and
+the Triton kernel.
+
+- dequantization equals `transformers.integrations.mxfp4.convert_moe_packed_tensors` bit for bit;
+- a FusedMoE loaded from GPT-OSS checkpoint tensors (interleaved gate/up, through the real loader)
+  equals HF's `GptOssExperts` run on HF's own dequantization of the same tensors;
+- TP slices sum to the full layer; EP ranks hold whole experts; unsupported splits fail clearly;
+- the Triton kernel equals the reference: `cpu` cases under Triton's interpreter (small shapes),
+  `cuda` cases (marker `gpu`) incl. GPT-OSS-20b's shapes:
+    TRITON_INTERPRET=1 python -m pytest tests/quant/test_mxfp4.py -q
+    python -m pytest -m gpu tests/quant/test_mxfp4.py -q
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from atom_core.distributed import parallel_state, set_expert_parallel
+from atom_core.kernels import moe_ref
+from atom_core.model_ops.linear import ReplicatedLinear
+from atom_core.model_ops.moe import FusedMoE, MoERouting
+from atom_core.quant import get_quant_config
+from atom_core.quant.mxfp4 import (
+    Mxfp4Config, Mxfp4MoEMethod, dequantize_mxfp4, fused_moe_mxfp4_ref, mxfp4_expert_params_mapping,
+)
+from tests.kernels.tolerances import INTERPRET, TOL, rel_err
+
+GPT_OSS_QC = {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                         "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"}
+PREFIX = "model.layers.0.mlp.experts"
+
+
+@pytest.fixture(params=[
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(INTERPRET, reason="interpreter mode")]),
+    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="set TRITON_INTERPRET=1 to run on CPU")),
+])
+def device(request) -> str:
+    return request.param
+
+
+def seeded(*key) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def hf_dequantize(blocks4: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """HF's dequantization of checkpoint tensors [E, R, K/32, 16] -> [E, K, R] (its layout)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    return convert_moe_packed_tensors(blocks4, scales, dtype=dtype)
+
+
+def random_mx(gen: torch.Generator, experts: int, rows: int, k: int, spread: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checkpoint-shaped blocks [E, R, K/32, 16] and scales [E, R, K/32] whose values keep a
+    K-long dot product near unit size (exponents around 2^-(log2(sqrt K) + 2))."""
+    center = 127 - round(math.log2(math.sqrt(k))) - 2
+    blocks = torch.randint(0, 256, (experts, rows, k // 32, 16), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(center - spread, center + spread + 1, (experts, rows, k // 32), dtype=torch.uint8,
+                           generator=gen)
+    return blocks, scales
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+class TestDequantize:
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+    def test_bits_equal_hf_for_every_scale(self, dtype):
+        gen = seeded("dequant", dtype)
+        blocks = torch.randint(0, 256, (2, 16, 8, 16), dtype=torch.uint8, generator=gen)
+        scales = torch.arange(2 * 16 * 8).remainder(256).to(torch.uint8).reshape(2, 16, 8)  # all 256 exponents
+        ref = hf_dequantize(blocks, scales, dtype).transpose(1, 2)
+        assert torch.equal(bits(dequantize_mxfp4(blocks, scales, dtype)), bits(ref))
+
+    def test_flat_blocks_and_e8m0_scales_give_the_same_values(self):
+        blocks, scales = random_mx(seeded("flat"), 2, 8, 64)
+        ref = dequantize_mxfp4(blocks, scales, torch.float32)
+        out = dequantize_mxfp4(blocks.flatten(-2), scales.view(torch.float8_e8m0fnu), torch.float32)
+        assert torch.equal(out, ref)
+
+    def test_mismatched_shapes_are_an_error(self):
+        blocks, scales = random_mx(seeded("bad"), 1, 4, 64)
+        with pytest.raises(ValueError, match="do not match scales"):
+            dequantize_mxfp4(blocks.flatten(-2)[..., :-16], scales, torch.float32)
+
+
+class TestConfig:
+    def config(self) -> Mxfp4Config:
+        qc = get_quant_config(SimpleNamespace(quantization_config=dict(GPT_OSS_QC)))
+        assert isinstance(qc, Mxfp4Config)
+        return qc
+
+    @pytest.mark.parametrize("name,converted", [
+        ("model.layers.0.mlp.experts", True), ("model.layers.23.mlp.experts", True),
+        ("model.layers.3.self_attn", False), ("model.layers.3.self_attn.qkv_proj", False),
+        ("model.layers.11.mlp.router", False), ("model.embed_tokens", False), ("lm_head", False),
+    ])
+    def test_modules_to_not_convert_as_hf_reads_them(self, name, converted):
+        from transformers.quantizers.quantizers_utils import should_convert_module
+
+        assert self.config().is_converted(name) is converted
+        assert should_convert_module(name, GPT_OSS_QC["modules_to_not_convert"]) is converted
+
+    def test_experts_get_the_method_and_dense_layers_stay_unquantized(self):
+        qc = self.config()
+        layer = _moe_layer(qc, 4, 64, 64, top_k=2)
+        assert isinstance(layer.quant_method, Mxfp4MoEMethod)
+        assert layer.w13_weight.dtype == torch.uint8 and layer.w13_weight_scale.dtype == torch.float8_e8m0fnu
+        # Only experts are MXFP4 in every checkpoint (HF converts nothing else): a linear that is
+        # not in modules_to_not_convert is unquantized, not an error.
+        dense = ReplicatedLinear(64, 64, prefix="model.layers.0.mlp.dense")
+        assert qc.get_quant_method(dense, "model.layers.0.mlp.dense") is None
+        assert dense.weight.dtype == torch.get_default_dtype()
+
+    def test_experts_listed_in_modules_to_not_convert_stay_unquantized(self):
+        qc = Mxfp4Config.from_config({"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.0.mlp"]})
+        assert not isinstance(_moe_layer(qc, 4, 64, 64, top_k=2).quant_method, Mxfp4MoEMethod)
+
+    def test_malformed_modules_to_not_convert_is_an_error(self):
+        with pytest.raises(ValueError, match="modules_to_not_convert must be a list"):
+            Mxfp4Config.from_config({"quant_method": "mxfp4", "modules_to_not_convert": "lm_head"})
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+
+
+def _moe_layer(qc, num_experts, hidden, inter, top_k, *, has_bias=True, limit=1.0, dtype=torch.float32):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        return FusedMoE(num_experts, hidden, inter, MoERouting(top_k=top_k, renormalize=True), PREFIX, qc,
+                        activation="swigluoai", swiglu_limit=limit, has_bias=has_bias, gate_up_interleaved=True)
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _checkpoint(gen, num_experts, hidden, inter, dtype=torch.float32) -> dict[str, torch.Tensor]:
+    """GPT-OSS expert tensors as the checkpoints hold them (gate/up rows interleaved)."""
+    gu_blocks, gu_scales = random_mx(gen, num_experts, 2 * inter, hidden)
+    d_blocks, d_scales = random_mx(gen, num_experts, hidden, inter)
+    return {"gate_up_proj_blocks": gu_blocks, "gate_up_proj_scales": gu_scales,
+            "gate_up_proj_bias": torch.randn(num_experts, 2 * inter, generator=gen).to(dtype) * 0.1,
+            "down_proj_blocks": d_blocks, "down_proj_scales": d_scales,
+            "down_proj_bias": torch.randn(num_experts, hidden, generator=gen).to(dtype) * 0.1}
+
+
+class _Holder(nn.Module):
+    """The smallest model the real loader takes: `model.layers.0.mlp.experts` plus the rules."""
+
+    def __init__(self, experts: FusedMoE):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleList([nn.Module()])
+        self.model.layers[0].mlp = nn.Module()
+        self.model.layers[0].mlp.experts = experts
+        self.config = SimpleNamespace()
+        self.expert_params_mapping = mxfp4_expert_params_mapping("experts")
+
+
+def _load(layer: FusedMoE, tensors: dict[str, torch.Tensor], tmp_path) -> None:
+    from atom_core.loader.weights import load_weights
+
+    save_file({f"{PREFIX}.{k}": v.contiguous() for k, v in tensors.items()}, str(tmp_path / "model.safetensors"))
+    load_weights(_Holder(layer), tmp_path)
+
+
+def _hf_experts(tensors, num_experts, hidden, inter, limit, dtype):
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    cfg = GptOssConfig(hidden_size=hidden, intermediate_size=inter, num_local_experts=num_experts,
+                       num_experts_per_tok=2, swiglu_limit=limit)
+    cfg._experts_implementation = "eager"
+    experts = GptOssExperts(cfg).to(dtype)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(hf_dequantize(tensors["gate_up_proj_blocks"], tensors["gate_up_proj_scales"], dtype))
+        experts.down_proj.copy_(hf_dequantize(tensors["down_proj_blocks"], tensors["down_proj_scales"], dtype))
+        experts.gate_up_proj_bias.copy_(tensors["gate_up_proj_bias"])
+        experts.down_proj_bias.copy_(tensors["down_proj_bias"])
+    return experts
+
+
+def _route(gen, num_tokens, num_experts, top_k):
+    return moe_ref.moe_route(torch.randn(num_tokens, num_experts, generator=gen), top_k, renormalize=True)
+
+
+class TestLoader:
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_loaded_layer_equals_hf_gpt_oss_experts(self, dtype, tmp_path):
+        e, h, i, k, limit = 4, 64, 96, 2, 1.0
+        gen = seeded("hf", dtype)
+        tensors = _checkpoint(gen, e, h, i, dtype)
+        layer = _moe_layer(Mxfp4Config.from_config(GPT_OSS_QC), e, h, i, k, limit=limit, dtype=dtype)
+        _load(layer, tensors, tmp_path)
+        x = torch.randn(6, h, generator=gen).to(dtype)
+        weights, ids = _route(gen, 6, e, k)
+        out = layer.quant_method.apply(layer, x, weights, ids, activation="swigluoai", swiglu_limit=limit)
+        ref = _hf_experts(tensors, e, h, i, limit, dtype)(x, ids.long(), weights.to(dtype))
+        # float32: the same arithmetic up to summation order. bf16: HF adds the bias after rounding
+        # the matmul and sums the K experts in bf16; we fuse the bias and sum in float32.
+        assert rel_err(out, ref) < (1e-6 if dtype == torch.float32 else 2e-2)
+
+    def test_gate_and_up_rows_are_deinterleaved(self, tmp_path):
+        e, h, i = 2, 64, 64
+        tensors = _checkpoint(seeded("rows"), e, h, i)
+        layer = _moe_layer(Mxfp4Config.from_config(GPT_OSS_QC), e, h, i, 1)
+        _load(layer, tensors, tmp_path)
+        gu = tensors["gate_up_proj_blocks"].flatten(-2)
+        assert torch.equal(layer.w13_weight[:, :i], gu[:, 0::2]) and torch.equal(layer.w13_weight[:, i:], gu[:, 1::2])
+        scales = layer.w13_weight_scale.view(torch.uint8)
+        assert torch.equal(scales[:, i:], tensors["gate_up_proj_scales"][:, 1::2])
+        assert torch.equal(layer.w13_bias[:, :i], tensors["gate_up_proj_bias"][:, 0::2])
+        assert torch.equal(layer.w2_weight, tensors["down_proj_blocks"].flatten(-2))
+
+    def test_tensor_parallel_slices_sum_to_the_full_layer(self, tmp_path, monkeypatch):
+        e, h, i, k, tp = 4, 64, 128, 2, 2
+        gen = seeded("tp")
+        tensors = _checkpoint(gen, e, h, i)
+        qc = Mxfp4Config.from_config(GPT_OSS_QC)
+        full = _moe_layer(qc, e, h, i, k)
+        _load(full, tensors, tmp_path)
+        x = torch.randn(5, h, generator=gen)
+        weights, ids = _route(gen, 5, e, k)
+        expected = full.quant_method.apply(full, x, weights, ids, activation="swigluoai", swiglu_limit=1.0)
+        total = torch.zeros_like(expected)
+        for rank in range(tp):
+            monkeypatch.setitem(parallel_state._GROUPS, "tp", parallel_state.GroupCoordinator(
+                "tp", tuple(range(tp)), rank, None, None))
+            layer = _moe_layer(qc, e, h, i, k)
+            _load(layer, tensors, tmp_path)
+            part = i // tp
+            rows = torch.cat([torch.arange(rank * part, (rank + 1) * part),
+                              i + torch.arange(rank * part, (rank + 1) * part)])
+            assert torch.equal(layer.w13_weight, full.w13_weight[:, rows])
+            assert torch.equal(layer.w2_weight, full.w2_weight[:, :, rank * part // 2:(rank + 1) * part // 2])
+            assert torch.equal(layer.w2_bias, full.w2_bias if rank == 0 else torch.zeros_like(full.w2_bias))
+            total += layer.quant_method.apply(layer, x, weights, ids, activation="swigluoai", swiglu_limit=1.0)
+        assert rel_err(total, expected) < 1e-6
+
+    def test_expert_parallel_ranks_hold_whole_experts(self, tmp_path, monkeypatch):
+        e, h, i = 4, 64, 64
+        tensors = _checkpoint(seeded("ep"), e, h, i)
+        qc = Mxfp4Config.from_config(GPT_OSS_QC)
+        full = _moe_layer(qc, e, h, i, 2)
+        _load(full, tensors, tmp_path)
+        monkeypatch.setitem(parallel_state._GROUPS, "tp", parallel_state.GroupCoordinator("tp", (0, 1), 1, None, None))
+        set_expert_parallel(True)
+        try:
+            layer = _moe_layer(qc, e, h, i, 2)
+        finally:
+            set_expert_parallel(False)
+        _load(layer, tensors, tmp_path)
+        for name in ("w13_weight", "w13_weight_scale", "w13_bias", "w2_weight", "w2_weight_scale", "w2_bias"):
+            mine, ref = getattr(layer, name), getattr(full, name)[2:]
+            assert torch.equal(mine.view(torch.uint8) if mine.dtype == torch.float8_e8m0fnu else mine,
+                               ref.view(torch.uint8) if ref.dtype == torch.float8_e8m0fnu else ref), name
+
+    def test_split_inside_a_scale_group_is_refused(self, monkeypatch):
+        monkeypatch.setitem(parallel_state._GROUPS, "tp", parallel_state.GroupCoordinator("tp", (0, 1), 0, None, None))
+        with pytest.raises(ValueError, match="multiple of 32.*enable_expert_parallel"):
+            _moe_layer(Mxfp4Config.from_config(GPT_OSS_QC), 4, 64, 96, 2)  # 48 per rank
+
+    def test_per_expert_tensors_and_wrong_shapes_are_errors(self):
+        layer = _moe_layer(Mxfp4Config.from_config(GPT_OSS_QC), 2, 64, 64, 1)
+        blocks = layer.w13_weight
+        with pytest.raises(ValueError, match="not per expert"):
+            blocks.weight_loader(blocks, torch.zeros(128, 2, 16, dtype=torch.uint8), shard_id="w1", expert_id=0)
+        with pytest.raises(ValueError, match="expected \\[2, 128, 2\\]"):
+            blocks.weight_loader(blocks, torch.zeros(2, 128, 4, 16, dtype=torch.uint8))
+
+    def test_dummy_weights_are_finite_and_small(self):
+        from atom_core.loader.weights import init_dummy_weights
+
+        layer = _moe_layer(Mxfp4Config.from_config(GPT_OSS_QC), 4, 64, 64, 2, dtype=torch.bfloat16)
+        init_dummy_weights(layer, seed=0)
+        w = dequantize_mxfp4(layer.w13_weight, layer.w13_weight_scale, torch.float32)
+        assert w.isfinite().all() and 0 < w.abs().max() < 0.1
+        gen = seeded("dummy")
+        weights, ids = _route(gen, 3, 4, 2)
+        out = layer.quant_method.apply(layer, torch.randn(3, 64, generator=gen).bfloat16(), weights, ids,
+                                       activation="swigluoai", swiglu_limit=1.0)
+        assert out.isfinite().all()
+
+
+# ---------------------------------------------------------------------------------------------
+# reference and Triton kernel
+
+
+def _kernel_inputs(key, e, h, i, t, k, dtype, device, has_bias=True, drop=False):
+    gen = seeded(*key)
+    w13, s13 = random_mx(gen, e, 2 * i, h)
+    w2, s2 = random_mx(gen, e, h, i)
+    x = torch.randn(t, h, generator=gen).to(dtype)
+    weights, ids = _route(gen, t, e, k)
+    if drop:  # ids of experts on another rank (EP): no contribution
+        ids[::2, 0] = -1
+        ids[1::3, -1] = e
+    b13 = (torch.randn(e, 2 * i, generator=gen) * 0.1).to(dtype) if has_bias else None
+    b2 = (torch.randn(e, h, generator=gen) * 0.1).to(dtype) if has_bias else None
+    args = (x, w13.flatten(-2), s13, w2.flatten(-2), s2, weights, ids)
+    move = (lambda v: v.to(device) if isinstance(v, torch.Tensor) else v)
+    return [move(a) for a in args], move(b13), move(b2)
+
+
+class TestReference:
+    @pytest.mark.parametrize("activation,limit", [("silu", None), ("swigluoai", 1.0)])
+    def test_equals_hf_dequantization_then_the_moe_reference(self, activation, limit):
+        (x, w13, s13, w2, s2, weights, ids), b13, b2 = _kernel_inputs(("ref", activation), 8, 64, 96, 7, 2,
+                                                                      torch.bfloat16, "cpu", drop=True)
+        e, rows = w13.shape[:2]
+        w13_d = hf_dequantize(w13.view(e, rows, -1, 16), s13, torch.bfloat16).transpose(1, 2)
+        w2_d = hf_dequantize(w2.view(e, w2.shape[1], -1, 16), s2, torch.bfloat16).transpose(1, 2)
+        ref = moe_ref.fused_moe(x, w13_d, w2_d, weights, ids, activation=activation, w13_bias=b13, w2_bias=b2,
+                                swiglu_limit=limit)
+        out = fused_moe_mxfp4_ref(x, w13, s13, w2, s2, weights, ids, activation, b13, b2, limit)
+        assert torch.equal(out, ref)
+
+
+# (E, H, I, T, top_k); the interpreter takes the small ones only
+SMALL_SHAPES = [(4, 64, 96, 5, 2), (8, 96, 64, 1, 2), (3, 160, 32, 9, 3)]
+GPU_SHAPES = [(32, 2880, 2880, 1, 4), (32, 2880, 2880, 7, 4), (32, 2880, 2880, 64, 4), (32, 2880, 2880, 300, 4),
+              (128, 2880, 2880, 3, 4), (16, 512, 1024, 200, 2), (8, 4096, 1408, 33, 2)]
+
+
+class TestTritonMoe:
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+    def test_decode_equals_hf_dequantization_bits(self, device, dtype):
+        from atom_core.kernels.triton.moe_mxfp4 import dequantize_mxfp4 as triton_dequantize
+
+        gen = seeded("tdq", dtype)
+        blocks = torch.randint(0, 256, (1, 24, 10, 16), dtype=torch.uint8, generator=gen)
+        scales = torch.arange(24 * 10).remainder(256).to(torch.uint8).reshape(1, 24, 10)
+        ref = hf_dequantize(blocks, scales, dtype)[0].t()
+        out = triton_dequantize(blocks[0].flatten(-2).to(device), scales[0].to(device), dtype).cpu()
+        if device == "cpu":  # the interpreter rounds float32 -> bf16 by truncation: subnormal results differ
+            normal = ref.float().abs() >= torch.finfo(dtype).tiny
+            ref, out = ref[normal], out[normal]
+        assert torch.equal(bits(out), bits(ref))
+
+    @pytest.mark.parametrize("shape", SMALL_SHAPES + [pytest.param(s, marks=pytest.mark.gpu) for s in GPU_SHAPES])
+    @pytest.mark.parametrize("activation,limit,has_bias", [("silu", None, False), ("swigluoai", 1.0, True)])
+    def test_matches_reference(self, device, shape, activation, limit, has_bias):
+        from atom_core.kernels.triton.moe_mxfp4 import fused_moe_mxfp4
+
+        if device == "cpu" and shape not in SMALL_SHAPES:
+            pytest.skip("GPU-sized shape")
+        e, h, i, t, k = shape
+        args, b13, b2 = _kernel_inputs(("moe", shape, activation), e, h, i, t, k, torch.bfloat16, device, has_bias)
+        out = fused_moe_mxfp4(*args, activation, b13, b2, limit)
+        ref = fused_moe_mxfp4_ref(*args, activation, b13, b2, limit)
+        assert rel_err(out, ref) < TOL[torch.bfloat16]
+
+    @pytest.mark.parametrize("tier_tokens", [1, 24, 96, 400])
+    def test_every_default_tile_tier_and_dropped_ids(self, device, tier_tokens):
+        """Each tier of default_mxfp4_config (by rows per expert), forced on a small float32 problem
+        with K tails (H, I not multiples of BLOCK_K) and ids outside [0, E)."""
+        from atom_core.kernels.triton.moe_mxfp4 import default_mxfp4_config, fused_moe_mxfp4
+
+        cfg = default_mxfp4_config(tier_tokens, 4, 8)
+        args, b13, b2 = _kernel_inputs(("tier", tier_tokens), 8, 96, 160, 6, 2, torch.float32, device, drop=True)
+        out = fused_moe_mxfp4(*args, "swigluoai", b13, b2, 1.0, config=cfg)
+        ref = fused_moe_mxfp4_ref(*args, "swigluoai", b13, b2, 1.0)
+        assert rel_err(out, ref) < TOL[torch.float32]
+
+    def test_bad_arguments_are_clear_errors(self):
+        from atom_core.kernels.triton.moe_mxfp4 import fused_moe_mxfp4
+
+        (x, w13, s13, w2, s2, weights, ids), _, _ = _kernel_inputs(("bad",), 2, 64, 64, 2, 1, torch.float32, "cpu")
+        with pytest.raises(ValueError, match="w13 must be uint8"):
+            fused_moe_mxfp4(x, w13.view(torch.int8), s13, w2, s2, weights, ids)
+        with pytest.raises(ValueError, match="w2_scale must be"):
+            fused_moe_mxfp4(x, w13, s13, w2, s2[:, :32], weights, ids)
+        with pytest.raises(ValueError, match="swiglu_limit"):
+            fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, "swigluoai")
