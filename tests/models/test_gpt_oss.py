@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from atom_core import LLMEngine, SamplingParams
+from atom_core.quant import supported_quantizations
 from tests.models.harness import hf_greedy
 
 MAX_TOKENS = 12
@@ -173,6 +174,43 @@ class TestLoaderChecks:
         (path / "config.json").write_text(json.dumps(cfg | {"swiglu_alpha": 1.5}))
         with pytest.raises(ValueError, match="swiglu_alpha=1.5 is not supported"):
             LLMEngine(str(path), device="cpu")
+
+
+def _build_preset(preset: str, quantized: bool) -> torch.nn.Module:
+    from atom_core.loader.model_dir import resolve_model_files
+    from atom_core.models.registry import resolve_model_class
+    from atom_core.quant import get_quant_config
+
+    config = resolve_model_files(f"preset:{preset}").hf_config
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            return resolve_model_class(config)(config, quant_config=get_quant_config(config) if quantized else None)
+    finally:
+        torch.set_default_dtype(old)
+
+
+@pytest.mark.parametrize("preset,billions", [("gpt-oss-20b", 20.91), ("gpt-oss-120b", 116.83),
+                                             ("gpt-oss-20b-BF16", 20.91)])
+def test_presets_build_with_their_published_sizes(preset, billions):
+    """The real configs in the bf16 layout, on the meta device: the model cards' totals (20.9B, 116.8B)."""
+    model = _build_preset(preset, quantized=False)
+    assert round(sum(p.numel() for p in model.parameters()) / 1e9, 2) == billions
+    windows = [m.kv_spec.sliding_window for m in model.modules() if hasattr(m, "kv_spec")]
+    assert windows == [128, None] * (len(windows) // 2)
+
+
+@pytest.mark.skipif("mxfp4" not in supported_quantizations(), reason="the MXFP4 format is not registered yet")
+@pytest.mark.parametrize("preset,gib", [("gpt-oss-20b", 12.82), ("gpt-oss-120b", 60.77)])
+def test_mxfp4_presets_hold_mxfp4_experts(preset, gib):
+    """Their quantization_config makes the experts MXFP4 (17/32 bytes a weight: 4 bits plus an e8m0
+    scale per 32) and leaves attention, router, embeddings and lm_head in bf16: 120b fits one H100."""
+    model = _build_preset(preset, quantized=True)
+    experts = model.model.layers[0].mlp.experts
+    assert experts.w13_weight.dtype == torch.uint8 and experts.w13_bias.dtype == torch.bfloat16
+    assert model.model.layers[0].mlp.router.weight.dtype == torch.bfloat16
+    assert round(sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30, 2) == gib
 
 
 @pytest.mark.gpu
