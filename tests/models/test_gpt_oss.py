@@ -107,6 +107,19 @@ def test_matches_hf_greedy(gpt_oss, kwargs):
     assert engine.core.kv.num_free_blocks == engine.core.kv.num_blocks
 
 
+@pytest.mark.parametrize("options", [dict(max_num_batched_tokens=11), dict(enable_expert_parallel=True)],
+                         ids=["tp2", "tp2_ep"])
+def test_tensor_parallel_matches_hf(gpt_oss, options):
+    """Two ranks on the CPU (gloo): heads, sinks and each expert's intermediate slice split (w2's
+    bias added by rank 0 only), or whole experts per rank under expert parallelism."""
+    path, prompts, ref, _ = gpt_oss
+    engine = LLMEngine(str(path), device="cpu", tensor_parallel_size=2, kv_cache_memory_gb=0.02, **options)
+    try:
+        assert [o["token_ids"] for o in engine.generate(prompts, GREEDY)] == ref
+    finally:
+        engine.shutdown()
+
+
 def test_prompt_logits_match_hf(gpt_oss):
     from transformers import AutoConfig
 
