@@ -20,8 +20,9 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max
         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}
 
 
-def build_tiny_deepseek(path: Path, version: str, seed: int = 0) -> Path:
-    """3 layers (layer 0 dense), 4 heads, kv_lora_rank 32, nope 16 / rope 16 / v 24, 8 experts top-2."""
+def build_tiny_deepseek(path: Path, version: str, seed: int = 0, **overrides) -> Path:
+    """3 layers (layer 0 dense), 4 heads, kv_lora_rank 32, nope 16 / rope 16 / v 24, 8 experts top-2
+    (config fields in `overrides` replace these)."""
     import transformers as tf
 
     from tests.tiny_models import build_tokenizer
@@ -34,6 +35,7 @@ def build_tiny_deepseek(path: Path, version: str, seed: int = 0) -> Path:
                   qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=24, n_routed_experts=8,
                   num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
                   eos_token_id=eos, bos_token_id=None, pad_token_id=0)
+    common.update(overrides)
     torch.manual_seed(seed)
     if version == "v2":
         config = tf.DeepseekV2Config(**common, q_lora_rank=None, topk_method="greedy", routed_scaling_factor=1.5,

@@ -43,7 +43,11 @@ MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 EPS_LOGITS = 1e-3  # teacher-forced prefill logits, ours vs the oracle (module docstring)
 FLIP = 0.5  # a generated token's oracle logit may trail the oracle's best by this (one rounding flip, module docstring)
-QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+             "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # the last four: DeepSeek-V3's MLA
+# MLA runs absorbed: kv_b_proj's dequantized weight is folded into the query and the output and the
+# latent is never quantized as its input (as in vLLM and ATOM), so the oracle leaves that input alone.
+NOT_HOOKED = ("kv_b_proj",)
 
 
 def prompts(vocab: int) -> list[list[int]]:
@@ -113,8 +117,9 @@ def hf_reference(path, group=128, online=False):
                 w = module.weight.data
                 s = w.abs().amax(1, keepdim=True) / 448.0
                 module.weight.data = (w / s).clamp(-448, 448).to(FP8_DTYPE).float() * s
-            module.register_forward_pre_hook(
-                lambda mod, args: (_fake_quant_groups(args[0], group or args[0].shape[-1]),))
+            if name.rsplit(".", 1)[-1] not in NOT_HOOKED:
+                module.register_forward_pre_hook(
+                    lambda mod, args: (_fake_quant_groups(args[0], group or args[0].shape[-1]),))
         if type(module).__name__.endswith("Experts"):  # HF's fused experts call F.linear per expert
             _fake_quant_experts(module, group)
     result = []
@@ -128,10 +133,18 @@ def hf_reference(path, group=128, online=False):
     return model, result
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen3_moe"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen3_moe", "deepseek_v3"])
 def models(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"fp8-{request.param}")
-    bf16 = build_tiny_model(out / "bf16", request.param)
+    if request.param == "deepseek_v3":  # DeepSeek-V3's own format: MLA projections and experts in block FP8
+        from tests.models.test_deepseek import build_tiny_deepseek
+
+        # v_head_dim 16: kv_b_proj gets 4 x (16 + 16) = 128 rows, one block. With 160 rows (a second,
+        # partial row block) HF's CPU dequantization of kv_b_proj differs from the checkpoint's
+        # values by up to 0.045 while ours equals them: the oracle would be wrong, not the engine.
+        bf16 = build_tiny_deepseek(out / "bf16", "v3", v_head_dim=16)
+    else:
+        bf16 = build_tiny_model(out / "bf16", request.param)
     write_block_fp8(bf16, out / "fp8")
     return out
 
@@ -166,18 +179,20 @@ def _build(path, quantization=None):
 def test_block_fp8_checkpoint_matches_hf(models):
     path = models / "fp8"
     model = _build(path)
-    qkv = model.model.layers[0].self_attn.qkv_proj
-    assert qkv.weight.dtype == FP8_DTYPE and qkv.weight_scale_inv.shape == (qkv.weight.shape[0], 1)
-    experts = getattr(model.model.layers[0].mlp, "experts", None)
+    attn = model.model.layers[0].self_attn
+    for linear in [getattr(attn, "qkv_proj", None) or attn.q_b_proj, attn.o_proj]:
+        assert linear.weight.dtype == FP8_DTYPE and linear.weight_scale_inv.shape == (linear.weight.shape[0], 1)
+    mlp = model.model.layers[-1].mlp  # DeepSeek's first layer is dense
+    experts = getattr(mlp, "experts", None)
     if experts is not None:
         assert experts.w13_weight.dtype == FP8_DTYPE and experts.w2_weight_scale_inv.shape[-1] == 1
-        assert model.model.layers[0].mlp.gate.weight.dtype == torch.float32  # the router stays unquantized
+        assert mlp.gate.weight.dtype == torch.float32  # the router stays unquantized
     engines = [LLMEngine(str(path)), LLMEngine(str(path), max_num_batched_tokens=16, max_num_seqs=2)]
     _check_against(hf_reference(path), model, engines)
 
 
 def test_online_fp8_matches_bf16(models):
-    if models.name.startswith("fp8-qwen3_moe"):
+    if models.name.startswith(("fp8-qwen3_moe", "fp8-deepseek")):
         pytest.skip("online FP8 covers dense layers only (MoE refused: TestConfigErrors)")
     path = models / "bf16"
     model = _build(path, "fp8")
@@ -258,7 +273,7 @@ def test_bench_and_log_report_format_weight_and_kv_bytes(models, tmp_path, caplo
 
     from atomctl.main import app
 
-    if models.name.startswith("fp8-qwen3_moe"):
+    if models.name.startswith(("fp8-qwen3_moe", "fp8-deepseek")):
         pytest.skip("one dense model is enough")
     data = {}
     for name, extra in [("bf16", []), ("online", ["--quantization", "fp8"]), ("fp8", [])]:
