@@ -233,10 +233,26 @@ def _document_errors(app: FastAPI) -> None:
                     operation.get("responses", {}).pop("422", None)
             for name in ("HTTPValidationError", "ValidationError"):
                 schema.get("components", {}).get("schemas", {}).pop(name, None)
+            _integer_bounds(schema)
             app.openapi_schema = schema
         return app.openapi_schema
 
     app.openapi = openapi
+
+
+def _integer_bounds(node) -> None:
+    """FastAPI's OpenAPI model stores every bound as a float: an integer field's bounds go back to
+    integers (2**63 - 1 as a float would round to 2**63)."""
+    if isinstance(node, dict):
+        if node.get("type") == "integer":
+            for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+                if isinstance(node.get(key), float) and node[key].is_integer():
+                    node[key] = int(node[key])
+        for value in node.values():
+            _integer_bounds(value)
+    elif isinstance(node, list):
+        for value in node:
+            _integer_bounds(value)
 
 
 def _add_error_handlers(app: FastAPI) -> None:

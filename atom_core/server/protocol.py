@@ -24,6 +24,8 @@ from atom_core.server.structured_request import (
 )
 
 MAX_N = 128
+MAX_LOGPROBS = 20  # SamplingParams' limit for logprobs / top_logprobs
+SEED_LIMIT = 2**63  # seeds are non-negative 64-bit integers (SamplingParams)
 
 
 class APIError(Exception):
@@ -49,8 +51,12 @@ def sampling_error(e: ValueError) -> APIError:
 
 
 # ---- request models -------------------------------------------------------------------
+_MAX_TOKENS_DOC = "The prompt's tokens plus this must fit the model's context (else 400 context_length_exceeded)."
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # allow_inf_nan=False: Python's JSON parser reads NaN/Infinity, which no range check below would catch.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -91,28 +97,33 @@ class ChatMessage(BaseModel):
 
 
 TokenIds = list[Annotated[StrictInt, Field(ge=0)]]
+NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
+NonEmptyTokenIds = Annotated[TokenIds, Field(min_length=1)]
 
 
 class _SamplingRequest(_Strict):
     """Fields the chat and completions endpoints share."""
 
+    # The value ranges below are the ones the server accepts (SamplingParams checks the same);
+    # a value outside them is a 400 naming the field. tests/server/test_openai_api.py sends
+    # every documented bound and the value just past it.
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: StrictStr | list[StrictStr] | None = None
+    max_tokens: int | None = Field(None, ge=1, description=_MAX_TOKENS_DOC)
+    temperature: float = Field(1.0, ge=0, description="0 is greedy.")
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1, json_schema_extra={"not": {"const": 0}}, description="-1 (off) or >= 1.")
+    min_p: float = Field(0.0, ge=0, le=1)
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
+    stop: NonEmptyStr | list[NonEmptyStr] | None = None
     stop_token_ids: TokenIds | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = Field(0, ge=0, description="At most max_tokens; 0 with an output constraint.")
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    n: int = Field(1, ge=1, le=MAX_N)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0, description="1 is off.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     # Accepted for compatibility; they never change results.
@@ -121,7 +132,7 @@ class _SamplingRequest(_Strict):
     store: bool | None = None
     service_tier: str | None = None
     # Known but not implemented: only their no-op value passes (see _reject_unsupported).
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="1 or n (no-op values only).")
     logit_bias: dict[str, float] | None = None
     # Output constraints (structured outputs); at most one per request.
     response_format: ResponseFormat | None = None
@@ -145,8 +156,6 @@ class _SamplingRequest(_Strict):
 
     @model_validator(mode="after")
     def _check_values(self):
-        if self.stop == "" or (isinstance(self.stop, list) and "" in self.stop):
-            raise _field_error("stop", "stop strings must be non-empty; leave stop out to use none")
         max_name, max_tokens = self._output_limit()
         # A limit below 1 is itself the error; SamplingParams reports it under its own name.
         if max_tokens is not None and max_tokens >= 1 and self.min_tokens > max_tokens:
@@ -159,8 +168,6 @@ class _SamplingRequest(_Strict):
 
     @model_validator(mode="after")
     def _reject_unsupported(self):
-        if not 1 <= self.n <= MAX_N:
-            raise _field_error("n", f"n must be between 1 and {MAX_N}, got {self.n}")
         if self.best_of not in (None, 1, self.n):
             raise _field_error("best_of", "best_of other than n is not supported")
         if self.logit_bias:
@@ -187,7 +194,7 @@ class _SamplingRequest(_Strict):
         try:
             return SamplingParams(
                 temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-                seed=None if self.seed is None else self.seed + choice, max_tokens=max_tokens,
+                seed=None if self.seed is None else (self.seed + choice) % SEED_LIMIT, max_tokens=max_tokens,
                 min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, stop=self.stop or [],
                 stop_token_ids=self.stop_token_ids or [], include_stop_str_in_output=self.include_stop_str_in_output,
                 repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
@@ -200,9 +207,9 @@ class _SamplingRequest(_Strict):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, ge=1, description=_MAX_TOKENS_DOC)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Needs logprobs=true.")
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     tools: list[ChatTool] | None = None
@@ -233,9 +240,11 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
-    max_tokens: int | None = 16  # the OpenAI default for completions
-    logprobs: int | None = None
+    prompt: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] | NonEmptyTokenIds \
+        | Annotated[list[NonEmptyTokenIds], Field(min_length=1)] = Field(
+            description="A text, texts, token ids (each below the model's vocabulary size) or lists of them.")
+    max_tokens: int | None = Field(16, ge=1, description=_MAX_TOKENS_DOC)  # the OpenAI default for completions
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
 
@@ -243,8 +252,6 @@ class CompletionRequest(_SamplingRequest):
     def _check_completion(self):
         if self.suffix:
             raise _field_error("suffix", "suffix is not supported")
-        if self.prompt == [] or self.prompt == "" or any(p in ("", []) for p in self._prompt_list()):
-            raise _field_error("prompt", "the prompt is empty")
         return self
 
     def _prompt_list(self) -> list:
@@ -310,7 +317,36 @@ def validation_error_to_api_error(errors: list[dict]) -> APIError:
     param = ".".join(_first_field(loc))
     if err.get("type") == "greater_than_equal" and any("constrained-int" in p for p in loc):
         return APIError(f"{param}: token ids must be integers >= 0; got {err.get('input')!r}", param=loc[0])
+    expected = _expected_range(err)
+    if expected is not None:
+        return APIError(f"invalid '{param}': expected {expected}", param=param or None)
     return APIError(f"{param or 'body'}: {err.get('msg', 'invalid value')}", param=param or None)
+
+
+_BOUNDS = {"greater_than": ("gt", ">"), "greater_than_equal": ("ge", ">="), "less_than": ("lt", "<"),
+           "less_than_equal": ("le", "<=")}
+
+
+def _expected_range(err: dict) -> str | None:
+    """What a value-range error expected, in the words of the OpenAPI document's bounds."""
+    kind, ctx, value = err.get("type"), err.get("ctx") or {}, err.get("input")
+    if kind in _BOUNDS:
+        key, op = _BOUNDS[kind]
+        return f"a value {op} {_number(ctx.get(key))}, got {_number(value)}"
+    if kind == "string_too_short":
+        return "a non-empty string" if ctx.get("min_length") == 1 else f"at least {ctx.get('min_length')} characters"
+    if kind == "too_short":
+        n = ctx.get("min_length")
+        return f"at least {n} item{'' if n == 1 else 's'}, got {len(value) if value else 'an empty list'}"
+    if kind == "finite_number":
+        return f"a finite number, got {value}"
+    return None
+
+
+def _number(value) -> str:
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return str(int(value))
+    return repr(value)
 
 
 def _most_specific(errors: list[dict]) -> dict:

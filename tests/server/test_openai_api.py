@@ -307,15 +307,16 @@ BAD_INPUTS = [
     ("negative_max_tokens", "/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens", ">= 1"),
     ("negative_max_completion_tokens", "/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": -5}, 400,
      "max_completion_tokens", ">= 1"),
-    ("n_zero", "/v1/completions", {"prompt": "x", "n": 0}, 400, "n", "between"),
-    ("n_too_big", "/v1/chat/completions", {"messages": CHAT, "n": 1000}, 400, "n", "between"),
+    ("n_zero", "/v1/completions", {"prompt": "x", "n": 0}, 400, "n", "expected a value >= 1, got 0"),
+    ("n_too_big", "/v1/chat/completions", {"messages": CHAT, "n": 1000}, 400, "n", "expected a value <= 128, got 1000"),
     ("top_p_zero", "/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", "top_p"),
     ("negative_temperature", "/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature", ""),
     ("logprobs_too_many", "/v1/completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs", ""),
     ("top_logprobs_without_logprobs", "/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs", ""),
     ("stop_wrong_type", "/v1/completions", {"prompt": "x", "stop": 5}, 400, "stop", ""),
     ("stop_empty_string", "/v1/completions", {"prompt": "x", "stop": ""}, 400, "stop", "non-empty"),
-    ("stop_empty_in_list", "/v1/chat/completions", {"messages": CHAT, "stop": ["a", ""]}, 400, "stop", "non-empty"),
+    ("stop_empty_in_list", "/v1/chat/completions", {"messages": CHAT, "stop": ["a", ""]}, 400, "stop.1", "non-empty"),
+    ("temperature_infinite", "/v1/completions", '{"prompt": "x", "temperature": Infinity}', 400, "temperature", "finite"),
     ("min_tokens_over_max_tokens", "/v1/completions", {"prompt": "x", "min_tokens": 5, "max_tokens": 3}, 400,
      "min_tokens", "must be <= max_tokens (3)"),
     ("min_tokens_over_max_completion_tokens", "/v1/chat/completions",
@@ -355,6 +356,101 @@ class TestBadInput:
         assert fragment in error["message"], error
         ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=30)
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+# ---- the OpenAPI document's value ranges --------------------------------------------------
+ON, PAST, FAR = "on the bound", "past the bound", "far from the bounds"
+
+
+def bound_probes(schema: dict, sample=None) -> list[tuple]:
+    """(value, where) for every bound of a field's schema, its union branches and its array items:
+    a value ON a bound and one just PAST it, and a value FAR out on a side without a bound.
+    `sample`: a valid array item where the items' schema gives none (a $ref)."""
+    probes = []
+    for branch in schema.get("anyOf", [schema]):
+        kind = branch.get("type")
+        if kind in ("integer", "number"):
+            step = 1 if kind == "integer" else 1e-6
+            num = int if kind == "integer" else float
+            for key, on, past in (("minimum", 0, -step), ("maximum", 0, step),
+                                  ("exclusiveMinimum", step, 0), ("exclusiveMaximum", -step, 0)):
+                if key in branch:
+                    probes += [(num(branch[key]) + on, ON), (num(branch[key]) + past, PAST)]
+            if "const" in branch.get("not", {}):
+                probes.append((branch["not"]["const"], PAST))
+            far = num(2**31 - 1 if kind == "integer" else 1e6)
+            if "maximum" not in branch and "exclusiveMaximum" not in branch:
+                probes.append((far, FAR))
+            if "minimum" not in branch and "exclusiveMinimum" not in branch:
+                probes.append((-far, FAR))
+        elif kind == "string" and "minLength" in branch:
+            probes += [("x" * branch["minLength"], ON), ("x" * (branch["minLength"] - 1), PAST)]
+        elif kind == "array":
+            if "minItems" in branch:
+                item = valid_sample(branch["items"], sample)
+                probes += [([item] * branch["minItems"], ON), ([item] * (branch["minItems"] - 1), PAST)]
+            probes += [([value], where) for value, where in bound_probes(branch["items"])]
+    return probes
+
+
+def valid_sample(schema: dict, fallback=None):
+    kind = schema.get("type")
+    if kind in ("integer", "number"):
+        return schema.get("minimum", 0)
+    if kind == "string":
+        return "x"
+    if kind == "array":
+        return [valid_sample(schema["items"])]
+    assert fallback is not None, f"no valid sample for {schema}"
+    return fallback
+
+
+RANGE_BASES = {  # a valid request of each endpoint; one generated token keeps 200s cheap
+    "/v1/completions": ("CompletionRequest", {"prompt": PROMPT, "max_tokens": 1}),
+    "/v1/chat/completions": ("ChatCompletionRequest", {"messages": CHAT, "max_tokens": 1}),
+}
+BOUNDED = {  # fields whose bounds the document must state (so the walk cannot pass by finding none)
+    "/v1/completions": {"prompt", "max_tokens", "logprobs"},
+    "/v1/chat/completions": {"messages", "max_tokens", "max_completion_tokens", "top_logprobs"},
+}
+SHARED_BOUNDED = {"temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "min_tokens", "n",
+                  "presence_penalty", "frequency_penalty", "repetition_penalty", "best_of"}
+# Limits that depend on the model or on another field: a far value is a 400, which the field's
+# description must state (context length, vocabulary size, min_tokens <= max_tokens).
+MODEL_LIMITED = {"max_tokens", "max_completion_tokens", "min_tokens", "prompt"}
+
+
+def companion(field: str, value) -> dict:
+    """Other fields a value needs to be valid (cross-field rules the schema only describes)."""
+    if field == "top_logprobs":
+        return {"logprobs": True}
+    if field == "best_of" and isinstance(value, int) and 1 <= value <= 128:
+        return {"n": value}  # best_of must be 1 or n
+    return {}
+
+
+class TestDocumentedRanges:
+    @pytest.mark.parametrize("path", list(RANGE_BASES))
+    def test_every_bound_is_accepted_and_the_value_past_it_is_a_400(self, server, path):
+        """Walks the served OpenAPI document, so schema and server cannot drift apart."""
+        doc = httpx.get(f"{server.url}/openapi.json", timeout=10).json()
+        name, base = RANGE_BASES[path]
+        walked, failures = set(), []
+        for field, schema in doc["components"]["schemas"][name]["properties"].items():
+            sample = base[field][0] if isinstance(base.get(field), list) else None
+            for value, where in bound_probes(schema, sample):
+                walked.add(field)
+                want = 400 if where == PAST or (where == FAR and field in MODEL_LIMITED) else 200
+                r = httpx.post(f"{server.url}{path}", json=base | companion(field, value) | {field: value}, timeout=60)
+                param = r.json()["error"]["param"] if r.status_code == 400 else None
+                if where == PAST and param is not None and param != field and not param.startswith(f"{field}."):
+                    failures.append(f"{field}={value!r} ({where}): the 400 names {param!r}")
+                if r.status_code != want:
+                    failures.append(f"{field}={value!r} ({where}): {r.status_code}, want {want}: {r.text[:200]}")
+        assert BOUNDED[path] | SHARED_BOUNDED <= walked, sorted(BOUNDED[path] | SHARED_BOUNDED - walked)
+        for field in MODEL_LIMITED & walked:
+            assert doc["components"]["schemas"][name]["properties"][field].get("description"), field
+        assert not failures, "\n".join(failures)
 
 
 # ---- shutdown (stops the module's server: keep last) ------------------------------------

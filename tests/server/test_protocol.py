@@ -87,10 +87,19 @@ class TestRequestValues:
         assert "lone surrogate" in err.message
         err.message.encode("utf-8")  # the error body itself must be encodable
 
-    @pytest.mark.parametrize("stop", ["", [""], ["a", ""]])
-    def test_empty_stop_string_is_rejected_in_either_form(self, stop):
+    @pytest.mark.parametrize("stop, param", [("", "stop"), ([""], "stop.0"), (["a", ""], "stop.1")])
+    def test_empty_stop_string_is_rejected_in_either_form(self, stop, param):
         err = api_error_of(CompletionRequest, prompt="x", stop=stop)
-        assert err.param == "stop" and "non-empty" in err.message
+        assert err.param == param and "non-empty" in err.message
+
+    def test_out_of_range_value_names_the_bound(self):
+        err = api_error_of(CompletionRequest, prompt="x", presence_penalty=2.5)
+        assert (err.param, err.message) == ("presence_penalty", "invalid 'presence_penalty': expected a value <= 2, got 2.5")
+        assert api_error_of(CompletionRequest, prompt="x", temperature=float("nan")).param == "temperature"
+
+    def test_seed_at_its_limit_is_valid_for_every_choice(self):
+        req = CompletionRequest(prompt="x", seed=2**63 - 1, n=2)  # seed + choice wraps, staying a valid seed
+        assert [req.to_sampling_params(j).seed for j in range(2)] == [2**63 - 1, 0]
 
     def test_no_stop_strings_is_fine(self):
         assert CompletionRequest(prompt="x", stop=[]).to_sampling_params(0).stop == []
