@@ -167,6 +167,13 @@ def test_prompt_logits_match_hf(gpt_oss):
     torch.testing.assert_close(prompt_logits(model, prompts[2]), expected, rtol=1e-4, atol=1e-4)
 
 
+def test_compiled_layers_equal_eager(gpt_oss):
+    """Decoder layers under torch.compile (fullgraph; attention and experts as opaque ops)."""
+    from tests.models.harness import compiled_equals_eager
+
+    compiled_equals_eager(gpt_oss[0])
+
+
 def test_layers_declare_windows_and_sinks(gpt_oss):
     from atom_core.model_ops.kv_spec import attention_layers
 
