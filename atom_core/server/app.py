@@ -152,6 +152,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         lifecycle.loop = asyncio.get_running_loop()
         engine.attach(lifecycle.loop)
         yield
+        serving.close()
         engine.shutdown()
 
     app = FastAPI(title="atom_core OpenAI-compatible server", lifespan=lifespan)

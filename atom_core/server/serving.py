@@ -12,10 +12,8 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
-from functools import partial
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -27,6 +25,7 @@ from atom_core.server.chat_output import ChatOptions, ChatOutputParser
 from atom_core.server.logprobs import LogprobFormatter
 from atom_core.server.metrics import ServerMetrics
 from atom_core.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from atom_core.server.tokenizer_pool import TokenizerPool
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -66,20 +65,19 @@ class OpenAIServing:
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
-        self.tokenizer = engine.tokenizer
+        self.tokenizer = engine.tokenizer  # the event loop's (decoding); the pool has its own copies
         self.logprobs = LogprobFormatter(engine.tokenizer)
-        # Chat templates and tokenization run here, off the event loop (a huge prompt must not
-        # stall /health and every stream); one thread, as a tokenizer is not safe to share.
-        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="atom-tokenize")
+        # Chat templates and tokenization run off the event loop, on a few threads: a huge prompt
+        # must neither stall /health and the streams nor delay other requests' tokenization.
+        self.tokenizer_pool = TokenizerPool(engine.tokenizer)
 
-    async def _off_loop(self, fn, *args, **kwargs):
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, partial(fn, *args, **kwargs))
+    def close(self) -> None:
+        self.tokenizer_pool.shutdown()
 
     # ---- endpoints --------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self._check_model(req.model)
-        text = await self._off_loop(self._apply_chat_template, req)
-        ids = await self._off_loop(self._require_tokenizer("chat completions").encode, text, add_special_tokens=False)
+        text, ids = await self.tokenizer_pool.run(self._tokenize_chat, req)
         subs = _stamped(self._engine_requests("chatcmpl", req, [(text, ids)]), raw)
         self._add_output_parsers(req, subs)
         response_id = subs[0].request_id.rsplit("-", 1)[0]
@@ -91,7 +89,7 @@ class OpenAIServing:
 
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
         self._check_model(req.model)
-        prompts = await self._off_loop(lambda: [self._completion_prompt(p) for p in req.prompts])
+        prompts = await self.tokenizer_pool.run(lambda tok: [_completion_prompt(tok, p) for p in req.prompts])
         subs = _stamped(self._engine_requests("cmpl", req, prompts), raw)
         response_id = subs[0].request_id.rsplit("-", 1)[0]
         if req.stream:
@@ -106,11 +104,6 @@ class OpenAIServing:
             raise APIError(f"the model '{model}' does not exist; this server serves '{self.model_name}'",
                            404, param="model", code="model_not_found")
 
-    def _require_tokenizer(self, what: str):
-        if self.tokenizer is None:
-            raise APIError(f"{what} need a tokenizer; this model has none (start the server with --tokenizer)")
-        return self.tokenizer
-
     def _add_output_parsers(self, req: ChatCompletionRequest, subs: list[EngineRequest]) -> None:
         for sub in subs:
             try:
@@ -120,22 +113,20 @@ class OpenAIServing:
             if self.chat_options.needs_special_tokens(sub.output):
                 sub.params.skip_special_tokens = False  # the parser reads the format's special tokens
 
-    def _apply_chat_template(self, req: ChatCompletionRequest) -> str:
-        tok = self._require_tokenizer("chat completions")
+    @staticmethod
+    def _tokenize_chat(tok, req: ChatCompletionRequest) -> tuple[str, list[int]]:
+        """(prompt text, token ids) of a chat request; runs on a tokenizer thread."""
+        tok = _require_tokenizer(tok, "chat completions")
         if not getattr(tok, "chat_template", None):
             raise APIError("this model's tokenizer has no chat template; use /v1/completions")
         try:
-            return tok.apply_chat_template([m.for_template() for m in req.messages], tokenize=False,
+            text = tok.apply_chat_template([m.for_template() for m in req.messages], tokenize=False,
                                            add_generation_prompt=req.add_generation_prompt,
                                            tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
                                            **(req.chat_template_kwargs or {}))
         except Exception as e:  # noqa: BLE001 - template errors (jinja raise_exception, bad kwargs) are the client's
             raise APIError(f"cannot apply the chat template: {type(e).__name__}: {e}", param="messages") from None
-
-    def _completion_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self._require_tokenizer("text prompts").encode(prompt)
-        return None, list(prompt)
+        return text, tok.encode(text, add_special_tokens=False)
 
     def _engine_requests(self, prefix: str, req, prompts: list[tuple[str | None, list[int]]]) -> list[EngineRequest]:
         """Build and validate every choice of every prompt; nothing is queued yet."""
@@ -307,6 +298,18 @@ class OpenAIServing:
         if req.include_usage:
             yield sse(head | {"choices": [], "usage": self._usage(subs, [final[s.index] for s in subs])})
         yield sse("[DONE]")
+
+
+def _require_tokenizer(tok, what: str):
+    if tok is None:
+        raise APIError(f"{what} need a tokenizer; this model has none (start the server with --tokenizer)")
+    return tok
+
+
+def _completion_prompt(tok, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+    if isinstance(prompt, str):
+        return prompt, _require_tokenizer(tok, "text prompts").encode(prompt)
+    return None, list(prompt)
 
 
 def _chat_finish_reason(sub: EngineRequest, state: RequestState) -> str | None:

@@ -1,5 +1,5 @@
 """Operator limits of `atomctl serve` over real sockets: request size and body-read limits,
-tokenization off the event loop, vLLM metric names parsed by prometheus_client, and the
+tokenization off the event loop and on several threads, vLLM metric names parsed by prometheus_client, and the
 bounded SIGTERM drain (in flight finishes, new requests 503, past --shutdown-timeout the rest
 end with an error event; exit 0 either way).
 
@@ -96,18 +96,23 @@ class TestLimitedServer:
             assert time.monotonic() - start < 5
             assert "request_timeout" in reply
 
-    def test_health_answers_while_a_huge_prompt_is_tokenized(self, limited):
-        prompt = "hello world 123 + 456 = " * 30000  # ~720 KB, seconds of tokenization
+    def test_health_and_small_requests_answer_while_a_huge_prompt_is_tokenized(self, limited):
+        prompt = "hello world 123 + 456 = " * 40000  # ~960 KB, about a second of tokenization
         result = {}
 
         def big():
             start = time.monotonic()
             result["r"] = httpx.post(f"{limited.url}/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=120)
             result["s"] = time.monotonic() - start
+            result["end"] = time.monotonic()
 
         t = threading.Thread(target=big)
         t.start()
-        time.sleep(0.3)
+        time.sleep(0.2)
+        # Tokenized on another thread of the pool: done before the huge prompt is.
+        small = httpx.post(f"{limited.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 1}, timeout=60)
+        small_end = time.monotonic()
+        assert small.status_code == 200, small.text
         latencies = []
         while t.is_alive():
             start = time.monotonic()
@@ -116,6 +121,7 @@ class TestLimitedServer:
             time.sleep(0.05)
         t.join()
         assert result["r"].status_code == 400 and "max_model_len" in result["r"].json()["error"]["message"]
+        assert small_end < result["end"], (result["s"], small_end - result["end"])
         assert len(latencies) >= 3, (result["s"], latencies)
         # 100 ms on an idle machine; CI shares its 2 cores, so allow for scheduling noise.
         assert max(latencies) < 0.5, latencies
