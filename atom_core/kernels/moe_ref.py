@@ -155,7 +155,8 @@ def check_activation(activation: str, swiglu_limit: float | None) -> None:
     if activation not in ACTIVATIONS:
         raise ValueError(f"unknown activation '{activation}'; expected one of: {', '.join(ACTIVATIONS)}")
     if activation == "swigluoai" and not (swiglu_limit is not None and swiglu_limit > 0):
-        raise ValueError(f"activation 'swigluoai' needs swiglu_limit > 0 (the config's swiglu_limit), got {swiglu_limit}")
+        raise ValueError(f"activation 'swigluoai' needs swiglu_limit > 0 (the config's swiglu_limit), "
+                         f"got {swiglu_limit}")
     if activation == "silu" and swiglu_limit is not None:
         raise ValueError(f"swiglu_limit={swiglu_limit} applies to activation 'swigluoai' only, not 'silu'")
 

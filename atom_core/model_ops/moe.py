@@ -180,7 +180,8 @@ class FusedMoE(nn.Module):
             loaded = loaded.transpose(1, 2)
         if self.gate_up_interleaved and self._is_w13(param):
             if loaded.shape[1] % 2:
-                raise ValueError(f"{self.prefix}: interleaved gate/up rows need an even count, got {tuple(loaded.shape)}")
+                raise ValueError(f"{self.prefix}: interleaved gate/up rows need an even count, got "
+                                 f"{tuple(loaded.shape)}")
             loaded = torch.cat([loaded[:, 0::2], loaded[:, 1::2]], dim=1)
         return loaded
 

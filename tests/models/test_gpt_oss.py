@@ -202,8 +202,8 @@ class TestLoaderChecks:
             w[name] = w[name].transpose(1, 2).contiguous()
 
         path = _rewrite(gpt_oss[0], tmp_path / "bad", edit)
-        with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.experts: checkpoint tensor of shape \(4, 48, 32\) "
-                                             r"in the layout \[E, H, 2I\] / \[E, I, H\]"):
+        with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.experts: checkpoint tensor of shape "
+                                             r"\(4, 48, 32\) in the layout \[E, H, 2I\] / \[E, I, H\]"):
             LLMEngine(str(path), device="cpu")
 
     def test_rejects_a_wrong_expert_count(self, gpt_oss, tmp_path):
