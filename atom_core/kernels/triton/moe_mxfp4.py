@@ -36,7 +36,7 @@ from atom_core.kernels.triton.moe import GemmTile, MoeConfig, _tile_ids, moe_ali
 
 ACTIVATIONS = {"silu": 0, "swigluoai": 1}  # name -> the _activate code
 MX_GROUP = 32  # values per scale
-TWO_POW_126 = 2.0 ** 126
+TWO_POW_126 = tl.constexpr(2.0 ** 126)  # a Triton global must be a constexpr
 
 
 @triton.jit
@@ -49,18 +49,76 @@ def _activate(gate, up, limit, ACTIVATION: tl.constexpr, ALPHA: tl.constexpr):
         return (up + 1.0) * (gate * tl.sigmoid(gate * ALPHA))
 
 
+# e2m1 -> bf16 on NVIDIA GPUs, 4 bytes (8 values) per call: bytes 0/1 and 2/3 are spread to the two
+# 16-bit halves of a word (prmt), then each nibble's magnitude bits go to bits 6-8 (the bf16
+# exponent's two low bits and the mantissa's top bit: e2m1 read as a bf16 2^126 too small, 0.5 a
+# subnormal) and its sign to bit 15; one bf16x2 multiply (fma with -0.0: sm_80 has no bf16x2 mul)
+# by the scale gives the value, rounded once. $0 $1: low nibbles of bytes 0-1 and 2-3, $2 $3: high
+# nibbles; $4: the 4 bytes; $5 $6: the scales of bytes 0-1 and 2-3 (bf16x2).
+_E2M1_BF16_PTX = tl.constexpr("""
+{
+.reg .b32 t<2>, m, s, nz;
+mov.b32 nz, 0x80008000;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+shl.b32 m, t0, 6;
+shl.b32 s, t0, 12;
+and.b32 m, m, 0x01C001C0;
+and.b32 s, s, 0x80008000;
+or.b32 $0, m, s;
+fma.rn.bf16x2 $0, $0, $5, nz;
+shl.b32 m, t1, 6;
+shl.b32 s, t1, 12;
+and.b32 m, m, 0x01C001C0;
+and.b32 s, s, 0x80008000;
+or.b32 $1, m, s;
+fma.rn.bf16x2 $1, $1, $6, nz;
+shl.b32 m, t0, 2;
+shl.b32 s, t0, 8;
+and.b32 m, m, 0x01C001C0;
+and.b32 s, s, 0x80008000;
+or.b32 $2, m, s;
+fma.rn.bf16x2 $2, $2, $5, nz;
+shl.b32 m, t1, 2;
+shl.b32 s, t1, 8;
+and.b32 m, m, 0x01C001C0;
+and.b32 s, s, 0x80008000;
+or.b32 $3, m, s;
+fma.rn.bf16x2 $3, $3, $6, nz;
+}
+""")
+# The PTX decode's values are 2^-PTX_SHIFT of the true ones: the scale multiply then also undoes
+# the 2^-126 (2^(s-127) * 2^126 * 2^-63 = 2^(s-64) fits bf16 for every s <= 191, where 2^(s-1)
+# would overflow past s = 128), and the GEMMs multiply their float32 sums by 2^PTX_SHIFT (exact).
+# Every product is then exact, as in HF, for exponents s in [65, 191] (|values| from 2^-62 to 2^65;
+# checkpoints hold s near 100-135); below, values flush towards 0, above they are clamped.
+PTX_SHIFT = tl.constexpr(63)
+
+
 @triton.jit
-def _dequant(packed, scales, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, OUT_DTYPE: tl.constexpr):
+def _dequant(packed, scales, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, OUT_DTYPE: tl.constexpr,
+             BF16_PTX: tl.constexpr):
     """packed uint8 [G, 16, BLOCK_N] (G = BLOCK_K / 32), scales uint8 [G, BLOCK_N] -> the values of the
-    even (low nibble) and odd (high nibble) columns, each [BLOCK_K / 2, BLOCK_N] in OUT_DTYPE."""
-    p = packed.to(tl.uint32)
+    even (low nibble) and odd (high nibble) columns, each [BLOCK_K / 2, BLOCK_N] in OUT_DTYPE.
+    BF16_PTX (NVIDIA, bf16 out): the inline-PTX decode (4 instructions a value), values scaled by
+    2^-PTX_SHIFT; else portable float32 arithmetic (interpreter, ROCm, fp16/fp32), exact values."""
     s = scales.to(tl.uint32)
-    scale = tl.where(s == 0, 0x400000, s << 23).to(tl.float32, bitcast=True)[:, None, :]
-    lo = (((p & 0x7) << 22) | ((p & 0x8) << 28)).to(tl.float32, bitcast=True) * TWO_POW_126 * scale
-    hi = (((p & 0x70) << 18) | ((p & 0x80) << 24)).to(tl.float32, bitcast=True) * TWO_POW_126 * scale
-    lo = tl.reshape(lo.to(OUT_DTYPE), [BLOCK_K // 2, BLOCK_N])
-    hi = tl.reshape(hi.to(OUT_DTYPE), [BLOCK_K // 2, BLOCK_N])
-    return lo, hi
+    if BF16_PTX:
+        # bf16 bits of 2^(s - 127 + 126 - PTX_SHIFT) = 2^(s - 64): exponent field s + 63
+        scale = (tl.minimum(s, 191) + (126 - PTX_SHIFT)) << 7
+        scale = scale.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        scale = tl.broadcast_to(scale[:, None, :], [BLOCK_K // 32, 16, BLOCK_N])
+        lo, hi = tl.inline_asm_elementwise(_E2M1_BF16_PTX, "=r,=r,=r,=r,r,r,r", [packed, scale],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        p = packed.to(tl.uint32)
+        # 2^(s-127) as float32 bits s << 23; s = 0 is the subnormal 2^-127
+        scale = tl.where(s == 0, 0x400000, s << 23).to(tl.float32, bitcast=True)[:, None, :]
+        lo = (((p & 0x7) << 22) | ((p & 0x8) << 28)).to(tl.float32, bitcast=True) * TWO_POW_126 * scale
+        hi = (((p & 0x70) << 18) | ((p & 0x80) << 24)).to(tl.float32, bitcast=True) * TWO_POW_126 * scale
+        lo = lo.to(OUT_DTYPE)
+        hi = hi.to(OUT_DTYPE)
+    return tl.reshape(lo, [BLOCK_K // 2, BLOCK_N]), tl.reshape(hi, [BLOCK_K // 2, BLOCK_N])
 
 
 @triton.jit
@@ -76,21 +134,48 @@ def _weight_ptrs(w_ptr, s_ptr, expert, offs_n, stride_we, stride_wn, stride_se, 
 
 
 @triton.jit
-def _load_tile(w_ptrs, s_ptrs, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
+def _load_tile(w_ptrs, s_ptrs, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, MASKED: tl.constexpr):
     """One K step of bytes and scales; K is a multiple of 32, so whole groups are in or out."""
-    if K % BLOCK_K == 0:
-        return tl.load(w_ptrs), tl.load(s_ptrs)
-    g_ok = k0 + tl.arange(0, BLOCK_K // 32) * 32 < K
-    return tl.load(w_ptrs, mask=g_ok[:, None, None], other=0), tl.load(s_ptrs, mask=g_ok[:, None], other=0)
+    if MASKED:
+        g_ok = k0 + tl.arange(0, BLOCK_K // 32) * 32 < K
+        packed = tl.load(w_ptrs, mask=g_ok[:, None, None], other=0)
+        scales = tl.load(s_ptrs, mask=g_ok[:, None], other=0)
+    else:
+        packed = tl.load(w_ptrs)
+        scales = tl.load(s_ptrs)
+    return packed, scales
 
 
 @triton.jit
-def _load_pairs(a_ptrs, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Even and odd columns [rows, BLOCK_K / 2] of activations at K step k0 (a_ptrs: the even ones)."""
-    if K % BLOCK_K == 0:
-        return tl.load(a_ptrs), tl.load(a_ptrs + 1)
-    k_ok = (k0 + 2 * tl.arange(0, BLOCK_K // 2) < K)[None, :]
-    return tl.load(a_ptrs, mask=k_ok, other=0.0), tl.load(a_ptrs + 1, mask=k_ok, other=0.0)
+def _load_pairs(a_ptrs, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, MASKED: tl.constexpr):
+    """Even and odd columns [rows, BLOCK_K / 2] of the activation tile at a_ptrs [rows, BLOCK_K]."""
+    if MASKED:
+        a = tl.load(a_ptrs, mask=(k0 + tl.arange(0, BLOCK_K) < K)[None, :], other=0.0)
+    else:
+        a = tl.load(a_ptrs)
+    return tl.split(tl.reshape(a, [a.shape[0], BLOCK_K // 2, 2]))
+
+
+@triton.jit
+def _dot_pair(acc, a_even, a_odd, lo, hi, DOT_IN_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    if DOT_IN_FP32:
+        a_even, a_odd, lo, hi = a_even.to(tl.float32), a_odd.to(tl.float32), lo.to(tl.float32), hi.to(tl.float32)
+    acc = tl.dot(a_even, lo, acc, input_precision=DOT_PRECISION)
+    return tl.dot(a_odd, hi, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _gemm1_step(acc_g, acc_u, a_ptrs, g_ptrs, gs_ptrs, u_ptrs, us_ptrs, k0, K: tl.constexpr,
+                BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, BF16_PTX: tl.constexpr):
+    a_even, a_odd = _load_pairs(a_ptrs, k0, K, BLOCK_K, MASKED)
+    wg, sg = _load_tile(g_ptrs, gs_ptrs, k0, K, BLOCK_K, MASKED)
+    wu, su = _load_tile(u_ptrs, us_ptrs, k0, K, BLOCK_K, MASKED)
+    g_lo, g_hi = _dequant(wg, sg, BLOCK_K, BLOCK_N, a_even.dtype, BF16_PTX)
+    u_lo, u_hi = _dequant(wu, su, BLOCK_K, BLOCK_N, a_even.dtype, BF16_PTX)
+    acc_g = _dot_pair(acc_g, a_even, a_odd, g_lo, g_hi, DOT_IN_FP32, DOT_PRECISION)
+    acc_u = _dot_pair(acc_u, a_even, a_odd, u_lo, u_hi, DOT_IN_FP32, DOT_PRECISION)
+    return acc_g, acc_u
 
 
 @triton.jit(do_not_specialize=["num_assignments", "num_m_blocks", "limit"])
@@ -100,6 +185,7 @@ def _gemm1_kernel(
     stride_ot, INTER: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, ACTIVATION: tl.constexpr,
     ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_IN_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BF16_PTX: tl.constexpr,
 ):
     """act(x[tokens] @ w13[e].T + b13[e]) for BLOCK_M aligned rows x BLOCK_N columns of I."""
     pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(INTER, BLOCK_N), GROUP_M)
@@ -115,27 +201,24 @@ def _gemm1_kernel(
     g_ptrs, gs_ptrs = _weight_ptrs(w_ptr, s_ptr, expert, offs_n, stride_we, stride_wn, stride_se, stride_sn, BLOCK_K)
     u_ptrs = g_ptrs + INTER * stride_wn
     us_ptrs = gs_ptrs + INTER * stride_sn
-    a_ptrs = x_ptr + token[:, None] * stride_xt + 2 * tl.arange(0, BLOCK_K // 2)[None, :]
+    a_ptrs = x_ptr + token[:, None] * stride_xt + tl.arange(0, BLOCK_K)[None, :]
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, HIDDEN, BLOCK_K):
-        a_even, a_odd = _load_pairs(a_ptrs, k0, HIDDEN, BLOCK_K)
-        wg, sg = _load_tile(g_ptrs, gs_ptrs, k0, HIDDEN, BLOCK_K)
-        wu, su = _load_tile(u_ptrs, us_ptrs, k0, HIDDEN, BLOCK_K)
-        g_lo, g_hi = _dequant(wg, sg, BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty)
-        u_lo, u_hi = _dequant(wu, su, BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty)
-        if DOT_IN_FP32:
-            a_even, a_odd = a_even.to(tl.float32), a_odd.to(tl.float32)
-            g_lo, g_hi, u_lo, u_hi = g_lo.to(tl.float32), g_hi.to(tl.float32), u_lo.to(tl.float32), u_hi.to(tl.float32)
-        acc_g = tl.dot(a_even, g_lo, acc_g, input_precision=DOT_PRECISION)
-        acc_g = tl.dot(a_odd, g_hi, acc_g, input_precision=DOT_PRECISION)
-        acc_u = tl.dot(a_even, u_lo, acc_u, input_precision=DOT_PRECISION)
-        acc_u = tl.dot(a_odd, u_hi, acc_u, input_precision=DOT_PRECISION)
+    for k0 in range(0, HIDDEN - HIDDEN % BLOCK_K, BLOCK_K):  # whole tiles, unmasked
+        acc_g, acc_u = _gemm1_step(acc_g, acc_u, a_ptrs, g_ptrs, gs_ptrs, u_ptrs, us_ptrs, k0, HIDDEN, BLOCK_K,
+                                   BLOCK_N, False, DOT_IN_FP32, DOT_PRECISION, BF16_PTX)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K // 2
         u_ptrs += BLOCK_K // 2
         gs_ptrs += BLOCK_K // 32
         us_ptrs += BLOCK_K // 32
+    if HIDDEN % BLOCK_K != 0:  # the tail tile
+        acc_g, acc_u = _gemm1_step(acc_g, acc_u, a_ptrs, g_ptrs, gs_ptrs, u_ptrs, us_ptrs,
+                                   HIDDEN - HIDDEN % BLOCK_K, HIDDEN, BLOCK_K, BLOCK_N, True, DOT_IN_FP32,
+                                   DOT_PRECISION, BF16_PTX)
+    if BF16_PTX:
+        acc_g *= 2.0 ** PTX_SHIFT
+        acc_u *= 2.0 ** PTX_SHIFT
     if HAS_BIAS:
         b_ptrs = bias_ptr + expert * stride_be + offs_n
         acc_g += tl.load(b_ptrs).to(tl.float32)[None, :]
@@ -145,13 +228,23 @@ def _gemm1_kernel(
     tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=(cols < INTER)[None, :])
 
 
+@triton.jit
+def _gemm2_step(acc, a_ptrs, w_ptrs, ws_ptrs, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                MASKED: tl.constexpr, DOT_IN_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                BF16_PTX: tl.constexpr):
+    a_even, a_odd = _load_pairs(a_ptrs, k0, K, BLOCK_K, MASKED)
+    w, s = _load_tile(w_ptrs, ws_ptrs, k0, K, BLOCK_K, MASKED)
+    lo, hi = _dequant(w, s, BLOCK_K, BLOCK_N, a_even.dtype, BF16_PTX)
+    return _dot_pair(acc, a_even, a_odd, lo, hi, DOT_IN_FP32, DOT_PRECISION)
+
+
 @triton.jit(do_not_specialize=["num_assignments", "num_m_blocks"])
 def _gemm2_kernel(
     a_ptr, w_ptr, s_ptr, bias_ptr, topk_weights_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
     num_assignments, num_m_blocks, stride_at, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_ot,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_IN_FP32: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BF16_PTX: tl.constexpr,
 ):
     """topk_weight * (act[rows] @ w2[e].T + b2[e]) for BLOCK_M aligned rows x BLOCK_N columns of H,
     stored at the rows' flat ids t*K + k."""
@@ -165,19 +258,19 @@ def _gemm2_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_n = cols % HIDDEN
     w_ptrs, ws_ptrs = _weight_ptrs(w_ptr, s_ptr, expert, offs_n, stride_we, stride_wn, stride_se, stride_sn, BLOCK_K)
-    a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_at + 2 * tl.arange(0, BLOCK_K // 2)[None, :]
+    a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_at + tl.arange(0, BLOCK_K)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, INTER, BLOCK_K):
-        a_even, a_odd = _load_pairs(a_ptrs, k0, INTER, BLOCK_K)
-        w, s = _load_tile(w_ptrs, ws_ptrs, k0, INTER, BLOCK_K)
-        lo, hi = _dequant(w, s, BLOCK_K, BLOCK_N, a_ptr.dtype.element_ty)
-        if DOT_IN_FP32:
-            a_even, a_odd, lo, hi = a_even.to(tl.float32), a_odd.to(tl.float32), lo.to(tl.float32), hi.to(tl.float32)
-        acc = tl.dot(a_even, lo, acc, input_precision=DOT_PRECISION)
-        acc = tl.dot(a_odd, hi, acc, input_precision=DOT_PRECISION)
+    for k0 in range(0, INTER - INTER % BLOCK_K, BLOCK_K):
+        acc = _gemm2_step(acc, a_ptrs, w_ptrs, ws_ptrs, k0, INTER, BLOCK_K, BLOCK_N, False, DOT_IN_FP32,
+                          DOT_PRECISION, BF16_PTX)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K // 2
         ws_ptrs += BLOCK_K // 32
+    if INTER % BLOCK_K != 0:
+        acc = _gemm2_step(acc, a_ptrs, w_ptrs, ws_ptrs, INTER - INTER % BLOCK_K, INTER, BLOCK_K, BLOCK_N, True,
+                          DOT_IN_FP32, DOT_PRECISION, BF16_PTX)
+    if BF16_PTX:
+        acc *= 2.0 ** PTX_SHIFT
     if HAS_BIAS:
         acc += tl.load(bias_ptr + expert * stride_be + offs_n).to(tl.float32)[None, :]
     acc *= tl.load(topk_weights_ptr + flat, mask=row_ok, other=0.0)[:, None]
@@ -187,15 +280,18 @@ def _gemm2_kernel(
 
 @triton.jit
 def _dequant_kernel(w_ptr, s_ptr, out_ptr, num_rows, stride_wr, stride_sr, stride_or,
-                    K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                    K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BF16_PTX: tl.constexpr):
     """out [rows, K] = the values of packed rows [rows, K/2] (the GEMMs' decode, for tests)."""
     r0 = tl.program_id(0) * BLOCK_R
     k0 = tl.program_id(1) * BLOCK_K
     offs_r = r0 + tl.arange(0, BLOCK_R)
     rows = tl.minimum(offs_r, num_rows - 1).to(tl.int64)
     w_ptrs, s_ptrs = _weight_ptrs(w_ptr + k0 // 2, s_ptr + k0 // 32, 0, rows, 0, stride_wr, 0, stride_sr, BLOCK_K)
-    packed, scales = _load_tile(w_ptrs, s_ptrs, k0, K, BLOCK_K)
-    lo, hi = _dequant(packed, scales, BLOCK_K, BLOCK_R, out_ptr.dtype.element_ty)
+    packed, scales = _load_tile(w_ptrs, s_ptrs, k0, K, BLOCK_K, K % BLOCK_K != 0)
+    lo, hi = _dequant(packed, scales, BLOCK_K, BLOCK_R, out_ptr.dtype.element_ty, BF16_PTX)
+    if BF16_PTX:  # undo the decode's 2^-PTX_SHIFT as the GEMMs do (exact in float32)
+        lo = (lo.to(tl.float32) * 2.0 ** PTX_SHIFT).to(tl.bfloat16)
+        hi = (hi.to(tl.float32) * 2.0 ** PTX_SHIFT).to(tl.bfloat16)
     cols = k0 + 2 * tl.arange(0, BLOCK_K // 2)
     ptrs = out_ptr + rows[None, :] * stride_or + cols[:, None]
     mask = (offs_r < num_rows)[None, :] & (cols < K)[:, None]
@@ -219,7 +315,7 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     block_r, block_k = 16, min(256, 1 << (k - 1).bit_length())
     _dequant_kernel[(triton.cdiv(num_rows, block_r), triton.cdiv(k, block_k))](
         blocks, scales, out, num_rows, blocks.stride(0), scales.stride(0), out.stride(0),
-        K=k, BLOCK_R=block_r, BLOCK_K=block_k,
+        K=k, BLOCK_R=block_r, BLOCK_K=block_k, BF16_PTX=_bf16_ptx(dtype), num_warps=1,
     )
     return out
 
@@ -231,7 +327,12 @@ _INTERPRETED = not isinstance(_gemm1_kernel, triton.runtime.jit.JITFunction)
 
 def _dot_args(dtype: torch.dtype) -> dict:
     return {"DOT_PRECISION": "ieee" if dtype == torch.float32 else None,
-            "DOT_IN_FP32": _INTERPRETED and dtype == torch.bfloat16}
+            "DOT_IN_FP32": _INTERPRETED and dtype == torch.bfloat16, "BF16_PTX": _bf16_ptx(dtype)}
+
+
+def _bf16_ptx(dtype: torch.dtype) -> bool:
+    """The inline-PTX decode: NVIDIA GPUs (not ROCm, not the interpreter), bf16 activations."""
+    return dtype == torch.bfloat16 and not _INTERPRETED and torch.version.hip is None
 
 
 def default_mxfp4_config(num_tokens: int, top_k: int, num_experts: int) -> MoeConfig:
