@@ -20,6 +20,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "original_max_position_embeddings": 64,
         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
 LIMIT = 0.6  # swiglu_limit: small enough that the random weights' pre-activations cross it
+NEEDS_MXFP4 = pytest.mark.skipif("mxfp4" not in supported_quantizations(), reason="MXFP4 is not registered yet")
 
 
 def build_tiny_gpt_oss(path: Path, seed: int = 0, hidden_size: int = 32, intermediate_size: int = 24) -> Path:
@@ -121,15 +122,14 @@ def test_tensor_parallel_matches_hf(gpt_oss, options):
         engine.shutdown()
 
 
-@pytest.mark.skipif("mxfp4" not in supported_quantizations(), reason="the MXFP4 format is not registered yet")
-def test_mxfp4_checkpoint_matches_hf_dequantized(tmp_path):
+@pytest.fixture(scope="module")
+def mxfp4_checkpoint(tmp_path_factory):
     """The published layout: experts as gate_up_proj_blocks/_scales (gate/up rows interleaved) and
-    down_proj_blocks/_scales with bf16-era biases, quantization_config mxfp4. HF dequantizes it at
-    load on the CPU; we keep MXFP4 and run the reference MXFP4 MoE. Hidden 64 and intermediate 32:
-    whole 32-value scale groups."""
+    down_proj_blocks/_scales with bf16-era biases, quantization_config mxfp4; hidden 64 and
+    intermediate 32 (whole 32-value scale groups). HF dequantizes it at load on the CPU (float32)."""
     from safetensors.torch import load_file, save_file
 
-    path = build_tiny_gpt_oss(tmp_path / "mxfp4", hidden_size=64, intermediate_size=32)
+    path = build_tiny_gpt_oss(tmp_path_factory.mktemp("mxfp4"), hidden_size=64, intermediate_size=32)
     cfg = json.loads((path / "config.json").read_text())
     hidden, inter, experts = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_local_experts"]
     weights = load_file(str(path / "model.safetensors"))
@@ -147,10 +147,33 @@ def test_mxfp4_checkpoint_matches_hf_dequantized(tmp_path):
     (path / "config.json").write_text(json.dumps(cfg))
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, cfg["vocab_size"], (n,), generator=gen).tolist() for n in (1, 9, 30)]
-    ref = hf_greedy(_hf(path), prompts, MAX_TOKENS)  # HF: dequantized to float32 on the CPU
-    engine = LLMEngine(str(path), device="cpu", max_num_batched_tokens=11)
-    experts_layer = engine.core.executor.runner.model.model.layers[0].mlp.experts
-    assert experts_layer.w13_weight.dtype == torch.uint8
+    return path, prompts, hf_greedy(_hf(path), prompts, MAX_TOKENS)
+
+
+@NEEDS_MXFP4
+@pytest.mark.parametrize("options", [dict(max_num_batched_tokens=11), dict(tensor_parallel_size=2,
+                                                                           enable_expert_parallel=True)],
+                         ids=["chunk11", "tp2_ep"])
+def test_mxfp4_checkpoint_matches_hf_dequantized(mxfp4_checkpoint, options):
+    """We keep the experts in MXFP4 and run the reference MXFP4 MoE (whole experts per rank under EP)."""
+    path, prompts, ref = mxfp4_checkpoint
+    engine = LLMEngine(str(path), device="cpu", kv_cache_memory_gb=0.02, **options)
+    try:
+        if "tensor_parallel_size" not in options:
+            experts = engine.core.executor.runner.model.model.layers[0].mlp.experts
+            assert experts.w13_weight.dtype == torch.uint8
+        assert [o["token_ids"] for o in engine.generate(prompts, GREEDY)] == ref
+    finally:
+        engine.shutdown()
+
+
+@NEEDS_MXFP4
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_mxfp4_engine_matches_hf_dequantized(mxfp4_checkpoint):
+    """The Triton MXFP4 MoE kernel (fp32 activations) in the whole model, against HF's dequantized load."""
+    path, prompts, ref = mxfp4_checkpoint
+    engine = LLMEngine(str(path), device="cuda", dtype="float32", max_num_batched_tokens=11)
     assert [o["token_ids"] for o in engine.generate(prompts, GREEDY)] == ref
 
 
@@ -255,7 +278,7 @@ def test_presets_build_with_their_published_sizes(preset, billions):
     assert windows == [128, None] * (len(windows) // 2)
 
 
-@pytest.mark.skipif("mxfp4" not in supported_quantizations(), reason="the MXFP4 format is not registered yet")
+@NEEDS_MXFP4
 @pytest.mark.parametrize("preset,gib", [("gpt-oss-20b", 12.82), ("gpt-oss-120b", 60.77)])
 def test_mxfp4_presets_hold_mxfp4_experts(preset, gib):
     """Their quantization_config makes the experts MXFP4 (17/32 bytes a weight: 4 bits plus an e8m0
