@@ -266,7 +266,7 @@ case $mode in
     step lat-dsv2l-bs1-cold 150 python3 -m atomctl.main bench latency "${dsl[@]}" --bs 1 --num-iters 2 --output-json "$OUT/lat_dsv2l_bs1_cold.json"
     step lat-dsv2l-bs1-warm 120 python3 -m atomctl.main bench latency "${dsl[@]}" --bs 1 --num-iters 2 --output-json "$OUT/lat_dsv2l_bs1_warm.json" ;;
   gptoss|gptoss-bf16)  # issue 17 GPT-OSS: swigluoai MoE kernel, sinks+window attention, tiny GPT-OSS on CUDA (graphs+compile, eager) vs HF; then gpt-oss-20b (dummy) batch-1 TPOT and the nano offline workload: gptoss in MXFP4 (the published config), gptoss-bf16 in bf16 (preset gpt-oss-20b-BF16)
-    step gptoss-gpu-tests 240 python3 -m pytest -q --tb=short -m gpu tests/kernels/test_moe_swigluoai.py tests/kernels/test_attention_sinks.py tests/models/test_gpt_oss.py -p no:cacheprovider ;;&
+    step gptoss-gpu-tests 300 python3 -m pytest -q --tb=short -m gpu tests/kernels/test_moe_swigluoai.py tests/kernels/test_attention_sinks.py tests/models/test_gpt_oss.py -p no:cacheprovider ;;&
   gptoss)
     g20=(--model preset:gpt-oss-20b --load-format dummy --max-model-len 4096)
     step lat-g20-bs1 150 python3 -m atomctl.main bench latency "${g20[@]}" --bs 1 --output-json "$OUT/lat_g20_bs1.json"
