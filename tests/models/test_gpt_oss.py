@@ -253,6 +253,34 @@ class TestLoaderChecks:
             LLMEngine(str(path), device="cpu")
 
 
+class TestFusedMoEOptions:
+    def _moe(self, **kwargs):
+        from atom_core.model_ops.moe import FusedMoE, MoERouting
+
+        return FusedMoE(4, 64, 32, MoERouting(top_k=2, renormalize=True), "model.layers.0.mlp.experts", **kwargs)
+
+    def test_biases_are_registered_in_the_model_dtype(self):
+        moe = self._moe(activation="swigluoai", swiglu_limit=7.0, has_bias=True)
+        assert moe.w13_bias.shape == (4, 64) and moe.w2_bias.shape == (4, 64)
+        assert moe.w13_bias.dtype == torch.get_default_dtype()
+        assert not hasattr(self._moe(), "w13_bias")
+
+    @pytest.mark.parametrize("kwargs,match", [
+        (dict(activation="gelu"), "experts: unknown activation 'gelu'; expected one of: silu, swigluoai"),
+        (dict(activation="swigluoai"), "experts: activation 'swigluoai' needs swiglu_limit > 0"),
+    ])
+    def test_bad_activation_fails_at_construction(self, kwargs, match):
+        with pytest.raises(ValueError, match=match):
+            self._moe(**kwargs)
+
+    def test_block_fp8_experts_refuse_biases(self):
+        from atom_core.quant.fp8 import Fp8Config
+
+        quant = Fp8Config.from_config({"quant_method": "fp8", "weight_block_size": [128, 128]})
+        with pytest.raises(ValueError, match="block-FP8 experts with biases .* are not supported"):
+            self._moe(activation="swigluoai", swiglu_limit=7.0, has_bias=True, quant_config=quant)
+
+
 def _build_preset(preset: str, quantized: bool) -> torch.nn.Module:
     from atom_core.loader.model_dir import resolve_model_files
     from atom_core.models.registry import resolve_model_class
