@@ -272,9 +272,9 @@ class SpeculativeConfig:
             return
         if self.method not in SPEC_METHODS:
             _fail(self, "method", f"expected one of: {', '.join(SPEC_METHODS)}")
-        if k is None:
+        if k is None and self.method != "mtp":  # mtp: one draft per nextn layer step by default
             _fail(self, "num_speculative_tokens", f"required with method {self.method}")
-        if not 1 <= k <= SPEC_METHODS[self.method]:
+        if not 1 <= self.num_draft_tokens <= SPEC_METHODS[self.method]:
             _fail(self, "num_speculative_tokens", f"must be between 1 and {SPEC_METHODS[self.method]} for {self.method}")
         if (self.method == "draft") != (self.draft_model is not None):
             _fail(self, "draft_model", "a draft model directory is required with method draft, and only there")
@@ -286,8 +286,11 @@ class SpeculativeConfig:
 
     @property
     def num_draft_tokens(self) -> int:
-        """Draft tokens per request and step (0: speculation is off)."""
-        return self.num_speculative_tokens or 0
+        """Draft tokens per request and step (0: speculation is off; mtp defaults to 1, the depth
+        its one nextn layer was trained for)."""
+        if self.num_speculative_tokens is None:
+            return 1 if self.method == "mtp" else 0
+        return self.num_speculative_tokens
 
     @property
     def ngram_window(self) -> tuple[int, int]:

@@ -42,7 +42,7 @@ ENGINE_OPTIONS = {
     "master_addr": (Optional[str], typer.Option(None, help="Address of node 0, where the ranks meet (default 127.0.0.1, or torchrun's MASTER_ADDR).")),
     "master_port": (Optional[int], typer.Option(None, help="Port on node 0 where the ranks meet (default: a free port on one node; required across nodes, or torchrun's MASTER_PORT).")),
     "method": (Optional[str], typer.Option(None, help="Speculative decoding method: ngram (prompt lookup over the request's own tokens), draft (--draft-model) or mtp (the checkpoint's nextn layer, DeepSeek-V3 layout; K <= 4).")),
-    "num_speculative_tokens": (Optional[int], typer.Option(None, help="Draft tokens verified per decoding request and step (ngram, draft: 1..8).")),
+    "num_speculative_tokens": (Optional[int], typer.Option(None, help="Draft tokens verified per decoding request and step (ngram, draft: 1..8; mtp: 1..4, default 1).")),
     "draft_model": (Optional[str], typer.Option(None, help="Draft model directory for --method draft (same tokenizer as the model).")),
     "ngram_min": (Optional[int], typer.Option(None, help="Shortest suffix n-gram the ngram method matches (default 5, or --ngram-max).")),
     "ngram_max": (Optional[int], typer.Option(None, help="Longest suffix n-gram the ngram method matches (default 5, or --ngram-min).")),

@@ -26,6 +26,7 @@ sampler verifies exactly at any temperature).
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -218,7 +219,8 @@ class MTPProposer(Proposer):
         if not drafting:
             return drafts
         entries = list(drafting.values())
-        last = torch.tensor([sum(counts[: e + 1]) - 1 for e in entries], device=self.device)
+        ends = list(itertools.accumulate(counts))
+        last = torch.tensor([ends[e] - 1 for e in entries], device=self.device)
         hidden = out.index_select(0, last)
         tokens = [self.head(hidden).argmax(dim=-1)]
         # Later drafts: one row per request, one position further, over its scratch blocks.

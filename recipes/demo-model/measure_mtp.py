@@ -16,9 +16,10 @@ import time
 from pathlib import Path
 
 from atom_core import LLMEngine, SamplingParams
+from atom_core.eval.tasks import TASKS_DIR
 from atom_core.loader.model_dir import DEMO_MODEL_DIR
 
-HELDOUT = Path(__file__).resolve().parents[2] / "atom_core" / "eval" / "tasks" / "atom_arith" / "heldout.jsonl"
+HELDOUT = TASKS_DIR / "atom_arith" / "heldout.jsonl"
 LONG_QUESTIONS = ["Count from 1 to 40.", "Tell me a story.", "What is the 7 times table?", "List the months of the year.",
                   "Count from 20 to 60.", "Tell me a story about a fox."]
 

@@ -145,11 +145,15 @@ class TestErrors:
             LLMEngine(str(tmp_path / "m"), method="mtp", num_speculative_tokens=1)
 
     @pytest.mark.parametrize("options,match", [
-        ({"method": "mtp"}, "required with method mtp"),
         ({"method": "mtp", "num_speculative_tokens": 5}, "between 1 and 4 for mtp"),
         ({"method": "mtp", "num_speculative_tokens": 2, "draft_model": "/d"}, "a draft model directory is required"),
         ({"method": "mtp", "num_speculative_tokens": 2, "ngram_min": 2}, "method ngram only"),
     ])
+    def test_k_defaults_to_one(self):
+        from atom_core.config import EngineConfig
+
+        assert EngineConfig.from_kwargs("/m", method="mtp").speculative.num_draft_tokens == 1
+
     def test_bad_options(self, options, match):
         from atom_core.config import EngineConfig
 
@@ -167,9 +171,9 @@ MIN_ACCEPTANCE = 0.6
 
 def _demo_prompts(num: int = 20) -> list[str]:
     """The first held-out questions of the built-in atom_arith eval, in the demo model's chat format."""
-    from atom_core.eval.tasks.atom_arith.utils import DATA_DIR
+    from atom_core.eval.tasks import TASKS_DIR
 
-    lines = (DATA_DIR / "heldout.jsonl").read_text().splitlines()[:num]
+    lines = (TASKS_DIR / "atom_arith" / "heldout.jsonl").read_text().splitlines()[:num]
     return [f"<|im_start|>user\n{json.loads(line)['question']}<|im_end|>\n<|im_start|>assistant\n" for line in lines]
 
 
@@ -212,8 +216,7 @@ class TestDemoModel:
 
         from atomctl.main import app
 
-        result = CliRunner().invoke(app, ["generate", "--method", "mtp", "--num-speculative-tokens", "1",
-                                          "What is 12 + 30?"])
+        result = CliRunner().invoke(app, ["generate", "--method", "mtp", "What is 12 + 30?"])
         assert result.exit_code == 0, result.output
         assert "42" in result.output and "[speculative: acceptance rate" in result.output
 
