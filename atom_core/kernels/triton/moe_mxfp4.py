@@ -20,7 +20,11 @@ accumulate in float32. Epilogue: bias, then silu(gate) * up or GPT-OSS's swigluo
 
 Decode (M = 1 to a few tokens, each expert's rows one BLOCK_M=16 block): narrow N tiles (32 rows
 of gate and 32 of up; 32 of H) give ~360 programs per GEMM on GPT-OSS-20b's shapes (I = H = 2880,
-top-4), so every SM streams weights; long K tiles (256) amortise the per-tile setup.
+top-4), all resident at once (BLOCK_K 128 keeps them at ~100 registers, 5-6 programs an SM), so
+every SM streams weights with 3 stages of copies in flight. Offline SASS counts (sm_90, ptxas) of
+the inner loop: ~5 instructions a weight for GEMM1, ~6 for GEMM2; an H100 issues ~26 a clock per
+SM at that rate against ~24 weights a clock of HBM bandwidth, so decode sits near the bytes floor
+only if issue and loads overlap well (to be measured: `kernels/triton/mxfp4_bench.py --sweep`).
 """
 from __future__ import annotations
 
@@ -340,7 +344,7 @@ def default_mxfp4_config(num_tokens: int, top_k: int, num_experts: int) -> MoeCo
     narrow decode N tiles the packed weights want, see the module docstring)."""
     rows_per_expert = num_tokens * top_k / num_experts
     if rows_per_expert <= 8:  # decode: weight-bandwidth bound
-        return MoeConfig(16, GemmTile(32, 256, 1, 4, 3), GemmTile(32, 256, 1, 4, 3))
+        return MoeConfig(16, GemmTile(32, 128, 1, 4, 3), GemmTile(32, 128, 1, 4, 3))
     if rows_per_expert <= 32:
         return MoeConfig(32, GemmTile(64, 128, 1, 4, 3), GemmTile(64, 128, 1, 4, 3))
     if rows_per_expert <= 128:
