@@ -144,16 +144,16 @@ class TestErrors:
         with pytest.raises(ValueError, match="hold no model.layers.2.eh_proj.weight"):
             LLMEngine(str(tmp_path / "m"), method="mtp", num_speculative_tokens=1)
 
-    @pytest.mark.parametrize("options,match", [
-        ({"method": "mtp", "num_speculative_tokens": 5}, "between 1 and 4 for mtp"),
-        ({"method": "mtp", "num_speculative_tokens": 2, "draft_model": "/d"}, "a draft model directory is required"),
-        ({"method": "mtp", "num_speculative_tokens": 2, "ngram_min": 2}, "method ngram only"),
-    ])
     def test_k_defaults_to_one(self):
         from atom_core.config import EngineConfig
 
         assert EngineConfig.from_kwargs("/m", method="mtp").speculative.num_draft_tokens == 1
 
+    @pytest.mark.parametrize("options,match", [
+        ({"method": "mtp", "num_speculative_tokens": 5}, "between 1 and 4 for mtp"),
+        ({"method": "mtp", "num_speculative_tokens": 2, "draft_model": "/d"}, "a draft model directory is required"),
+        ({"method": "mtp", "num_speculative_tokens": 2, "ngram_min": 2}, "method ngram only"),
+    ])
     def test_bad_options(self, options, match):
         from atom_core.config import EngineConfig
 
