@@ -55,7 +55,8 @@ def hf_dequantize(blocks4: torch.Tensor, scales: torch.Tensor, dtype: torch.dtyp
     return convert_moe_packed_tensors(blocks4, scales, dtype=dtype)
 
 
-def random_mx(gen: torch.Generator, experts: int, rows: int, k: int, spread: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+def random_mx(gen: torch.Generator, experts: int, rows: int, k: int,
+              spread: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     """Checkpoint-shaped blocks [E, R, K/32, 16] and scales [E, R, K/32] whose values keep a
     K-long dot product near unit size (exponents around 2^-(log2(sqrt K) + 2))."""
     center = 127 - round(math.log2(math.sqrt(k))) - 2
@@ -351,16 +352,38 @@ class TestTritonMoe:
 
     @pytest.mark.parametrize("shape", SMALL_SHAPES + [pytest.param(s, marks=pytest.mark.gpu) for s in GPU_SHAPES])
     @pytest.mark.parametrize("activation,limit,has_bias", [("silu", None, False), ("swigluoai", 1.0, True)])
-    def test_matches_reference(self, device, shape, activation, limit, has_bias):
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+    def test_matches_reference(self, device, shape, activation, limit, has_bias, dtype):
+        """bf16 runs the inline-PTX decode on NVIDIA GPUs, fp16 the portable one."""
         from atom_core.kernels.triton.moe_mxfp4 import fused_moe_mxfp4
 
-        if device == "cpu" and shape not in SMALL_SHAPES:
-            pytest.skip("GPU-sized shape")
+        if shape not in SMALL_SHAPES and (device == "cpu" or dtype == torch.float16):
+            pytest.skip("GPU-sized shapes run in bf16 on the GPU only")
         e, h, i, t, k = shape
-        args, b13, b2 = _kernel_inputs(("moe", shape, activation), e, h, i, t, k, torch.bfloat16, device, has_bias)
+        args, b13, b2 = _kernel_inputs(("moe", shape, activation), e, h, i, t, k, dtype, device, has_bias)
         out = fused_moe_mxfp4(*args, activation, b13, b2, limit)
         ref = fused_moe_mxfp4_ref(*args, activation, b13, b2, limit)
-        assert rel_err(out, ref) < TOL[torch.bfloat16]
+        assert rel_err(out, ref) < TOL[dtype]
+
+    @pytest.mark.gpu
+    def test_replays_in_a_cuda_graph(self):
+        """No host sync: a captured call replays to the eager result on new inputs."""
+        from atom_core.kernels.triton.moe_mxfp4 import fused_moe_mxfp4
+
+        if not torch.cuda.is_available():
+            pytest.skip("needs CUDA")
+        e, h, i, t, k = 32, 2880, 2880, 4, 4
+        args, b13, b2 = _kernel_inputs(("graph",), e, h, i, t, k, torch.bfloat16, "cuda")
+        x, ids = args[0], args[6]
+        run = lambda: fused_moe_mxfp4(*args, "swigluoai", b13, b2, 7.0)  # noqa: E731
+        run()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run()
+        x.copy_(torch.randn_like(x))
+        ids.copy_(torch.randperm(e, device="cuda")[:t * k].view(t, k).to(torch.int32))
+        graph.replay()
+        assert torch.equal(out, run())
 
     @pytest.mark.parametrize("tier_tokens", [1, 24, 96, 400])
     def test_every_default_tile_tier_and_dropped_ids(self, device, tier_tokens):

@@ -367,7 +367,8 @@ def _check_args(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, ac
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     if hidden_size % MX_GROUP or inter % MX_GROUP:
         raise ValueError(f"MXFP4 needs H and I multiples of {MX_GROUP}, got H={hidden_size}, I={inter}")
-    expect = {"w13": (num_experts, 2 * inter, hidden_size // 2), "w13_scale": (num_experts, 2 * inter, hidden_size // 32),
+    expect = {"w13": (num_experts, 2 * inter, hidden_size // 2),
+              "w13_scale": (num_experts, 2 * inter, hidden_size // 32),
               "w2": (num_experts, hidden_size, inter // 2), "w2_scale": (num_experts, hidden_size, inter // 32)}
     for name, t in (("w13", w13), ("w13_scale", w13_scale), ("w2", w2), ("w2_scale", w2_scale)):
         if tuple(t.shape) != expect[name]:
