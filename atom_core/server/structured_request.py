@@ -3,7 +3,9 @@ extras and their `structured_outputs` form, and chat `tools` with `tool_choice`.
 
 `tool_choice: "required"` and a named function are kept by a grammar, as vLLM does: the output
 is a JSON array of {"name", "parameters"} objects (required) or the named function's arguments
-object, whatever tool-call format the model was trained on. Parsing happens in serving.py.
+object, whatever tool-call format the model was trained on. That JSON is parsed directly
+(chat_output.py: `required_calls`, the named mode), never by the server's --tool-call-parser, so
+a forced call reads the same under every parser.
 """
 from __future__ import annotations
 

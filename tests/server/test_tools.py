@@ -1,14 +1,20 @@
-"""Tool calling end to end: `atomctl serve --tool-call-parser hermes --enable-auto-tool-choice`
-on the demo model, with the OpenAI SDK over a real socket (streamed and not). The demo model
-was never trained on tools: every call here is forced by a grammar (tool_choice required or
-named), or for `auto` written in Hermes format by a guided regex, then parsed."""
+"""Tool calling end to end: `atomctl serve --tool-call-parser NAME --enable-auto-tool-choice` on
+the demo model, with the OpenAI SDK over a real socket (streamed and not), for each format:
+hermes (the shared demo server, with --reasoning-parser qwen3), llama3_json, deepseek_v3 (with
+deepseek_r1) and openai/harmony (with gpt_oss). The demo model was never trained on tools:
+`required` and a named function are forced by their JSON grammar (parsed directly, whatever the
+server's parser), and for `auto` a guided regex writes the format's own markers, as a model
+trained on it would, for the server's parser to read. Harmony is read as text here: the demo
+tokenizer has no harmony special tokens and no GPT-OSS model is served in CI."""
 from __future__ import annotations
 
 import json
+from typing import NamedTuple
 
 import pytest
 
 from atom_core.loader.model_dir import DEMO_MODEL_DIR
+from tests.server.conftest import start_server
 
 INT = {"type": "integer", "minimum": 0, "maximum": 999}
 TOOLS = [
@@ -21,25 +27,75 @@ TOOLS = [
 KEYS = {"add": {"a", "b"}, "negate": {"x"}}
 MESSAGES = [{"role": "user", "content": "123 + 456"}]
 
+ADD_ARGS = r'\{"a": 1[0-9], "b": 2\}'
+
+
+class Format(NamedTuple):
+    flags: tuple[str, ...]  # beyond --tool-call-parser NAME --enable-auto-tool-choice
+    regex: str  # an output in the format, as a model trained on it writes it
+    reasoning: str | None  # what the reasoning parser takes out of it
+    content: str | None
+    names: list[str]  # the calls, in order
+
+
+FORMATS = {
+    "hermes": Format(("--reasoning-parser", "qwen3"),
+                     r'Sure\.\n<tool_call>\n\{"name": "add", "arguments": ' + ADD_ARGS + r'\}\n</tool_call>',
+                     None, "Sure.\n", ["add"]),
+    "llama3_json": Format((), r'<\|python_tag\|>\{"name": "add", "parameters": ' + ADD_ARGS
+                          + r'\}; \{"name": "negate", "parameters": \{"x": [0-9]\}\}', None, None, ["add", "negate"]),
+    "deepseek_v3": Format(("--reasoning-parser", "deepseek_r1"),
+                          r"<think>Adding\.</think>Sure\.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>add"
+                          r"\n```json\n" + ADD_ARGS + r"\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+                          "Adding.", "Sure.", ["add"]),
+    "openai": Format(("--reasoning-parser", "gpt_oss"),
+                     r"<\|channel\|>analysis<\|message\|>Adding\.<\|end\|><\|start\|>assistant<\|channel\|>commentary "
+                     r"to=functions\.add <\|constrain\|>json<\|message\|>" + ADD_ARGS + r"<\|call\|>",
+                     "Adding.", None, ["add"]),
+}
+
 
 @pytest.fixture
 def server(demo_tools_server):
     return demo_tools_server
 
 
-def _create(server, stream: bool, **kw):
-    """(message-like dict, finish_reason), streamed chunks merged as the SDK's helpers do."""
+@pytest.fixture(scope="module", params=list(FORMATS))
+def format_server(request, tmp_path_factory):
+    """(parser name, server). Tests are grouped by parser, so one extra server runs at a time;
+    hermes is the session's shared demo server."""
+    name = request.param
+    if name == "hermes":
+        yield name, request.getfixturevalue("demo_tools_server")
+        return
+    srv = start_server(DEMO_MODEL_DIR, tmp_path_factory.mktemp(f"tools_{name}"), "--tool-call-parser", name,
+                       "--enable-auto-tool-choice", *FORMATS[name].flags)
+    yield name, srv
+    srv.stop()
+
+
+class Reply(NamedTuple):
+    reasoning: str | None
+    content: str | None
+    calls: list[tuple[str, str, str]]  # (id, name, arguments)
+    finish_reason: str | None
+
+
+def _create(server, stream: bool, **kw) -> Reply:
+    """The choice's message; streamed chunks merged as the SDK's helpers do."""
     client = server.openai()
     kw = dict(model=server.model_name, messages=MESSAGES, tools=TOOLS, temperature=0, max_tokens=80) | kw
     if not stream:
         choice = client.chat.completions.create(**kw).choices[0]
         calls = [(c.id, c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
-        return choice.message.content, calls, choice.finish_reason
-    content, calls, finish = "", {}, None
+        return Reply(getattr(choice.message, "reasoning_content", None), choice.message.content, calls,
+                     choice.finish_reason)
+    reasoning, content, calls, finish = "", "", {}, None
     for chunk in client.chat.completions.create(**kw, stream=True):
         if not chunk.choices:
             continue
         delta = chunk.choices[0].delta
+        reasoning += getattr(delta, "reasoning_content", None) or ""
         content += delta.content or ""
         for c in delta.tool_calls or []:
             slot = calls.setdefault(c.index, ["", "", ""])
@@ -47,51 +103,56 @@ def _create(server, stream: bool, **kw):
             slot[1] += (c.function.name or "") if c.function else ""
             slot[2] += (c.function.arguments or "") if c.function else ""
         finish = chunk.choices[0].finish_reason or finish
-    return content or None, [tuple(v) for _, v in sorted(calls.items())], finish
+    return Reply(reasoning or None, content or None, [tuple(v) for _, v in sorted(calls.items())], finish)
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_required_forces_a_call(server, stream):
-    # One call: the demo model, never trained on tools, would otherwise keep adding calls to max_tokens.
-    content, calls, finish = _create(server, stream, tool_choice="required", parallel_tool_calls=False)
-    assert len(calls) == 1 and finish == "tool_calls" and not content
-    for call_id, name, arguments in calls:
-        assert call_id.startswith("call_") and name in KEYS
-        args = json.loads(arguments)
-        assert set(args) == KEYS[name] and all(type(v) is int for v in args.values())
+class TestEachFormat:
+    @pytest.mark.parametrize("stream", [False, True])
+    def test_required_forces_a_call(self, format_server, stream):
+        _, srv = format_server
+        # One call: the demo model, never trained on tools, would otherwise keep adding calls to max_tokens.
+        reply = _create(srv, stream, tool_choice="required", parallel_tool_calls=False)
+        assert len(reply.calls) == 1 and reply.finish_reason == "tool_calls" and not reply.content, reply
+        for call_id, name, arguments in reply.calls:
+            assert call_id.startswith("call_") and name in KEYS
+            args = json.loads(arguments)
+            assert set(args) == KEYS[name] and all(type(v) is int for v in args.values())
 
+    @pytest.mark.parametrize("stream", [False, True])
+    def test_named_function_is_called_with_its_schema(self, format_server, stream):
+        _, srv = format_server
+        reply = _create(srv, stream, tool_choice={"type": "function", "function": {"name": "negate"}})
+        assert len(reply.calls) == 1 and reply.calls[0][1] == "negate" and reply.finish_reason == "stop", reply
+        assert set(json.loads(reply.calls[0][2])) == {"x"} and not reply.content
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_named_function_is_called_with_its_schema(server, stream):
-    content, calls, finish = _create(server, stream, tool_choice={"type": "function", "function": {"name": "negate"}})
-    assert len(calls) == 1 and calls[0][1] == "negate" and finish == "stop"
-    assert set(json.loads(calls[0][2])) == {"x"}
-
-
-def test_auto_parses_the_models_hermes_output(server):
-    """Streamed (the harder path; the non-streamed parse of the same text is in test_tools_parsers)."""
-    regex = r'Sure\.\n<tool_call>\n\{"name": "add", "arguments": \{"a": 1[0-9], "b": 2\}\}\n</tool_call>'
-    content, calls, finish = _create(server, True, tool_choice="auto", extra_body={"guided_regex": regex})
-    assert content == "Sure.\n" and finish == "tool_calls"
-    assert [(n, set(json.loads(a))) for _, n, a in calls] == [("add", {"a", "b"})]
+    @pytest.mark.parametrize("stream", [False, True])
+    def test_auto_parses_the_models_output_in_the_servers_format(self, format_server, stream):
+        name, srv = format_server
+        fmt = FORMATS[name]
+        # The demo tokenizer spells each marker in several tokens: up to ~160 here.
+        reply = _create(srv, stream, tool_choice="auto", max_tokens=300, extra_body={"guided_regex": fmt.regex})
+        assert (reply.reasoning, reply.content, reply.finish_reason) == (fmt.reasoning, fmt.content, "tool_calls"), reply
+        assert [n for _, n, _ in reply.calls] == fmt.names
+        for call_id, call_name, arguments in reply.calls:
+            assert call_id.startswith("call_") and set(json.loads(arguments)) == KEYS[call_name]
+        assert len({call_id for call_id, _, _ in reply.calls}) == len(reply.calls)
 
 
 def test_auto_without_a_call_is_plain_content(server):
-    content, calls, finish = _create(server, False, max_tokens=8)  # tool_choice defaults to auto with tools
-    assert content and not calls and finish in ("stop", "length")
+    reply = _create(server, False, max_tokens=8)  # tool_choice defaults to auto with tools
+    assert reply.content and not reply.calls and reply.finish_reason in ("stop", "length")
 
 
 def test_none_ignores_tools(server):
-    content, calls, _ = _create(server, False, tool_choice="none", max_tokens=8)
-    assert content and not calls
+    reply = _create(server, False, tool_choice="none", max_tokens=8)
+    assert reply.content and not reply.calls
 
 
 def test_tool_results_go_back_to_the_template(server):
     messages = [*MESSAGES, {"role": "assistant", "content": "", "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 123, "b": 456}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "579"}]
-    content, _, _ = _create(server, False, messages=messages, tool_choice="none", max_tokens=8)
-    assert content is not None
+    assert _create(server, False, messages=messages, tool_choice="none", max_tokens=8).content is not None
 
 
 @pytest.mark.parametrize("body,param,match", [
