@@ -194,9 +194,12 @@ class ParallelConfig:
 
     tensor_parallel_size ranks hold one replica (over nnodes nodes, an equal share each);
     data_parallel_size replicas (engine cores, one node) serve behind one API process;
-    enable_expert_parallel: MoE layers give each tensor-parallel rank whole experts instead of
-    a slice of every expert. master_addr/master_port: where the ranks of a replica meet (a free
-    local port when unset on one node; required with nnodes > 1).
+    enable_expert_parallel: MoE layers give each rank whole experts instead of a slice of every
+    expert; with data_parallel_size > 1 the experts split over the replicas (`experts_span_replicas`).
+    master_addr/master_port: where the ranks of a replica meet (a free local port when unset on one
+    node; required with nnodes > 1); with experts_span_replicas, where the replicas meet.
+    data_parallel_rank: which replica this engine core is; set by the data-parallel engine on each
+    replica's config when the replicas step together (experts_span_replicas), None otherwise.
     """
 
     tensor_parallel_size: int = 1
@@ -206,15 +209,27 @@ class ParallelConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
+    data_parallel_rank: int | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             _fail(self, "tensor_parallel_size", "must be >= 1")
         if self.data_parallel_size < 1:
             _fail(self, "data_parallel_size", "must be >= 1")
-        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
-            _fail(self, "enable_expert_parallel", "splits experts over the tensor-parallel ranks; "
-                                                  "it needs tensor_parallel_size > 1")
+        if self.enable_expert_parallel and self.tensor_parallel_size == 1 and self.data_parallel_size == 1:
+            _fail(self, "enable_expert_parallel", "splits experts over the tensor-parallel ranks or the data-parallel "
+                                                  "replicas; it needs tensor_parallel_size > 1 or "
+                                                  "data_parallel_size > 1")
+        if self.experts_span_replicas and self.tensor_parallel_size > 1:
+            _fail(self, "tensor_parallel_size", f"with data_parallel_size={self.data_parallel_size} and "
+                                                "enable_expert_parallel each replica is one rank of the expert group "
+                                                "(DP attention + EP experts); tensor parallelism inside a replica is "
+                                                "not supported there: use tensor_parallel_size=1")
+        if self.data_parallel_rank is not None and not (
+                self.experts_span_replicas and 0 <= self.data_parallel_rank < self.data_parallel_size):
+            _fail(self, "data_parallel_rank", "is set by the data-parallel engine for replicas that share experts "
+                                              "(enable_expert_parallel), in [0, data_parallel_size="
+                                              f"{self.data_parallel_size})")
         if self.nnodes < 1:
             _fail(self, "nnodes", "must be >= 1")
         if not 0 <= self.node_rank < self.nnodes:
@@ -230,8 +245,16 @@ class ParallelConfig:
             _fail(self, "master_port", "must be in [1, 65535]")
 
     @property
+    def experts_span_replicas(self) -> bool:
+        """DP attention + EP experts: each replica runs attention on its own requests, its MoE layers'
+        experts split over all replicas (one expert-parallel group), and the replicas step in lock-step
+        (an idle one runs dummy forwards). The one place that decides the mode."""
+        return self.data_parallel_size > 1 and self.enable_expert_parallel
+
+    @property
     def world_size(self) -> int:
-        """Ranks of one replica (its torch.distributed world)."""
+        """Ranks of one replica (its torch.distributed world; with experts_span_replicas, the
+        replicas share one world of data_parallel_size ranks instead)."""
         return self.tensor_parallel_size
 
     @property
@@ -313,7 +336,7 @@ class ProfilerConfig:
 _PARTS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "compile": CompileConfig,
           "parallel": ParallelConfig, "speculative": SpeculativeConfig, "profiler": ProfilerConfig}
 _NULLABLE = {"max_model_len", "num_kv_blocks", "tokenizer", "torch_profiler_dir", "master_port", "method",
-             "num_speculative_tokens", "ngram_min", "ngram_max", "draft_model"}
+             "num_speculative_tokens", "ngram_min", "ngram_max", "draft_model", "data_parallel_rank"}
 
 
 @dataclass(frozen=True)
@@ -332,6 +355,13 @@ class EngineConfig:
         sched, max_len = self.scheduler, self.model.max_model_len
         if not sched.enable_chunked_prefill and max_len is not None and sched.max_num_batched_tokens < max_len:
             _fail(sched, "max_num_batched_tokens", "must be >= max_model_len without chunked prefill")
+        if self.parallel.experts_span_replicas:  # the replicas' MoE collectives need one forward per step each
+            why = ("data-parallel replicas sharing experts (enable_expert_parallel) run one forward per step in "
+                   "lock-step; {} changes the number of forwards per step")
+            if sched.num_scheduler_steps > 1:
+                _fail(sched, "num_scheduler_steps", why.format("a multi-step window") + ": use num_scheduler_steps=1")
+            if self.speculative.method is not None:
+                _fail(self.speculative, "method", why.format("speculative decoding"))
 
     @property
     def torch_device(self) -> torch.device:
@@ -339,7 +369,9 @@ class EngineConfig:
 
     @property
     def use_cuda_graphs(self) -> bool:
-        return self.compile.use_cuda_graphs(self.torch_device)
+        # Replicas sharing experts run eagerly: their decode graphs would have to replay at one
+        # padded size agreed every step (the MoE all-gather's shape); not built.
+        return self.compile.use_cuda_graphs(self.torch_device) and not self.parallel.experts_span_replicas
 
     @property
     def use_compile(self) -> bool:

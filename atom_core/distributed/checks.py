@@ -38,7 +38,8 @@ def check_parallel(par: ParallelConfig, model: ResolvedModel) -> None:
                              "try enable_expert_parallel")
     if model.device.type == "cuda":
         first = model.device.index or 0  # a data-parallel replica starts past the ones before it
-        needed = first + par.ranks_per_node * par.data_parallel_size
+        replicas_from_here = par.data_parallel_size - (par.data_parallel_rank or 0)
+        needed = first + par.ranks_per_node * replicas_from_here
         have = torch.cuda.device_count()
         if needed > have:
             raise ValueError(f"tensor_parallel_size={tp} x data_parallel_size={par.data_parallel_size} over "

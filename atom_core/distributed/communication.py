@@ -10,6 +10,8 @@ is already split (the LM head, the MoE op), eagerly.
 from __future__ import annotations
 
 import pickle
+from collections.abc import Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -79,6 +81,61 @@ def all_to_all(x: torch.Tensor, group: GroupCoordinator | None = None) -> torch.
     out = torch.empty_like(x)
     dist.all_to_all_single(out, x.contiguous(), group=group.device_group)
     return out
+
+
+# ---- data-parallel replicas sharing experts (DP attention + EP experts) ----------------------
+# Each replica brings its own tokens to a MoE layer. Dispatch: every rank gathers every replica's
+# rows, each replica's padded to the largest count, so the collective has one static size per
+# forward; each rank runs its own experts on all of them (others' experts weigh zero). Combine:
+# a reduce-scatter sums the ranks' partial outputs and hands each replica its own rows back.
+# An all-to-all that sends a token only to the ranks owning its top-k experts moves less data only
+# when the top-k experts of most tokens sit on few ranks; over 2 ranks with top-8 of 128 experts,
+# almost every token needs both (all 8 on one rank: ~2 * 0.5**8 < 1%), so the volumes match and the
+# all-gather needs no per-peer counts (a device-to-host sync, or a second exchange, per layer).
+_AGREED_COUNTS: list[tuple[int, ...] | None] = [None]
+
+
+@contextmanager
+def agreed_token_counts(counts: Sequence[int]):
+    """Within: how many tokens each replica's forward holds (replica order), as the engine cores
+    agreed before the step (engine/lockstep.py), so MoE layers need not ask each other."""
+    previous, _AGREED_COUNTS[0] = _AGREED_COUNTS[0], tuple(int(c) for c in counts)
+    try:
+        yield
+    finally:
+        _AGREED_COUNTS[0] = previous
+
+
+def replica_token_counts(num_tokens: int, group: GroupCoordinator) -> tuple[int, ...]:
+    """Each rank's token count in the forward running now: the agreed counts, or (in a forward
+    nobody agreed on: memory profiling, tests) the ranks' own counts gathered over the host group."""
+    counts = _AGREED_COUNTS[0]
+    if counts is None:
+        gathered = [torch.empty(1, dtype=torch.int64) for _ in range(group.world_size)]
+        dist.all_gather(gathered, torch.tensor([num_tokens], dtype=torch.int64), group=group.cpu_group)
+        counts = tuple(int(t) for t in gathered)
+    assert len(counts) == group.world_size and counts[group.rank_in_group] == num_tokens, (
+        f"rank {group.rank_in_group} runs {num_tokens} tokens; the replicas agreed on {counts}")
+    return counts
+
+
+def dispatch_tokens(x: torch.Tensor, counts: Sequence[int], group: GroupCoordinator) -> torch.Tensor:
+    """x [counts[rank], ...] -> every rank's rows [W * max(counts), ...]: rank r's at r * max(counts),
+    zero rows after them up to the next rank's."""
+    if group.world_size == 1:
+        return x
+    pad = max(counts) - x.shape[0]
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
+    return all_gather(x, dim=0, group=group)
+
+
+def combine_tokens(y: torch.Tensor, counts: Sequence[int], group: GroupCoordinator) -> torch.Tensor:
+    """y [W * max(counts), ...], this rank's partial results for every rank's rows (as dispatched)
+    -> the sum over the ranks of this rank's own rows [counts[rank], ...]."""
+    if group.world_size == 1:
+        return y
+    return reduce_scatter(y, dim=0, group=group)[: counts[group.rank_in_group]]
 
 
 def all_reduce_min_host(value: int, group: GroupCoordinator | None = None) -> int:

@@ -5,7 +5,9 @@ nodes). Each parallel dimension gets a `GroupCoordinator` holding two groups ove
 ranks: `device_group` for tensors the model exchanges (NCCL on GPUs, gloo on the CPU) and
 `cpu_group` (always gloo) for host-side messages: the step broadcast, KV-size agreement.
 Expert parallelism runs over the tensor-parallel ranks (`get_ep_group()` is that group).
-Data-parallel replicas are separate worlds: they share no group (engine cores behind one API).
+Data-parallel replicas are separate worlds: they share no group (engine cores behind one API),
+except when their MoE layers share experts (DP attention + EP experts, `init_replica_experts`):
+then the replicas form one world, each replica one rank, whose group is the expert group.
 
 Before `init_distributed` (and in every single-rank engine) the groups are the trivial one:
 world size 1, rank 0, no process group, so every collective is an identity.
@@ -61,8 +63,14 @@ def get_tp_group() -> GroupCoordinator:
 
 
 def get_ep_group() -> GroupCoordinator:
-    """Experts are split over the tensor-parallel ranks (each has every token already)."""
-    return _GROUPS["tp"]
+    """The ranks experts are split over: the tensor-parallel ranks (each has every token already),
+    or the data-parallel replicas after `init_replica_experts` (each has its own tokens)."""
+    return _GROUPS.get("ep", _GROUPS["tp"])
+
+
+def experts_span_replicas() -> bool:
+    """True after `init_replica_experts`: MoE layers must move tokens between the replicas."""
+    return "ep" in _GROUPS
 
 
 def get_group(name: str) -> GroupCoordinator:
@@ -77,14 +85,9 @@ def get_tp_rank() -> int:
     return get_tp_group().rank_in_group
 
 
-def init_distributed(rank: int, world_size: int, init_method: str, device: torch.device,
-                     timeout_s: float = 600.0) -> GroupCoordinator:
-    """Join the replica's world (`init_method` e.g. tcp://host:port) and build its groups.
-
-    Every rank of the world calls this with the same world_size; all ranks form one
-    tensor-parallel group. NCCL when the device is a GPU (which must be set current first),
-    gloo on the CPU; the host-side group is gloo either way.
-    """
+def _join_world(name: str, rank: int, world_size: int, init_method: str, device: torch.device,
+                timeout_s: float) -> GroupCoordinator:
+    """Join a world of `world_size` ranks; returns its coordinator, called `name`."""
     assert not dist.is_initialized(), "torch.distributed is already initialized in this process"
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
@@ -98,15 +101,37 @@ def init_distributed(rank: int, world_size: int, init_method: str, device: torch
     ranks = tuple(range(world_size))
     # The default group already is the device group; the host side gets its own gloo group.
     cpu_group = dist.new_group(list(ranks), backend="gloo") if backend != "gloo" else dist.new_group(list(ranks))
-    tp = GroupCoordinator("tp", ranks, rank, dist.group.WORLD, cpu_group)
-    _GROUPS["tp"] = tp
     logger.info("rank %d of %d joined %s over %s", rank, world_size, init_method, backend)
-    return tp
+    return GroupCoordinator(name, ranks, rank, dist.group.WORLD, cpu_group)
+
+
+def init_distributed(rank: int, world_size: int, init_method: str, device: torch.device,
+                     timeout_s: float = 600.0) -> GroupCoordinator:
+    """Join the replica's world (`init_method` e.g. tcp://host:port) and build its groups.
+
+    Every rank of the world calls this with the same world_size; all ranks form one
+    tensor-parallel group. NCCL when the device is a GPU (which must be set current first),
+    gloo on the CPU; the host-side group is gloo either way.
+    """
+    _GROUPS["tp"] = _join_world("tp", rank, world_size, init_method, device, timeout_s)
+    return _GROUPS["tp"]
+
+
+def init_replica_experts(replica: int, num_replicas: int, init_method: str, device: torch.device,
+                         timeout_s: float = 600.0) -> GroupCoordinator:
+    """Join the world of data-parallel replicas whose MoE layers share experts (one rank per
+    replica, no tensor parallelism inside): the tensor-parallel group stays trivial, the expert
+    group is every replica, and MoE layers built from now on hold whole experts. Its cpu_group
+    carries the replicas' per-step agreement (engine/lockstep.py)."""
+    _GROUPS["ep"] = _join_world("ep", replica, num_replicas, init_method, device, timeout_s)
+    _EXPERT_PARALLEL[0] = True
+    return _GROUPS["ep"]
 
 
 def destroy_distributed() -> None:
     """Leave the world (a no-op when never joined); the groups go back to the trivial one."""
     _GROUPS["tp"] = _SINGLE
+    _GROUPS.pop("ep", None)
     _EXPERT_PARALLEL[0] = False
     if dist.is_initialized():
         dist.destroy_process_group()

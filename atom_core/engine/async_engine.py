@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 _POLL_S = 0.2  # how often the reader notices a dead core, and the idle core a dead parent
 _STARTUP_TIMEOUT_S = 600.0
 _STATS_PERIOD_S = 0.1  # how often a busy core pushes its gauges to the API process
+_LOCKSTEP_IDLE_S = 0.02  # replicas sharing experts: how long an idle one waits between agreements
 
 
 class EngineDeadError(RuntimeError):
@@ -145,16 +146,18 @@ def run_core(config: EngineConfig, in_q: mp.Queue, out_q: mp.Queue) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from atom_core.engine.core import EngineCore
+    from atom_core.engine.lockstep import LockstepEngineCore
 
+    lockstep = config.parallel.experts_span_replicas
     try:
-        core = EngineCore(config)
+        core = LockstepEngineCore(config) if lockstep else EngineCore(config)
     except Exception as e:  # noqa: BLE001 - the process boundary: report, the parent raises it
         out_q.put(StartupError(f"{type(e).__name__}: {e}"))
         return
     info = CoreInfo(core.max_model_len, core.vocab_size, core.kv.num_blocks, frozenset(core.files.eos_token_ids))
     out_q.put(Ready(info))
     try:
-        _core_loop(core, in_q, out_q)
+        (_lockstep_core_loop if lockstep else _core_loop)(core, in_q, out_q)
     except Exception:  # noqa: BLE001 - a failed step ends the core; the API process must know why
         out_q.put(Fatal(traceback.format_exc()))
         raise
@@ -180,6 +183,42 @@ def _core_loop(core, in_q: mp.Queue, out_q: mp.Queue) -> None:
         if counts != last_counts or now - last_push >= _STATS_PERIOD_S or not core.has_unfinished():
             out_q.put(StatsUpdate(stats))  # after the step's outputs: a client never sees stale counts
             last_push, last_counts = now, counts
+
+
+def _lockstep_core_loop(core, in_q: mp.Queue, out_q: mp.Queue) -> None:
+    """The loop of a replica that shares experts with others (engine/lockstep.py): every round it
+    takes its commands and calls core.step(), which agrees with the other replicas and runs a
+    forward (its own or a dummy one) while any of them has work. While none has, it waits for a
+    command at most _LOCKSTEP_IDLE_S before the next (empty) agreement, so a replica that gets a
+    request finds the others within that time. Shutdown is agreed too: the replicas leave together."""
+    parent = mp.parent_process()
+    out_q.put(StatsUpdate(core.stats()))
+    last_push, last_counts = 0.0, None
+    while not core.stopped:
+        idle = core.all_idle and not core.has_unfinished()
+        for cmd in _poll(in_q, _LOCKSTEP_IDLE_S if idle else 0.0, parent):
+            if isinstance(cmd, Shutdown):
+                core.request_stop()
+            else:
+                _handle(core, cmd, out_q)
+        outputs = core.step()
+        if outputs:
+            out_q.put(Outputs(outputs))
+        stats, now = core.stats(), time.monotonic()
+        counts = (stats.num_running, stats.num_waiting)
+        if counts != last_counts or (core.has_unfinished() and now - last_push >= _STATS_PERIOD_S):
+            out_q.put(StatsUpdate(stats))
+            last_push, last_counts = now, counts
+
+
+def _poll(in_q: mp.Queue, wait_s: float, parent) -> list:
+    """The queued commands, waiting up to wait_s for a first one (Shutdown if the parent died)."""
+    if wait_s:
+        try:
+            return [in_q.get(timeout=wait_s), *_drain(in_q, block=False, parent=parent)]
+        except queue.Empty:
+            return [Shutdown()] if parent is not None and not parent.is_alive() else []
+    return _drain(in_q, block=False, parent=parent)
 
 
 def _drain(in_q: mp.Queue, block: bool, parent) -> list:
@@ -293,15 +332,20 @@ class AsyncEngine:
         The reader keeps draining out_q until the core is gone: a core exits only after its
         queue's feeder thread has flushed, which needs a reader on the other end.
         """
-        self._stopping = True
+        self.request_shutdown()
         if self._proc is not None and self._proc.is_alive():
-            self._in_q.put(Shutdown())
             self._proc.join(timeout)
             if self._proc.is_alive():
                 self._proc.kill()
                 self._proc.join(timeout)
         if self._reader is not None:
             self._reader.join(timeout)
+
+    def request_shutdown(self) -> None:
+        """Ask the core to stop without waiting (its exit is expected from now on); idempotent."""
+        if not self._stopping and self._proc is not None and self._proc.is_alive():
+            self._in_q.put(Shutdown())
+        self._stopping = True
 
     @property
     def pid(self) -> int | None:

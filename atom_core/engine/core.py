@@ -65,9 +65,11 @@ class EngineCore:
     """Scheduler + KV manager + executor. Contract: single-threaded; `step()` advances every
     running request by one step (or one decode window) and returns their new tokens."""
 
+    steps_with_replicas = False  # engine/lockstep.py: replicas that share experts
+
     def __init__(self, config: EngineConfig):
         start = time.perf_counter()
-        if config.parallel.data_parallel_size > 1:
+        if config.parallel.data_parallel_size > 1 and not self.steps_with_replicas:
             raise ValueError(f"data_parallel_size={config.parallel.data_parallel_size}: one engine core is one replica; "
                              "data-parallel replicas run behind `atomctl serve` (LLMEngine runs one)")
         self.config = config
@@ -168,8 +170,9 @@ class EngineCore:
     def _launch_next(self, previous):
         """previous: the (SchedulerOutput, handle) still in flight, whose samples may feed this step."""
         out = self.scheduler.schedule()
-        if not out.req_ids:
-            return None
+        return self._launch(out, previous) if out.req_ids else None
+
+    def _launch(self, out: SchedulerOutput, previous):
         if self.grammars:
             self._add_grammar_bitmask(out)
         previous_handle = previous[1] if previous is not None else None

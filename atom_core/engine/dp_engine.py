@@ -3,6 +3,8 @@ API process, with a least-outstanding-requests balancer.
 
 Each replica is a whole engine (its own core process, KV cache and, with tensor parallelism,
 its own workers and process groups on its own GPUs: replica i uses GPUs i*tp .. i*tp+tp-1).
+With enable_expert_parallel on a MoE model the replicas share one expert-parallel group instead
+and step in lock-step (engine/lockstep.py): DP attention + EP experts.
 `DataParallelEngine` offers the AsyncEngine interface the server uses; a request goes to the
 healthy replica with the fewest unfinished requests and stays there (aborts follow it).
 
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Callable
 
 from atom_core.config import EngineConfig
@@ -22,14 +24,21 @@ from atom_core.engine.async_engine import AsyncEngine, CoreInfo, EngineDeadError
 
 
 def replica_config(config: EngineConfig, index: int) -> EngineConfig:
-    """Replica `index`'s config: one replica, its own GPUs and meeting port."""
+    """Replica `index`'s config: its own GPUs; independent replicas are one replica each, with
+    their own meeting port; replicas that share experts keep the data-parallel size, learn their
+    rank and meet at the one port (config.master_port, which must be set)."""
     par = config.parallel
-    options: dict = {"data_parallel_size": 1}
+    options: dict = {}
     model = config.model
     if model.torch_device.type == "cuda":
         options["device"] = f"cuda:{(model.torch_device.index or 0) + index * par.tensor_parallel_size}"
-    if par.master_port is not None:
-        options["master_port"] = par.master_port + index
+    if par.experts_span_replicas:
+        assert par.master_port is not None, "replicas sharing experts meet at one port; choose it first"
+        options["data_parallel_rank"] = index
+    else:
+        options["data_parallel_size"] = 1
+        if par.master_port is not None:
+            options["master_port"] = par.master_port + index
     return config.replace(**options)
 
 
@@ -38,6 +47,10 @@ class DataParallelEngine:
     `config.parallel.data_parallel_size` replicas; every method runs on the event loop."""
 
     def __init__(self, config: EngineConfig):
+        if config.parallel.experts_span_replicas and config.parallel.master_port is None:
+            from atom_core.worker.multiproc_executor import free_port
+
+            config = config.replace(master_port=free_port())
         self.config = config
         self.replicas = [AsyncEngine(replica_config(config, i)) for i in range(config.parallel.data_parallel_size)]
         self.num_routed = [0] * len(self.replicas)  # requests sent to each replica so far
@@ -51,7 +64,8 @@ class DataParallelEngine:
 
     # ---- lifecycle --------------------------------------------------------------------
     def start(self, **kwargs) -> CoreInfo:
-        """Start every replica at once; all must come up (else the started ones are stopped)."""
+        """Start every replica at once; all must come up. At the first failure the others are
+        stopped (replicas that share experts would otherwise wait for the failed one)."""
         from atom_core.loader import resolve_model_files
 
         # Once here first: transformers' lazy imports are not thread-safe (a racing thread got
@@ -59,10 +73,12 @@ class DataParallelEngine:
         resolve_model_files(self.config.model.model, self.config.model.tokenizer).serving_tokenizer()
         with ThreadPoolExecutor(len(self.replicas)) as pool:
             futures = [pool.submit(r.start, **kwargs) for r in self.replicas]
-            errors = [f.exception() for f in futures]
-        if any(errors):
-            self.shutdown()
-            raise next(e for e in errors if e is not None)
+            wait(futures, return_when=FIRST_EXCEPTION)
+            failed = next((f.exception() for f in futures if f.done() and f.exception() is not None), None)
+            if failed is not None:
+                self.shutdown()  # the replicas still starting see their core exit, and return
+        if failed is not None:
+            raise failed
         first = self.replicas[0]
         self.tokenizer, self.processor = first.tokenizer, first.processor
         self.info = dataclasses.replace(first.info, num_kv_blocks=sum(r.info.num_kv_blocks for r in self.replicas))
@@ -73,6 +89,8 @@ class DataParallelEngine:
             replica.attach(loop)
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        for replica in self.replicas:  # all at once: replicas that share experts stop together
+            replica.request_shutdown()
         for replica in self.replicas:
             replica.shutdown(timeout)
 

@@ -15,7 +15,8 @@ from typing import Literal, Optional
 import torch
 from torch import nn
 
-from atom_core.distributed import all_reduce, expert_parallel_enabled, get_ep_group
+from atom_core.distributed import (all_reduce, combine_tokens, dispatch_tokens, expert_parallel_enabled,
+                                   experts_span_replicas, get_ep_group, replica_token_counts)
 from atom_core.kernels import kernel_ops
 from atom_core.kernels.moe_ref import check_activation
 from atom_core.model_ops.linear import ReplicatedLinear, copy_weight
@@ -135,9 +136,10 @@ class FusedMoE(nn.Module):
     def _split_over_ranks(self, num_experts: int, intermediate_size: int, prefix: str) -> None:
         """Tensor parallel: every expert, a 1/tp slice of its intermediate dim. Expert parallel
         (enable_expert_parallel): num_experts/tp whole experts, [expert_start, + num_local_experts)."""
-        group = get_ep_group()
+        group = self.ep_group = get_ep_group()
         self.num_experts, self.tp_size, self.tp_rank = num_experts, group.world_size, group.rank_in_group
         self.use_ep = self.tp_size > 1 and expert_parallel_enabled()
+        self.spans_replicas = self.use_ep and experts_span_replicas()  # tokens differ by rank: dispatch them
         self.num_local_experts, self.expert_start, self.intermediate_size = num_experts, 0, intermediate_size
         if self.use_ep:
             if num_experts % self.tp_size:
@@ -232,6 +234,10 @@ class FusedMoE(nn.Module):
 
     def route_and_run(self, hidden: torch.Tensor, router_logits: torch.Tensor,
                       correction_bias: torch.Tensor | None) -> torch.Tensor:
+        if self.spans_replicas:  # DP attention + EP: every replica's tokens meet this rank's experts
+            counts = replica_token_counts(hidden.shape[0], self.ep_group)
+            hidden = dispatch_tokens(hidden, counts, self.ep_group)
+            router_logits = dispatch_tokens(router_logits, counts, self.ep_group)
         r = self.routing
         weights, ids = self.ops.moe_route(router_logits, r.top_k, scoring=r.scoring, renormalize=r.renormalize,
                                           correction_bias=correction_bias, num_expert_group=r.num_expert_group,
@@ -245,6 +251,8 @@ class FusedMoE(nn.Module):
             ids = torch.where(owned, local, 0).to(ids.dtype)
         out = self.quant_method.apply(self, hidden, weights, ids, activation=self.activation,
                                       swiglu_limit=self.swiglu_limit)
+        if self.spans_replicas:
+            return combine_tokens(out, counts, self.ep_group)  # the sum over ranks, this replica's rows
         return all_reduce(out) if self.tp_size > 1 else out  # partial sums: a slice of each expert, or some experts
 
 

@@ -21,7 +21,7 @@ from atom_core.config import EngineConfig, ResolvedModel
 from atom_core.distributed.communication import all_reduce_min_host
 from atom_core.kernels import kernel_ops
 from atom_core.loader import build_model
-from atom_core.model_ops.forward_context import set_attention_metadata
+from atom_core.model_ops.forward_context import AttentionMetadata, set_attention_metadata
 from atom_core.model_ops.kv_spec import (allocate_kv_cache, attention_layers, check_attention_supported,
                                          kv_bytes_per_block, release_kv_cache, warm_up_attention)
 from atom_core.model_ops.sampler import Sampler
@@ -407,6 +407,20 @@ class ModelRunner:
         if self.proposer is not None:
             self._propose(result, pending)
         return result
+
+    @torch.inference_mode()
+    def run_dummy_forward(self) -> None:
+        """One padding token through the model, its KV written nowhere (slot -1) and its output
+        dropped: an idle data-parallel replica joins the MoE collectives of a step the other
+        replicas run (engine/lockstep.py)."""
+        one = torch.ones(1, dtype=torch.int32, device=self.device)
+        attn = AttentionMetadata(query_start_loc=torch.arange(2, dtype=torch.int32, device=self.device),
+                                 seq_lens=one, block_tables=torch.zeros(1, 1, dtype=torch.int32, device=self.device),
+                                 slot_mapping=torch.full((1,), -1, dtype=torch.int64, device=self.device),
+                                 max_query_len=1, max_seq_len=1, seq_order=torch.zeros_like(one))
+        token = torch.zeros(1, dtype=torch.int64, device=self.device)
+        with set_attention_metadata(attn):
+            self.model(token, token)  # token 0 at position 0
 
     def graph_batch_size(self, out: SchedulerOutput) -> int | None:
         """The captured size a decode batch would replay with, or None when it runs eagerly."""

@@ -1,0 +1,97 @@
+"""Data-parallel replicas whose MoE layers share experts (DP attention + EP experts) step together.
+
+Each replica is one engine core with its own scheduler, KV cache and requests, running attention
+on its own tokens; its MoE layers hold 1/N of the experts, and every layer's tokens travel between
+the replicas (distributed/communication.py: dispatch_tokens / combine_tokens). Those collectives
+meet only if every replica runs the same forwards, so each step starts with an agreement (one
+host all-gather over the replicas' gloo group): each replica's token count, and whether one is
+stopping. Then, if any replica has tokens, every replica runs exactly one forward: its own batch,
+or a dummy forward of one padding token (KV slot -1: stored nowhere) when it has none; the MoE
+layers read the agreed counts to size their all-gather. If none has tokens no forward runs, and
+the core loop (engine/async_engine.py: _lockstep_core_loop) waits briefly for requests before the
+next agreement.
+
+One rank per replica: no tensor parallelism inside, no multi-step windows or speculative
+decoding (they change the number of forwards per step), no CUDA graphs (config.py refuses or
+turns them off).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from atom_core.config import EngineConfig
+from atom_core.distributed import agreed_token_counts, destroy_distributed, init_replica_experts
+from atom_core.engine.core import EngineCore
+
+logger = logging.getLogger(__name__)
+
+
+class LockstepEngineCore(EngineCore):
+    """Contract: as EngineCore, plus: every replica calls step() the same number of times (the
+    lock-step loop calls it every round, busy or idle), each call being one agreement with the
+    others and at most one forward. `request_stop()` on any replica makes `stopped` True on all of
+    them at the same step; after that no step may run. `all_idle`: no replica had tokens at the
+    last agreement."""
+
+    steps_with_replicas = True
+
+    def __init__(self, config: EngineConfig):
+        par = config.parallel
+        assert par.experts_span_replicas and par.data_parallel_rank is not None and par.master_port is not None, (
+            "a lock-step replica needs its rank and the replicas' meeting port (DataParallelEngine sets them)")
+        self.stop_requested = False
+        self.stopped = False
+        self.all_idle = True
+        self.group = None
+        super().__init__(config)
+
+    def _make_executor(self):
+        """Join the replicas' world first: MoE layers take their experts from its group when built."""
+        from atom_core.distributed.checks import check_parallel
+
+        par = self.config.parallel
+        check_parallel(par, self.model)
+        self.group = init_replica_experts(par.data_parallel_rank, par.data_parallel_size,
+                                          f"tcp://{par.master_addr}:{par.master_port}", self.model.device)
+        if par.data_parallel_rank == 0:
+            logger.info("data parallel attention over %d replicas, experts split over them (expert parallel); "
+                        "lock-step with dummy forwards when idle; decode runs eagerly (no CUDA graphs)",
+                        par.data_parallel_size)
+        try:
+            return super()._make_executor()
+        except BaseException:
+            destroy_distributed()
+            raise
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        destroy_distributed()
+
+    def request_stop(self) -> None:
+        """Stop at the next agreement, together with the other replicas."""
+        self.stop_requested = True
+
+    def _launch_next(self, previous):
+        out = self.scheduler.schedule()
+        counts = self._agree(out.total_tokens)
+        if self.stopped or self.all_idle:
+            return None
+        counts = [c or 1 for c in counts]  # a replica without tokens brings one padding token
+        with agreed_token_counts(counts):
+            if not out.req_ids:
+                self.executor.runner.run_dummy_forward()
+                return None
+            return self._launch(out, previous)
+
+    def _agree(self, num_tokens: int) -> list[int]:
+        """Every replica's token count for this step (replica order); sets `stopped` and `all_idle`."""
+        mine = torch.tensor([num_tokens, int(self.stop_requested)], dtype=torch.int64)
+        gathered = [torch.empty(2, dtype=torch.int64) for _ in range(self.group.world_size)]
+        dist.all_gather(gathered, mine, group=self.group.cpu_group)
+        counts = [int(g[0]) for g in gathered]
+        self.stopped = any(int(g[1]) for g in gathered)
+        self.all_idle = not any(counts)
+        return counts
