@@ -174,7 +174,7 @@ def test_cuda_mxfp4_engine_matches_hf_dequantized(mxfp4_checkpoint):
     """The Triton MXFP4 MoE kernel (fp32 activations) in the whole model, against HF's dequantized load."""
     path, prompts, ref = mxfp4_checkpoint
     engine = LLMEngine(str(path), device="cuda", dtype="float32", max_num_batched_tokens=11)
-    assert [o["token_ids"] for o in engine.generate(prompts, GREEDY)] == ref
+    assert [o["token_ids"] for o in engine.generate(prompts, GREEDY)] == _reference(path, prompts, ref)
 
 
 def test_prompt_logits_match_hf(gpt_oss):
@@ -318,6 +318,24 @@ def test_mxfp4_presets_hold_mxfp4_experts(preset, gib):
     assert round(sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30, 2) == gib
 
 
+def _hf_reads_swiglu_limit() -> bool:
+    """transformers before 5.18 hard-codes GptOssExperts' limit to 7.0 (the published value) and
+    ignores config.swiglu_limit; these tiny models use 0.6 so the clamp bites."""
+    import inspect
+
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    return "config.swiglu_limit" in inspect.getsource(modeling_gpt_oss.GptOssExperts.__init__)
+
+
+def _reference(path: Path, prompts: list, hf_ref: list) -> list:
+    """HF's greedy tokens where this transformers honours the config; else our CPU engine's, which
+    CI checks against a transformers that does (test_matches_hf_greedy)."""
+    if _hf_reads_swiglu_limit():
+        return hf_ref
+    return [o["token_ids"] for o in LLMEngine(str(path), device="cpu", dtype="float32").generate(prompts, GREEDY)]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs_compiled", "eager"])
@@ -326,5 +344,5 @@ def test_cuda_engine_matches_hf(gpt_oss, eager):
     graphs and torch.compile by default) in fp32 against HF on the CPU, with chunked prefill."""
     path, prompts, ref, _ = gpt_oss
     engine = LLMEngine(str(path), device="cuda", dtype="float32", max_num_batched_tokens=11, enforce_eager=eager)
-    assert [o["token_ids"] for o in engine.generate(prompts, GREEDY)] == ref
+    assert [o["token_ids"] for o in engine.generate(prompts, GREEDY)] == _reference(path, prompts, ref)
     assert engine.core.kv.num_free_blocks == engine.core.kv.num_blocks
