@@ -278,9 +278,9 @@ case $mode in
     g120=(--model preset:gpt-oss-120b --load-format dummy --max-model-len 4096)
     step lat-g120-bs1 200 python3 -m atomctl.main bench latency "${g120[@]}" --bs 1 --output-json "$OUT/lat_g120_bs1.json"
     step off-g120 250 python3 -m atomctl.main bench offline "${g120[@]}" --output-json "$OUT/off_g120.json" ;;
-  mxfp4)  # issue 16/17 MXFP4 experts: kernel GPU tests (bits of the inline-PTX decode vs HF, fused MoE vs the reference incl. GPT-OSS shapes), then the MoE micro-benchmark (gpt-oss-20b/120b shapes, M=1/32, vs the bytes floor and the bf16 MoE) with a tile sweep
-    step mxfp4-gpu-tests 400 python3 -m pytest -q --tb=short -m gpu tests/quant/test_mxfp4.py -p no:cacheprovider
-    step mxfp4-moe-bench 300 python3 -m atom_core.kernels.triton.mxfp4_bench --sweep ;;
+  mxfp4)  # issue 16/17 MXFP4 experts: kernel GPU tests (bits of the inline-PTX decode vs HF, fused MoE vs the reference incl. GPT-OSS shapes), then the MoE micro-benchmark (gpt-oss-20b/120b shapes, M=1/32, vs the bytes floor and the bf16 MoE) with a tile sweep (steps sum to < 600 s)
+    step mxfp4-gpu-tests 300 python3 -m pytest -q --tb=short -m gpu tests/quant/test_mxfp4.py -p no:cacheprovider
+    step mxfp4-moe-bench 240 python3 -m atom_core.kernels.triton.mxfp4_bench --sweep ;;
   *) ;;
 esac
 echo "=== summary"

@@ -51,7 +51,8 @@ def _floor_bytes(num_experts: int, hidden: int, inter: int, top_k: int, num_toke
 
 
 def _sweep_configs() -> list[MoeConfig]:
-    tiles = [GemmTile(n, k, 1, w, s) for n, k, w, s in itertools.product((16, 32, 64), (128, 256), (2, 4), (3, 4))]
+    tiles = [GemmTile(n, k, 1, 4, s) for n, k, s in itertools.product((16, 32, 64), (128, 256), (3, 4))]
+    tiles += [GemmTile(32, 128, 1, 2, 3), GemmTile(64, 128, 1, 8, 3)]
     return [MoeConfig(16, t, t) for t in tiles]
 
 
