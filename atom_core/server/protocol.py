@@ -138,7 +138,7 @@ class _SamplingRequest(_Strict):
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputsRequest | None = None
     _structured = PrivateAttr(None)

@@ -414,7 +414,7 @@ BOUNDED = {  # fields whose bounds the document must state (so the walk cannot p
     "/v1/chat/completions": {"messages", "max_tokens", "max_completion_tokens", "top_logprobs"},
 }
 SHARED_BOUNDED = {"temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "min_tokens", "n",
-                  "presence_penalty", "frequency_penalty", "repetition_penalty", "best_of"}
+                  "presence_penalty", "frequency_penalty", "repetition_penalty", "best_of", "guided_choice"}
 # Limits that depend on the model or on another field: a far value is a 400, which the field's
 # description must state (context length, vocabulary size, min_tokens <= max_tokens).
 MODEL_LIMITED = {"max_tokens", "max_completion_tokens", "min_tokens", "prompt"}
