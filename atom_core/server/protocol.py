@@ -156,13 +156,13 @@ class _SamplingRequest(_Strict):
 
     @model_validator(mode="after")
     def _check_values(self):
-        max_name, max_tokens = self._output_limit()
+        max_name, max_tokens = self.output_limit()
         # A limit below 1 is itself the error; SamplingParams reports it under its own name.
         if max_tokens is not None and max_tokens >= 1 and self.min_tokens > max_tokens:
             raise _field_error("min_tokens", f"min_tokens ({self.min_tokens}) must be <= {max_name} ({max_tokens})")
         return self
 
-    def _output_limit(self) -> tuple[str, int | None]:
+    def output_limit(self) -> tuple[str, int | None]:
         """The field that caps the output length, and its value."""
         return "max_tokens", self.max_tokens
 
@@ -222,10 +222,10 @@ class ChatCompletionRequest(_SamplingRequest):
             raise _field_error("top_logprobs", "top_logprobs needs logprobs=true")
         return self
 
-    def _output_limit(self) -> tuple[str, int | None]:
+    def output_limit(self) -> tuple[str, int | None]:
         if self.max_completion_tokens is not None:
             return "max_completion_tokens", self.max_completion_tokens
-        return super()._output_limit()
+        return super().output_limit()
 
     def to_sampling_params(self, choice: int) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None

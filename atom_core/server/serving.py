@@ -143,18 +143,20 @@ class OpenAIServing:
                 try:
                     self.engine.validate_request(ids, params)
                 except ValueError as e:
-                    raise self._invalid_request(e, prefix, ids, params) from None
+                    raise self._invalid_request(e, prefix, ids, params, req.output_limit()[0]) from None
                 subs.append(EngineRequest(index, p, f"{response_id}-{index}", text, ids, params))
         return subs
 
-    def _invalid_request(self, e: ValueError, prefix: str, ids: list[int], params: SamplingParams) -> APIError:
-        """A context overflow carries OpenAI's code, and names max_tokens when that caused it."""
+    def _invalid_request(self, e: ValueError, prefix: str, ids: list[int], params: SamplingParams,
+                         limit_param: str) -> APIError:
+        """A context overflow carries OpenAI's code, and names the output limit the client sent
+        (max_tokens or max_completion_tokens) when that caused it."""
         prompt_param = "messages" if prefix == "chatcmpl" else "prompt"
         max_len = self.engine.info.max_model_len
         if len(ids) >= max_len:
             return APIError(str(e), param=prompt_param, code="context_length_exceeded")
         if params.max_tokens is not None and len(ids) + params.max_tokens > max_len:
-            return APIError(str(e), param="max_tokens", code="context_length_exceeded")
+            return APIError(str(e), param=limit_param, code="context_length_exceeded")
         return APIError(str(e), param=prompt_param)
 
     # ---- running ----------------------------------------------------------------------

@@ -152,11 +152,13 @@ class TestLimitedServer:
         ("/v1/completions", {"prompt": "Hello " * MAX_MODEL_LEN, "max_tokens": 1}, "prompt", "context_length_exceeded",
          "max_model_len"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": MAX_MODEL_LEN},
+         "max_completion_tokens", "context_length_exceeded", "exceeds max_model_len"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": MAX_MODEL_LEN},
          "max_tokens", "context_length_exceeded", "exceeds max_model_len"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "1"}]},
          "messages", None, "'tool' message needs 'content'"),
     ], ids=["negative_token_id", "negative_token_id_nested", "max_tokens_overflow", "prompt_overflow",
-            "chat_max_completion_tokens_overflow", "tool_message_without_content"])
+            "chat_max_completion_tokens_overflow", "chat_max_tokens_overflow", "tool_message_without_content"])
     def test_clear_errors(self, limited, path, body, param, code, fragment):
         r = httpx.post(f"{limited.url}{path}", json=body, timeout=30)
         assert r.status_code == 400, r.text
