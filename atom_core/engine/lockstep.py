@@ -29,6 +29,10 @@ from atom_core.engine.core import EngineCore
 logger = logging.getLogger(__name__)
 
 
+class ReplicaLostError(RuntimeError):
+    """A replica sharing this one's experts is gone: no replica of the group can step again."""
+
+
 class LockstepEngineCore(EngineCore):
     """Contract: as EngineCore, plus: every replica calls step() the same number of times (the
     lock-step loop calls it every round, busy or idle), each call being one agreement with the
@@ -69,6 +73,16 @@ class LockstepEngineCore(EngineCore):
     def shutdown(self) -> None:
         super().shutdown()
         destroy_distributed()
+
+    def step(self):
+        try:
+            return super().step()
+        except RuntimeError as e:  # a collective failed: name the likely cause
+            if not any(word in str(e).lower() for word in ("gloo", "nccl", "connection")):
+                raise
+            raise ReplicaLostError(f"data-parallel replica {self.config.parallel.data_parallel_rank}: a collective with "
+                                   "the replicas that share its experts failed; another replica has died "
+                                   f"({str(e).splitlines()[0]})") from e
 
     def request_stop(self) -> None:
         """Stop at the next agreement, together with the other replicas."""

@@ -14,12 +14,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn, args, results) -> None:
-    from atom_core.distributed import destroy_distributed, init_distributed
+def _entry(rank: int, world_size: int, port: int, fn, args, results, replica_experts: bool) -> None:
+    from atom_core.distributed import destroy_distributed, init_distributed, init_replica_experts
 
     try:
         torch.set_num_threads(1)
-        init_distributed(rank, world_size, f"tcp://127.0.0.1:{port}", torch.device("cpu"), timeout_s=60)
+        join = init_replica_experts if replica_experts else init_distributed
+        join(rank, world_size, f"tcp://127.0.0.1:{port}", torch.device("cpu"), timeout_s=60)
         results.put((rank, True, fn(*args)))
     except BaseException:  # noqa: BLE001 - reported to the test process
         results.put((rank, False, traceback.format_exc()))
@@ -27,12 +28,14 @@ def _entry(rank: int, world_size: int, port: int, fn, args, results) -> None:
         destroy_distributed()
 
 
-def run_ranks(world_size: int, fn, *args, timeout: float = 120.0) -> list:
-    """fn(*args) on each of `world_size` gloo ranks (one spawned process each); results by rank."""
+def run_ranks(world_size: int, fn, *args, timeout: float = 120.0, replica_experts: bool = False) -> list:
+    """fn(*args) on each of `world_size` gloo ranks (one spawned process each); results by rank.
+    replica_experts: the ranks are data-parallel replicas sharing experts (init_replica_experts),
+    not one tensor-parallel group."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, results), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, results, replica_experts), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -90,3 +93,40 @@ def collectives_check() -> dict:
     out["large"] = b.broadcast(list(range(500)) if r == 0 else None)  # past the 64-byte buffer
     out["compiled"] = torch.compile(lambda t: all_reduce(t * 2) + 1, fullgraph=True)(x).tolist()
     return out
+
+
+def replica_moe_check(weights: dict, inputs: list, counts_seen: list) -> dict:
+    """One FusedMoE split over the replicas (whole experts each) fed this replica's own tokens:
+    its output with the counts agreed beforehand and with the counts asked for, plus the raw
+    dispatch and combine of this replica's rows."""
+    from atom_core.distributed import agreed_token_counts, combine_tokens, dispatch_tokens, get_ep_group
+    from atom_core.model_ops.moe import FusedMoE, MoERouting
+
+    group = get_ep_group()
+    r = group.rank_in_group
+    num_experts, two_inter, hidden = weights["w13"].shape
+    layer = FusedMoE(num_experts, hidden, two_inter // 2, MoERouting(top_k=2, renormalize=True), prefix="moe")
+    layer.weight_loader(layer.w13_weight, weights["w13"])  # the whole checkpoint tensor: this rank's experts kept
+    layer.weight_loader(layer.w2_weight, weights["w2"])
+    x, logits = inputs[r]
+    with agreed_token_counts(counts_seen):
+        agreed = layer(x, logits)
+    dispatched = dispatch_tokens(x, counts_seen, group)
+    out = {"agreed": agreed, "asked": layer(x, logits), "dispatched": dispatched,
+           "combined": combine_tokens(dispatched * (r + 1), counts_seen, group)}
+    # numpy: a tensor crosses the result queue as a shared-memory handle, gone once this rank exits
+    return {"experts": (layer.expert_start, layer.num_local_experts), "w13": tuple(layer.w13_weight.shape),
+            **{k: v.detach().numpy() for k, v in out.items()}}
+
+
+def replica_model_experts(path) -> dict:
+    """The tiny MoE model at `path` built as one replica sharing experts: per MoE layer, this
+    replica's expert range and its stacked weights (as loaded)."""
+    from transformers import AutoConfig
+
+    from atom_core.loader import build_model
+    from atom_core.model_ops.moe import FusedMoE
+
+    model = build_model(AutoConfig.from_pretrained(str(path)), path, torch.float32, "cpu")
+    return {name: (m.expert_start, m.num_local_experts, m.w13_weight.detach().numpy(), m.w2_weight.detach().numpy())
+            for name, m in model.named_modules() if isinstance(m, FusedMoE)}

@@ -1,0 +1,220 @@
+"""DP attention + EP experts (`-dp 2 --enable-expert-parallel`) on a tiny Qwen3-MoE, CPU and gloo.
+
+Each replica runs its own requests; the experts are split over the replicas, whose engine cores
+step in lock-step (an idle one runs dummy forwards). Greedy tokens must equal HF transformers'
+whatever the replicas hold; a replica that skipped a forward would leave the other waiting in a
+collective, so these tests time out rather than pass when the lock-step breaks.
+"""
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from atom_core import LLMEngine, SamplingParams
+from atom_core.config import EngineConfig
+from tests.distributed.ranks import replica_model_experts, replica_moe_check, run_ranks
+from tests.models.harness import hf_greedy
+from tests.server.conftest import start_server
+
+MAX_TOKENS = 8
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13], [14, 15, 16, 17, 18, 19, 20]]
+PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+DP_EP = dict(data_parallel_size=2, enable_expert_parallel=True, num_scheduler_steps=1)
+CALL_TIMEOUT_S = 120  # a broken lock-step hangs a collective: fail instead
+
+
+@pytest.fixture(scope="module")
+def moe_path(tiny_dist_models):
+    return tiny_dist_models("qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def hf_tokens(moe_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(moe_path), dtype=torch.float32).eval()
+    return dict(zip(map(tuple, PROMPTS), hf_greedy(model, PROMPTS, MAX_TOKENS)))
+
+
+class _Engine:
+    """A started DataParallelEngine with its event loop on a thread of its own."""
+
+    def __init__(self, config: EngineConfig):
+        from atom_core.engine.dp_engine import DataParallelEngine
+
+        self.engine = DataParallelEngine(config)
+        self.engine.start()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.run(self._attach())
+        self.ids = iter(range(1 << 30))
+
+    async def _attach(self):
+        self.engine.attach(asyncio.get_running_loop())
+
+    def run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(CALL_TIMEOUT_S)
+
+    async def generate(self, prompt, started: asyncio.Event | None = None) -> list[int]:
+        """Greedy tokens of `prompt`; `started` is set once its first two tokens came back."""
+        state = None
+        async for state in self.engine.generate(f"r{next(self.ids)}", prompt, PARAMS):
+            if started is not None and len(state.token_ids) >= 2:
+                started.set()
+        return state.token_ids
+
+    def close(self):
+        self.engine.shutdown()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def dp_ep(moe_path):
+    engine = _Engine(EngineConfig.from_kwargs(str(moe_path), device="cpu", kv_cache_memory_gb=0.02, **DP_EP))
+    yield engine
+    engine.close()
+
+
+class TestLockstepServing:
+    def test_concurrent_requests_spread_over_replicas_equal_hf(self, dp_ep, hf_tokens):
+        before = list(dp_ep.engine.num_routed)
+
+        async def main():
+            return await asyncio.gather(*(dp_ep.generate(p) for p in PROMPTS))
+
+        outputs = dp_ep.run(main())
+        assert [n - b for n, b in zip(dp_ep.engine.num_routed, before)] == [2, 2]
+        assert outputs == [hf_tokens[tuple(p)] for p in PROMPTS]
+
+    def test_one_busy_replica_while_the_other_runs_dummy_steps(self, dp_ep, hf_tokens):
+        before = list(dp_ep.engine.num_routed)
+        for prompt in PROMPTS[:2]:  # one at a time: the least busy replica is always replica 0
+            assert dp_ep.run(dp_ep.generate(prompt)) == hf_tokens[tuple(prompt)]
+        assert [n - b for n, b in zip(dp_ep.engine.num_routed, before)] == [2, 0]
+
+    def test_requests_arriving_at_different_times_equal_hf(self, dp_ep, hf_tokens):
+        """The second request prefills on replica 1 while replica 0 decodes the first."""
+        before = list(dp_ep.engine.num_routed)
+
+        async def main():
+            started = asyncio.Event()
+            first = asyncio.ensure_future(dp_ep.generate(PROMPTS[3], started))
+            await started.wait()
+            second = await dp_ep.generate(PROMPTS[1])
+            return await first, second
+
+        assert dp_ep.run(main()) == (hf_tokens[tuple(PROMPTS[3])], hf_tokens[tuple(PROMPTS[1])])
+        assert [n - b for n, b in zip(dp_ep.engine.num_routed, before)] == [1, 1]
+        assert dp_ep.engine.is_healthy
+
+
+class TestExpertSplit:
+    def test_each_replica_holds_a_disjoint_half_of_the_experts_as_loaded(self, moe_path):
+        from safetensors.torch import load_file
+
+        ranks = run_ranks(2, replica_model_experts, moe_path, replica_experts=True)
+        checkpoint = {}
+        for f in moe_path.glob("*.safetensors"):
+            checkpoint.update(load_file(str(f)))
+        assert ranks[0].keys() == ranks[1].keys() and ranks[0]  # every MoE layer, on both
+        for name in ranks[0]:
+            (start0, n0, *_), (start1, n1, *_) = ranks[0][name], ranks[1][name]
+            assert (start0, n0, start1, n1) == (0, 4, 4, 4)  # 8 experts: [0, 4) and [4, 8)
+            for start, num, w13, w2 in (ranks[0][name], ranks[1][name]):
+                w13, w2 = torch.from_numpy(w13), torch.from_numpy(w2)
+                assert w13.shape[0] == w2.shape[0] == num
+                for local in range(num):
+                    expert = f"{name}.{start + local}"  # the checkpoint's per-expert names
+                    gate_up = torch.cat([checkpoint[f"{expert}.gate_proj.weight"], checkpoint[f"{expert}.up_proj.weight"]])
+                    assert torch.equal(w13[local], gate_up)
+                    assert torch.equal(w2[local], checkpoint[f"{expert}.down_proj.weight"])
+
+    def test_dispatch_and_combine_equal_one_process(self):
+        """Replica 0 brings 3 tokens, replica 1 brings 5: each gets back what one process holding
+        every expert computes for its own tokens."""
+        from atom_core.model_ops.moe import FusedMoE, MoERouting
+
+        g = torch.Generator().manual_seed(3)
+        experts, hidden, inter = 8, 16, 12
+        weights = {"w13": torch.randn(experts, 2 * inter, hidden, generator=g) * 0.3,
+                   "w2": torch.randn(experts, hidden, inter, generator=g) * 0.3}
+        counts = [3, 5]
+        inputs = [(torch.randn(n, hidden, generator=g), torch.randn(n, experts, generator=g)) for n in counts]
+        ranks = run_ranks(2, replica_moe_check, weights, inputs, counts, replica_experts=True)
+
+        whole = FusedMoE(experts, hidden, inter, MoERouting(top_k=2, renormalize=True), prefix="moe")
+        whole.weight_loader(whole.w13_weight, weights["w13"])
+        whole.weight_loader(whole.w2_weight, weights["w2"])
+        padded = torch.cat([torch.cat([x, torch.zeros(5 - len(x), hidden)]) for x, _ in inputs])
+        for r, out in enumerate(ranks):
+            out = {k: torch.from_numpy(v) if k not in ("experts", "w13") else v for k, v in out.items()}
+            assert out["experts"] == (4 * r, 4) and out["w13"] == (4, 2 * inter, hidden)
+            expected = whole(*inputs[r])
+            torch.testing.assert_close(out["agreed"], expected, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(out["asked"], expected, rtol=1e-5, atol=1e-6)
+            assert torch.equal(out["dispatched"], padded)
+            torch.testing.assert_close(out["combined"], 3 * inputs[r][0])  # rank 0 sent 1x, rank 1 2x
+
+
+class TestRefusedAtStart:
+    @pytest.mark.parametrize("options, match", [
+        (dict(tensor_parallel_size=2), "tensor parallelism inside a replica is not supported"),
+        (dict(num_scheduler_steps=8), "num_scheduler_steps=8.*use num_scheduler_steps=1"),
+        (dict(method="ngram", num_speculative_tokens=2), "method='ngram'.*speculative decoding changes the number"),
+    ], ids=["tp2", "multi_step", "speculative"])
+    def test_combinations_that_change_forwards_per_step(self, options, match):
+        with pytest.raises(ValueError, match=match):
+            EngineConfig.from_kwargs("m", **{**DP_EP, **options})
+
+    def test_expert_parallel_on_a_dense_model_names_the_flag(self, tiny_dist_models):
+        from atom_core.distributed.checks import check_parallel
+        from atom_core.loader import resolve_model_files
+
+        config = EngineConfig.from_kwargs(str(tiny_dist_models("llama")), device="cpu", **DP_EP)
+        model = config.model.resolve(resolve_model_files(config.model.model))
+        with pytest.raises(ValueError, match="enable_expert_parallel needs a mixture-of-experts model"):
+            check_parallel(config.parallel, model)
+
+    def test_llm_engine_runs_one_replica(self, moe_path):
+        with pytest.raises(ValueError, match="data-parallel replicas run behind `atomctl serve`"):
+            LLMEngine(str(moe_path), device="cpu", **DP_EP)
+
+    def test_lockstep_turns_cuda_graphs_off(self):
+        assert EngineConfig.from_kwargs("m", device="cuda", tensor_parallel_size=2).use_cuda_graphs
+        assert not EngineConfig.from_kwargs("m", device="cuda", **DP_EP).use_cuda_graphs
+
+
+def test_served_then_a_dead_replica_fails_fast(moe_path, tmp_path):
+    """`atomctl serve -dp 2 --enable-expert-parallel`: after one replica's core is killed the
+    other's collectives fail too, /health reports engine_dead and requests get a 503, quickly."""
+    srv = start_server(moe_path, tmp_path, "-dp", "2", "--enable-expert-parallel")
+    body = {"model": srv.model_name, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True}
+    try:
+        r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        cores = [int(p) for p in open(f"/proc/{srv.proc.pid}/task/{srv.proc.pid}/children").read().split()
+                 if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()]
+        assert len(cores) == 2
+        os.kill(cores[0], signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            health = httpx.get(f"{srv.url}/health", timeout=10)
+            if health.status_code == 503:
+                break
+            time.sleep(0.2)
+        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead", health.text
+        r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=20)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        while time.monotonic() < deadline and "another replica has died" not in srv.log():
+            time.sleep(0.2)  # the survivor's collectives fail with a message naming the cause
+        assert "a collective with the replicas that share its experts failed; another replica has died" in srv.log()
+    finally:
+        srv.stop()
