@@ -45,6 +45,8 @@ def serve_cmd(
     # (H100, c64: median ITL 81 ms with windows of 8 vs 10 ms without, same throughput).
     kwargs.setdefault("num_scheduler_steps", 1)
     config = EngineConfig.from_kwargs(**kwargs)
+    if reasoning_parser is None:  # e.g. GPT-OSS: Harmony's analysis channel is reasoning_content
+        chat_options = ChatOptions(tool_call_parser, enable_auto_tool_choice, _implied_reasoning_parser(config))
     if config.parallel.node_rank > 0:  # a node other than 0 runs only its tensor-parallel ranks
         from atom_core.worker.multiproc_executor import run_node_workers
 
@@ -56,6 +58,22 @@ def serve_cmd(
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)  # skips interpreter teardown (seconds with torch loaded), which the 5 s promise cannot afford
+
+
+def _implied_reasoning_parser(config) -> Optional[str]:
+    from atom_core.loader import resolve_model_files
+    from atom_core.server.reasoning import default_reasoning_parser
+
+    try:
+        hf_config = resolve_model_files(config.model.model, config.model.tokenizer).hf_config
+    except (OSError, ValueError):  # no readable checkpoint: the engine's start reports that, with its own message
+        return None
+    model_type = getattr(hf_config, "model_type", None)
+    name = default_reasoning_parser(model_type)
+    if name:
+        typer.echo(f"reasoning parser: {name} (implied by model_type {model_type!r}; --reasoning-parser overrides)",
+                   err=True)
+    return name
 
 
 def register(app: typer.Typer) -> None:

@@ -73,6 +73,16 @@ def make_reasoning_parser(name: str, prompt_text: str, constrained: bool = False
     return ThinkParser(starts_in_reasoning=not constrained and (opened or name == "deepseek_r1"))
 
 
+# Families whose chat format always separates reasoning: the server splits it without a flag
+# (vLLM does the same for GPT-OSS's Harmony channels).
+DEFAULT_REASONING_PARSERS = {"gpt_oss": "gpt_oss"}
+
+
+def default_reasoning_parser(model_type: str | None) -> str | None:
+    """The reasoning parser a checkpoint's `model_type` implies when --reasoning-parser is not given."""
+    return DEFAULT_REASONING_PARSERS.get(model_type or "")
+
+
 def check_reasoning_parser(name: str) -> None:
     if name not in REASONING_PARSERS:
         raise ValueError(f"unknown reasoning parser '{name}'; expected one of: {', '.join(REASONING_PARSERS)}")

@@ -44,3 +44,47 @@ class TestApiKey:
         assert envs.api_key == "sk-secret"
         assert "sk-secret" not in repr(envs)
         assert read_envs({"ATOM_API_KEY": ""}).api_key is None
+
+
+class TestImpliedReasoningParser:
+    """GPT-OSS checkpoints split Harmony's analysis channel into reasoning_content without a flag
+    (as vLLM does); the flag still wins, and other families get no parser."""
+
+    @pytest.fixture(scope="class")
+    def gpt_oss_dir(self, tmp_path_factory):
+        from tests.models.test_gpt_oss import build_tiny_gpt_oss
+
+        return build_tiny_gpt_oss(tmp_path_factory.mktemp("tiny_gpt_oss_serve"))
+
+    def _parser(self, serve_calls_for, model, *args):
+        return serve_calls_for(model, *args)["chat_options"].reasoning_parser
+
+    @pytest.fixture
+    def serve_calls_for(self, monkeypatch):
+        import atom_core.server.app as server_app
+        from atomctl.serve import register
+
+        seen = {}
+        monkeypatch.setattr(server_app, "run_server", lambda config, *a, **k: seen.update(k))
+        app = typer.Typer()
+        register(app)
+        app.callback()(lambda: None)
+
+        def invoke(model, *args):
+            result = CliRunner().invoke(app, ["serve", "--model", str(model), *args])
+            assert result.exit_code == 0, result.output
+            return seen
+
+        return invoke
+
+    def test_gpt_oss_gets_the_harmony_parser(self, serve_calls_for, gpt_oss_dir):
+        assert self._parser(serve_calls_for, gpt_oss_dir) == "gpt_oss"
+
+    def test_the_flag_wins(self, serve_calls_for, gpt_oss_dir):
+        assert self._parser(serve_calls_for, gpt_oss_dir, "--reasoning-parser", "qwen3") == "qwen3"
+
+    def test_other_families_get_none(self, serve_calls_for):
+        assert self._parser(serve_calls_for, "demo") is None
+
+    def test_unreadable_model_leaves_it_to_the_engine(self, serve_calls_for):
+        assert self._parser(serve_calls_for, "/no/such/model") is None
