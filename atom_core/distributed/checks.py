@@ -28,8 +28,10 @@ def check_parallel(par: ParallelConfig, model: ResolvedModel) -> None:
     if par.enable_expert_parallel:
         if not num_experts:
             raise ValueError(f"enable_expert_parallel needs a mixture-of-experts model; {model.architecture} has no experts")
-        if num_experts % tp:
-            raise ValueError(f"{num_experts} experts are not divisible by tensor_parallel_size={tp} "
+        ranks, name = ((par.data_parallel_size, "data_parallel_size") if par.experts_span_replicas
+                       else (tp, "tensor_parallel_size"))
+        if num_experts % ranks:
+            raise ValueError(f"{num_experts} experts are not divisible by {name}={ranks} "
                              "(expert parallelism gives each rank whole experts)")
     elif num_experts and tp > 1:
         inter = next((getattr(hf, f) for f in _MOE_INTER_FIELDS if getattr(hf, f, None)), None)

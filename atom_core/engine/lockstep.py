@@ -58,6 +58,8 @@ class LockstepEngineCore(EngineCore):
 
         par = self.config.parallel
         check_parallel(par, self.model)
+        if self.model.device.type == "cuda":
+            torch.cuda.set_device(self.model.device)  # NCCL binds this process to its replica's GPU
         self.group = init_replica_experts(par.data_parallel_rank, par.data_parallel_size,
                                           f"tcp://{par.master_addr}:{par.master_port}", self.model.device)
         if par.data_parallel_rank == 0:

@@ -25,7 +25,7 @@ MAX_TOKENS = 8
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13], [14, 15, 16, 17, 18, 19, 20]]
 PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 DP_EP = dict(data_parallel_size=2, enable_expert_parallel=True, num_scheduler_steps=1)
-CALL_TIMEOUT_S = 120  # a broken lock-step hangs a collective: fail instead
+CALL_TIMEOUT_S = 60  # a broken lock-step hangs a collective: fail instead
 
 
 @pytest.fixture(scope="module")
@@ -180,6 +180,15 @@ class TestRefusedAtStart:
         config = EngineConfig.from_kwargs(str(tiny_dist_models("llama")), device="cpu", **DP_EP)
         model = config.model.resolve(resolve_model_files(config.model.model))
         with pytest.raises(ValueError, match="enable_expert_parallel needs a mixture-of-experts model"):
+            check_parallel(config.parallel, model)
+
+    def test_experts_must_split_evenly_over_the_replicas(self, moe_path):
+        from atom_core.distributed.checks import check_parallel
+        from atom_core.loader import resolve_model_files
+
+        config = EngineConfig.from_kwargs(str(moe_path), device="cpu", **{**DP_EP, "data_parallel_size": 3})
+        model = config.model.resolve(resolve_model_files(config.model.model))
+        with pytest.raises(ValueError, match="8 experts are not divisible by data_parallel_size=3"):
             check_parallel(config.parallel, model)
 
     def test_llm_engine_runs_one_replica(self, moe_path):
