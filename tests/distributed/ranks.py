@@ -130,3 +130,8 @@ def replica_model_experts(path) -> dict:
     model = build_model(AutoConfig.from_pretrained(str(path)), path, torch.float32, "cpu")
     return {name: (m.expert_start, m.num_local_experts, m.w13_weight.detach().numpy(), m.w2_weight.detach().numpy())
             for name, m in model.named_modules() if isinstance(m, FusedMoE)}
+
+
+def replica_checks(path, weights: dict, inputs: list, counts: list) -> dict:
+    """replica_model_experts and replica_moe_check in one rank process (spawning costs more)."""
+    return {"model": replica_model_experts(path), "moe": replica_moe_check(weights, inputs, counts)}

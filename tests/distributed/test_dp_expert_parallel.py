@@ -17,7 +17,7 @@ import torch
 
 from atom_core import LLMEngine, SamplingParams
 from atom_core.config import EngineConfig
-from tests.distributed.ranks import replica_model_experts, replica_moe_check, run_ranks
+from tests.distributed.ranks import replica_checks, run_ranks
 from tests.models.harness import hf_greedy
 from tests.server.conftest import start_server
 
@@ -115,11 +115,29 @@ class TestLockstepServing:
         assert dp_ep.engine.is_healthy
 
 
+MOE_COUNTS = [3, 5]  # replica 0 brings 3 tokens to the lone MoE layer, replica 1 brings 5
+
+
+@pytest.fixture(scope="module")
+def lone_moe():
+    """Weights of one MoE layer (8 experts, hidden 16, intermediate 12) and each replica's tokens."""
+    g = torch.Generator().manual_seed(3)
+    weights = {"w13": torch.randn(8, 24, 16, generator=g) * 0.3, "w2": torch.randn(8, 16, 12, generator=g) * 0.3}
+    inputs = [(torch.randn(n, 16, generator=g), torch.randn(n, 8, generator=g)) for n in MOE_COUNTS]
+    return weights, inputs
+
+
+@pytest.fixture(scope="module")
+def replica_ranks(moe_path, lone_moe):
+    """Two gloo ranks joined as replicas sharing experts: what each built and computed."""
+    return run_ranks(2, replica_checks, moe_path, *lone_moe, MOE_COUNTS, replica_experts=True)
+
+
 class TestExpertSplit:
-    def test_each_replica_holds_a_disjoint_half_of_the_experts_as_loaded(self, moe_path):
+    def test_each_replica_holds_a_disjoint_half_of_the_experts_as_loaded(self, moe_path, replica_ranks):
         from safetensors.torch import load_file
 
-        ranks = run_ranks(2, replica_model_experts, moe_path, replica_experts=True)
+        ranks = [r["model"] for r in replica_ranks]
         checkpoint = {}
         for f in moe_path.glob("*.safetensors"):
             checkpoint.update(load_file(str(f)))
@@ -132,35 +150,42 @@ class TestExpertSplit:
                 assert w13.shape[0] == w2.shape[0] == num
                 for local in range(num):
                     expert = f"{name}.{start + local}"  # the checkpoint's per-expert names
-                    gate_up = torch.cat([checkpoint[f"{expert}.gate_proj.weight"], checkpoint[f"{expert}.up_proj.weight"]])
+                    gate_up = torch.cat([checkpoint[f"{expert}.gate_proj.weight"],
+                                         checkpoint[f"{expert}.up_proj.weight"]])
                     assert torch.equal(w13[local], gate_up)
                     assert torch.equal(w2[local], checkpoint[f"{expert}.down_proj.weight"])
 
-    def test_dispatch_and_combine_equal_one_process(self):
-        """Replica 0 brings 3 tokens, replica 1 brings 5: each gets back what one process holding
-        every expert computes for its own tokens."""
+    def test_dispatch_and_combine_equal_one_process(self, lone_moe, replica_ranks):
+        """Each replica gets back what one process holding every expert computes for its own
+        tokens, whether the token counts were agreed beforehand or asked for in the layer."""
         from atom_core.model_ops.moe import FusedMoE, MoERouting
 
-        g = torch.Generator().manual_seed(3)
-        experts, hidden, inter = 8, 16, 12
-        weights = {"w13": torch.randn(experts, 2 * inter, hidden, generator=g) * 0.3,
-                   "w2": torch.randn(experts, hidden, inter, generator=g) * 0.3}
-        counts = [3, 5]
-        inputs = [(torch.randn(n, hidden, generator=g), torch.randn(n, experts, generator=g)) for n in counts]
-        ranks = run_ranks(2, replica_moe_check, weights, inputs, counts, replica_experts=True)
-
-        whole = FusedMoE(experts, hidden, inter, MoERouting(top_k=2, renormalize=True), prefix="moe")
+        weights, inputs = lone_moe
+        experts, two_inter, hidden = weights["w13"].shape
+        whole = FusedMoE(experts, hidden, two_inter // 2, MoERouting(top_k=2, renormalize=True), prefix="moe")
         whole.weight_loader(whole.w13_weight, weights["w13"])
         whole.weight_loader(whole.w2_weight, weights["w2"])
-        padded = torch.cat([torch.cat([x, torch.zeros(5 - len(x), hidden)]) for x, _ in inputs])
-        for r, out in enumerate(ranks):
-            out = {k: torch.from_numpy(v) if k not in ("experts", "w13") else v for k, v in out.items()}
-            assert out["experts"] == (4 * r, 4) and out["w13"] == (4, 2 * inter, hidden)
+        largest = max(MOE_COUNTS)
+        padded = torch.cat([torch.cat([x, torch.zeros(largest - len(x), hidden)]) for x, _ in inputs])
+        for r, rank in enumerate(replica_ranks):
+            out = {k: torch.from_numpy(v) if k not in ("experts", "w13") else v for k, v in rank["moe"].items()}
+            assert out["experts"] == (4 * r, 4) and out["w13"] == (4, two_inter, hidden)
             expected = whole(*inputs[r])
             torch.testing.assert_close(out["agreed"], expected, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(out["asked"], expected, rtol=1e-5, atol=1e-6)
             assert torch.equal(out["dispatched"], padded)
             torch.testing.assert_close(out["combined"], 3 * inputs[r][0])  # rank 0 sent 1x, rank 1 2x
+
+
+def test_replicas_share_one_meeting_port_and_know_their_rank():
+    from atom_core.engine.dp_engine import replica_config
+
+    config = EngineConfig.from_kwargs("m", device="cuda", master_port=7000, **DP_EP)
+    second = replica_config(config, 1)
+    par = second.parallel
+    assert (second.model.device, par.master_port, par.data_parallel_size, par.data_parallel_rank) == (
+        "cuda:1", 7000, 2, 1)
+    assert par.experts_span_replicas and replica_config(config, 0).parallel.data_parallel_rank == 0
 
 
 class TestRefusedAtStart:
