@@ -8,7 +8,6 @@ collective, so these tests time out rather than pass when the lock-step breaks.
 import asyncio
 import os
 import signal
-import threading
 import time
 
 import httpx
@@ -17,6 +16,7 @@ import torch
 
 from atom_core import LLMEngine, SamplingParams
 from atom_core.config import EngineConfig
+from tests.distributed.engines import ThreadedEngine
 from tests.distributed.ranks import replica_checks, run_ranks
 from tests.models.harness import hf_greedy
 from tests.server.conftest import start_server
@@ -41,43 +41,10 @@ def hf_tokens(moe_path):
     return dict(zip(map(tuple, PROMPTS), hf_greedy(model, PROMPTS, MAX_TOKENS)))
 
 
-class _Engine:
-    """A started DataParallelEngine with its event loop on a thread of its own."""
-
-    def __init__(self, config: EngineConfig):
-        from atom_core.engine.dp_engine import DataParallelEngine
-
-        self.engine = DataParallelEngine(config)
-        self.engine.start()
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.run(self._attach())
-        self.ids = iter(range(1 << 30))
-
-    async def _attach(self):
-        self.engine.attach(asyncio.get_running_loop())
-
-    def run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(CALL_TIMEOUT_S)
-
-    async def generate(self, prompt, started: asyncio.Event | None = None) -> list[int]:
-        """Greedy tokens of `prompt`; `started` is set once its first two tokens came back."""
-        state = None
-        async for state in self.engine.generate(f"r{next(self.ids)}", prompt, PARAMS):
-            if started is not None and len(state.token_ids) >= 2:
-                started.set()
-        return state.token_ids
-
-    def close(self):
-        self.engine.shutdown()
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-
 @pytest.fixture(scope="module")
 def dp_ep(moe_path):
-    engine = _Engine(EngineConfig.from_kwargs(str(moe_path), device="cpu", kv_cache_memory_gb=0.02, **DP_EP))
+    engine = ThreadedEngine(EngineConfig.from_kwargs(str(moe_path), device="cpu", kv_cache_memory_gb=0.02, **DP_EP),
+                            PARAMS, CALL_TIMEOUT_S)
     yield engine
     engine.close()
 

@@ -1,5 +1,6 @@
 """Tensor parallelism on two GPUs (NCCL): TP=2 equals TP=1 in float32, eagerly and with CUDA
-graphs / torch.compile around the all-reduce; expert parallelism equals the TP=1 MoE."""
+graphs / torch.compile around the all-reduce; expert parallelism equals the TP=1 MoE; so do two
+data-parallel replicas sharing experts (DP attention + EP experts, lock-step)."""
 import pytest
 import torch
 
@@ -35,3 +36,22 @@ def test_tp2_equals_tp1_in_fp32(tiny_dist_models, arch, extra, levels):
     reference = _tokens(path, enforce_eager=True)
     for compile_options in levels:
         assert _tokens(path, tensor_parallel_size=2, **extra, **compile_options) == reference, compile_options
+
+
+@pytest.mark.parametrize("compile_options", [{"enforce_eager": True}, {"level": 3}], ids=["eager", "compiled"])
+def test_dp2_sharing_experts_equals_one_gpu_in_fp32(tiny_dist_models, compile_options):
+    """Requests spread over the two replicas (uneven token counts per step, an idle replica's
+    dummy forwards at the end), MoE tokens moved over NCCL; compiled: the MoE op stays opaque."""
+    from atom_core.config import EngineConfig
+    from tests.distributed.engines import ThreadedEngine
+
+    path = tiny_dist_models("qwen3_moe")
+    reference = _tokens(path, enforce_eager=True)
+    config = EngineConfig.from_kwargs(str(path), device="cuda", dtype="float32", num_kv_blocks=512,
+                                      max_num_batched_tokens=256, data_parallel_size=2, enable_expert_parallel=True,
+                                      num_scheduler_steps=1, **compile_options)
+    engine = ThreadedEngine(config, GREEDY, timeout_s=240)
+    try:
+        assert engine.run(engine.generate_all(_prompts())) == reference
+    finally:
+        engine.close()
