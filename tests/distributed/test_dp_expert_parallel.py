@@ -53,10 +53,7 @@ class TestLockstepServing:
     def test_concurrent_requests_spread_over_replicas_equal_hf(self, dp_ep, hf_tokens):
         before = list(dp_ep.engine.num_routed)
 
-        async def main():
-            return await asyncio.gather(*(dp_ep.generate(p) for p in PROMPTS))
-
-        outputs = dp_ep.run(main())
+        outputs = dp_ep.run(dp_ep.generate_all(PROMPTS))
         assert [n - b for n, b in zip(dp_ep.engine.num_routed, before)] == [2, 2]
         assert outputs == [hf_tokens[tuple(p)] for p in PROMPTS]
 
@@ -74,6 +71,7 @@ class TestLockstepServing:
             started = asyncio.Event()
             first = asyncio.ensure_future(dp_ep.generate(PROMPTS[3], started))
             await started.wait()
+            assert not first.done()  # 6 of its tokens to go
             second = await dp_ep.generate(PROMPTS[1])
             return await first, second
 
