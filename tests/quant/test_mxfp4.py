@@ -6,7 +6,8 @@ the Triton kernel.
   equals HF's `GptOssExperts` run on HF's own dequantization of the same tensors;
 - TP slices sum to the full layer; EP ranks hold whole experts; unsupported splits fail clearly;
 - the Triton kernel equals the reference: `cpu` cases under Triton's interpreter (small shapes),
-  `cuda` cases (marker `gpu`) incl. GPT-OSS-20b's shapes:
+  `cuda` cases (marker `gpu`) incl. GPT-OSS-20b's shapes; both its paths (the decode GEMVs of
+  moe_mxfp4_decode for T * top_k <= 32, the tiled tl.dot kernels above) and the choice between them:
     TRITON_INTERPRET=1 python -m pytest tests/quant/test_mxfp4.py -q
     python -m pytest -m gpu tests/quant/test_mxfp4.py -q
 """
@@ -358,13 +359,15 @@ class TestTritonMoe:
     @pytest.mark.parametrize("shape", SMALL_SHAPES)
     @pytest.mark.parametrize("activation,limit,has_bias", [("silu", None, False), ("swigluoai", 1.0, True)])
     @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-    def test_matches_reference(self, device, shape, activation, limit, has_bias, dtype):
-        """bf16 runs the inline-PTX decode on NVIDIA GPUs, fp16 the portable one."""
+    @pytest.mark.parametrize("path", ["auto", "tiled"])
+    def test_matches_reference(self, device, shape, activation, limit, has_bias, dtype, path):
+        """bf16 runs the inline-PTX decode on NVIDIA GPUs, fp16 the portable one. These shapes
+        have T * top_k <= 32: "auto" runs the GEMV path, "tiled" forces the tl.dot kernels."""
         from atom_core.kernels.triton.moe_mxfp4 import fused_moe_mxfp4
 
         e, h, i, t, k = shape
         args, b13, b2 = _kernel_inputs(("moe", shape, activation), e, h, i, t, k, dtype, device, has_bias)
-        out = fused_moe_mxfp4(*args, activation, b13, b2, limit)
+        out = fused_moe_mxfp4(*args, activation, b13, b2, limit, path=path)
         ref = fused_moe_mxfp4_ref(*args, activation, b13, b2, limit)
         assert rel_err(out, ref) < TOL[dtype]
 
@@ -425,3 +428,126 @@ class TestTritonMoe:
             fused_moe_mxfp4(x, w13, s13, w2, s2[:, :32], weights, ids)
         with pytest.raises(ValueError, match="swiglu_limit"):
             fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, "swigluoai")
+
+
+class TestGemvPath:
+    """The decode path (moe_mxfp4_decode): per-assignment GEMVs, no alignment, top-k sum fused."""
+
+    # (E, H, I, T, top_k): T 1..4, top_k 1..4, K tails (H or I not a multiple of BLOCK_K = 256)
+    SHAPES = [(4, 64, 96, 1, 1), (8, 96, 64, 2, 2), (3, 160, 32, 3, 3), (6, 64, 64, 4, 4), (5, 320, 288, 1, 4)]
+
+    @pytest.mark.parametrize("shape", SHAPES)
+    @pytest.mark.parametrize("activation,limit,has_bias", [("silu", None, False), ("swigluoai", 1.0, True)])
+    def test_matches_reference(self, device, shape, activation, limit, has_bias):
+        from atom_core.kernels.triton.moe_mxfp4 import fused_moe_mxfp4
+
+        e, h, i, t, k = shape
+        args, b13, b2 = _kernel_inputs(("gemv", shape, activation), e, h, i, t, k, torch.bfloat16, device, has_bias)
+        out = fused_moe_mxfp4(*args, activation, b13, b2, limit, path="gemv")
+        ref = fused_moe_mxfp4_ref(*args, activation, b13, b2, limit)
+        assert rel_err(out, ref) < TOL[torch.bfloat16]
+
+    @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+    def test_other_dtypes_match_reference(self, device, dtype):
+        from atom_core.kernels.triton.moe_mxfp4 import fused_moe_mxfp4
+
+        args, b13, b2 = _kernel_inputs(("gemv-dtype", dtype), 4, 96, 64, 3, 2, dtype, device)
+        out = fused_moe_mxfp4(*args, "swigluoai", b13, b2, 1.0, path="gemv")
+        ref = fused_moe_mxfp4_ref(*args, "swigluoai", b13, b2, 1.0)
+        assert rel_err(out, ref) < TOL[dtype]
+
+    @pytest.mark.parametrize("top_k", [2, 3])
+    def test_dropped_and_duplicate_ids(self, device, top_k):
+        """Ids outside [0, E) (experts of other EP ranks) add nothing, whole tokens may have none;
+        one expert twice in a token's list counts twice."""
+        from atom_core.kernels.triton.moe_mxfp4 import fused_moe_mxfp4
+
+        args, b13, b2 = _kernel_inputs(("gemv-drop", top_k), 6, 96, 64, 4, top_k, torch.float32, device, drop=True)
+        ids = args[6]
+        ids[1, 1] = ids[1, 0] = 2
+        ids[3, :] = -1
+        out = fused_moe_mxfp4(*args, "swigluoai", b13, b2, 1.0, path="gemv")
+        ref = fused_moe_mxfp4_ref(*args, "swigluoai", b13, b2, 1.0)
+        assert torch.equal(out[3].cpu(), torch.zeros_like(out[3].cpu()))
+        assert rel_err(out, ref) < TOL[torch.float32]
+
+    @pytest.mark.gpu
+    @pytest.mark.parametrize("experts", [32, 128])  # gpt-oss-20b, -120b
+    @pytest.mark.parametrize("num_tokens", [1, 7])
+    def test_model_shapes_match_reference_and_the_tiled_path(self, experts, num_tokens):
+        from atom_core.kernels.triton.moe_mxfp4 import fused_moe_mxfp4
+
+        if not torch.cuda.is_available():
+            pytest.skip("needs CUDA")
+        args, b13, b2 = _kernel_inputs(("gemv-gpu", experts, num_tokens), experts, 2880, 2880, num_tokens, 4,
+                                       torch.bfloat16, "cuda")
+        out = fused_moe_mxfp4(*args, "swigluoai", b13, b2, 7.0, path="gemv")
+        ref = fused_moe_mxfp4_ref(*args, "swigluoai", b13, b2, 7.0)
+        tiled = fused_moe_mxfp4(*args, "swigluoai", b13, b2, 7.0, path="tiled")
+        assert rel_err(out, ref) < TOL[torch.bfloat16]
+        assert rel_err(out, tiled) < TOL[torch.bfloat16]
+
+    @pytest.mark.gpu
+    def test_replays_in_a_cuda_graph(self):
+        """No host sync and a grid from host ints: a captured decode call replays to the eager
+        result on new activations and new routing (incl. a dropped id)."""
+        from atom_core.kernels.triton.moe_mxfp4 import fused_moe_mxfp4, select_path
+
+        if not torch.cuda.is_available():
+            pytest.skip("needs CUDA")
+        e, h, i, t, k = 32, 2880, 2880, 2, 4
+        assert select_path(t, k) == "gemv"
+        args, b13, b2 = _kernel_inputs(("gemv-graph",), e, h, i, t, k, torch.bfloat16, "cuda")
+        x, ids = args[0], args[6]
+        run = lambda: fused_moe_mxfp4(*args, "swigluoai", b13, b2, 7.0)  # noqa: E731
+        run()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run()
+        x.copy_(torch.randn_like(x))
+        ids.copy_(torch.randperm(e, device="cuda")[:t * k].view(t, k).to(torch.int32))
+        ids[1, 2] = -1
+        graph.replay()
+        assert torch.equal(out, run())
+        assert rel_err(out, fused_moe_mxfp4_ref(*args, "swigluoai", b13, b2, 7.0)) < TOL[torch.bfloat16]
+
+
+class TestPathChoice:
+    def test_decode_batches_take_the_gemv_path_and_larger_ones_the_tiled(self):
+        from atom_core.kernels.triton.moe_mxfp4 import default_mxfp4_config, select_path
+        from atom_core.kernels.triton.moe_mxfp4_decode import GEMV_MAX_ASSIGNMENTS
+
+        assert GEMV_MAX_ASSIGNMENTS == 32
+        assert [select_path(t, 4) for t in (1, 7, 8, 9, 64)] == ["gemv"] * 3 + ["tiled"] * 2
+        assert select_path(32, 1) == "gemv" and select_path(33, 1) == "tiled"
+        assert select_path(1, 4, default_mxfp4_config(1, 4, 32)) == "tiled"  # an explicit tile config
+        assert select_path(64, 4, path="gemv") == "gemv" and select_path(1, 4, path="tiled") == "tiled"
+        with pytest.raises(ValueError, match="unknown MXFP4 MoE path 'fast'"):
+            select_path(1, 4, path="fast")
+
+    @pytest.mark.parametrize("num_tokens,expected", [(1, "gemv"), (8, "gemv"), (9, "tiled")])
+    def test_fused_moe_mxfp4_dispatches_by_assignments(self, monkeypatch, num_tokens, expected):
+        """What fused_moe_mxfp4 runs (kernels replaced by recorders, so no GPU or interpreter)."""
+        from atom_core.kernels.triton import moe_mxfp4
+
+        ran = []
+
+        class TiledRan(Exception):
+            pass
+
+        def gemv(*args):
+            ran.append("gemv")
+            return args[-1]
+
+        def align(*args):
+            ran.append("tiled")
+            raise TiledRan
+
+        monkeypatch.setattr(moe_mxfp4, "fused_moe_mxfp4_gemv", gemv)
+        monkeypatch.setattr(moe_mxfp4, "moe_align_block_size", align)
+        args, b13, b2 = _kernel_inputs(("dispatch", num_tokens), 4, 64, 64, num_tokens, 4, torch.bfloat16, "cpu")
+        try:
+            moe_mxfp4.fused_moe_mxfp4(*args, "swigluoai", b13, b2, 1.0)
+        except TiledRan:
+            pass
+        assert ran == [expected]

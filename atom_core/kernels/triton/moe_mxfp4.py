@@ -28,7 +28,7 @@ only if issue and loads overlap well (to be measured: `kernels/triton/mxfp4_benc
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 import triton
@@ -37,6 +37,7 @@ import triton.language as tl
 from atom_core.kernels.moe_ref import SWIGLU_ALPHA, check_activation
 from atom_core.kernels.triton.common import check_dim, check_float, check_int, check_same_device
 from atom_core.kernels.triton.moe import GemmTile, MoeConfig, _tile_ids, moe_align_block_size, moe_sum
+from atom_core.kernels.triton.moe_mxfp4_decode import GEMV_MAX_ASSIGNMENTS, can_use_gemv, fused_moe_mxfp4_gemv
 
 ACTIVATIONS = {"silu": 0, "swigluoai": 1}  # name -> the _activate code
 MX_GROUP = 32  # values per scale
@@ -352,6 +353,19 @@ def default_mxfp4_config(num_tokens: int, top_k: int, num_experts: int) -> MoeCo
     return MoeConfig(128, GemmTile(64, 128, 8, 8, 3), GemmTile(128, 128, 8, 8, 3))
 
 
+MoePath = Literal["auto", "gemv", "tiled"]
+
+
+def select_path(num_tokens: int, top_k: int, config: MoeConfig | None = None, path: MoePath = "auto") -> str:
+    """'gemv' (moe_mxfp4_decode: per-assignment GEMVs, no alignment) for decode-sized batches,
+    T * top_k <= GEMV_MAX_ASSIGNMENTS, unless a tile config is given; else 'tiled' (the tl.dot path)."""
+    if path not in ("auto", "gemv", "tiled"):
+        raise ValueError(f"unknown MXFP4 MoE path {path!r}; expected one of: auto, gemv, tiled")
+    if path != "auto":
+        return path
+    return "gemv" if config is None and num_tokens * top_k <= GEMV_MAX_ASSIGNMENTS else "tiled"
+
+
 def _check_args(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, activation, w13_bias, w2_bias,
                 swiglu_limit) -> None:
     check_activation(activation, swiglu_limit)
@@ -406,10 +420,13 @@ def fused_moe_mxfp4(
     swiglu_limit: Optional[float] = None,
     *,
     config: MoeConfig | None = None,
+    path: MoePath = "auto",
 ) -> torch.Tensor:
-    """Same contract as `quant.mxfp4.fused_moe_mxfp4_ref`; five launches, no host sync (CUDA-graph
-    safe). Precision: float32 accumulation, the activation in float32 rounded once to hidden's
-    dtype, each weighted expert output rounded once, their sum in float32."""
+    """Same contract as `quant.mxfp4.fused_moe_mxfp4_ref`; no host sync (CUDA-graph safe).
+    `select_path` picks the kernels: decode batches run the two GEMVs of moe_mxfp4_decode (the sum
+    over top-k fused, in float32), larger ones five launches of the tiled path (each weighted expert
+    output rounded once, their sum in float32). Both: float32 accumulation, the activation in
+    float32 rounded once to hidden's dtype."""
     _check_args(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, activation, w13_bias, w2_bias,
                 swiglu_limit)
     out = torch.empty_like(hidden)
@@ -417,6 +434,9 @@ def fused_moe_mxfp4(
     num_experts, inter, top_k = w13.shape[0], w13.shape[1] // 2, topk_ids.shape[1]
     if num_tokens == 0:
         return out
+    if select_path(num_tokens, top_k, config, path) == "gemv" and can_use_gemv(w13, w2):
+        return fused_moe_mxfp4_gemv(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids,
+                                    ACTIVATIONS[activation], w13_bias, w2_bias, swiglu_limit, out)
     cfg = config or default_mxfp4_config(num_tokens, top_k, num_experts)
     for tile in (cfg.gemm1, cfg.gemm2):
         if tile.block_k < MX_GROUP or tile.block_k & (tile.block_k - 1):
