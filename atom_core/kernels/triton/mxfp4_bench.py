@@ -1,10 +1,13 @@
 """Micro-benchmark (CUDA): the MXFP4 fused MoE (`moe_mxfp4.fused_moe_mxfp4`) on GPT-OSS shapes at
-M = 1 and 32 tokens, against its bytes-read floor (packed weights + scales + biases of the experts
-the tokens touch, at 3.0 TB/s: the H100 read rate in DESIGN.md) and against the bf16 fused MoE
-(`moe.fused_moe`) on the same weights dequantized. Routing is fixed and spread (token t, slot k ->
-expert (t*K + k) mod E), so the touched experts are min(E, M*K) and the floor is known. Times are
-medians of CUDA-graph replays. `--sweep` also times a grid of tile configs per case and prints the
-best (to set `default_mxfp4_config`).
+M = 1, 4, 8, 16, 32 tokens, both its paths (the decode GEMVs of moe_mxfp4_decode, which `auto`
+picks for M * top_k <= 32, and the tiled tl.dot kernels), against the bytes-read floor (packed
+weights + scales + biases of the experts the tokens touch, at 3.0 TB/s: the H100 read rate in
+DESIGN.md) and against the bf16 fused MoE (`moe.fused_moe`) on the same weights dequantized.
+Routing is fixed and spread (token t, slot k -> expert (t*K + k) mod E), so the touched experts are
+min(E, M*K) and the floor is known. Times are medians of CUDA-graph replays (the same weights every
+replay: a working set under the 50 MB L2 would flatter the times; gpt-oss's 4 experts are ~53 MB).
+`--sweep` also times a grid of tile configs of the tiled path at M = 1 and 32 and prints the best
+(to set `default_mxfp4_config`).
 
     python -m atom_core.kernels.triton.mxfp4_bench [--sweep]
 """
@@ -19,6 +22,8 @@ from atom_core.kernels.triton.moe import GemmTile, MoeConfig
 
 # name -> (E, H, I, top_k): the released configs
 SHAPES = {"gpt-oss-20b": (32, 2880, 2880, 4), "gpt-oss-120b": (128, 2880, 2880, 4)}
+TOKENS = (1, 4, 8, 16, 32)
+SWEEP_TOKENS = (1, 32)
 READ_BYTES_PER_S = 3.0e12
 
 
@@ -63,35 +68,42 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("mxfp4_bench needs a CUDA GPU")
     from atom_core.kernels.triton.moe import fused_moe
-    from atom_core.kernels.triton.moe_mxfp4 import default_mxfp4_config, fused_moe_mxfp4
+    from atom_core.kernels.triton.moe_mxfp4 import default_mxfp4_config, fused_moe_mxfp4, select_path
+    from atom_core.kernels.triton.moe_mxfp4_decode import GEMV_MAX_ASSIGNMENTS
     from atom_core.quant.mxfp4 import dequantize_mxfp4, fused_moe_mxfp4_ref
 
     print(f"{torch.cuda.get_device_name()}; median us of CUDA-graph replays; floor = bytes of the touched experts "
-          f"(packed weights, scales, biases) at {READ_BYTES_PER_S / 1e12:.1f} TB/s; bf16 = moe.fused_moe on the "
-          f"dequantized weights; activation swigluoai, biases on")
-    print(f"{'case':>13} {'M':>4} {'experts':>7} {'MB':>7} {'floor us':>8} {'mxfp4 us':>8} {'x floor':>7} "
-          f"{'bf16 us':>8} {'rel err':>8}")
+          f"(packed weights, scales, biases) at {READ_BYTES_PER_S / 1e12:.1f} TB/s; gemv / tiled = the two paths of "
+          f"fused_moe_mxfp4 (auto picks gemv up to M*K = {GEMV_MAX_ASSIGNMENTS}); bf16 = moe.fused_moe on the "
+          f"dequantized weights; activation swigluoai, biases on; err = relative L2 error vs the reference")
+    print(f"{'case':>13} {'M':>4} {'experts':>7} {'MB':>7} {'floor us':>8} {'gemv us':>8} {'x floor':>7} "
+          f"{'tiled us':>8} {'x floor':>7} {'auto':>5} {'bf16 us':>8} {'gemv err':>8} {'tiled err':>9}")
     for name, (e, h, i, k) in SHAPES.items():
-        for m in (1, 32):
+        w13_d = w2_d = None
+        for m in TOKENS:
             args, b13, b2 = _case(e, h, i, k, m)
-            run = lambda cfg=None: fused_moe_mxfp4(*args, "swigluoai", b13, b2, 7.0, config=cfg)  # noqa: E731
-            err = (run().float() - fused_moe_mxfp4_ref(*args, "swigluoai", b13, b2, 7.0).float()).norm()
-            ref_norm = fused_moe_mxfp4_ref(*args, "swigluoai", b13, b2, 7.0).float().norm()
-            t_mx = _time_us(run)
-            w13_d = dequantize_mxfp4(args[1], args[2], torch.bfloat16)
-            w2_d = dequantize_mxfp4(args[3], args[4], torch.bfloat16)
+            run = lambda cfg=None, path="auto": fused_moe_mxfp4(  # noqa: E731
+                *args, "swigluoai", b13, b2, 7.0, config=cfg, path=path)
+            ref = fused_moe_mxfp4_ref(*args, "swigluoai", b13, b2, 7.0).float()
+            errs = [((run(path=p).float() - ref).norm() / ref.norm()).item() for p in ("gemv", "tiled")]
+            t_gemv = _time_us(lambda: run(path="gemv"))
+            t_tiled = _time_us(lambda: run(path="tiled"))
+            if w13_d is None:  # the dequantized experts, once per shape
+                w13_d = dequantize_mxfp4(args[1], args[2], torch.bfloat16)
+                w2_d = dequantize_mxfp4(args[3], args[4], torch.bfloat16)
             t_bf16 = _time_us(lambda: fused_moe(args[0], w13_d, w2_d, args[5], args[6], "swigluoai", b13, b2, 7.0))
-            del w13_d, w2_d
             nbytes = _floor_bytes(e, h, i, k, m)
             floor = nbytes / READ_BYTES_PER_S * 1e6
-            print(f"{name:>13} {m:>4} {min(e, m * k):>7} {nbytes / 1e6:7.1f} {floor:8.1f} {t_mx:8.1f} "
-                  f"{t_mx / floor:7.2f} {t_bf16:8.1f} {(err / ref_norm).item():8.1e}", flush=True)
-            if opts.sweep:
+            print(f"{name:>13} {m:>4} {min(e, m * k):>7} {nbytes / 1e6:7.1f} {floor:8.1f} {t_gemv:8.1f} "
+                  f"{t_gemv / floor:7.2f} {t_tiled:8.1f} {t_tiled / floor:7.2f} {select_path(m, k):>5} {t_bf16:8.1f} "
+                  f"{errs[0]:8.1e} {errs[1]:9.1e}", flush=True)
+            if opts.sweep and m in SWEEP_TOKENS:
                 timed = sorted((_time_us(lambda c=c: run(c)), c) for c in _sweep_configs())
                 default = default_mxfp4_config(m, k, e)
-                print(f"{'':>13} sweep: default {default} {t_mx:.1f} us; best 3:")
+                print(f"{'':>13} sweep (tiled): default {default} {t_tiled:.1f} us; best 3:")
                 for t, c in timed[:3]:
                     print(f"{'':>13}   {t:8.1f} us  {c}", flush=True)
+        del w13_d, w2_d
 
 
 if __name__ == "__main__":
