@@ -18,6 +18,7 @@ turns them off).
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.distributed as dist
@@ -60,6 +61,8 @@ class LockstepEngineCore(EngineCore):
         check_parallel(par, self.model)
         if self.model.device.type == "cuda":
             torch.cuda.set_device(self.model.device)  # NCCL binds this process to its replica's GPU
+        else:  # the replicas share the host's cores (and wait for each other every layer)
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // par.data_parallel_size))
         self.group = init_replica_experts(par.data_parallel_rank, par.data_parallel_size,
                                           f"tcp://{par.master_addr}:{par.master_port}", self.model.device)
         if par.data_parallel_rank == 0:
