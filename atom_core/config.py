@@ -129,16 +129,37 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_gb: float = 1.0
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES: auto = the model's; fp8 halves the bytes per token
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             _fail(self, "block_size", "must be a power of two")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            _fail(self, "kv_cache_dtype", f"must be one of: {', '.join(KV_CACHE_DTYPES)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             _fail(self, "num_kv_blocks", "must be >= 1")
         if not 0 < self.gpu_memory_utilization <= 1:
             _fail(self, "gpu_memory_utilization", "must be in (0, 1]")
         if not self.kv_cache_memory_gb > 0:
             _fail(self, "kv_cache_memory_gb", "must be > 0")
+
+
+KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache element type for --kv-cache-dtype NAME: auto keeps the model dtype; a 16-bit
+    name must be the model dtype (attention reads K/V as the query's type); fp8 is e4m3."""
+    fp8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+    if name == "auto":
+        return model_dtype
+    if name in fp8:
+        return fp8[name]
+    wanted = torch.bfloat16 if name in ("bf16", "bfloat16") else torch.float16
+    if wanted != model_dtype:
+        raise ValueError(f"--kv-cache-dtype {name} differs from the model dtype {model_dtype}; use auto, "
+                         f"fp8 or fp8_e5m2, or --dtype {str(wanted).removeprefix('torch.')}")
+    return wanted
 
 
 @dataclass(frozen=True)

@@ -59,14 +59,33 @@ def store_kv_cache(
     k_cache: torch.Tensor,  # [NB, BS, KH, D]
     v_cache: torch.Tensor,  # [NB, BS, KH, D]
     slot_mapping: torch.Tensor,  # [T] int; slot = block * BS + offset; < 0 means skip (padding)
+    k_scale: float = 1.0,  # FP8 caches: K is stored as K / k_scale (see to_kv_cache)
+    v_scale: float = 1.0,
 ) -> None:
     """Write each token's K and V into its cache slot, in place."""
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
     block_size = k_cache.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = key[valid].to(k_cache.dtype)
-    v_cache[blocks, offsets] = value[valid].to(v_cache.dtype)
+    k_cache[blocks, offsets] = to_kv_cache(key[valid], k_cache.dtype, k_scale)
+    v_cache[blocks, offsets] = to_kv_cache(value[valid], v_cache.dtype, v_scale)
+
+
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def to_kv_cache(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """x (model dtype) as a cache element: a plain cast, or for FP8 x * (1 / scale) in float32,
+    saturated to the format's largest finite value, rounded to nearest even."""
+    if dtype not in FP8_KV_DTYPES:
+        return x.to(dtype)
+    limit = torch.finfo(dtype).max
+    return (x.float() * (1.0 / scale)).clamp(-limit, limit).to(dtype)
+
+
+def from_kv_cache(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """Cache elements -> float32 values (FP8: times its scale)."""
+    return x.float() * scale if x.dtype in FP8_KV_DTYPES else x.float()
 
 
 def qkv_rope_store(
@@ -80,6 +99,8 @@ def qkv_rope_store(
     q_norm_weight: torch.Tensor | None = None,  # [D]: per-head RMSNorm of q and k first (Qwen3)
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    k_scale: float = 1.0,  # FP8 caches: the scales K and V are stored by
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Everything between the QKV projection and attention, in one op: optional per-head
     RMSNorm of q and k, RoPE on both, K and V into the cache. Returns the new q [T, H, D].
@@ -96,7 +117,7 @@ def qkv_rope_store(
     if q_norm_weight is not None:
         q, k = rms_norm(q, q_norm_weight, eps), rms_norm(k, k_norm_weight, eps)
     q, k = rotary_embedding(positions, q, k, cos_sin_cache)
-    store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    store_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q.contiguous()
 
 
@@ -114,6 +135,8 @@ def paged_attention(
     seq_order: torch.Tensor | None = None,  # [S] int32: a launch schedule for kernels; no effect on results
     sliding_window: int | None = None,  # a row at position p sees KV positions (p - window, p]
     sinks: torch.Tensor | None = None,  # [H] float: a per-head logit in the softmax denominator, no value
+    k_scale: float = 1.0,  # FP8 caches: stored K times k_scale is K (from_kv_cache)
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of every query token over its sequence's paged KV (already stored).
 
@@ -131,7 +154,8 @@ def paged_attention(
     lens = seq_lens.tolist()
     decode = [s for s in range(len(lens)) if qsl[s + 1] - qsl[s] == 1]
     if len(decode) > 1:
-        _decode_rows(query, k_cache, v_cache, block_tables, qsl, lens, decode, scale, out, sliding_window, sinks)
+        _decode_rows(query, k_cache, v_cache, block_tables, qsl, lens, decode, scale, out, sliding_window, sinks,
+                     k_scale, v_scale)
     decode_set = set(decode) if len(decode) > 1 else set()
     for s, seq_len in enumerate(lens):
         q_start, q_end = qsl[s], qsl[s + 1]
@@ -142,8 +166,8 @@ def paged_attention(
         blocks = block_tables[s, :num_blocks].long()
         k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
         v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-        k = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
-        v = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+        k = from_kv_cache(k, k_scale).repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
+        v = from_kv_cache(v, v_scale).repeat_interleave(group, dim=1).transpose(0, 1)
         q = query[q_start:q_end].float().transpose(0, 1)  # [H, q_len, D]
         scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [H, q_len, L]
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)
@@ -167,7 +191,7 @@ def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> tor
 
 
 def _decode_rows(query, k_cache, v_cache, block_tables, qsl, lens, seqs, scale, out,
-                 sliding_window=None, sinks=None) -> None:
+                 sliding_window=None, sinks=None, k_scale=1.0, v_scale=1.0) -> None:
     """All single-token rows at once: gather each sequence's KV padded to the longest, mask the pad."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -178,8 +202,8 @@ def _decode_rows(query, k_cache, v_cache, block_tables, qsl, lens, seqs, scale, 
     max_len = int(seq_lens.max())
     num_blocks = (max_len + block_size - 1) // block_size
     blocks = block_tables[idx, :num_blocks].long()  # [B, nb]
-    k = k_cache[blocks].reshape(len(seqs), -1, num_kv_heads, head_dim)[:, :max_len].float()  # [B, L, KH, D]
-    v = v_cache[blocks].reshape(len(seqs), -1, num_kv_heads, head_dim)[:, :max_len].float()
+    k = from_kv_cache(k_cache[blocks].reshape(len(seqs), -1, num_kv_heads, head_dim)[:, :max_len], k_scale)
+    v = from_kv_cache(v_cache[blocks].reshape(len(seqs), -1, num_kv_heads, head_dim)[:, :max_len], v_scale)
     rows = torch.tensor([qsl[s] for s in seqs], device=device)
     q = query[rows].float().view(len(seqs), num_kv_heads, group, head_dim)  # [B, KH, G, D]
     scores = torch.einsum("bkgd,blkd->bkgl", q, k) * scale

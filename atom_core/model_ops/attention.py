@@ -92,6 +92,9 @@ class Attention(nn.Module):
         else:
             self.sinks = None
         self.k_cache = self.v_cache = torch.empty(0)
+        # An FP8 cache (--kv-cache-dtype fp8) stores K / k_scale and V / v_scale. 1.0: the values'
+        # own range (bf16 K/V of real models sit far inside e4m3's +-448), as vLLM without scales.
+        self.k_scale = self.v_scale = 1.0
         self.use_custom_op = False
         self._backend: AttentionBackend | None = None
         self.layer_key = torch.tensor([id(self)], dtype=torch.int64, device="cpu")

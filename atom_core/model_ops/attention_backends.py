@@ -56,12 +56,20 @@ class PagedMHABackend(AttentionBackend):
         meta = get_attention_metadata()
         q_norm, k_norm = layer.qk.q_norm, layer.qk.k_norm
         norm = (q_norm.weight, k_norm.weight, q_norm.eps) if q_norm is not None else (None, None, 1e-6)
+        scales = self._kv_scales(layer)
         q = self.ops.qkv_rope_store(qkv, positions, layer.qk.rotary.cos_sin_cache, layer.k_cache, layer.v_cache,
-                                    meta.slot_mapping, layer.num_heads, *norm)
+                                    meta.slot_mapping, layer.num_heads, *norm, **scales)
         out = self.ops.paged_attention(q, layer.k_cache, layer.v_cache, meta.block_tables, meta.query_start_loc,
                                        meta.seq_lens, layer.scale, meta.max_query_len, meta.max_seq_len,
-                                       seq_order=meta.seq_order, **self._layer_args(layer))
+                                       seq_order=meta.seq_order, **self._layer_args(layer), **scales)
         return out.view(-1, layer.num_heads * layer.head_dim)
+
+    @staticmethod
+    def _kv_scales(layer: "Attention") -> dict:
+        """An FP8 cache holds K / k_scale and V / v_scale; a cache in the model dtype needs none."""
+        if layer.kv_spec.dtype == layer.dtype:
+            return {}
+        return {"k_scale": layer.k_scale, "v_scale": layer.v_scale}
 
     @staticmethod
     def _layer_args(layer: "Attention") -> dict:

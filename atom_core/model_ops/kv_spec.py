@@ -8,6 +8,7 @@ of every layer is the same token range, so the KV manager stays one block pool.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -54,6 +55,25 @@ class KVSpec:
 def attention_layers(model: nn.Module) -> list["Attention"]:
     """Every attention layer of `model`, in module order (the order KV views are handed out)."""
     return [m for m in model.modules() if isinstance(getattr(m, "kv_spec", None), KVSpec)]
+
+
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def set_kv_cache_dtype(layers: list["Attention"], dtype: torch.dtype) -> None:
+    """Store every layer's K/V as `dtype` (--kv-cache-dtype): an FP8 type halves the bytes a
+    token costs, so sizing (kv_bytes_per_block) gives twice the tokens. Call before sizing and
+    allocating. FP8 is stored scaled by the layer's k_scale / v_scale and read back by them."""
+    for layer in layers:
+        if layer.kv_spec.dtype == dtype:
+            continue
+        if layer.kv_spec.kind != "mha":
+            raise ValueError(f"{layer.prefix or 'an attention layer'}: --kv-cache-dtype {dtype} is not supported "
+                             f"for {layer.kv_spec.kind} attention (its cache is the compressed latent); use auto")
+        if dtype not in FP8_KV_DTYPES:
+            raise ValueError(f"a {dtype} KV cache for a {layer.kv_spec.dtype} model: attention reads K/V as "
+                             f"the query's type; use auto or an fp8 type")
+        layer.kv_spec = dataclasses.replace(layer.kv_spec, dtype=dtype)
 
 
 def kv_bytes_per_block(layers: list["Attention"], block_size: int) -> int:

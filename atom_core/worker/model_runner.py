@@ -17,13 +17,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from atom_core.config import EngineConfig, ResolvedModel
+from atom_core.config import EngineConfig, ResolvedModel, kv_cache_torch_dtype
 from atom_core.distributed.communication import all_reduce_min_host
 from atom_core.kernels import kernel_ops
 from atom_core.loader import build_model
 from atom_core.model_ops.forward_context import AttentionMetadata, set_attention_metadata
 from atom_core.model_ops.kv_spec import (allocate_kv_cache, attention_layers, check_attention_supported,
-                                         kv_bytes_per_block, release_kv_cache, warm_up_attention)
+                                         kv_bytes_per_block, release_kv_cache, set_kv_cache_dtype,
+                                         warm_up_attention)
 from atom_core.model_ops.sampler import Sampler
 from atom_core.scheduler_output import PLACEHOLDER, ModelRunnerOutput, SchedulerOutput
 from atom_core.spec_decode.proposer import TargetHidden, build_proposer, can_speculate
@@ -90,6 +91,7 @@ class ModelRunner:
                                  model.quant_config)
         self.load_seconds = time.perf_counter() - start
         self.attention_layers = attention_layers(self.model)
+        set_kv_cache_dtype(self.attention_layers, kv_cache_torch_dtype(config.cache.kv_cache_dtype, self.dtype))
         check_attention_supported(self.attention_layers, self.max_model_len, self.device)
         summary = self.model_summary
         logger.info("model loaded in %.1f s: format %s, weights %.2f GiB, KV cache %d bytes/token (this rank)",

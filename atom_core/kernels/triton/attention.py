@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from atom_core.kernels.torch_ref import FP8_KV_DTYPES
 from atom_core.kernels.triton.common import (
     check_dim, check_float, check_int, check_last_dim_contiguous, check_same_device, next_pow2,
     sm_count,
@@ -50,9 +51,11 @@ def _attend_tile(
     block_table_row, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs, scale_log2e,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr, window=0, HAS_WINDOW: tl.constexpr = False,
+    DOT_IN_FP32: tl.constexpr, window=0, HAS_WINDOW: tl.constexpr = False, KV_FP8: tl.constexpr = False,
 ):
-    """One online-softmax step over KV positions [tile * BLOCK_N, (tile + 1) * BLOCK_N)."""
+    """One online-softmax step over KV positions [tile * BLOCK_N, (tile + 1) * BLOCK_N).
+    KV_FP8: the tiles are converted to the query's type here (their scales are folded into
+    scale_log2e and the output by the caller)."""
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
@@ -79,6 +82,9 @@ def _attend_tile(
     if DOT_IN_FP32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
+    elif KV_FP8:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
 
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_M, BLOCK_N], log2 units
     if MASKED:
@@ -111,7 +117,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
     HAS_ORDER: tl.constexpr, HEADS_INNER: tl.constexpr, window=0, HAS_WINDOW: tl.constexpr = False,
-    sinks_ptr=None, HAS_SINKS: tl.constexpr = False,
+    sinks_ptr=None, HAS_SINKS: tl.constexpr = False, v_scale=1.0, KV_FP8: tl.constexpr = False,
 ):
     if HEADS_INNER:  # the kv heads of one sequence are neighbours in launch order
         pid = tl.program_id(0) // (NUM_HEADS // GROUP)
@@ -176,12 +182,12 @@ def _paged_attention_kernel(
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, q_pos, tile, kv_end, block_table_row, k_base, v_base,
             stride_kb, stride_ks, stride_vb, stride_vs, scale_log2e,
-            HEAD_DIM, BLOCK_D, KV_BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, DOT_IN_FP32)
+            HEAD_DIM, BLOCK_D, KV_BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, DOT_IN_FP32, KV_FP8=KV_FP8)
     for tile in range(tile_mid, tile_hi):
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, q_pos, tile, kv_end, block_table_row, k_base, v_base,
             stride_kb, stride_ks, stride_vb, stride_vs, scale_log2e,
-            HEAD_DIM, BLOCK_D, KV_BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, DOT_IN_FP32, window, HAS_WINDOW)
+            HEAD_DIM, BLOCK_D, KV_BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, DOT_IN_FP32, window, HAS_WINDOW, KV_FP8)
 
     # l_i == 0 only for an empty range (seq_len 0 padding rows, empty splits): output 0.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -189,6 +195,8 @@ def _paged_attention_kernel(
         sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
         l_safe = l_i + tl.math.exp2(sink - tl.where(m_i == float("-inf"), 0.0, m_i))
     o = acc / l_safe[:, None]
+    if KV_FP8:  # V was read as V / v_scale
+        o = o * v_scale
     if IS_SPLIT:
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
         row = (split * num_tokens + token) * NUM_HEADS + head  # [splits, T, H] row-major
@@ -278,8 +286,8 @@ def _check_attention_args(query, k_cache, v_cache, block_tables, query_start_loc
     if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} {k_cache.dtype} and v_cache "
                          f"{tuple(v_cache.shape)} {v_cache.dtype} must match")
-    if k_cache.dtype != query.dtype:
-        raise ValueError(f"kv cache dtype {k_cache.dtype} must equal query dtype {query.dtype}")
+    if k_cache.dtype != query.dtype and k_cache.dtype not in FP8_KV_DTYPES:
+        raise ValueError(f"kv cache dtype {k_cache.dtype} must equal query dtype {query.dtype} or be an FP8 type")
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = k_cache.shape[2]
     if k_cache.shape[3] != head_dim or num_heads % num_kv_heads:
@@ -309,7 +317,7 @@ def launch_paged_attention(
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_query_len: int,
     max_seq_len: int, out: torch.Tensor | None = None, *, num_kv_splits: int | None = None,
     seq_order: torch.Tensor | None = None, heads_inner: bool | None = None, sliding_window: int | None = None,
-    sinks: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
     """`paged_attention` with overrides of the split count and launch order (tests, benchmarks)."""
     _check_attention_args(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out)
@@ -326,6 +334,7 @@ def launch_paged_attention(
     if num_tokens == 0 or num_seqs == 0 or max_query_len <= 0:
         return out
     group = num_heads // num_kv_heads
+    kv_fp8 = k_cache.dtype in FP8_KV_DTYPES
     cfg = _TileConfig(max_query_len, next_pow2(group), head_dim)
     num_q_blocks = triton.cdiv(max_query_len, cfg.block_q)
     num_programs = num_seqs * num_q_blocks * num_kv_heads
@@ -353,7 +362,7 @@ def launch_paged_attention(
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, out, part_out, part_lse,
         block_tables, query_start_loc, seq_lens, seq_order if seq_order is not None else seq_lens,
-        scale * LOG2E, num_tokens, num_q_blocks, num_kv_splits,
+        scale * LOG2E * (k_scale if kv_fp8 else 1.0), num_tokens, num_q_blocks, num_kv_splits,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1), block_tables.stride(0),
@@ -363,7 +372,7 @@ def launch_paged_attention(
         IS_SPLIT=is_split, DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
         DOT_IN_FP32=_INTERPRETED and query.dtype == torch.bfloat16, HAS_ORDER=seq_order is not None,
         HEADS_INNER=heads_inner, window=sliding_window or 0, HAS_WINDOW=sliding_window is not None,
-        sinks_ptr=sinks, HAS_SINKS=sinks is not None,
+        sinks_ptr=sinks, HAS_SINKS=sinks is not None, v_scale=v_scale if kv_fp8 else 1.0, KV_FP8=kv_fp8,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if is_split:
@@ -390,6 +399,8 @@ def paged_attention(
     seq_order: torch.Tensor | None = None,  # [S] int32, a permutation: programs start in this order
     sliding_window: int | None = None,  # a row at position p sees KV positions (p - window, p]
     sinks: torch.Tensor | None = None,  # [H] float: a per-head logit in the softmax denominator, no value
+    k_scale: float = 1.0,  # FP8 caches: stored K times k_scale is K
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal paged attention; same contract as `torch_ref.paged_attention`.
 
@@ -400,7 +411,7 @@ def paged_attention(
     """
     return launch_paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
                                   scale, max_query_len, max_seq_len, out, seq_order=seq_order,
-                                  sliding_window=sliding_window, sinks=sinks)
+                                  sliding_window=sliding_window, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
 
 
 def warm_up_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, dtype: torch.dtype,
