@@ -164,9 +164,10 @@ class TestErrors:
 # ---- the demo model's trained MTP layer ---------------------------------------------------
 
 DEMO_GREEDY = SamplingParams(temperature=0, max_tokens=48)
-# Measured 2026-11-25 on the 20 eval prompts below with K = 1: 0.82 (see docs/PERFORMANCE.md);
-# a broken layer (e.g. fed the wrong hidden rows) drafts near 0.
-MIN_ACCEPTANCE = 0.6
+# First-draft acceptance measured 2026-11-25 on these 20 eval prompts: 0.444 (20 of 45, K = 1 and 3
+# alike; 0.483 over all 1000 held-out questions, docs/PERFORMANCE.md). The untrained layer agreed
+# with the model's greedy tokens 3.7% of the time; one fed the wrong hidden rows drafts near that.
+MIN_ACCEPTANCE = 0.3
 
 
 def _demo_prompts(num: int = 20) -> list[str]:
