@@ -512,6 +512,51 @@ class TestGemvPath:
         assert rel_err(out, fused_moe_mxfp4_ref(*args, "swigluoai", b13, b2, 7.0)) < TOL[torch.bfloat16]
 
 
+@pytest.mark.skipif(INTERPRET, reason="the interpreter replaces the compiled kernels")
+def test_gemv_kernels_compile_for_hopper_without_spills():
+    """Both decode GEMVs compile for sm_90 with Triton's bundled ptxas (no GPU needed) at
+    gpt-oss's shapes and the default tiles, with no local-memory spills."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from atom_core.kernels.triton import moe_mxfp4_decode as dec
+
+    def compile_(fn, sig, consts, **options):
+        src = ASTSource(fn=fn, signature={**sig, **{c: "constexpr" for c in consts}}, constexprs=consts)
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+    ints = lambda *names: {n: "i32" for n in names}  # noqa: E731
+    (bn1, bk1, warps1), (bn2, bk2) = dec.GEMV1_TILE, dec.GEMV2_TILE
+    k1 = compile_(dec._gemv1_kernel, {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "bias_ptr": "*bf16",
+                                      "ids_ptr": "*i32", "act_ptr": "*fp32", **ints("num_assignments", "num_experts"),
+                                      "limit": "fp32", **ints("stride_xt", "stride_we", "stride_se", "stride_sg",
+                                                              "stride_be", "stride_at")},
+                  {"stride_wn": 360, "stride_sn": 90, "INTER": 2880, "HIDDEN": 2880, "TOP_K": 4, "ACTIVATION": 1,
+                   "ALPHA": 1.702, "HAS_BIAS": True, "BLOCK_N": bn1, "BLOCK_K": bk1}, num_warps=warps1, num_stages=1)
+    k2 = compile_(dec._gemv2_kernel, {"act_ptr": "*fp32", "w_ptr": "*u8", "s_ptr": "*u8", "bias_ptr": "*bf16",
+                                      "topk_weights_ptr": "*fp32", "ids_ptr": "*i32", "out_ptr": "*bf16",
+                                      **ints("num_tokens", "num_experts", "stride_at", "stride_we", "stride_se",
+                                             "stride_sg", "stride_be", "stride_ot")},
+                  {"stride_wn": 360, "stride_sn": 90, "HIDDEN": 2880, "INTER": 2880, "TOP_K": 4, "K_P": 4,
+                   "HAS_BIAS": True, "BLOCK_N": bn2, "BLOCK_K": bk2}, num_warps=4, num_stages=1)
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        pytest.skip("Triton ships no cuobjdump here")
+    for kernel in (k1, k2):
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(kernel.asm["cubin"])
+            f.flush()
+            usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        regs, stack = int(re.search(r"REG:(\d+)", usage).group(1)), int(re.search(r"STACK:(\d+)", usage).group(1))
+        assert stack == 0 and regs <= 128, usage
+
+
 class TestPathChoice:
     def test_decode_batches_take_the_gemv_path_and_larger_ones_the_tiled(self):
         from atom_core.kernels.triton.moe_mxfp4 import default_mxfp4_config, select_path

@@ -2,35 +2,36 @@
 alignment launch. `moe_mxfp4.fused_moe_mxfp4` dispatches here when T * top_k <= GEMV_MAX_ASSIGNMENTS.
 
 Why: at batch 1 the tl.dot path pads each expert's one row to a 16-row tile and round-trips the
-decoded tile through shared memory for the MMA operands; its GEMMs ran at ~25% of HBM bandwidth
-(gpt-oss-20b on an H100: 75 us a layer against a 17.6 us bytes floor). Here each program owns rows
-of one expert and streams their packed bytes once, in registers:
+decoded tile through shared memory for the MMA operands; it ran at ~22% of HBM bandwidth
+(gpt-oss-20b, H100: 81 us a layer against a 17.7 us bytes floor). Here each program owns rows of
+one expert and streams their packed bytes once, in registers:
 
 - GEMM1 `_gemv1_kernel`: program (row block rb, assignment a = t*K + k), BLOCK_N gate rows and the
   same BLOCK_N up rows of expert topk_ids[a], all of H. The grid puts the assignments of one row
   block next to each other, so assignments sharing an expert read the same bytes at about the same
-  time and the duplicates come from L2, not HBM. An assignment with an id outside [0, E) returns.
+  time (the duplicates can come from L2). An assignment with an id outside [0, E) returns.
 - GEMM2 `_gemv2_kernel`: program (row block rb, token t), BLOCK_N rows of H for all K of t's
-  experts at once (a [K, BLOCK_N, ...] tile), so the sum over top-k is in registers, in a fixed
-  order (deterministic), and no sum launch is needed; dropped ids are masked (no bytes read).
+  experts at once (a [BLOCK_N, K, ...] tile, one warp per k), so the sum over top-k is in
+  registers, in a fixed order (deterministic), and no sum launch is needed; dropped ids are
+  masked (no bytes read).
 
 Inner loop, per BLOCK_K columns: the bytes load as uint32 words [rows, G, 4] (G = BLOCK_K / 32
-groups; a thread reads a group's 16 bytes at once). Word j of group g holds the 8 values
-32g + 8j + c, c = 0..7, as nibble c (byte c//2, low nibble first), so value c of every word comes
-out of one shift/mask pair per nibble: magnitude bits to float32 bits 22-24, sign to bit 31, i.e.
-the e2m1 value times 2^-126 (subnormal 0.5 included, exact); no per-value scale multiply. The
-activations are pre-scaled by 2^X_SHIFT so the products stay normal floats; each group's 32
-products are summed, then multiplied once by the group's e8m0 scale 2^(s-127), and the float32
-accumulator is multiplied by 2^(126 - X_SHIFT) once at the end (exact powers of two throughout).
-Loads for the next BLOCK_K are issued before the current ones are decoded (registers double buffer),
-so each warp keeps two tiles of bytes in flight.
+groups), a word a thread, a warp reading 128 contiguous bytes of a row. Word j of group g holds the
+8 values 32g + 8j + c, c = 0..7, as nibble c (byte c//2, low nibble first). Each nibble becomes a
+float32 by bit placement: magnitude bits to bits 22-24, sign to bit 31, i.e. the e2m1 value times
+2^-126 (the 0.5 a subnormal, exact): one AND isolates two nibbles 16 bits apart, one integer
+multiply per value puts both copies of its nibble in place, one AND keeps them (`_place`); then one
+FFMA with the activation. The activations are pre-scaled by 2^X_SHIFT so the products stay normal
+floats; the e8m0 scale 2^(s-127) multiplies each word's 8-value sum (per group, not per value), and
+the float32 accumulator is multiplied by 2^(126 - X_SHIFT) once at the end (exact powers of two).
+The next BLOCK_K's bytes and scales are loaded before the current ones are decoded (a register
+double buffer). GEMM1 writes act in float32 (the activation rounded to hidden's dtype, as the
+reference does, times 2^X_SHIFT), which GEMM2 reads without conversion.
 
-GEMM1 writes act (float32, the activation rounded to hidden's dtype as the reference does, times
-2^X_SHIFT) with each 32-group's columns stored in word order [c][j] (column 32g + 8j + c at
-32g + 4c + j), so GEMM2 reads the 4 activations of nibble c of a thread's 4 words as one 16-byte load.
-
-Expected cost (gpt-oss-20b, H100, batch 1): ~5 instructions per weight (4 integer for the decode,
-1 FFMA), about the issue rate an SM has for its share of HBM bandwidth; see the report in git log.
+Offline sm_90 SASS (ptxas), inner loop: ~6.2 instructions a weight for GEMM1 (72 registers),
+~6.7 for GEMM2 (55 registers). Measured on an H100 (gpt-oss-20b shapes, CUDA-graph medians,
+`kernels/triton/mxfp4_bench.py`): M = 1: GEMM1 22.9 us + GEMM2 16.7 us alone, 48 us for the call
+(2.7x the bytes floor; the tiled path 81 us); M = 4: 135 us (tiled 230); M = 8: 257 us (tiled 418).
 """
 from __future__ import annotations
 
@@ -42,10 +43,15 @@ import triton.language as tl
 
 from atom_core.kernels.moe_ref import SWIGLU_ALPHA
 
-GEMV_MAX_ASSIGNMENTS = 32  # T * top_k up to this runs the GEMV path (decode batches of top-4 models up to 8 tokens)
+# T * top_k up to this runs the GEMVs (top-4 decode batches up to 8 tokens). The GEMVs decode every
+# assignment's weights, the tiled path each expert's once: on an H100 the GEMVs win at M*K = 32 on
+# both gpt-oss models (257 us vs 418 on 20b); at 64, 20b's 32 experts repeat and tiled wins (391 vs
+# 429) while 120b's 128 do not (GEMV 507 vs 690).
+GEMV_MAX_ASSIGNMENTS = 32
 X_SHIFT = tl.constexpr(64)  # activations times 2^64: e2m1 * 2^-126 products stay normal floats
-GEMV1_TILE = (16, 256, 2)  # BLOCK_N (gate rows, and as many up rows), BLOCK_K, num_warps
-GEMV2_TILE = (8, 256, 2)
+# Tiles: the fastest of a sweep on an H100 (gpt-oss-20b, M = 1 and 8)
+GEMV1_TILE = (8, 128, 1)  # BLOCK_N (gate rows, and as many up rows), BLOCK_K, num_warps
+GEMV2_TILE = (8, 128)  # BLOCK_N, BLOCK_K; one warp per top-k slot
 
 
 @triton.jit
@@ -93,11 +99,12 @@ def _scale_mult(s):
 
 
 # Every tensor of the inner loop is [..., G, 4] (group, word) in one layout, a word a thread: the
-# weights load as single words (the word strides are not specialized, so no 16-byte vectors that
-# would give them a layout of their own), the 8 activations of a word's nibbles and its group's
-# scale (the same byte for the 4 words of a group) load into the same places, and the accumulator
-# keeps that shape; no layout conversion (shared memory, barriers) and no cross-thread sum inside
-# the loop. A warp reads 128 contiguous bytes of a row per load.
+# weights load as single words (the expert stride is not specialized, so the compiler cannot prove
+# 16-byte alignment and emits no vector loads, which would give the weights a layout of their own),
+# the 8 activations of a word's nibbles and its group's scale (the same byte for the 4 words of a
+# group) load into the same places, and the accumulator keeps that shape: no layout conversion
+# (shared memory, barriers) and no cross-thread sum inside the loop. The row strides are constexpr,
+# so a thread's rows share one address register (immediate offsets).
 _NOT_SPECIALIZED = ["num_experts", "stride_we", "stride_sg"]
 
 
@@ -132,15 +139,17 @@ def _gemv1_kernel(
     ok = offs_g < HIDDEN // 32
     wg = tl.load(g_ptrs, mask=ok, other=0)
     wu = tl.load(u_ptrs, mask=ok, other=0)
+    sg = tl.load(gs_ptrs, mask=ok, other=0)
+    su = tl.load(us_ptrs, mask=ok, other=0)
     for k0 in range(0, HIDDEN, BLOCK_K):
-        sg = _scale_mult(tl.load(gs_ptrs, mask=ok, other=0))
-        su = _scale_mult(tl.load(us_ptrs, mask=ok, other=0))
         next_ok = k0 + BLOCK_K + offs_g * 32 < HIDDEN  # the next tile's bytes fly while this one decodes
         wg_next = tl.load(g_ptrs + BLOCK_K // 8, mask=next_ok, other=0)
         wu_next = tl.load(u_ptrs + BLOCK_K // 8, mask=next_ok, other=0)
-        acc_g += _words_dot(wg, x_ptrs, ok, True) * sg
-        acc_u += _words_dot(wu, x_ptrs, ok, True) * su
-        wg, wu, ok = wg_next, wu_next, next_ok
+        sg_next = tl.load(gs_ptrs + G * stride_sg, mask=next_ok, other=0)
+        su_next = tl.load(us_ptrs + G * stride_sg, mask=next_ok, other=0)
+        acc_g += _words_dot(wg, x_ptrs, ok, True) * _scale_mult(sg)
+        acc_u += _words_dot(wu, x_ptrs, ok, True) * _scale_mult(su)
+        wg, wu, sg, su, ok = wg_next, wu_next, sg_next, su_next, next_ok
         g_ptrs += BLOCK_K // 8
         u_ptrs += BLOCK_K // 8
         gs_ptrs += G * stride_sg
@@ -193,12 +202,13 @@ def _gemv2_kernel(
     acc = tl.zeros([BLOCK_N, K_P, G, 4], dtype=tl.float32)
     ok = k_ok4 & (offs_g < INTER // 32)
     w = tl.load(w_ptrs, mask=ok, other=0)
+    s = tl.load(s_ptrs, mask=ok, other=0)
     for k0 in range(0, INTER, BLOCK_K):
-        s = _scale_mult(tl.load(s_ptrs, mask=ok, other=0))
         next_ok = k_ok4 & (k0 + BLOCK_K + offs_g * 32 < INTER)
         w_next = tl.load(w_ptrs + BLOCK_K // 8, mask=next_ok, other=0)
-        acc += _words_dot(w, x_ptrs, ok, False) * s
-        w, ok = w_next, next_ok
+        s_next = tl.load(s_ptrs + G * stride_sg, mask=next_ok, other=0)
+        acc += _words_dot(w, x_ptrs, ok, False) * _scale_mult(s)
+        w, s, ok = w_next, s_next, next_ok
         w_ptrs += BLOCK_K // 8
         s_ptrs += G * stride_sg
         x_ptrs += BLOCK_K
@@ -245,7 +255,7 @@ def fused_moe_mxfp4_gemv(
         INTER=inter, HIDDEN=hidden_size, TOP_K=top_k, ACTIVATION=activation_code, ALPHA=SWIGLU_ALPHA,
         HAS_BIAS=w13_bias is not None, BLOCK_N=bn1, BLOCK_K=bk1, num_warps=warps1, num_stages=1,
     )
-    bn2, bk2, warps2 = GEMV2_TILE
+    bn2, bk2 = GEMV2_TILE
     k_p = triton.next_power_of_2(top_k)
     _gemv2_kernel[(num_tokens * triton.cdiv(hidden_size, bn2),)](
         act, w2, w2_scale, w2_bias if w2_bias is not None else hidden, topk_weights, topk_ids, out, num_tokens,
@@ -253,6 +263,6 @@ def fused_moe_mxfp4_gemv(
         w2_bias.stride(0) if w2_bias is not None else 0, out.stride(0), stride_wn=w2.stride(1) // 4,
         stride_sn=w2_scale.stride(1),
         HIDDEN=hidden_size, INTER=inter, TOP_K=top_k, K_P=k_p, HAS_BIAS=w2_bias is not None, BLOCK_N=bn2,
-        BLOCK_K=bk2, num_warps=min(warps2, k_p), num_stages=1,  # warps split the k
+        BLOCK_K=bk2, num_warps=k_p, num_stages=1,
     )
     return out
