@@ -178,8 +178,8 @@ class TestOptions:
 
         from atomctl.main import app
 
-        result = CliRunner().invoke(app, ["generate", "--method", "mtp", "--num-speculative-tokens", "1", "hi"])
-        assert result.exit_code != 0 and "--method" in result.output
+        result = CliRunner().invoke(app, ["generate", "--method", "eagle", "--num-speculative-tokens", "1", "hi"])
+        assert result.exit_code != 0 and "--method" in result.output and "ngram, draft, mtp" in result.output
 
 
 class _EagerReplay:
