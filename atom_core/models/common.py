@@ -174,7 +174,8 @@ class DecoderForCausalLM(nn.Module):
         # Multi-token-prediction (nextn) layers follow the last decoder layer
         # (model.layers.{num_hidden_layers}...); speculative decoding (spec_decode/mtp.py) builds them.
         parts = name.split(".", 3)
-        return parts[:2] == ["model", "layers"] and int(parts[2]) >= self.config.num_hidden_layers
+        return (len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
+                and int(parts[2]) >= self.config.num_hidden_layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
