@@ -533,7 +533,7 @@ def test_gemv_kernels_compile_for_hopper_without_spills():
                                       "limit": "fp32", **ints("stride_xt", "stride_we", "stride_se", "stride_sg",
                                                               "stride_be", "stride_at")},
                   {"stride_wn": 360, "stride_sn": 90, "INTER": 2880, "HIDDEN": 2880, "TOP_K": 4, "ACTIVATION": 1,
-                   "ALPHA": 1.702, "HAS_BIAS": True, "BLOCK_N": bn1, "BLOCK_K": bk1}, num_warps=warps1, num_stages=1)
+                   "HAS_BIAS": True, "BLOCK_N": bn1, "BLOCK_K": bk1}, num_warps=warps1, num_stages=1)
     k2 = compile_(dec._gemv2_kernel, {"act_ptr": "*fp32", "w_ptr": "*u8", "s_ptr": "*u8", "bias_ptr": "*bf16",
                                       "topk_weights_ptr": "*fp32", "ids_ptr": "*i32", "out_ptr": "*bf16",
                                       **ints("num_tokens", "num_experts", "stride_at", "stride_we", "stride_se",

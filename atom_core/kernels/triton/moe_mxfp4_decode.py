@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atom_core.kernels.moe_ref import SWIGLU_ALPHA
+from atom_core.kernels.triton.moe import _activate  # the tiled paths' activation (moe_mxfp4 uses the same codes)
 
 # T * top_k up to this runs the GEMVs (top-4 decode batches up to 8 tokens). The GEMVs decode every
 # assignment's weights, the tiled path each expert's once: on an H100 the GEMVs win at M*K = 32 on
@@ -113,7 +113,7 @@ def _gemv1_kernel(
     x_ptr, w_ptr, s_ptr, bias_ptr, ids_ptr, act_ptr, num_assignments, num_experts, limit,
     stride_xt, stride_we, stride_se, stride_sg, stride_be, stride_at, stride_wn: tl.constexpr, stride_sn: tl.constexpr,
     INTER: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, ACTIVATION: tl.constexpr,
-    ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """act[a, n] = 2^X_SHIFT * act(x[t] @ w13[e].T + b13[e])[n] for BLOCK_N columns n of I,
     a = t*K + k, e = topk_ids[a]. w strides in uint32 words."""
@@ -161,12 +161,7 @@ def _gemv1_kernel(
     if HAS_BIAS:
         gate += tl.load(bias_ptr + expert * stride_be + cols, mask=cols < INTER, other=0.0).to(tl.float32)
         up += tl.load(bias_ptr + expert * stride_be + INTER + cols, mask=cols < INTER, other=0.0).to(tl.float32)
-    if ACTIVATION == 0:  # silu(gate) * up
-        act = gate * tl.sigmoid(gate) * up
-    else:  # swigluoai (GPT-OSS)
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-        act = (up + 1.0) * (gate * tl.sigmoid(gate * ALPHA))
+    act = _activate(gate, up, limit, ACTIVATION)
     act = act.to(x_ptr.dtype.element_ty).to(tl.float32) * (2.0 ** X_SHIFT)  # rounded as the reference does
     tl.store(act_ptr + a.to(tl.int64) * stride_at + cols, act, mask=cols < INTER)
 
@@ -252,7 +247,7 @@ def fused_moe_mxfp4_gemv(
         num_experts, float(swiglu_limit or 0.0), hidden.stride(0), w13.stride(0) // 4, w13_scale.stride(0),
         w13_scale.stride(2), w13_bias.stride(0) if w13_bias is not None else 0, act.stride(0),
         stride_wn=w13.stride(1) // 4, stride_sn=w13_scale.stride(1),
-        INTER=inter, HIDDEN=hidden_size, TOP_K=top_k, ACTIVATION=activation_code, ALPHA=SWIGLU_ALPHA,
+        INTER=inter, HIDDEN=hidden_size, TOP_K=top_k, ACTIVATION=activation_code,
         HAS_BIAS=w13_bias is not None, BLOCK_N=bn1, BLOCK_K=bk1, num_warps=warps1, num_stages=1,
     )
     bn2, bk2 = GEMV2_TILE
