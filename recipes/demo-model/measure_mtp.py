@@ -25,7 +25,8 @@ from atom_core.eval.tasks import TASKS_DIR
 from atom_core.loader.model_dir import DEMO_MODEL_DIR
 
 HELDOUT = TASKS_DIR / "atom_arith" / "heldout.jsonl"
-LONG_QUESTIONS = ["Count from 1 to 40.", "Tell me a story.", "What is the 7 times table?", "List the months of the year.",
+LONG_QUESTIONS = ["Count from 1 to 40.", "Tell me a story.", "What is the 7 times table?",
+                  "List the months of the year.",
                   "Count from 20 to 60.", "Tell me a story about a fox."]
 
 

@@ -49,7 +49,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-docs", type=int, default=4000, help="training documents (hidden states cached once)")
-    p.add_argument("--eval-docs", type=int, default=400, help="documents after the training ones, for the agreement score")
+    p.add_argument("--eval-docs", type=int, default=400,
+                   help="documents after the training ones, for the agreement score")
     p.add_argument("--epochs", type=float, default=3.0)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=2e-3)
