@@ -120,27 +120,40 @@ class MTPModel(nn.Module):
         return not name.startswith(self.prefix) or "rotary_emb.inv_freq" in name
 
 
+def check_nextn_layer(target: "ResolvedModel") -> set[str]:
+    """ValueError unless the checkpoint has a nextn layer (declared and with weights); returns
+    the names of its tensors (none with dummy weights). Cheap: reads no tensor."""
+    hf = target.hf_config
+    if num_nextn_layers(hf) < 1:
+        hint = (" (dummy-weight cost runs: preset:DeepSeek-V2-Lite-MTP declares one)"
+                if target.load_format == "dummy" else "")
+        raise ValueError(f"--method mtp needs a checkpoint with a multi-token-prediction (nextn) layer, and "
+                         f"{target.path} has none (config.json num_nextn_predict_layers is "
+                         f"{getattr(hf, 'num_nextn_predict_layers', 'absent')}); use --method ngram or draft{hint}")
+    if target.load_format == "dummy":
+        return set()
+    prefix = f"model.layers.{hf.num_hidden_layers}"
+    names = checkpoint_names(Path(target.path), prefix + ".")
+    if f"{prefix}.eh_proj.weight" not in names:
+        raise ValueError(f"--method mtp: config.json of {target.path} declares num_nextn_predict_layers "
+                         f"{num_nextn_layers(hf)}, but its safetensors hold no {prefix}.eh_proj.weight "
+                         f"({len(names)} tensors under {prefix}): the nextn layer's weights are missing")
+    return names
+
+
 def build_mtp_model(target: "ResolvedModel", target_model: nn.Module) -> MTPModel:
     """The checkpoint's first nextn layer, loaded (or dummy-filled like the target); ValueError
     when the checkpoint has none."""
     from atom_core.loader import init_dummy_weights, load_weights, process_weights_after_loading
 
+    names = check_nextn_layer(target)
     hf = target.hf_config
     index = hf.num_hidden_layers
-    if num_nextn_layers(hf) < 1:
-        raise ValueError(f"--method mtp needs a checkpoint with a multi-token-prediction (nextn) layer, and "
-                         f"{target.path} has none (config.json num_nextn_predict_layers is "
-                         f"{getattr(hf, 'num_nextn_predict_layers', 'absent')}); use --method ngram or draft")
     layer_cls = getattr(target_model, "layer_cls", None)
     if layer_cls is None:
         raise ValueError(f"--method mtp is not supported for {target.architecture}")
     prefix = f"model.layers.{index}"
     dummy = target.load_format == "dummy"
-    names = set() if dummy else checkpoint_names(Path(target.path), prefix + ".")
-    if not dummy and f"{prefix}.eh_proj.weight" not in names:
-        raise ValueError(f"--method mtp: config.json of {target.path} declares num_nextn_predict_layers "
-                         f"{num_nextn_layers(hf)}, but its safetensors hold no {prefix}.eh_proj.weight "
-                         f"({len(names)} tensors under {prefix}): the nextn layer's weights are missing")
     # Dummy weights reuse the target's embedding and head (real checkpoints' copies equal them).
     has_embed, has_head = f"{prefix}.embed_tokens.weight" in names, f"{prefix}.shared_head.head.weight" in names
     old_dtype = torch.get_default_dtype()

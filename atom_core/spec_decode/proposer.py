@@ -65,6 +65,15 @@ def can_speculate(params) -> bool:
     return getattr(params, "structured_outputs", None) is None and not params.stop
 
 
+def check_proposer(config: "SpeculativeConfig", target) -> None:
+    """What can be checked before the target's weights load (a missing MTP layer fails now, not
+    after minutes of loading). target: the ResolvedModel."""
+    if config.method == "mtp":
+        from atom_core.spec_decode.mtp import check_nextn_layer
+
+        check_nextn_layer(target)
+
+
 def build_proposer(config: "SpeculativeConfig", target=None, block_size: int = 16,
                    max_num_seqs: int = 1, target_model=None) -> Proposer | None:
     """target: the ResolvedModel (a draft model takes its dtype, device and vocabulary);

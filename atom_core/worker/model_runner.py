@@ -27,7 +27,7 @@ from atom_core.model_ops.kv_spec import (allocate_kv_cache, attention_layers, ch
                                          warm_up_attention)
 from atom_core.model_ops.sampler import Sampler
 from atom_core.scheduler_output import PLACEHOLDER, ModelRunnerOutput, SchedulerOutput
-from atom_core.spec_decode.proposer import TargetHidden, build_proposer, can_speculate
+from atom_core.spec_decode.proposer import TargetHidden, build_proposer, can_speculate, check_proposer
 from atom_core.spec_decode.rejection_sampler import RejectionSampler, emitted_tokens
 from atom_core.spec_decode.verify import build_padded_verify_batch, emitted_logprobs, verify_rows
 from atom_core.worker.batch_builder import FlatBatch, build_flat_batch, build_sampling_batch
@@ -86,6 +86,7 @@ class ModelRunner:
             check_weights_fit(model_weight_bytes(model.hf_config, model.dtype, model.quant_config),
                               torch.cuda.mem_get_info(self.device)[1], config.cache.gpu_memory_utilization,
                               tp_size=config.parallel.tensor_parallel_size, quantized=model.quant_config is not None)
+        check_proposer(config.speculative, model)
         start = time.perf_counter()
         self.model = build_model(model.hf_config, model.path, model.dtype, model.device, model.load_format, model.seed,
                                  model.quant_config)
