@@ -210,7 +210,13 @@ class ModelRunner:
         out, num_blocks = dummy_step(sched.max_num_batched_tokens, sched.max_num_seqs, self.max_model_len,
                                      self.block_size)
         tensors = allocate_kv_cache(self.attention_layers, num_blocks, self.block_size, self.device)
-        self.execute(out)
+        # The target alone: a proposer's layers get their KV after sizing (its peak is one MTP
+        # layer or a small draft model's, next to the target's; not profiled).
+        proposer, self.proposer = self.proposer, None
+        try:
+            self.execute(out)
+        finally:
+            self.proposer = proposer
         self.input_batch.remove(out.req_ids)
         scratch = sum(t.numel() * t.element_size() for t in tensors)
         release_kv_cache(self.attention_layers)

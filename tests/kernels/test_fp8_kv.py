@@ -89,8 +89,10 @@ def test_triton_attention_reads_fp8(device, kv_dtype, splits, window):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kv_dtype", FP8)
 def test_triton_store_matches_reference_bits(kv_dtype):
-    """The fused q/k-norm + RoPE + store kernel writes the reference's FP8 bits (both scale in
-    float32 by the same reciprocal and round to nearest even)."""
+    """The fused q/k-norm + RoPE + store kernel writes the reference's FP8 bits for V (both scale
+    in float32 by the same reciprocal and round to nearest even). K passes RoPE first, whose
+    float32 arithmetic may round a bf16 value one ulp apart from torch's (the H100 showed 1 of
+    18,944 q values), so a K code may rarely sit one FP8 step away."""
     from atom_core.kernels.triton.qkv_prep import qkv_rope_store
 
     g = torch.Generator().manual_seed(1)
@@ -109,6 +111,9 @@ def test_triton_store_matches_reference_bits(kv_dtype):
         q = fn(qkv, positions, cos_sin, k_cache, v_cache, slots, heads, k_scale=0.5, v_scale=3.0)
         caches.append((q, k_cache, v_cache))
     (q, k, v), (rq, rk, rv) = caches
-    torch.testing.assert_close(q.float(), rq.float(), atol=0, rtol=0)
-    assert torch.equal(k.view(torch.uint8), rk.view(torch.uint8))
+    torch.testing.assert_close(q.float(), rq.float(), atol=1e-6, rtol=2 ** -7)  # one bf16 ulp
     assert torch.equal(v.view(torch.uint8), rv.view(torch.uint8))
+    differ = k.view(torch.uint8) != rk.view(torch.uint8)
+    assert differ.float().mean() < 1e-3
+    step = rk.float().abs().clamp(min=2 ** -6) * 2 ** -(3 if kv_dtype == torch.float8_e4m3fn else 2)
+    assert ((k.float() - rk.float()).abs() <= step * 1.01)[differ].all()
