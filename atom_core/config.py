@@ -416,7 +416,15 @@ class EngineConfig:
             options["cudagraph_capture_sizes"] = tuple(options["cudagraph_capture_sizes"])
         options = {k: v for k, v in options.items() if v is not None or k in _NULLABLE}
         parts = _split_options({"model": os.fspath(model), **options})
-        return cls(**{name: _PARTS[name](**values) for name, values in parts.items()})
+        config = cls(**{name: _PARTS[name](**values) for name, values in parts.items()})
+        if config.parallel.experts_span_replicas:  # asked-for graphs would silently not happen (use_cuda_graphs)
+            asked = [f"--{k.replace('_', '-')}={options[k]}" for k in ("level", "cudagraph_capture_sizes")
+                     if k in options and (k != "level" or options[k] in (1, 3))]
+            if asked:
+                raise ValueError(f"{' '.join(asked)}: data-parallel replicas sharing experts (enable_expert_parallel) "
+                                 f"run without CUDA graphs (their decode would replay one padded size agreed every "
+                                 f"step; not built); use --level 2 (torch.compile) or 0")
+        return config
 
 
 def _split_options(options: dict) -> dict[str, dict]:

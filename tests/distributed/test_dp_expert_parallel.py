@@ -158,10 +158,18 @@ class TestRefusedAtStart:
         (dict(tensor_parallel_size=2), "tensor parallelism inside a replica is not supported"),
         (dict(num_scheduler_steps=8), "num_scheduler_steps=8.*use num_scheduler_steps=1"),
         (dict(method="ngram", num_speculative_tokens=2), "method='ngram'.*speculative decoding changes the number"),
-    ], ids=["tp2", "multi_step", "speculative"])
+        (dict(level=1), r"--level=1: .*run without CUDA graphs.*use --level 2"),
+        (dict(level=3), r"--level=3: .*run without CUDA graphs"),
+        (dict(cudagraph_capture_sizes=[1, 2]), r"--cudagraph-capture-sizes=\(1, 2\)"),
+    ], ids=["tp2", "multi_step", "speculative", "graphs_level1", "graphs_level3", "capture_sizes"])
     def test_combinations_that_change_forwards_per_step(self, options, match):
         with pytest.raises(ValueError, match=match):
             EngineConfig.from_kwargs("m", **{**DP_EP, **options})
+
+    def test_default_and_compile_only_levels_are_accepted(self):
+        for options in ({}, {"level": 2}, {"level": 0}):
+            config = EngineConfig.from_kwargs("m", **{**DP_EP, **options})
+            assert not config.use_cuda_graphs
 
     def test_expert_parallel_on_a_dense_model_names_the_flag(self, tiny_dist_models):
         from atom_core.distributed.checks import check_parallel
