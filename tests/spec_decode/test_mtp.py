@@ -69,6 +69,18 @@ class TestTinyDeepSeekV3:
         if "num_kv_blocks" in options:
             assert engine.core.scheduler.num_preemptions > 0
 
+    def test_two_tensor_parallel_ranks(self, v3_mtp):
+        """Every rank runs the nextn layer (its collectives) when a step resolves; once hung: the
+        worker resolved lazily, at the next step's message."""
+        path, prompts, hf = v3_mtp
+        engine = LLMEngine(str(path), tensor_parallel_size=2, method="mtp", num_speculative_tokens=2,
+                           kv_cache_memory_gb=0.02)
+        try:
+            assert _tokens(engine, prompts) == hf
+            assert engine.spec_decode_stats()["num_drafts"] > 0
+        finally:
+            engine.shutdown()
+
     def test_prefix_cache_hits_keep_greedy_output(self, v3_mtp):
         path, prompts, _ = v3_mtp
         engine = LLMEngine(str(path), method="mtp", num_speculative_tokens=3, block_size=4)
