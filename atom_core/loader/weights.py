@@ -51,6 +51,9 @@ class NameMapper:
         self.stacked: dict[tuple[str, ...], list[tuple[tuple[str, ...], object]]] = {}
         for param, ckpt, shard_id in getattr(model, "stacked_params_mapping", []):
             self.stacked.setdefault(tuple(ckpt.split(".")), []).append((tuple(param.split(".")), shard_id))
+        # KV-cache scales: checkpoints name them self_attn.k_scale / v_scale; our Attention layer
+        # sits at self_attn.attn (the rule applies only where that parameter exists).
+        self.stacked.setdefault(("self_attn",), []).append((("self_attn", "attn"), None))
         self.stacked_lengths = sorted({len(k) for k in self.stacked}, reverse=True)
 
     def map(self, name: str) -> tuple[str, dict] | None:
@@ -103,7 +106,7 @@ def load_weights(model: nn.Module, path: Path) -> None:
     for name, param in params.items():
         keys = loaded.get(name)
         if keys is None:
-            if not (tied and name == "lm_head.weight"):
+            if not (tied and name == "lm_head.weight") and not getattr(param, "optional_in_checkpoint", False):
                 missing.append(name)
             continue
         expected = getattr(param, "expected_shards", None)
@@ -129,6 +132,8 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, scale: float = 1e-3) -> 
     """
     generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
+        if getattr(param, "optional_in_checkpoint", False):
+            continue  # keeps its default (e.g. KV-cache scales of 1.0): random ones would be meaningless
         gen = generators.get(param.device)
         if gen is None:
             gen = generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)

@@ -92,9 +92,16 @@ class Attention(nn.Module):
         else:
             self.sinks = None
         self.k_cache = self.v_cache = torch.empty(0)
-        # An FP8 cache (--kv-cache-dtype fp8) stores K / k_scale and V / v_scale. 1.0: the values'
-        # own range (bf16 K/V of real models sit far inside e4m3's +-448), as vLLM without scales.
-        self.k_scale = self.v_scale = 1.0
+        # An FP8 cache (--kv-cache-dtype fp8) stores K / k_scale and V / v_scale: the checkpoint's
+        # calibrated per-layer scales (`self_attn.k_scale` / `v_scale`, e.g. llm-compressor's
+        # kv_cache_scheme) when it has them, else 1.0 (bf16 K/V of real models sit far inside
+        # e4m3's +-448), as in vLLM. Optional parameters: absent from most checkpoints; the kernels
+        # read the floats in `kv_scales`, taken once after loading (finalize_kv_scales).
+        for name in ("k_scale", "v_scale"):
+            scale = nn.Parameter(torch.ones(1, dtype=torch.float32), requires_grad=False)
+            scale.optional_in_checkpoint = True
+            self.register_parameter(name, scale)
+        self.kv_scales = (1.0, 1.0)
         self.use_custom_op = False
         self._backend: AttentionBackend | None = None
         self.layer_key = torch.tensor([id(self)], dtype=torch.int64, device="cpu")

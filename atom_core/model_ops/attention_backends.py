@@ -69,7 +69,7 @@ class PagedMHABackend(AttentionBackend):
         """An FP8 cache holds K / k_scale and V / v_scale; a cache in the model dtype needs none."""
         if layer.kv_spec.dtype == layer.dtype:
             return {}
-        return {"k_scale": layer.k_scale, "v_scale": layer.v_scale}
+        return {"k_scale": layer.kv_scales[0], "v_scale": layer.kv_scales[1]}
 
     @staticmethod
     def _layer_args(layer: "Attention") -> dict:

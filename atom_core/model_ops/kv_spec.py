@@ -76,6 +76,17 @@ def set_kv_cache_dtype(layers: list["Attention"], dtype: torch.dtype) -> None:
         layer.kv_spec = dataclasses.replace(layer.kv_spec, dtype=dtype)
 
 
+def finalize_kv_scales(layers: list["Attention"]) -> None:
+    """After loading: each layer's k_scale / v_scale as host floats (one sync now, none per step)."""
+    for layer in layers:
+        if hasattr(layer, "k_scale"):
+            k, v = float(layer.k_scale), float(layer.v_scale)
+            if not (k > 0 and v > 0):
+                raise ValueError(f"{layer.prefix or 'an attention layer'}: KV cache scales must be positive, got "
+                                 f"k_scale={k}, v_scale={v}")
+            layer.kv_scales = (k, v)
+
+
 def kv_bytes_per_block(layers: list["Attention"], block_size: int) -> int:
     """Bytes one KV block (block_size tokens) costs summed over all layers."""
     return sum(layer.kv_spec.bytes_per_token for layer in layers) * block_size

@@ -9,6 +9,8 @@ an exact module name, or "re:<regex>" matched from the name's start. Schemes run
                   asymmetric (zero points)
   float-quantized FP8 (FP8_DYNAMIC, FP8): e4m3 weights per channel or per tensor; activations
                   e4m3 per token (dynamic) or per tensor (static input_scale)
+  kv_cache_scheme float8 per tensor, static: calibrated self_attn.k_scale / v_scale, which the
+                  attention layers load and an FP8 KV cache (--kv-cache-dtype fp8) uses
 
 Anything else (static INT8 activation scales, FP8 weights without FP8 activations, act-order g_idx, sparsity, KV-cache schemes, other
 bit widths, quantized MoE experts) fails at start with a message naming it.
@@ -122,9 +124,13 @@ class CompressedTensorsConfig(QuantConfig):
         if status != "compressed":
             raise ValueError(f"compressed-tensors quantization_status {status!r} is not supported; "
                              f"expected 'compressed' (save with save_compressed=True)")
-        for key in ("sparsity_config", "transform_config", "kv_cache_scheme"):
+        for key in ("sparsity_config", "transform_config"):
             if qc.get(key):
                 raise ValueError(f"compressed-tensors {key} is not supported (got {qc[key]!r})")
+        kv = QuantArgs.parse(qc.get("kv_cache_scheme"))
+        if kv is not None and (kv.type, kv.num_bits, kv.strategy, kv.dynamic) != ("float", 8, "tensor", False):
+            raise ValueError(f"compressed-tensors kv_cache_scheme {kv.describe()} is not supported; float8 tensor "
+                             f"static scales (self_attn.k_scale / v_scale) are, used with --kv-cache-dtype fp8")
         schemes = []
         for name, group in qc["config_groups"].items():
             if group.get("output_activations"):

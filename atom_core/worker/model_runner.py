@@ -23,8 +23,8 @@ from atom_core.kernels import kernel_ops
 from atom_core.loader import build_model
 from atom_core.model_ops.forward_context import AttentionMetadata, set_attention_metadata
 from atom_core.model_ops.kv_spec import (allocate_kv_cache, attention_layers, check_attention_supported,
-                                         kv_bytes_per_block, release_kv_cache, set_kv_cache_dtype,
-                                         warm_up_attention)
+                                         finalize_kv_scales, kv_bytes_per_block, release_kv_cache,
+                                         set_kv_cache_dtype, warm_up_attention)
 from atom_core.model_ops.sampler import Sampler
 from atom_core.scheduler_output import PLACEHOLDER, ModelRunnerOutput, SchedulerOutput
 from atom_core.spec_decode.proposer import TargetHidden, build_proposer, can_speculate, check_proposer
@@ -93,6 +93,7 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - start
         self.attention_layers = attention_layers(self.model)
         set_kv_cache_dtype(self.attention_layers, kv_cache_torch_dtype(config.cache.kv_cache_dtype, self.dtype))
+        finalize_kv_scales(self.attention_layers)
         check_attention_supported(self.attention_layers, self.max_model_len, self.device)
         summary = self.model_summary
         logger.info("model loaded in %.1f s: format %s, weights %.2f GiB, KV cache %d bytes/token (this rank)",

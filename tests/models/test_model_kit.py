@@ -59,7 +59,8 @@ class TestModelKit:
         assert block.attn.qk.q_norm is block.q_norm and block.attn.qk.rotary is block.rotary_emb
         names = {n for n, _ in model.named_parameters()}
         assert "model.layers.0.self_attn.q_norm.weight" in names
-        assert not any(".attn." in n for n in names)  # norms keep their checkpoint names only
+        # norms keep their checkpoint names only; the attention layer holds just its KV-cache scales
+        assert {n.rsplit(".", 1)[1] for n in names if ".attn." in n} == {"k_scale", "v_scale"}
 
     def test_unsupported_activation_fails_at_construction(self):
         with pytest.raises(ValueError, match="unsupported hidden_act 'gelu'; expected silu"):

@@ -39,8 +39,10 @@ SCHEMES = {
     "qwen3-w4a16-g32-asym": ("qwen3", 64, _w4(32, False)),
     "llama-fp8-dynamic": ("llama", 64, {"scheme": "FP8_DYNAMIC"}),  # float8 channel weights, dynamic per-token acts
     "qwen3-fp8-static": ("qwen3", 64, {"scheme": "FP8"}),  # float8 tensor weights, static per-tensor acts
+    "llama-fp8-kv": ("llama", 64, {"scheme": "FP8_DYNAMIC", "kv_cache_scheme": {  # + calibrated KV-cache scales
+        "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}}),
 }
-STATIC_ACTIVATIONS = {"qwen3-fp8-static"}  # calibrated on CALIBRATION_SAMPLES random sequences
+STATIC_ACTIVATIONS = {"qwen3-fp8-static", "llama-fp8-kv"}  # calibrated on random sequences
 
 
 def calibration_dataset(vocab: int):
