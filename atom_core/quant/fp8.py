@@ -15,9 +15,11 @@ Online FP8 (`--quantization fp8` on a bf16/fp16 checkpoint, as in vLLM): weights
   channel; activations get a dynamic per-token scale; the product is `fp8_linear`
   (torch._scaled_mm on CUDA). Loading holds the model-dtype weights until they are quantized.
 
-Block-FP8 MoE experts (FusedMoE) run through a per-expert loop of the block product (correct on
-every device, no fused kernel yet). Not here yet: online FP8 for MoE experts and static
-activation scales (activation_scheme "static"): both fail at start with a message.
+Block-FP8 MoE experts (FusedMoE): on CUDA the fused Triton kernel (kernels/triton/moe_fp8.py,
+e4m3 MMAs with the scales applied per 128 columns, written without a GPU and not yet run on
+one), elsewhere `fused_moe_fp8_block_ref`, a per-expert loop of the block product. Not here
+yet: online FP8 for MoE experts and static activation scales (activation_scheme "static"): both
+fail at start with a message.
 """
 from __future__ import annotations
 
@@ -26,9 +28,11 @@ import re
 import torch
 from torch import nn
 
-from atom_core.kernels.moe_ref import apply_activation
+from atom_core.kernels.moe_ref import apply_activation, check_activation
 from atom_core.quant.base import QuantConfig, QuantMethod, set_weight_attrs
-from atom_core.quant.fp8_ops import FP8_DTYPE, fp8_block_linear, fp8_linear, quantize_fp8_per_token
+from atom_core.quant.fp8_ops import (
+    FP8_DTYPE, fp8_block_linear, fp8_block_linear_ref, fp8_linear, quantize_fp8_per_token,
+)
 
 PACKED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -75,8 +79,9 @@ class Fp8BlockLinearMethod(QuantMethod):
 class Fp8BlockMoEMethod(QuantMethod):
     """Block-FP8 experts: w13_weight e4m3 [E, 2I, H] + w13_weight_scale_inv float32 [E, 2I, ceil(H/bk)],
     w2_weight e4m3 [E, H, I] + w2_weight_scale_inv [E, H, ceil(I/bk)] (block scales expanded by row
-    at load, as for the linear method). The product is the per-expert reference loop (every device;
-    no fused block-FP8 MoE kernel yet): correct, not fast."""
+    at load, as for the linear method: TP slices and the gate/up halves place like weight rows, and
+    the fused kernel reads the row-expanded scales as they are). The product: the fused Triton
+    kernel on CUDA, `fused_moe_fp8_block_ref` elsewhere."""
 
     def __init__(self, block_size: tuple[int, int]):
         self.block_n, self.block_k = block_size
@@ -118,18 +123,45 @@ class Fp8BlockMoEMethod(QuantMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               activation: str = "silu", swiglu_limit: float | None = None) -> torch.Tensor:
-        block = [1, self.block_k]
-        num_tokens, top_k = topk_ids.shape
-        out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
-        flat, flat_w = topk_ids.flatten().long(), topk_weights.flatten().float()
-        for e in torch.unique(flat).tolist():
-            slots = (flat == e).nonzero().squeeze(1)
-            tokens = slots // top_k
-            h = fp8_block_linear(x.index_select(0, tokens), layer.w13_weight[e], layer.w13_weight_scale_inv[e], block)
-            y = fp8_block_linear(apply_activation(h, activation, swiglu_limit), layer.w2_weight[e],
-                                 layer.w2_weight_scale_inv[e], block)
-            out.index_add_(0, tokens, y.float() * flat_w[slots, None])
-        return out.to(x.dtype)
+        if x.is_cuda:
+            from atom_core.kernels.triton.moe_fp8 import fused_moe_fp8_block as moe
+        else:
+            moe = fused_moe_fp8_block_ref
+        return moe(x, layer.w13_weight, layer.w13_weight_scale_inv, layer.w2_weight, layer.w2_weight_scale_inv,
+                   topk_weights, topk_ids, self.block_k, activation, swiglu_limit)
+
+
+def fused_moe_fp8_block_ref(
+    hidden: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2I, H] e4m3: gate rows then up rows
+    w13_scale: torch.Tensor,  # [E, 2I, ceil(H/G)] float32, one row per weight row
+    w2: torch.Tensor,  # [E, H, I] e4m3
+    w2_scale: torch.Tensor,  # [E, H, ceil(I/G)] float32
+    topk_weights: torch.Tensor,  # [T, K] float32
+    topk_ids: torch.Tensor,  # [T, K] int
+    group_size: int = 128,
+    activation: str = "silu",
+    swiglu_limit: float | None = None,
+) -> torch.Tensor:
+    """The block-FP8 experts in plain PyTorch (the CPU path; oracle of kernels/triton/moe_fp8.py):
+    out[t] = sum_k w[t, k] * down(act(gate_up(x_t))) with each product `fp8_block_linear_ref`
+    (input quantized per token per G columns, row-expanded block scales, float32 accumulation,
+    the result rounded to hidden's dtype), act = moe_ref.apply_activation in hidden's dtype, the
+    weighted sum over the K experts in float32, cast once. Ids outside [0, E) are dropped."""
+    check_activation(activation, swiglu_limit)
+    block = [1, group_size]
+    num_tokens, top_k = topk_ids.shape
+    out = torch.zeros(num_tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    flat, flat_w = topk_ids.flatten().long(), topk_weights.flatten().float()
+    for e in torch.unique(flat).tolist():
+        if not 0 <= e < w13.shape[0]:
+            continue
+        slots = (flat == e).nonzero().squeeze(1)
+        tokens = slots // top_k
+        h = fp8_block_linear_ref(hidden.index_select(0, tokens), w13[e], w13_scale[e], block)
+        y = fp8_block_linear_ref(apply_activation(h, activation, swiglu_limit), w2[e], w2_scale[e], block)
+        out.index_add_(0, tokens, y.float() * flat_w[slots, None])
+    return out.to(hidden.dtype)
 
 
 class Fp8OnlineLinearMethod(QuantMethod):

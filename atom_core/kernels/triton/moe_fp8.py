@@ -1,0 +1,290 @@
+"""Fused MoE over block-FP8 expert weights (Triton): DeepSeek-V3 / Qwen3-*-FP8 experts, e4m3
+weights with one float32 scale per 128x128 block, activations quantized per token per 128 columns.
+
+Same pipeline and contracts as `kernels/triton/moe.py` (alignment by expert, GEMM1 with the
+activation in its epilogue, GEMM2 weighting rows by their top-k weight, a float32 sum over the K
+rows of each token), whose alignment, tile order and sum it reuses. Oracle:
+`quant/fp8.fused_moe_fp8_block_ref` (same signature).
+
+Layout (as `quant/fp8.Fp8BlockMoEMethod` loads it): w13 e4m3 [E, 2I, H] (gate rows, then up rows),
+w13_scale float32 [E, 2I, ceil(H/G)], w2 e4m3 [E, H, I], w2_scale float32 [E, H, ceil(I/G)], G the
+block's K size (128). The checkpoint's block scales [ceil(R/128), ceil(K/G)] are expanded to one
+row per weight row at load, so a TP slice or a gate/up half of any row count places like the
+weight rows; the kernels read a [BLOCK_N] vector of scales per K step. That costs 4 bytes per 128
+weight bytes (3% more than per-block scales) and keeps every slicing rule of the loader.
+
+Launches (static shapes, no host sync: CUDA-graph safe):
+  1. hidden -> e4m3 [T, H] + scales [T, ceil(H/G)] (`kernels/triton/fp8.py`, the reference's bits).
+  2. Alignment (moe_routing).
+  3. GEMM1: per K step of BLOCK_K (a divisor of G, so a step lies in one scale group) one fp8 x fp8
+     tl.dot into float32 (e4m3 products are exact in float32), then acc += dot * x_scale[row] *
+     w_scale[col]: the scales are applied per 128 columns, so the MMA's own accumulation never
+     spans more than one group (Hopper's FP8 MMA accumulates with fewer bits than float32; the
+     per-group promotion keeps that error to one group). Epilogue: silu(gate) * up (or swigluoai)
+     in float32, rounded once to hidden's dtype.
+  4. The activation rows -> e4m3 + per-row-per-G scales (the same quantizer), as the reference
+     quantizes the down projection's input.
+  5. GEMM2: the same inner loop over I, times the row's top-k weight, stored at row t*K + k.
+  6. Sum over top-k in float32 (moe.moe_sum).
+The dot runs on e4m3 operands on NVIDIA GPUs (FP8_DOT); elsewhere they are widened first (to
+bfloat16 on ROCm, exact for every e4m3 value; to float32 under Triton's CPU interpreter, whose
+bf16 and fp8 dots are not usable).
+
+Not run on a GPU yet (written in a session without one): checked under the interpreter against
+the reference and compiled offline for sm_90 (fp8 mma.sync for BLOCK_M 16-32, wgmma from 64, no
+spills at the default tiles); the tiles are untuned, `kernels/triton/fp8_moe_bench.py --sweep`
+times them against the bytes floor and the bf16 kernel.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from atom_core.kernels.moe_ref import check_activation
+from atom_core.kernels.triton.common import check_dim, check_float, check_int, check_same_device
+from atom_core.kernels.triton.fp8 import quantize_fp8_per_token_group as quantize_triton
+from atom_core.kernels.triton.moe import (
+    ACTIVATIONS, GemmTile, MoeConfig, _activate, _tile_ids, moe_align_block_size, moe_sum,
+)
+
+FP8_DTYPE = torch.float8_e4m3fn
+
+
+@triton.jit
+def _dot_fp8(a, b, DOT_MODE: tl.constexpr):
+    """a [M, K] e4m3 x b [K, N] e4m3 -> float32. DOT_MODE 0: native fp8 MMA; 1: widened to
+    bfloat16 (exact); 2: widened to float32, IEEE (the interpreter)."""
+    if DOT_MODE == 0:
+        return tl.dot(a, b)
+    elif DOT_MODE == 1:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+
+
+@triton.jit
+def _load_a(a_ptrs, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, MASKED: tl.constexpr):
+    """Activation tile [M, BLOCK_K] e4m3 at K offset k0 (zeros past K)."""
+    if MASKED:
+        return tl.load(a_ptrs, mask=(k0 + tl.arange(0, BLOCK_K) < K)[None, :], other=0.0)
+    return tl.load(a_ptrs)
+
+
+@triton.jit
+def _load_w(w_ptrs, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, MASKED: tl.constexpr):
+    """Weight tile [BLOCK_K, N] e4m3 at K offset k0 (zeros past K)."""
+    if MASKED:
+        return tl.load(w_ptrs, mask=(k0 + tl.arange(0, BLOCK_K) < K)[:, None], other=0.0)
+    return tl.load(w_ptrs)
+
+
+@triton.jit(do_not_specialize=["num_assignments", "num_m_blocks", "limit"])
+def _gemm1_kernel(
+    xq_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
+    num_assignments, num_m_blocks, limit, stride_xt, stride_xst, stride_we, stride_wn, stride_wse, stride_wsn,
+    stride_ot, INTER: tl.constexpr, HIDDEN: tl.constexpr, GROUP: tl.constexpr, TOP_K: tl.constexpr,
+    ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, DOT_MODE: tl.constexpr,
+):
+    """act(xq[tokens] @ w13[e].T, dequantized per group) for BLOCK_M aligned rows x BLOCK_N columns of I."""
+    pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(INTER, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    flat = tl.load(sorted_ptr + rows)
+    # Pad rows compute on token 0 and are stored too, so the next launches never read unwritten memory.
+    token = tl.where(flat < num_assignments, flat // TOP_K, 0).to(tl.int64)
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = cols % INTER  # columns past I wrap onto real rows; they are never stored
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = xq_ptr + token[:, None] * stride_xt + offs_k[None, :]
+    as_ptrs = xs_ptr + token * stride_xst
+    g_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    u_ptrs = g_ptrs + INTER * stride_wn
+    gs_ptrs = ws_ptr + expert * stride_wse + offs_n * stride_wsn
+    us_ptrs = gs_ptrs + INTER * stride_wsn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, HIDDEN, BLOCK_K):
+        grp = k0 // GROUP  # BLOCK_K divides GROUP: the step lies in one scale group
+        a = _load_a(a_ptrs, k0, HIDDEN, BLOCK_K, HIDDEN % BLOCK_K != 0)
+        wg = _load_w(g_ptrs, k0, HIDDEN, BLOCK_K, HIDDEN % BLOCK_K != 0)
+        wu = _load_w(u_ptrs, k0, HIDDEN, BLOCK_K, HIDDEN % BLOCK_K != 0)
+        sa = tl.load(as_ptrs + grp)
+        acc_g += _dot_fp8(a, wg, DOT_MODE) * (sa[:, None] * tl.load(gs_ptrs + grp)[None, :])
+        acc_u += _dot_fp8(a, wu, DOT_MODE) * (sa[:, None] * tl.load(us_ptrs + grp)[None, :])
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    act = _activate(acc_g, acc_u, limit, ACTIVATION)
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_ot + cols[None, :]
+    tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=(cols < INTER)[None, :])
+
+
+@triton.jit(do_not_specialize=["num_assignments", "num_m_blocks"])
+def _gemm2_kernel(
+    aq_ptr, as_ptr, w_ptr, ws_ptr, topk_weights_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
+    num_assignments, num_m_blocks, stride_at, stride_ast, stride_we, stride_wn, stride_wse, stride_wsn, stride_ot,
+    HIDDEN: tl.constexpr, INTER: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_MODE: tl.constexpr,
+):
+    """topk_weight * (actq[rows] @ w2[e].T, dequantized per group) for BLOCK_M aligned rows x
+    BLOCK_N columns of H, stored at the rows' flat ids t*K + k."""
+    pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(HIDDEN, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    flat = tl.load(sorted_ptr + rows)
+    row_ok = flat < num_assignments
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = cols % HIDDEN
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = aq_ptr + rows.to(tl.int64)[:, None] * stride_at + offs_k[None, :]
+    as_ptrs = as_ptr + rows.to(tl.int64) * stride_ast
+    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    ws_ptrs = ws_ptr + expert * stride_wse + offs_n * stride_wsn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, INTER, BLOCK_K):
+        grp = k0 // GROUP
+        a = _load_a(a_ptrs, k0, INTER, BLOCK_K, INTER % BLOCK_K != 0)
+        w = _load_w(w_ptrs, k0, INTER, BLOCK_K, INTER % BLOCK_K != 0)
+        acc += _dot_fp8(a, w, DOT_MODE) * (tl.load(as_ptrs + grp)[:, None] * tl.load(ws_ptrs + grp)[None, :])
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    acc *= tl.load(topk_weights_ptr + flat, mask=row_ok, other=0.0)[:, None]
+    out_ptrs = out_ptr + flat.to(tl.int64)[:, None] * stride_ot + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < HIDDEN)[None, :])
+
+
+_INTERPRETED = not isinstance(_gemm1_kernel, triton.runtime.jit.JITFunction)
+
+
+def _quantize_activations(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], float32 [M, ceil(K/G)]). Triton's CPU interpreter casts float32 to
+    e4m3 wrongly (see tests/quant/test_fp8_ops.py), so under it the torch reference quantizes (the
+    same bits the Triton quantizer gives on a GPU); the GEMMs are what the interpreter tests check."""
+    if _INTERPRETED:
+        from atom_core.quant.fp8_ops import quantize_fp8_per_token_group as quantize_ref
+
+        return quantize_ref(x, group_size)
+    return quantize_triton(x, group_size)
+
+
+def dot_mode(device: torch.device) -> int:
+    """_dot_fp8's mode: 2 under the interpreter, 0 (native e4m3 MMA) on NVIDIA SM89+, else 1."""
+    if _INTERPRETED:
+        return 2
+    if torch.version.hip is None and torch.cuda.get_device_capability(device) >= (8, 9):
+        return 0
+    return 1
+
+
+def default_fp8_moe_config(num_tokens: int, top_k: int, num_experts: int, group_size: int) -> MoeConfig:
+    """Tiles by the average rows per expert, BLOCK_K the scale group (at most 128). Untuned (no GPU
+    when written): chosen from offline sm_90 compiles as the widest tiles of moe.py's tiers that
+    compile without register spills (tests/quant/test_fp8_moe.py checks that)."""
+    rows_per_expert = num_tokens * top_k / num_experts
+    bk = min(128, group_size)
+    if rows_per_expert <= 8:  # decode: weight-bandwidth bound; narrow N tiles for more programs
+        return MoeConfig(16, GemmTile(32, bk, 1, 4, 4), GemmTile(64, bk, 1, 4, 4))
+    if rows_per_expert <= 32:
+        return MoeConfig(32, GemmTile(64, bk, 1, 4, 4), GemmTile(64, bk, 1, 4, 4))
+    if rows_per_expert <= 128:
+        return MoeConfig(64, GemmTile(64, bk, 4, 8, 3), GemmTile(128, bk, 4, 8, 4))
+    return MoeConfig(128, GemmTile(64, bk, 8, 8, 3), GemmTile(128, bk, 8, 8, 3))
+
+
+def _check_args(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, group_size, activation,
+                swiglu_limit) -> None:
+    check_activation(activation, swiglu_limit)
+    check_dim("hidden", hidden, 2)
+    check_float("hidden", hidden)
+    if group_size < 16 or group_size & (group_size - 1):
+        raise ValueError(f"block-FP8 group size must be a power of two >= 16, got {group_size}")
+    num_tokens, hidden_size = hidden.shape
+    for name, t in (("w13", w13), ("w13_scale", w13_scale), ("w2", w2), ("w2_scale", w2_scale)):
+        check_dim(name, t, 3)
+        if t.stride(2) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    groups = lambda k: -(-k // group_size)  # noqa: E731
+    expect = {"w13": (num_experts, 2 * inter, hidden_size), "w13_scale": (num_experts, 2 * inter, groups(hidden_size)),
+              "w2": (num_experts, hidden_size, inter), "w2_scale": (num_experts, hidden_size, groups(inter))}
+    for name, t in (("w13", w13), ("w13_scale", w13_scale), ("w2", w2), ("w2_scale", w2_scale)):
+        if tuple(t.shape) != expect[name]:
+            raise ValueError(f"{name} must be {list(expect[name])} for H={hidden_size}, I={inter}, E={num_experts}, "
+                             f"G={group_size}, got {tuple(t.shape)}")
+    if w13.dtype != FP8_DTYPE or w2.dtype != FP8_DTYPE:
+        raise ValueError(f"w13 and w2 must be float8_e4m3fn, got {w13.dtype} and {w2.dtype}")
+    if w13_scale.dtype != torch.float32 or w2_scale.dtype != torch.float32:
+        raise ValueError(f"w13_scale and w2_scale must be float32, got {w13_scale.dtype} and {w2_scale.dtype}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != num_tokens or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"need topk_weights and topk_ids [T={num_tokens}, K], got {tuple(topk_weights.shape)} "
+                         f"and {tuple(topk_ids.shape)}")
+    check_int("topk_ids", topk_ids)
+    if topk_weights.dtype != torch.float32 or not (topk_ids.is_contiguous() and topk_weights.is_contiguous()):
+        raise ValueError("topk_weights must be float32, and topk_weights and topk_ids contiguous")
+    if hidden.stride(1) != 1:
+        raise ValueError(f"hidden must be contiguous in its last dim, got strides {hidden.stride()}")
+    check_same_device(hidden=hidden, w13=w13, w13_scale=w13_scale, w2=w2, w2_scale=w2_scale,
+                      topk_weights=topk_weights, topk_ids=topk_ids)
+
+
+def fused_moe_fp8_block(
+    hidden: torch.Tensor,  # [T, H] bf16 / fp16 / fp32
+    w13: torch.Tensor,  # [E, 2I, H] e4m3: gate rows then up rows
+    w13_scale: torch.Tensor,  # [E, 2I, ceil(H/G)] float32, one row per weight row
+    w2: torch.Tensor,  # [E, H, I] e4m3
+    w2_scale: torch.Tensor,  # [E, H, ceil(I/G)] float32
+    topk_weights: torch.Tensor,  # [T, K] float32
+    topk_ids: torch.Tensor,  # [T, K] int32
+    group_size: int = 128,
+    activation: str = "silu",
+    swiglu_limit: Optional[float] = None,
+    *,
+    config: MoeConfig | None = None,
+) -> torch.Tensor:
+    """Same contract as `quant.fp8.fused_moe_fp8_block_ref`; six launches (module docstring).
+    Precision: e4m3 products exact, summed in float32 per scale group, the group's partial sum
+    times both scales added in float32; the activation in float32 rounded once to hidden's dtype
+    and quantized per G columns; each weighted expert output rounded once, their sum in float32."""
+    _check_args(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, group_size, activation, swiglu_limit)
+    out = torch.empty_like(hidden)
+    num_tokens, hidden_size = hidden.shape
+    num_experts, inter, top_k = w13.shape[0], w13.shape[1] // 2, topk_ids.shape[1]
+    if num_tokens == 0:
+        return out
+    cfg = config or default_fp8_moe_config(num_tokens, top_k, num_experts, group_size)
+    for tile in (cfg.gemm1, cfg.gemm2):
+        if tile.block_k < 16 or group_size % tile.block_k:
+            raise ValueError(f"block-FP8 MoE tiles need block_k >= 16 dividing the group size {group_size}, "
+                             f"got {tile.block_k}")
+    mode = dot_mode(hidden.device)
+    xq, xs = _quantize_activations(hidden, group_size)
+    sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, cfg.block_m, num_experts)
+    num_m = triton.cdiv(sorted_ids.shape[0], cfg.block_m)
+    act = hidden.new_empty((sorted_ids.shape[0], inter))
+    t1 = cfg.gemm1
+    _gemm1_kernel[(num_m * triton.cdiv(inter, t1.block_n),)](
+        xq, xs, w13, w13_scale, act, sorted_ids, expert_ids, num_post, num_tokens * top_k, num_m,
+        float(swiglu_limit or 0.0), xq.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0),
+        w13_scale.stride(1), act.stride(0), INTER=inter, HIDDEN=hidden_size, GROUP=group_size, TOP_K=top_k,
+        ACTIVATION=ACTIVATIONS[activation], BLOCK_M=cfg.block_m, BLOCK_N=t1.block_n, BLOCK_K=t1.block_k,
+        GROUP_M=t1.group_m, DOT_MODE=mode, num_warps=t1.num_warps, num_stages=t1.num_stages,
+    )
+    aq, a_scale = _quantize_activations(act, group_size)
+    partial = hidden.new_empty((num_tokens * top_k, hidden_size))
+    t2 = cfg.gemm2
+    _gemm2_kernel[(num_m * triton.cdiv(hidden_size, t2.block_n),)](
+        aq, a_scale, w2, w2_scale, topk_weights, partial, sorted_ids, expert_ids, num_post, num_tokens * top_k,
+        num_m, aq.stride(0), a_scale.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
+        partial.stride(0), HIDDEN=hidden_size, INTER=inter, GROUP=group_size, BLOCK_M=cfg.block_m,
+        BLOCK_N=t2.block_n, BLOCK_K=t2.block_k, GROUP_M=t2.group_m, DOT_MODE=mode, num_warps=t2.num_warps,
+        num_stages=t2.num_stages,
+    )
+    return moe_sum(partial, topk_ids, num_experts, out)
