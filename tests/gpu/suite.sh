@@ -281,6 +281,13 @@ case $mode in
   mxfp4)  # issue 16/17 MXFP4 experts: kernel GPU tests (bits of the inline-PTX decode vs HF, fused MoE vs the reference incl. GPT-OSS shapes), then the MoE micro-benchmark (gpt-oss-20b/120b shapes, M=1/32, vs the bytes floor and the bf16 MoE) with a tile sweep (steps sum to < 600 s)
     step mxfp4-gpu-tests 300 python3 -m pytest -q --tb=short -m gpu tests/quant/test_mxfp4.py -p no:cacheprovider
     step mxfp4-moe-bench 240 python3 -m atom_core.kernels.triton.mxfp4_bench --sweep ;;
+  fp8-moe)  # issue 16 block-FP8 MoE (written without a GPU, not yet run): kernel GPU tests (Qwen3-30B-A3B / DeepSeek-V3 expert shapes, graph replay, the layer on CUDA), the micro-benchmark vs the bf16 fused MoE and the bytes floor (tile sweep on the Qwen3 shape), then Qwen3-30B-A3B batch-1 TPOT, block-FP8 preset vs bf16 (dummy weights; target <= 0.65x)
+    a3b=(--model preset:Qwen3-30B-A3B --load-format dummy --max-model-len 4096)
+    step fp8-moe-gpu-tests 150 python3 -m pytest -q --tb=short -m gpu tests/quant/test_fp8_moe.py -p no:cacheprovider
+    step fp8-moe-bench 100 python3 -m atom_core.kernels.triton.fp8_moe_bench --shapes deepseek-v3
+    step fp8-moe-sweep 100 python3 -m atom_core.kernels.triton.fp8_moe_bench --shapes qwen3-30b-a3b --sweep
+    step lat-a3b-bs1 110 python3 -m atomctl.main bench latency "${a3b[@]}" --bs 1 --output-json "$OUT/lat_a3b_bs1.json"
+    step lat-a3b-fp8-bs1 130 python3 -m atomctl.main bench latency --model preset:Qwen3-30B-A3B-FP8 --load-format dummy --max-model-len 4096 --bs 1 --output-json "$OUT/lat_a3b_fp8_bs1.json" ;;
   *) ;;
 esac
 echo "=== summary"

@@ -253,6 +253,43 @@ class TestOnCuda:
         assert calls and rel_err(out, fused_moe_fp8_block_ref(x, w13, s13, w2, s2, weights, ids)) < BF16_TOL
 
 
+def test_qwen3_30b_a3b_fp8_preset_builds_block_fp8_experts_with_dummy_weights():
+    """preset:Qwen3-30B-A3B-FP8 (the bf16 preset + the published block-FP8 quantization_config) at
+    toy sizes: experts and attention get the block-FP8 methods, the router and lm_head stay in the
+    model dtype, dummy weights fill the e4m3 layout, and the model runs (CPU: the reference)."""
+    from atom_core.loader import build_model
+    from atom_core.loader.model_dir import resolve_model_files
+    from atom_core.quant import get_quant_config
+    from atom_core.quant.fp8 import Fp8BlockLinearMethod, Fp8BlockMoEMethod
+    from tests.models.harness import greedy_generate
+
+    cfg = resolve_model_files("preset:Qwen3-30B-A3B-FP8").hf_config
+    qc = get_quant_config(cfg)
+    assert qc.block_size == (128, 128) and not qc.online
+    for key, value in dict(hidden_size=256, moe_intermediate_size=128, intermediate_size=512, num_hidden_layers=1,
+                           vocab_size=300, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                           num_experts=8, num_experts_per_tok=2).items():
+        setattr(cfg, key, value)
+    model = build_model(cfg, None, torch.float32, "cpu", load_format="dummy", quant_config=qc)
+    mlp = model.model.layers[0].mlp
+    assert isinstance(mlp.experts.quant_method, Fp8BlockMoEMethod) and mlp.experts.w13_weight.dtype == FP8_DTYPE
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj.quant_method, Fp8BlockLinearMethod)
+    assert mlp.gate.weight.dtype == torch.float32 and model.lm_head.weight.dtype == torch.float32
+    assert len(greedy_generate(model, [[1, 2, 3]], 3)[0]) == 3
+
+
+def test_bench_refuses_unknown_shapes_and_runs_only_on_cuda(monkeypatch):
+    from atom_core.kernels.triton import fp8_moe_bench
+
+    monkeypatch.setattr("sys.argv", ["fp8_moe_bench", "--shapes", "qwen3-30b-a3b,llama"])
+    with pytest.raises(SystemExit, match="unknown shape"):
+        fp8_moe_bench.main()
+    monkeypatch.setattr("sys.argv", ["fp8_moe_bench", "--shapes", "deepseek-v3"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        fp8_moe_bench.main()
+
+
 # ---------------------------------------------------------------------------------------------
 # offline sm_90 compile
 
