@@ -27,9 +27,10 @@ def _register() -> None:
 
     profile.register(app)
 
-    from atomctl import bench, bench_offline
+    from atomctl import bench, bench_api_overhead, bench_offline
 
     bench_offline.register(bench.bench_app)
+    bench_api_overhead.register(bench.bench_app)
     app.add_typer(bench.bench_app, name="bench")
     from atomctl import serve
 

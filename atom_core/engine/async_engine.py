@@ -109,6 +109,7 @@ class StartupError:
 @dataclass(frozen=True)
 class Outputs:
     outputs: list[CoreOutput]
+    sent_at: float  # time.monotonic() in the core when the step's tokens were known (one clock per host)
 
 
 @dataclass(frozen=True)
@@ -135,11 +136,13 @@ class Fatal:
 
 
 # ---- the core process -----------------------------------------------------------------
-def run_core(config: EngineConfig, in_q: mp.Queue, out_q: mp.Queue) -> None:
+def run_core(config: EngineConfig, in_q: mp.Queue, out_q: mp.Queue,
+             core_factory: Callable[[EngineConfig], object] | None = None) -> None:
     """Entry point of the core process: build the core, hand back CoreInfo, then loop.
 
     in_q carries AddRequest, AbortRequests, CallCore and Shutdown; out_q carries Ready or
-    StartupError, then Outputs, Reply, RequestError and Fatal.
+    StartupError, then Outputs, Reply, RequestError and Fatal. core_factory (picklable) builds
+    another EngineCore class, e.g. the API-overhead benchmark's stand-in for the model.
     """
     # Ctrl-C and a SIGTERM to the process group reach the core too; the API process decides
     # when it stops (after draining), and the core exits by itself if that process dies.
@@ -150,7 +153,7 @@ def run_core(config: EngineConfig, in_q: mp.Queue, out_q: mp.Queue) -> None:
 
     lockstep = config.parallel.experts_span_replicas
     try:
-        core = LockstepEngineCore(config) if lockstep else EngineCore(config)
+        core = (core_factory or (LockstepEngineCore if lockstep else EngineCore))(config)
     except Exception as e:  # noqa: BLE001 - the process boundary: report, the parent raises it
         out_q.put(StartupError(f"{type(e).__name__}: {e}"))
         return
@@ -177,7 +180,7 @@ def _core_loop(core, in_q: mp.Queue, out_q: mp.Queue) -> None:
         if core.has_unfinished():
             outputs = core.step()
             if outputs:
-                out_q.put(Outputs(outputs))
+                out_q.put(Outputs(outputs, time.monotonic()))
         stats, now = core.stats(), time.monotonic()
         counts = (stats.num_running, stats.num_waiting)
         if counts != last_counts or now - last_push >= _STATS_PERIOD_S or not core.has_unfinished():
@@ -203,7 +206,7 @@ def _lockstep_core_loop(core, in_q: mp.Queue, out_q: mp.Queue) -> None:
                 _handle(core, cmd, out_q)
         outputs = core.step()
         if outputs:
-            out_q.put(Outputs(outputs))
+            out_q.put(Outputs(outputs, time.monotonic()))
         stats, now = core.stats(), time.monotonic()
         counts = (stats.num_running, stats.num_waiting)
         if counts != last_counts or (core.has_unfinished() and now - last_push >= _STATS_PERIOD_S):
@@ -263,8 +266,9 @@ class AsyncEngine:
     `attach(loop)` starts the reader thread; then the async methods run on that loop only.
     """
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, core_factory: Callable[[EngineConfig], object] | None = None):
         self.config = config
+        self.core_factory = core_factory  # None: EngineCore (see run_core)
         self.tokenizer = None
         self.processor: OutputProcessor | None = None
         self.info: CoreInfo | None = None
@@ -290,7 +294,7 @@ class AsyncEngine:
         """Spawn the core, load the tokenizer meanwhile, and wait for the core's handshake."""
         from atom_core.loader import resolve_model_files
 
-        self._proc = self._ctx.Process(target=run_core, args=(self.config, self._in_q, self._out_q),
+        self._proc = self._ctx.Process(target=run_core, args=(self.config, self._in_q, self._out_q, self.core_factory),
                                        name="atom-engine-core", daemon=True)
         self._proc.start()
         try:
@@ -466,7 +470,7 @@ class AsyncEngine:
 
     def _on_message(self, msg) -> None:
         if isinstance(msg, Outputs):
-            self._on_outputs(msg.outputs)
+            self._on_outputs(msg.outputs, msg.sent_at)
         elif isinstance(msg, StatsUpdate):
             self.latest_stats = msg.stats
         elif isinstance(msg, Reply):
@@ -481,7 +485,7 @@ class AsyncEngine:
             logger.error("engine core failed:\n%s", msg.traceback)
             self._on_dead(f"engine core failed: {msg.traceback.strip().splitlines()[-1]}")
 
-    def _on_outputs(self, outputs: list[CoreOutput]) -> None:
+    def _on_outputs(self, outputs: list[CoreOutput], sent_at: float) -> None:
         if self.on_progress is not None:
             before = {o.request_id: len(s.token_ids) for o in outputs if (s := self.processor.states.get(o.request_id))}
         updated, to_abort = self.processor.process(outputs)
@@ -492,6 +496,8 @@ class AsyncEngine:
             for state in updated:
                 self.on_progress(state, len(state.token_ids) - before.get(state.request_id, 0), now)
         for state in updated:
+            if state.step_stamp is None:  # the oldest update not yet written out (timing, see RequestState)
+                state.step_stamp = sent_at
             if (q := self._queues.get(state.request_id)) is not None:
                 q.put_nowait(state)
 

@@ -157,6 +157,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     app = FastAPI(title="atom_core OpenAI-compatible server", lifespan=lifespan)
     app.state.lifecycle = lifecycle
+    app.state.serving = serving  # its hooks (on_chunk_written) are set by the API-overhead benchmark
     app.add_middleware(RequestGuard, state=state)
     _add_error_handlers(app)
     _document_errors(app)

@@ -11,7 +11,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -70,6 +70,9 @@ class OpenAIServing:
         # Chat templates and tokenization run off the event loop, on a few threads: a huge prompt
         # must neither stall /health and the streams nor delay other requests' tokenization.
         self.tokenizer_pool = TokenizerPool(engine.tokenizer)
+        # Called after a state's chunk went out (the send returned): sampling-to-write timing in the
+        # API-overhead benchmark (bench/api_overhead_server.py); None costs one test per chunk.
+        self.on_chunk_written: Callable[[RequestState], None] | None = None
 
     def close(self) -> None:
         self.tokenizer_pool.shutdown()
@@ -270,6 +273,8 @@ class OpenAIServing:
                 delta = {"content": text} if text else {}
             yield sse(head | {"choices": [{"index": sub.index, "delta": delta, "logprobs": logprobs,
                                            "finish_reason": _chat_finish_reason(sub, state) if state.finished else None}]})
+            if self.on_chunk_written is not None:
+                self.on_chunk_written(state)
             if state.finished:
                 final[sub.index] = state
         if req.include_usage:
@@ -295,6 +300,8 @@ class OpenAIServing:
                 logprobs, offsets[sub.index] = self.logprobs.completion(ids, entries, offsets.get(sub.index, 0))
             yield sse(head | {"choices": [{"index": sub.index, "text": text, "logprobs": logprobs,
                                            "finish_reason": state.finish_reason if state.finished else None}]})
+            if self.on_chunk_written is not None:
+                self.on_chunk_written(state)
             if state.finished:
                 final[sub.index] = state
         if req.include_usage:
