@@ -130,6 +130,7 @@ class CacheConfig:
     kv_cache_memory_gb: float = 1.0
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES: auto = the model's; fp8 halves the bytes per token
+    # (fp8_per_token_head: plus a float32 scale per token and KV head, see KVCacheFormat)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -144,22 +145,39 @@ class CacheConfig:
             _fail(self, "kv_cache_memory_gb", "must be > 0")
 
 
-KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2",
+                   "fp8_per_token_head")
 
 
-def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The KV cache element type for --kv-cache-dtype NAME: auto keeps the model dtype; a 16-bit
+@dataclass(frozen=True)
+class KVCacheFormat:
+    """What --kv-cache-dtype resolves to. per_token_head_scales (fp8_per_token_head, vLLM's name
+    for it; ATOM's `fp8` on AITER): each stored token's K and V of one KV head carry their own
+    float32 scale (amax / FP8 max), written beside the codes at store time, instead of one
+    per-layer scale."""
+
+    dtype: torch.dtype
+    per_token_head_scales: bool = False
+
+
+def kv_cache_format(name: str, model_dtype: torch.dtype) -> KVCacheFormat:
+    """The KV cache format for --kv-cache-dtype NAME: auto keeps the model dtype; a 16-bit
     name must be the model dtype (attention reads K/V as the query's type); fp8 is e4m3."""
     fp8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
     if name == "auto":
-        return model_dtype
+        return KVCacheFormat(model_dtype)
+    if name == "fp8_per_token_head":
+        return KVCacheFormat(torch.float8_e4m3fn, per_token_head_scales=True)
     if name in fp8:
-        return fp8[name]
+        return KVCacheFormat(fp8[name])
     wanted = torch.bfloat16 if name in ("bf16", "bfloat16") else torch.float16
     if wanted != model_dtype:
         raise ValueError(f"--kv-cache-dtype {name} differs from the model dtype {model_dtype}; use auto, "
-                         f"fp8 or fp8_e5m2, or --dtype {str(wanted).removeprefix('torch.')}")
-    return wanted
+                         f"fp8, fp8_e5m2 or fp8_per_token_head, or --dtype {str(wanted).removeprefix('torch.')}")
+    return KVCacheFormat(wanted)
+
+
+kv_cache_torch_dtype = kv_cache_format  # the name the worker imports (kv_spec.set_kv_cache_dtype takes either)
 
 
 @dataclass(frozen=True)

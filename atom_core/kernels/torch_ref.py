@@ -59,16 +59,21 @@ def store_kv_cache(
     k_cache: torch.Tensor,  # [NB, BS, KH, D]
     v_cache: torch.Tensor,  # [NB, BS, KH, D]
     slot_mapping: torch.Tensor,  # [T] int; slot = block * BS + offset; < 0 means skip (padding)
-    k_scale: float = 1.0,  # FP8 caches: K is stored as K / k_scale (see to_kv_cache)
-    v_scale: float = 1.0,
+    k_scale: float | torch.Tensor = 1.0,  # FP8 caches: K is stored as K / k_scale (see to_kv_cache)
+    v_scale: float | torch.Tensor = 1.0,  # or [NB, BS, KH] float32 per-token-head scales, written here
 ) -> None:
-    """Write each token's K and V into its cache slot, in place."""
+    """Write each token's K and V into its cache slot, in place. With per-token-head scale
+    tensors each (token, kv head) row is quantized by its own scale (quantize_per_token_head),
+    and the scale goes to the same (block, offset, head) of the scale tensor."""
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
     block_size = k_cache.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = to_kv_cache(key[valid], k_cache.dtype, k_scale)
-    v_cache[blocks, offsets] = to_kv_cache(value[valid], v_cache.dtype, v_scale)
+    for x, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+        if isinstance(scale, torch.Tensor):
+            cache[blocks, offsets], scale[blocks, offsets] = quantize_per_token_head(x[valid], cache.dtype)
+        else:
+            cache[blocks, offsets] = to_kv_cache(x[valid], cache.dtype, scale)
 
 
 FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -83,9 +88,29 @@ def to_kv_cache(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torc
     return (x.float() * (1.0 / scale)).clamp(-limit, limit).to(dtype)
 
 
-def from_kv_cache(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """Cache elements -> float32 values (FP8: times its scale)."""
+def from_kv_cache(x: torch.Tensor, scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """Cache elements -> float32 values (FP8: times its scale; a tensor broadcasts, e.g. [..., KH, 1])."""
     return x.float() * scale if x.dtype in FP8_KV_DTYPES else x.float()
+
+
+def quantize_per_token_head(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, KH, D] -> (codes [N, KH, D] of FP8 `dtype`, scales [N, KH] float32): each row's
+    scale is amax / FP8 max (float32 division), its codes x * (1 / scale) saturated and rounded
+    to nearest even; an all-zero row gets scale 0 and codes 0. Dequantized: codes * scale."""
+    limit = torch.finfo(dtype).max
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1) / limit
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    return (xf * inv.unsqueeze(-1)).clamp(-limit, limit).to(dtype), scale
+
+
+def _token_scales(scale: float | torch.Tensor, blocks: torch.Tensor, length: int) -> float | torch.Tensor:
+    """A per-layer scale as it is; per-token-head scales [NB, BS, KH] gathered for `blocks`
+    ([nb] or [B, nb]) to [..., length, KH, 1], broadcasting over head_dim."""
+    if not isinstance(scale, torch.Tensor):
+        return scale
+    gathered = scale[blocks]  # [..., nb, BS, KH]
+    return gathered.reshape(*blocks.shape[:-1], -1, scale.shape[-1])[..., :length, :, None]
 
 
 def qkv_rope_store(
@@ -99,8 +124,8 @@ def qkv_rope_store(
     q_norm_weight: torch.Tensor | None = None,  # [D]: per-head RMSNorm of q and k first (Qwen3)
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
-    k_scale: float = 1.0,  # FP8 caches: the scales K and V are stored by
-    v_scale: float = 1.0,
+    k_scale: float | torch.Tensor = 1.0,  # FP8 caches: the scales K and V are stored by (store_kv_cache)
+    v_scale: float | torch.Tensor = 1.0,
 ) -> torch.Tensor:
     """Everything between the QKV projection and attention, in one op: optional per-head
     RMSNorm of q and k, RoPE on both, K and V into the cache. Returns the new q [T, H, D].
@@ -135,8 +160,8 @@ def paged_attention(
     seq_order: torch.Tensor | None = None,  # [S] int32: a launch schedule for kernels; no effect on results
     sliding_window: int | None = None,  # a row at position p sees KV positions (p - window, p]
     sinks: torch.Tensor | None = None,  # [H] float: a per-head logit in the softmax denominator, no value
-    k_scale: float = 1.0,  # FP8 caches: stored K times k_scale is K (from_kv_cache)
-    v_scale: float = 1.0,
+    k_scale: float | torch.Tensor = 1.0,  # FP8 caches: stored K times k_scale is K (from_kv_cache),
+    v_scale: float | torch.Tensor = 1.0,  # or [NB, BS, KH] float32 per-token-head scales
 ) -> torch.Tensor:
     """Causal attention of every query token over its sequence's paged KV (already stored).
 
@@ -166,8 +191,10 @@ def paged_attention(
         blocks = block_tables[s, :num_blocks].long()
         k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
         v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-        k = from_kv_cache(k, k_scale).repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
-        v = from_kv_cache(v, v_scale).repeat_interleave(group, dim=1).transpose(0, 1)
+        k = from_kv_cache(k, _token_scales(k_scale, blocks, seq_len))
+        v = from_kv_cache(v, _token_scales(v_scale, blocks, seq_len))
+        k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
+        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
         q = query[q_start:q_end].float().transpose(0, 1)  # [H, q_len, D]
         scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [H, q_len, L]
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)
@@ -202,8 +229,10 @@ def _decode_rows(query, k_cache, v_cache, block_tables, qsl, lens, seqs, scale, 
     max_len = int(seq_lens.max())
     num_blocks = (max_len + block_size - 1) // block_size
     blocks = block_tables[idx, :num_blocks].long()  # [B, nb]
-    k = from_kv_cache(k_cache[blocks].reshape(len(seqs), -1, num_kv_heads, head_dim)[:, :max_len], k_scale)
-    v = from_kv_cache(v_cache[blocks].reshape(len(seqs), -1, num_kv_heads, head_dim)[:, :max_len], v_scale)
+    k = from_kv_cache(k_cache[blocks].reshape(len(seqs), -1, num_kv_heads, head_dim)[:, :max_len],
+                      _token_scales(k_scale, blocks, max_len))  # [B, L, KH, D]
+    v = from_kv_cache(v_cache[blocks].reshape(len(seqs), -1, num_kv_heads, head_dim)[:, :max_len],
+                      _token_scales(v_scale, blocks, max_len))
     rows = torch.tensor([qsl[s] for s in seqs], device=device)
     q = query[rows].float().view(len(seqs), num_kv_heads, group, head_dim)  # [B, KH, G, D]
     scores = torch.einsum("bkgd,blkd->bkgl", q, k) * scale

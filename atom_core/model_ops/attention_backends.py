@@ -66,7 +66,12 @@ class PagedMHABackend(AttentionBackend):
 
     @staticmethod
     def _kv_scales(layer: "Attention") -> dict:
-        """An FP8 cache holds K / k_scale and V / v_scale; a cache in the model dtype needs none."""
+        """An FP8 cache holds K / k_scale and V / v_scale: per-layer floats, or with per-token-head
+        scales the layer's [NB, BS, KH] float32 scale caches (the store writes them, attention
+        reads them); a cache in the model dtype needs none."""
+        if layer.kv_spec.per_token_head_scales:
+            assert layer.k_scale_cache is not None, "per-token-head KV scales not allocated for this layer"
+            return {"k_scale": layer.k_scale_cache, "v_scale": layer.v_scale_cache}
         if layer.kv_spec.dtype == layer.dtype:
             return {}
         return {"k_scale": layer.kv_scales[0], "v_scale": layer.kv_scales[1]}
@@ -87,14 +92,14 @@ class PagedMHABackend(AttentionBackend):
         from atom_core.kernels.triton.attention import warm_up_variants
 
         count, seen = 0, set()
-        for layer in layers:  # variants depend on the head layout, dtype, and whether a window / sinks exist
+        for layer in layers:  # variants depend on the head layout, dtype, window / sinks and per-token scales
             args = self._layer_args(layer)
             key = (tuple(layer.k_cache.shape[1:]), layer.k_cache.dtype, layer.dtype, layer.num_heads,
-                   tuple(sorted(args)))
+                   tuple(sorted(args)), layer.kv_spec.per_token_head_scales)
             if key not in seen:
                 seen.add(key)
                 count += warm_up_variants(layer.k_cache, layer.v_cache, layer.num_heads, layer.dtype,
-                                          max_tokens, threads=threads, **args)
+                                          max_tokens, threads=threads, **args, **self._kv_scales(layer))
         return count
 
 

@@ -5,18 +5,28 @@ config field for KV. Layers with equal specs share one cache tensor
 [2, layers_in_group, num_blocks, block_size, kv_heads, head_size] (MLA: [1, ...], one latent),
 and layer i of a group gets the views [0, i] (K) and [1, i] (V). Block ids are global: block b
 of every layer is the same token range, so the KV manager stays one block pool.
+
+FP8 with per-token-head scales (--kv-cache-dtype fp8_per_token_head) adds one float32 tensor
+[2, layers_in_group, num_blocks, block_size, kv_heads] per group: layer i's K scales at [0, i]
+and V scales at [1, i] (k_scale_cache / v_scale_cache), indexed by the same block and slot as
+the codes, so prefix caching, preemption and rollback need nothing of their own.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import nn
 
+from atom_core.config import KVCacheFormat
+
 if TYPE_CHECKING:
     from atom_core.model_ops.attention import Attention
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -25,6 +35,7 @@ class KVSpec:
 
     mha: K and V, each num_kv_heads x head_size. mla: one compressed latent of head_size per
     token (num_kv_heads is 1; V is read from the latent, so nothing separate is stored).
+    per_token_head_scales (FP8 mha only): a float32 scale per token, KV head and plane besides.
     """
 
     kind: Literal["mha", "mla"]
@@ -33,6 +44,7 @@ class KVSpec:
     dtype: torch.dtype
     sliding_window: int | None = None
     has_sinks: bool = False
+    per_token_head_scales: bool = False
 
     def __post_init__(self):
         if self.kind not in ("mha", "mla"):
@@ -41,6 +53,8 @@ class KVSpec:
             raise ValueError(f"an mla layer stores one latent per token, not {self.num_kv_heads} kv heads")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
+        if self.per_token_head_scales and (self.kind != "mha" or self.dtype not in FP8_KV_DTYPES):
+            raise ValueError(f"per-token-head KV scales need an FP8 mha cache, not {self.kind} {self.dtype}")
 
     @property
     def num_planes(self) -> int:
@@ -49,7 +63,8 @@ class KVSpec:
 
     @property
     def bytes_per_token(self) -> int:
-        return self.num_planes * self.num_kv_heads * self.head_size * self.dtype.itemsize
+        scale_bytes = 4 if self.per_token_head_scales else 0  # one float32 per (plane, kv head)
+        return self.num_planes * self.num_kv_heads * (self.head_size * self.dtype.itemsize + scale_bytes)
 
 
 def attention_layers(model: nn.Module) -> list["Attention"]:
@@ -60,24 +75,34 @@ def attention_layers(model: nn.Module) -> list["Attention"]:
 FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def set_kv_cache_dtype(layers: list["Attention"], dtype: torch.dtype) -> None:
-    """Store every layer's K/V as `dtype` (--kv-cache-dtype): an FP8 type halves the bytes a
-    token costs, so sizing (kv_bytes_per_block) gives twice the tokens. Call before sizing and
-    allocating. FP8 is stored scaled by the layer's k_scale / v_scale and read back by them."""
+def set_kv_cache_dtype(layers: list["Attention"], kv_format: torch.dtype | KVCacheFormat) -> None:
+    """Store every layer's K/V in `kv_format` (--kv-cache-dtype; a bare dtype: per-layer scales):
+    an FP8 type halves the bytes a token costs, so sizing (kv_bytes_per_block) gives twice the
+    tokens. Call before sizing and allocating. FP8 is stored scaled by the layer's k_scale /
+    v_scale, or with per_token_head_scales by a scale per token and KV head written at store time."""
+    if isinstance(kv_format, torch.dtype):
+        kv_format = KVCacheFormat(kv_format)
+    dtype, per_token = kv_format.dtype, kv_format.per_token_head_scales
+    name = f"{dtype}{' with per-token-head scales' if per_token else ''}"
     for layer in layers:
-        if layer.kv_spec.dtype == dtype:
+        if layer.kv_spec.dtype == dtype and not per_token:
             continue
         if layer.kv_spec.kind != "mha":
-            raise ValueError(f"{layer.prefix or 'an attention layer'}: --kv-cache-dtype {dtype} is not supported "
+            raise ValueError(f"{layer.prefix or 'an attention layer'}: --kv-cache-dtype {name} is not supported "
                              f"for {layer.kv_spec.kind} attention (its cache is the compressed latent); use auto")
         if dtype not in FP8_KV_DTYPES:
             raise ValueError(f"a {dtype} KV cache for a {layer.kv_spec.dtype} model: attention reads K/V as "
                              f"the query's type; use auto or an fp8 type")
-        layer.kv_spec = dataclasses.replace(layer.kv_spec, dtype=dtype)
+        layer.kv_spec = dataclasses.replace(layer.kv_spec, dtype=dtype, per_token_head_scales=per_token)
 
 
 def finalize_kv_scales(layers: list["Attention"]) -> None:
-    """After loading: each layer's k_scale / v_scale as host floats (one sync now, none per step)."""
+    """After loading: each layer's k_scale / v_scale as host floats (one sync now, none per step).
+
+    With per-token-head scales the checkpoint's static scales are not used: each token's own
+    scale (amax / FP8 max) fits its values at least as well as a calibrated per-layer one, so
+    the dynamic mode wins and says so once."""
+    ignored = []
     for layer in layers:
         if hasattr(layer, "k_scale"):
             k, v = float(layer.k_scale), float(layer.v_scale)
@@ -85,6 +110,12 @@ def finalize_kv_scales(layers: list["Attention"]) -> None:
                 raise ValueError(f"{layer.prefix or 'an attention layer'}: KV cache scales must be positive, got "
                                  f"k_scale={k}, v_scale={v}")
             layer.kv_scales = (k, v)
+            if layer.kv_spec.per_token_head_scales and (k, v) != (1.0, 1.0):
+                ignored.append(layer.prefix or "an attention layer")
+    if ignored:
+        logger.warning("--kv-cache-dtype fp8_per_token_head: the checkpoint's static k_scale / v_scale of %d "
+                       "layer(s) (%s, ...) are not used; every token and KV head gets its own scale",
+                       len(ignored), ignored[0])
 
 
 def kv_bytes_per_block(layers: list["Attention"], block_size: int) -> int:
@@ -101,7 +132,9 @@ def _groups(layers: list["Attention"]) -> dict[KVSpec, list["Attention"]]:
 
 def allocate_kv_cache(layers: list["Attention"], num_blocks: int, block_size: int,
                       device: torch.device | str) -> list[torch.Tensor]:
-    """Zeroed caches, one tensor per group of equal specs; sets each layer's k_cache / v_cache.
+    """Zeroed caches, one tensor per group of equal specs (plus its scale tensor where the spec
+    has per-token-head scales); sets each layer's k_cache / v_cache and k_scale_cache /
+    v_scale_cache (None without per-token scales). Returns every tensor allocated.
 
     A dense model is one group: exactly [2, L, NB, BS, KH, D] with layer i at [0, i] / [1, i].
     """
@@ -109,16 +142,23 @@ def allocate_kv_cache(layers: list["Attention"], num_blocks: int, block_size: in
     for spec, group in _groups(layers).items():
         shape = (spec.num_planes, len(group), num_blocks, block_size, spec.num_kv_heads, spec.head_size)
         cache = torch.zeros(shape, dtype=spec.dtype, device=device)
+        # Zeros: a slot never stored dequantizes to 0, never to NaN.
+        scales = torch.zeros(shape[:-1], dtype=torch.float32, device=device) if spec.per_token_head_scales else None
         for i, layer in enumerate(group):
             # mla: the latent is both what K reads and what V is sliced from.
             layer.k_cache, layer.v_cache = cache[0, i], cache[spec.num_planes - 1, i]
+            layer.k_scale_cache = scales[0, i] if scales is not None else None
+            layer.v_scale_cache = scales[1, i] if scales is not None else None
         caches.append(cache)
+        if scales is not None:
+            caches.append(scales)
     return caches
 
 
 def release_kv_cache(layers: list["Attention"]) -> None:
     for layer in layers:
         layer.k_cache = layer.v_cache = torch.empty(0)
+        layer.k_scale_cache = layer.v_scale_cache = None
 
 
 def check_attention_supported(layers: list["Attention"], max_model_len: int, device: torch.device | str) -> None:

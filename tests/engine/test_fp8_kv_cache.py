@@ -68,7 +68,8 @@ class TestErrors:
             LLMEngine(str(path), kv_cache_dtype="fp8")
 
 
-def test_cli_flag_reaches_the_engine(monkeypatch):
+@pytest.mark.parametrize("name", ["fp8", "fp8_per_token_head"])
+def test_cli_flag_reaches_the_engine(monkeypatch, name):
     from atomctl.main import app
 
     seen = {}
@@ -79,6 +80,6 @@ def test_cli_flag_reaches_the_engine(monkeypatch):
         original(self, *args, **kwargs)
 
     monkeypatch.setattr(LLMEngine, "__init__", spy)
-    result = CliRunner().invoke(app, ["generate", "--kv-cache-dtype", "fp8", "--max-tokens", "4", "What is 2 + 3?"])
+    result = CliRunner().invoke(app, ["generate", "--kv-cache-dtype", name, "--max-tokens", "4", "What is 2 + 3?"])
     assert result.exit_code == 0, result.output
-    assert seen.get("kv_cache_dtype") == "fp8"
+    assert seen.get("kv_cache_dtype") == name

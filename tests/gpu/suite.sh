@@ -260,6 +260,17 @@ case $mode in
     step lat-l8fp8-bs32 80 python3 -m atomctl.main bench latency "${l8[@]}" --quantization fp8 --bs 32 --output-json "$OUT/lat_l8fp8_bs32.json" ;;&
   fp8)
     step off-l8fp8 200 python3 -m atomctl.main bench offline "${l8[@]}" --quantization fp8 --output-json "$OUT/off_l8fp8.json" ;;
+  fp8kv|fp8kv-8b)  # issue 16 FP8 KV cache, per layer (fp8) and per token and head (fp8_per_token_head): the kernel + engine GPU tests, then the nano offline workload with bf16, fp8 and fp8_per_token_head KV (Qwen3-0.6B here; Llama-3-8B in fp8kv-8b, to stay under 600 s a call); not yet run
+    kvs=(auto fp8 fp8_per_token_head) ;;&
+  fp8kv)
+    step fp8kv-gpu-tests 150 python3 -m pytest -q --tb=short -m gpu tests/kernels/test_fp8_kv.py tests/kernels/test_fp8_kv_per_token_head.py tests/engine/test_fp8_kv_per_token_head.py -p no:cacheprovider
+    for kv in "${kvs[@]}"; do
+      step off-q06-kv-$kv 120 python3 -m atomctl.main bench offline "${q06[@]}" --kv-cache-dtype $kv --output-json "$OUT/off_q06_kv_$kv.json"
+    done ;;
+  fp8kv-8b)
+    for kv in "${kvs[@]}"; do
+      step off-l8-kv-$kv 180 python3 -m atomctl.main bench offline "${l8[@]}" --kv-cache-dtype $kv --output-json "$OUT/off_l8_kv_$kv.json"
+    done ;;
   recheck)  # kernel GPU tests written or revised since their last GPU run (sinks/windows, fp8 quantizer, int8/w4a16), then DeepSeek-V2-Lite start to ready cold and warm (issue 14)
     step recheck-kernel-tests 200 python3 -m pytest -q --tb=short -m gpu tests/kernels/test_attention_sinks.py tests/quant/test_fp8_ops.py tests/quant/test_int_kernels.py -p no:cacheprovider
     dsl=(--model preset:DeepSeek-V2-Lite --load-format dummy --max-model-len 4096)

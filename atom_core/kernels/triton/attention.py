@@ -34,6 +34,7 @@ from atom_core.kernels.triton.common import (
     check_dim, check_float, check_int, check_last_dim_contiguous, check_same_device, next_pow2,
     sm_count,
 )
+from atom_core.kernels.triton.kv_store import check_token_scales
 
 LOG2E = 1.4426950408889634
 # Split-KV tuning, measured on an H100 (bf16, Llama-3-8B heads, CUDA-graph timing): splitting
@@ -52,10 +53,13 @@ def _attend_tile(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr, window=0, HAS_WINDOW: tl.constexpr = False, KV_FP8: tl.constexpr = False,
+    ks_base=None, vs_base=None, stride_sb=0, stride_ss=0, TOKEN_SCALES: tl.constexpr = False,
 ):
     """One online-softmax step over KV positions [tile * BLOCK_N, (tile + 1) * BLOCK_N).
-    KV_FP8: the tiles are converted to the query's type here (their scales are folded into
-    scale_log2e and the output by the caller)."""
+    KV_FP8: the tiles are converted to the query's type here (per-layer scales are folded into
+    scale_log2e and the output by the caller). TOKEN_SCALES: each position's own K scale
+    multiplies its score column before the softmax, its V scale its probability column (the
+    same sum as scaling V's row, without rounding scaled V to the dot's input type)."""
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
@@ -87,6 +91,15 @@ def _attend_tile(
         v = v.to(q.dtype)
 
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_M, BLOCK_N], log2 units
+    if TOKEN_SCALES:  # [NB, BS, KH] scales at (block, slot); 0 where masked (that score is hidden anyway)
+        s_offs = block_ids * stride_sb + in_block * stride_ss
+        if MASKED:
+            k_s = tl.load(ks_base + s_offs, mask=n_ok, other=0.0)
+            v_s = tl.load(vs_base + s_offs, mask=n_ok, other=0.0)
+        else:
+            k_s = tl.load(ks_base + s_offs)
+            v_s = tl.load(vs_base + s_offs)
+        s = s * k_s[None, :]
     if MASKED:
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
         if HAS_WINDOW:  # sliding window: a row at position p sees (p - window, p]
@@ -99,6 +112,8 @@ def _attend_tile(
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
+    if TOKEN_SCALES:
+        p = p * v_s[None, :]  # after l_i: the denominator sums the unscaled probabilities
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc, l_i, m_new
 
@@ -118,6 +133,7 @@ def _paged_attention_kernel(
     IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
     HAS_ORDER: tl.constexpr, HEADS_INNER: tl.constexpr, window=0, HAS_WINDOW: tl.constexpr = False,
     sinks_ptr=None, HAS_SINKS: tl.constexpr = False, v_scale=1.0, KV_FP8: tl.constexpr = False,
+    k_scales_ptr=None, v_scales_ptr=None, stride_sb=0, stride_ss=0, stride_sh=0, TOKEN_SCALES: tl.constexpr = False,
 ):
     if HEADS_INNER:  # the kv heads of one sequence are neighbours in launch order
         pid = tl.program_id(0) // (NUM_HEADS // GROUP)
@@ -175,6 +191,8 @@ def _paged_attention_kernel(
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head * stride_kh
     v_base = v_cache_ptr + kv_head * stride_vh
+    ks_base = k_scales_ptr + kv_head * stride_sh  # per-token-head scales (TOKEN_SCALES only)
+    vs_base = v_scales_ptr + kv_head * stride_sh
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -182,12 +200,14 @@ def _paged_attention_kernel(
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, q_pos, tile, kv_end, block_table_row, k_base, v_base,
             stride_kb, stride_ks, stride_vb, stride_vs, scale_log2e,
-            HEAD_DIM, BLOCK_D, KV_BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, DOT_IN_FP32, KV_FP8=KV_FP8)
+            HEAD_DIM, BLOCK_D, KV_BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, DOT_IN_FP32, KV_FP8=KV_FP8,
+            ks_base=ks_base, vs_base=vs_base, stride_sb=stride_sb, stride_ss=stride_ss, TOKEN_SCALES=TOKEN_SCALES)
     for tile in range(tile_mid, tile_hi):
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, q_pos, tile, kv_end, block_table_row, k_base, v_base,
             stride_kb, stride_ks, stride_vb, stride_vs, scale_log2e,
-            HEAD_DIM, BLOCK_D, KV_BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, DOT_IN_FP32, window, HAS_WINDOW, KV_FP8)
+            HEAD_DIM, BLOCK_D, KV_BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, DOT_IN_FP32, window, HAS_WINDOW, KV_FP8,
+            ks_base, vs_base, stride_sb, stride_ss, TOKEN_SCALES)
 
     # l_i == 0 only for an empty range (seq_len 0 padding rows, empty splits): output 0.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -195,7 +215,7 @@ def _paged_attention_kernel(
         sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
         l_safe = l_i + tl.math.exp2(sink - tl.where(m_i == float("-inf"), 0.0, m_i))
     o = acc / l_safe[:, None]
-    if KV_FP8:  # V was read as V / v_scale
+    if KV_FP8 and not TOKEN_SCALES:  # V was read as V / v_scale
         o = o * v_scale
     if IS_SPLIT:
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
@@ -317,10 +337,11 @@ def launch_paged_attention(
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_query_len: int,
     max_seq_len: int, out: torch.Tensor | None = None, *, num_kv_splits: int | None = None,
     seq_order: torch.Tensor | None = None, heads_inner: bool | None = None, sliding_window: int | None = None,
-    sinks: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None, k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0,
 ) -> torch.Tensor:
     """`paged_attention` with overrides of the split count and launch order (tests, benchmarks)."""
     _check_attention_args(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out)
+    token_scales = check_token_scales(k_cache, k_scale, v_scale)
     if sinks is not None:
         if sinks.shape != (query.shape[1],):
             raise ValueError(f"sinks must be [H={query.shape[1]}] (one logit per query head), got {tuple(sinks.shape)}")
@@ -362,7 +383,7 @@ def launch_paged_attention(
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, out, part_out, part_lse,
         block_tables, query_start_loc, seq_lens, seq_order if seq_order is not None else seq_lens,
-        scale * LOG2E * (k_scale if kv_fp8 else 1.0), num_tokens, num_q_blocks, num_kv_splits,
+        scale * LOG2E * (k_scale if kv_fp8 and not token_scales else 1.0), num_tokens, num_q_blocks, num_kv_splits,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1), block_tables.stride(0),
@@ -372,7 +393,11 @@ def launch_paged_attention(
         IS_SPLIT=is_split, DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
         DOT_IN_FP32=_INTERPRETED and query.dtype == torch.bfloat16, HAS_ORDER=seq_order is not None,
         HEADS_INNER=heads_inner, window=sliding_window or 0, HAS_WINDOW=sliding_window is not None,
-        sinks_ptr=sinks, HAS_SINKS=sinks is not None, v_scale=v_scale if kv_fp8 else 1.0, KV_FP8=kv_fp8,
+        sinks_ptr=sinks, HAS_SINKS=sinks is not None, v_scale=v_scale if kv_fp8 and not token_scales else 1.0,
+        KV_FP8=kv_fp8, k_scales_ptr=k_scale if token_scales else k_cache,  # the caches: unused stand-ins
+        v_scales_ptr=v_scale if token_scales else v_cache,
+        stride_sb=k_scale.stride(0) if token_scales else 0, stride_ss=k_scale.stride(1) if token_scales else 0,
+        stride_sh=k_scale.stride(2) if token_scales else 0, TOKEN_SCALES=token_scales,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if is_split:
@@ -399,8 +424,8 @@ def paged_attention(
     seq_order: torch.Tensor | None = None,  # [S] int32, a permutation: programs start in this order
     sliding_window: int | None = None,  # a row at position p sees KV positions (p - window, p]
     sinks: torch.Tensor | None = None,  # [H] float: a per-head logit in the softmax denominator, no value
-    k_scale: float = 1.0,  # FP8 caches: stored K times k_scale is K
-    v_scale: float = 1.0,
+    k_scale: float | torch.Tensor = 1.0,  # FP8 caches: stored K times k_scale is K,
+    v_scale: float | torch.Tensor = 1.0,  # or [NB, BS, KH] float32 per-token-head scales
 ) -> torch.Tensor:
     """Causal paged attention; same contract as `torch_ref.paged_attention`.
 
@@ -416,11 +441,12 @@ def paged_attention(
 
 def warm_up_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, dtype: torch.dtype,
                      max_query_len: int, threads: int = 1, sliding_window: int | None = None,
-                     sinks: torch.Tensor | None = None) -> int:
+                     sinks: torch.Tensor | None = None, k_scale: float | torch.Tensor = 1.0,
+                     v_scale: float | torch.Tensor = 1.0) -> int:
     """JIT-compile every kernel variant a run can need (decode and each prefill tile height,
     split and unsplit) on tiny inputs, so no step pays a compile; returns how many launched.
-    A layer with a sliding window or sinks compiles its own (HAS_WINDOW / HAS_SINKS) variants:
-    pass its window and its sinks.
+    A layer with a sliding window, sinks or per-token-head KV scales compiles its own
+    (HAS_WINDOW / HAS_SINKS / TOKEN_SCALES) variants: pass its window, sinks and scales.
 
     The variants depend only on constexprs (tile shape per max_query_len class, IS_SPLIT); the
     inputs read block 0 of the real cache and write a scratch output. threads > 1 compiles
@@ -445,7 +471,8 @@ def warm_up_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: in
         tables = torch.zeros(1, triton.cdiv(seq_len, k_cache.shape[1]), dtype=torch.int32, device=device)
         order = qsl[:1] if q_len == 1 else None  # decode batches carry a sequence order
         launch_paged_attention(query, k_cache, v_cache, tables, qsl, lens, 1.0, q_len, seq_len, num_kv_splits=splits,
-                               seq_order=order, sliding_window=sliding_window, sinks=sinks)
+                               seq_order=order, sliding_window=sliding_window, sinks=sinks,
+                               k_scale=k_scale, v_scale=v_scale)
 
     variants = [(q_len, splits) for q_len in lengths for splits in (1, 2)]
     if threads > 1:

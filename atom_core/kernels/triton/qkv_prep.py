@@ -15,6 +15,7 @@ from atom_core.kernels.torch_ref import FP8_KV_DTYPES
 from atom_core.kernels.triton.common import (
     check_dim, check_float, check_int, check_last_dim_contiguous, check_same_device, next_pow2,
 )
+from atom_core.kernels.triton.kv_store import check_token_scales, scale_kernel_args, to_cache, token_head_scale
 
 
 @triton.jit
@@ -49,12 +50,9 @@ def _norm_rope(src, stride_h, w_ptr, eps, cos, sin,
 
 
 @triton.jit
-def _to_cache(x, inv_scale, FP8_MAX: tl.constexpr):
-    """A value in its cache element type: FP8 (FP8_MAX > 0) holds x * inv_scale in float32,
-    saturated, rounded to nearest even (torch_ref.to_kv_cache); otherwise a plain cast."""
-    if FP8_MAX > 0:
-        x = tl.clamp(x.to(tl.float32) * inv_scale, -FP8_MAX, FP8_MAX)
-    return x
+def _store_scales(dst, stride_h, scale, NH: tl.constexpr, BLOCK_H: tl.constexpr):
+    offs_h = tl.arange(0, BLOCK_H)
+    tl.store(dst + offs_h * stride_h, scale, mask=offs_h < NH)
 
 
 @triton.jit
@@ -67,20 +65,21 @@ def _store_heads(dst, stride_h, o1, o2, rest, NH: tl.constexpr, HALF: tl.constex
     half_mask = (offs_h < NH) & (offs_i < HALF)
     row = dst + offs_h * stride_h
     ty = dst.dtype.element_ty
-    tl.store(row + offs_i, _to_cache(o1, inv_scale, FP8_MAX).to(ty), mask=half_mask)
-    tl.store(row + HALF + offs_i, _to_cache(o2, inv_scale, FP8_MAX).to(ty), mask=half_mask)
-    tl.store(row + 2 * HALF + offs_r, _to_cache(rest, inv_scale, FP8_MAX).to(ty), mask=(offs_h < NH) & (offs_r < REST))
+    tl.store(row + offs_i, to_cache(o1, inv_scale, FP8_MAX).to(ty), mask=half_mask)
+    tl.store(row + HALF + offs_i, to_cache(o2, inv_scale, FP8_MAX).to(ty), mask=half_mask)
+    tl.store(row + 2 * HALF + offs_r, to_cache(rest, inv_scale, FP8_MAX).to(ty), mask=(offs_h < NH) & (offs_r < REST))
 
 
 @triton.jit
 def _qkv_rope_store_kernel(
     qkv_ptr, positions_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, q_out_ptr,
-    k_cache_ptr, v_cache_ptr, slot_mapping_ptr, eps, block_size, k_inv_scale, v_inv_scale,
+    k_cache_ptr, v_cache_ptr, slot_mapping_ptr, eps, block_size,
     stride_t, stride_cs, stride_qo_t, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr, REST: tl.constexpr, HAS_NORM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
-    BLOCK_D: tl.constexpr, FP8_MAX: tl.constexpr,
+    BLOCK_D: tl.constexpr, k_inv_scale=1.0, v_inv_scale=1.0, FP8_MAX: tl.constexpr = 0.0,
+    k_scales_ptr=None, v_scales_ptr=None, stride_sb=0, stride_ss=0, stride_sh=0, TOKEN_SCALES: tl.constexpr = False,
 ):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
@@ -102,14 +101,27 @@ def _qkv_rope_store_kernel(
     block, offset = slot // block_size, slot % block_size
     o1, o2, rest = _norm_rope(k_src, HEAD_DIM, k_norm_ptr, eps, cos, sin, NUM_KV_HEADS, HEAD_DIM, HALF, REST,
                               BLOCK_KH, BLOCK_HALF, BLOCK_REST, HAS_NORM)
-    _store_heads(k_cache_ptr + block * stride_kcb + offset * stride_kcs, stride_kch, o1, o2, rest,
-                 NUM_KV_HEADS, HALF, REST, BLOCK_KH, BLOCK_HALF, BLOCK_REST, k_inv_scale, FP8_MAX)
     offs_h = tl.arange(0, BLOCK_KH)[:, None]
     offs_d = tl.arange(0, BLOCK_D)[None, :]
     mask = (offs_h < NUM_KV_HEADS) & (offs_d < HEAD_DIM)
-    v = tl.load(v_src + offs_h * HEAD_DIM + offs_d, mask=mask)
+    v = tl.load(v_src + offs_h * HEAD_DIM + offs_d, mask=mask, other=0.0)
+    if TOKEN_SCALES:  # each kv head's row by its own scale (padding lanes hold 0: they do not raise amax)
+        k_amax = tl.maximum(tl.maximum(tl.max(tl.abs(o1.to(tl.float32)), 1), tl.max(tl.abs(o2.to(tl.float32)), 1)),
+                            tl.max(tl.abs(rest.to(tl.float32)), 1))
+        k_scale, k_inv = token_head_scale(k_amax, FP8_MAX)
+        v_scale, v_inv = token_head_scale(tl.max(tl.abs(v.to(tl.float32)), 1), FP8_MAX)
+        scale_offset = block * stride_sb + offset * stride_ss
+        _store_scales(k_scales_ptr + scale_offset, stride_sh, k_scale, NUM_KV_HEADS, BLOCK_KH)
+        _store_scales(v_scales_ptr + scale_offset, stride_sh, v_scale, NUM_KV_HEADS, BLOCK_KH)
+        k_inv_row = k_inv[:, None]
+        v_inv_row = v_inv[:, None]
+    else:
+        k_inv_row = k_inv_scale
+        v_inv_row = v_inv_scale
+    _store_heads(k_cache_ptr + block * stride_kcb + offset * stride_kcs, stride_kch, o1, o2, rest,
+                 NUM_KV_HEADS, HALF, REST, BLOCK_KH, BLOCK_HALF, BLOCK_REST, k_inv_row, FP8_MAX)
     v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + offs_h * stride_vch + offs_d
-    tl.store(v_dst, _to_cache(v, v_inv_scale, FP8_MAX).to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_dst, to_cache(v, v_inv_row, FP8_MAX).to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def qkv_rope_store(
@@ -123,8 +135,8 @@ def qkv_rope_store(
     q_norm_weight: torch.Tensor | None = None,  # [D]
     k_norm_weight: torch.Tensor | None = None,  # [D]
     eps: float = 1e-6,
-    k_scale: float = 1.0,  # FP8 caches: K / k_scale and V / v_scale are stored
-    v_scale: float = 1.0,
+    k_scale: float | torch.Tensor = 1.0,  # FP8 caches: K / k_scale and V / v_scale are stored, or
+    v_scale: float | torch.Tensor = 1.0,  # [NB, BS, KH] float32 per-token-head scales, written here
 ) -> torch.Tensor:
     """Same contract as `torch_ref.qkv_rope_store`: returns q [T, H, D]; K/V go to the cache."""
     check_dim("qkv", qkv, 2)
@@ -159,6 +171,7 @@ def qkv_rope_store(
                          f"and {tuple(k_norm_weight.shape)}")
     check_same_device(qkv=qkv, positions=positions, cos_sin_cache=cos_sin_cache, k_cache=k_cache,
                       v_cache=v_cache, slot_mapping=slot_mapping)
+    token_scales = check_token_scales(k_cache, k_scale, v_scale)
     q_out = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if num_tokens == 0:
         return q_out
@@ -166,7 +179,7 @@ def qkv_rope_store(
     weights = (q_norm_weight, k_norm_weight) if has_norm else (q_out, q_out)  # unused without norm
     _qkv_rope_store_kernel[(num_tokens,)](
         qkv, positions, cos_sin_cache, weights[0], weights[1], q_out,
-        k_cache, v_cache, slot_mapping, eps, k_cache.shape[1], 1.0 / k_scale, 1.0 / v_scale,
+        k_cache, v_cache, slot_mapping, eps, k_cache.shape[1],
         qkv.stride(0), cos_sin_cache.stride(0), q_out.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -174,7 +187,8 @@ def qkv_rope_store(
         HALF=half, REST=rest, HAS_NORM=has_norm,
         BLOCK_H=next_pow2(num_heads), BLOCK_KH=next_pow2(num_kv_heads), BLOCK_HALF=next_pow2(half),
         BLOCK_REST=max(1, next_pow2(rest)), BLOCK_D=next_pow2(head_dim),
-        FP8_MAX=float(torch.finfo(k_cache.dtype).max) if k_cache.dtype in FP8_KV_DTYPES else 0.0,
+        **scale_kernel_args(k_cache, k_scale, v_scale, token_scales),
         num_warps=4,
     )
     return q_out
+
