@@ -208,6 +208,38 @@ def test_triton_store_writes_the_reference_codes_and_scales(device, fused):
         assert (k.view(torch.uint8) != rk.view(torch.uint8)).float().mean() < 1e-3
 
 
+def test_triton_store_kv_cache_with_per_layer_scales(device):
+    """The plain Triton store now takes FP8 caches with per-layer scales too, as its reference."""
+    pytest.importorskip("triton")
+    from atom_core.kernels.triton.kv_store import store_kv_cache
+
+    g = torch.Generator().manual_seed(3)
+    key, value = (torch.randn(6, 2, 24, generator=g) * 40).to(device), torch.randn(6, 2, 24, generator=g).to(device)
+    slots = torch.tensor([4, 0, -1, 9, 2, 7], device=device)
+    caches = []
+    for store in (store_kv_cache, torch_ref.store_kv_cache):
+        k_cache = torch.zeros(3, 4, 2, 24, dtype=E4M3, device=device)
+        v_cache = torch.zeros_like(k_cache)
+        store(key, value, k_cache, v_cache, slots, 0.25, 3.0)
+        caches.append((k_cache, v_cache))
+    for (got, ref), x, scale in zip(zip(*caches), (key, value), (0.25, 3.0)):
+        if device == "cuda":
+            assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
+        else:
+            valid = slots >= 0
+            want = _interpreter_codes((x[valid].float() * (1.0 / scale)).clamp(-LIMIT, LIMIT))
+            assert torch.equal(got.view(-1, 2, 24)[slots[valid]].view(torch.uint8), want.view(torch.uint8))
+        assert not got.view(-1, 2, 24)[[1, 3, 5, 6, 8, 10, 11]].float().any()  # slot -1 and unused: untouched
+
+
+def test_warm_up_compiles_the_per_token_variants(device):
+    pytest.importorskip("triton")
+    from atom_core.kernels.triton.attention import warm_up_variants
+
+    args, scales = _case(device, [(0, 3)], torch.float32)
+    assert warm_up_variants(args[1], args[2], 4, torch.float32, 2, **scales) == 4  # decode, q=2; split or not
+
+
 class TestScaleArgumentErrors:
     def test_store_and_attention_refuse_mixed_or_misshaped_scales(self, device):
         pytest.importorskip("triton")
