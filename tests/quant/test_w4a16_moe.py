@@ -1,0 +1,199 @@
+"""W4A16 experts: the reference (`quant.int4_moe.fused_moe_w4a16_ref`) and the fused Triton kernel
+(`kernels/triton/moe_w4a16.fused_moe_w4a16`), on fresh random int4 experts in the canonical layout.
+
+- the reference equals a per-token oracle over weights dequantized by hand (u - zero) * scale;
+- the kernel equals the reference: `cpu` cases under Triton's interpreter (group 32/64/128,
+  symmetric and asymmetric, top-k 1/2/8, 1/7/64/300 tokens, every tile tier), `cuda` cases (marker
+  `gpu`, not run yet: no GPU in the session that wrote them) at Qwen3-30B-A3B's expert shape and a
+  CUDA-graph replay; both GEMMs compile offline for sm_90 without spills.
+
+    TRITON_INTERPRET=1 python -m pytest tests/quant/test_w4a16_moe.py -q
+"""
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from atom_core.kernels import moe_ref
+from atom_core.quant.int4_moe import fused_moe_w4a16_ref
+from atom_core.quant.int_ops import pack_int4
+from tests.kernels.conftest import device  # noqa: F401  (the cpu-interpreter / cuda fixture)
+from tests.kernels.tolerances import INTERPRET, TOL, rel_err
+
+
+def seeded(*key) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def int4_experts(gen, experts: int, rows: int, cols: int, group: int, dtype, asym: bool):
+    """(packed int32 [E, R, C/8], scales [E, R, C/G], zeros uint8 or None, u uint8 [E, R, C])."""
+    u = torch.randint(0, 16, (experts, rows, cols), dtype=torch.uint8, generator=gen)
+    scale = ((torch.rand(experts, rows, cols // group, generator=gen) + 0.5) / (4 * cols ** 0.5)).to(dtype)
+    zero = torch.randint(4, 12, (experts, rows, cols // group), dtype=torch.uint8, generator=gen) if asym else None
+    return pack_int4(u, -1), scale, zero, u
+
+
+def kernel_inputs(key, e, h, i, t, k, group, dtype, device, asym=False, drop=False):
+    gen = seeded(*key)
+    w13, s13, z13, _ = int4_experts(gen, e, 2 * i, h, group, dtype, asym)
+    w2, s2, z2, _ = int4_experts(gen, e, h, i, group, dtype, asym)
+    x = torch.randn(t, h, generator=gen).to(dtype)
+    weights, ids = moe_ref.moe_route(torch.randn(t, e, generator=gen), k, renormalize=True)
+    if drop:
+        ids[::2, 0] = -1
+        ids[1::3, -1] = e
+    move = lambda v: None if v is None else v.to(device)  # noqa: E731
+    return [move(a) for a in (x, w13, s13, z13, w2, s2, z2, weights, ids)]
+
+
+class TestReference:
+    @pytest.mark.parametrize("asym", [False, True])
+    def test_equals_a_hand_dequantized_oracle(self, asym):
+        e, h, i, t, k, g = 4, 64, 32, 5, 2, 32
+        gen = seeded("ref", asym)
+        w13, s13, z13, u13 = int4_experts(gen, e, 2 * i, h, g, torch.float32, asym)
+        w2, s2, z2, u2 = int4_experts(gen, e, h, i, g, torch.float32, asym)
+        x = torch.randn(t, h, generator=gen)
+        weights, ids = moe_ref.moe_route(torch.randn(t, e, generator=gen), k, renormalize=True)
+
+        def dq(u, s, z):
+            zz = 8.0 if z is None else z.float().repeat_interleave(g, -1)
+            return (u.float() - zz) * s.repeat_interleave(g, -1)
+
+        a, b = dq(u13, s13, z13), dq(u2, s2, z2)
+        oracle = torch.zeros(t, h)
+        for tok in range(t):
+            for slot in range(k):
+                ex = int(ids[tok, slot])
+                hh = a[ex] @ x[tok]
+                oracle[tok] += weights[tok, slot] * (b[ex] @ (torch.nn.functional.silu(hh[:i]) * hh[i:]))
+        out = fused_moe_w4a16_ref(x, w13, s13, z13, w2, s2, z2, weights, ids, g)
+        assert torch.allclose(out, oracle, rtol=1e-5, atol=1e-6)
+
+
+# (E, H, I, T, top_k, group): top-k 1/2/8, 1/7/64/300 tokens, groups 32/64/128
+SMALL = [(4, 128, 128, 1, 1, 128), (8, 64, 96, 7, 2, 32), (16, 64, 64, 64, 8, 64), (4, 64, 32, 300, 1, 32)]
+
+
+class TestTritonW4a16Moe:
+    @pytest.mark.parametrize("shape", SMALL)
+    @pytest.mark.parametrize("asym", [False, True])
+    def test_matches_reference_float32(self, device, shape, asym):
+        from atom_core.kernels.triton.moe_w4a16 import fused_moe_w4a16
+
+        *dims, g = shape
+        args = kernel_inputs(("f32", shape, asym), *dims, g, torch.float32, device, asym)
+        assert rel_err(fused_moe_w4a16(*args, g), fused_moe_w4a16_ref(*args, g)) < TOL[torch.float32]
+
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+    def test_matches_reference_half(self, device, dtype):
+        from atom_core.kernels.triton.moe_w4a16 import fused_moe_w4a16
+
+        args = kernel_inputs(("half", dtype), 8, 64, 96, 7, 2, 32, dtype, device)
+        out = fused_moe_w4a16(*args, 32)
+        assert out.dtype == dtype and rel_err(out, fused_moe_w4a16_ref(*args, 32)) < TOL[dtype]
+
+    @pytest.mark.parametrize("tier_tokens", [1, 24, 96, 400])
+    def test_every_default_tile_tier_and_dropped_ids(self, device, tier_tokens):
+        from atom_core.kernels.triton.moe_w4a16 import default_w4a16_moe_config, fused_moe_w4a16
+
+        cfg = default_w4a16_moe_config(tier_tokens, 4, 8, 64)
+        args = kernel_inputs(("tier", tier_tokens), 8, 128, 64, 6, 2, 64, torch.float32, device, drop=True)
+        out = fused_moe_w4a16(*args, 64, config=cfg)
+        assert rel_err(out, fused_moe_w4a16_ref(*args, 64)) < TOL[torch.float32]
+
+    def test_bad_arguments_are_clear_errors(self):
+        from atom_core.kernels.triton.moe_w4a16 import fused_moe_w4a16
+
+        x, w13, s13, z13, w2, s2, z2, weights, ids = kernel_inputs(("bad",), 2, 64, 32, 3, 1, 32, torch.float32,
+                                                                   "cpu", asym=True)
+        with pytest.raises(ValueError, match="group size"):
+            fused_moe_w4a16(x, w13, s13, z13, w2, s2, z2, weights, ids, 48)
+        with pytest.raises(ValueError, match="both w13_zero and w2_zero"):
+            fused_moe_w4a16(x, w13, s13, z13, w2, s2, None, weights, ids, 32)
+        with pytest.raises(ValueError, match="hidden's dtype"):
+            fused_moe_w4a16(x, w13, s13.half(), z13, w2, s2, z2, weights, ids, 32)
+        with pytest.raises(ValueError, match="int32 words"):
+            fused_moe_w4a16(x, w13.long(), s13, z13, w2, s2, z2, weights, ids, 32)
+        with pytest.raises(ValueError, match="w2_scale must be"):
+            fused_moe_w4a16(x, w13, s13, z13, w2, s2[:, :, :0], z2, weights, ids, 32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRET, reason="interpreter mode")
+class TestOnCuda:
+    @pytest.mark.parametrize("num_tokens", [1, 7, 64, 300])
+    @pytest.mark.parametrize("group", [32, 128])
+    def test_qwen3_30b_a3b_expert_shape(self, num_tokens, group):
+        from atom_core.kernels.triton.moe_w4a16 import fused_moe_w4a16
+
+        args = kernel_inputs(("gpu", num_tokens, group), 128, 2048, 768, num_tokens, 8, group, torch.bfloat16, "cuda")
+        assert rel_err(fused_moe_w4a16(*args, group), fused_moe_w4a16_ref(*args, group)) < TOL[torch.bfloat16]
+
+    def test_replays_in_a_cuda_graph(self):
+        from atom_core.kernels.triton.moe_w4a16 import fused_moe_w4a16
+
+        args = kernel_inputs(("graph",), 128, 2048, 768, 4, 8, 128, torch.bfloat16, "cuda")
+        x, ids = args[0], args[8]
+        fused_moe_w4a16(*args, 128)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fused_moe_w4a16(*args, 128)
+        x.copy_(torch.randn_like(x))
+        ids.copy_(torch.randperm(128, device="cuda")[:ids.numel()].view_as(ids).to(torch.int32))
+        graph.replay()
+        assert torch.equal(out, fused_moe_w4a16(*args, 128))
+
+
+@pytest.mark.skipif(INTERPRET, reason="the interpreter replaces the compiled kernels")
+@pytest.mark.parametrize("num_tokens", [1, 24, 96, 4096])
+def test_kernels_compile_for_hopper_without_spills(num_tokens):
+    """Both GEMMs compile for sm_90 offline (Triton's bundled toolchain) at Qwen3-30B-A3B's expert
+    shape, group 128, each default tier, with no local-memory spills."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from atom_core.kernels.triton import moe_w4a16
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        pytest.skip("Triton ships no cuobjdump here")
+    cfg = moe_w4a16.default_w4a16_moe_config(num_tokens, 8, 128, 128)
+    ints = lambda *names: {n: "i32" for n in names}  # noqa: E731
+    common = {"sorted_ptr": "*i32", "expert_ids_ptr": "*i32", "num_post_ptr": "*i32"}
+
+    def compile_(fn, sig, consts, tile):
+        aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
+                   if t.startswith("*") or n in ("stride_xt", "stride_at", "stride_we", "stride_wn", "stride_ot")}
+        consts = {**consts, "GROUP": 128, "HAS_ZERO": False, "BLOCK_M": cfg.block_m, "BLOCK_N": tile.block_n,
+                  "BLOCK_K": tile.block_k, "GROUP_M": tile.group_m, "DOT_IN_FP32": False, "DOT_PRECISION": None}
+        src = ASTSource(fn=fn, signature={**sig, **{c: "constexpr" for c in consts}}, constexprs=consts,
+                        attrs=aligned)
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": tile.num_warps, "num_stages": tile.num_stages})
+
+    k1 = compile_(moe_w4a16._gemm1_kernel,
+                  {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "out_ptr": "*bf16", **common,
+                   **ints("num_assignments", "num_m_blocks"), "limit": "fp32",
+                   **ints("stride_xt", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_ot")},
+                  {"INTER": 768, "HIDDEN": 2048, "TOP_K": 8, "ACTIVATION": 0}, cfg.gemm1)
+    k2 = compile_(moe_w4a16._gemm2_kernel,
+                  {"a_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "topk_weights_ptr": "*fp32",
+                   "out_ptr": "*bf16", **common,
+                   **ints("num_assignments", "num_m_blocks", "stride_at", "stride_we", "stride_wn", "stride_se",
+                          "stride_sn", "stride_ot")},
+                  {"HIDDEN": 2048, "INTER": 768}, cfg.gemm2)
+    for kernel in (k1, k2):
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(kernel.asm["cubin"])
+            f.flush()
+            usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        assert int(re.search(r"STACK:(\d+)", usage).group(1)) == 0, usage
