@@ -332,7 +332,8 @@ def test_kernels_compile_for_hopper_without_spills(num_tokens):
     k1 = compile_(moe_fp8._gemm1_kernel,
                   {"xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "out_ptr": "*bf16",
                    **ptrs, **ints("num_assignments", "num_m_blocks"), "limit": "fp32",
-                   **ints("stride_xt", "stride_xst", "stride_we", "stride_wn", "stride_wse", "stride_wsn", "stride_ot")},
+                   **ints("stride_xt", "stride_xst", "stride_we", "stride_wn", "stride_wse", "stride_wsn",
+                          "stride_ot")},
                   {"INTER": i, "HIDDEN": h, "TOP_K": k, "ACTIVATION": 0, **tiles(cfg.gemm1)}, cfg.gemm1)
     k2 = compile_(moe_fp8._gemm2_kernel,
                   {"aq_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32",

@@ -110,7 +110,7 @@ def main() -> None:
                 print(f"{'':>14} sweep: default {default_fp8_moe_config(m, k, e, GROUP)} {t_fp8:.1f} us; best 3:")
                 for t, c in timed[:3]:
                     print(f"{'':>14}   {t:8.1f} us  {c}", flush=True)
-        del w13, w2, w13_d, w2_d
+        w13 = w2 = w13_d = w2_d = None  # free this shape's experts before the next
         torch.cuda.empty_cache()
 
 
