@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8) + tuple(range(16, 513, 16))
+CUDAGRAPH_MODES = ("full_decode_only", "piecewise", "full_and_piecewise")
+# Piecewise graphs' token buckets (the ladder vLLM uses): fine steps where padding costs most.
+DEFAULT_PIECEWISE_SIZES = (1, 2, 4) + tuple(range(8, 256, 8)) + tuple(range(256, 513, 16))
 
 
 def _fail(part, name: str, why: str) -> None:
@@ -204,17 +207,45 @@ class SchedulerConfig:
 class CompileConfig:
     """level: 0 eager; 1 CUDA graphs for decode; 2 torch.compile of the decoder layers (graph
     split at attention); 3 (default) compile + CUDA graphs. enforce_eager forces level 0.
-    Only GPUs compile or capture; the CPU always runs eagerly."""
+    Only GPUs compile or capture; the CPU always runs eagerly.
+
+    cudagraph_mode (vLLM's names), at levels 1 and 3: full_decode_only (default) captures whole
+    decode-only batches (cudagraph_capture_sizes, in requests); piecewise captures every step of
+    up to max(piecewise_capture_sizes) tokens split at attention, which runs eagerly between the
+    graphs (worker/piecewise.py); full_and_piecewise does both, decode-only batches taking the
+    full graphs. piecewise_capture_sizes: token buckets (default: a ladder up to 512, capped at
+    max_num_batched_tokens); a step over the largest runs eagerly."""
 
     level: int = 3
     enforce_eager: bool = False
     cudagraph_capture_sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES
+    cudagraph_mode: str = "full_decode_only"  # CUDAGRAPH_MODES
+    piecewise_capture_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.level not in (0, 1, 2, 3):
             _fail(self, "level", "expected 0, 1, 2 or 3")
         if not self.cudagraph_capture_sizes or any(s < 1 for s in self.cudagraph_capture_sizes):
             _fail(self, "cudagraph_capture_sizes", "must be a non-empty list of positive batch sizes")
+        if self.cudagraph_mode not in CUDAGRAPH_MODES:
+            _fail(self, "cudagraph_mode", f"expected one of: {', '.join(CUDAGRAPH_MODES)}")
+        if self.cudagraph_mode != "full_decode_only" and (self.enforce_eager or self.level in (0, 2)):
+            _fail(self, "cudagraph_mode", "needs CUDA graphs: --level 1 or 3, without --enforce-eager")
+        if self.piecewise_capture_sizes is not None:
+            if not self.piecewise_capture_sizes or any(s < 1 for s in self.piecewise_capture_sizes):
+                _fail(self, "piecewise_capture_sizes", "must be a non-empty list of positive token counts")
+            if self.cudagraph_mode == "full_decode_only":
+                _fail(self, "piecewise_capture_sizes", "only used with --cudagraph-mode piecewise or "
+                      "full_and_piecewise")
+
+    def piecewise_sizes(self, max_num_batched_tokens: int) -> tuple[int, ...]:
+        """Token buckets of the piecewise graphs, none larger than a step can be; a budget between
+        two default rungs is a bucket itself (a full step then replays without padding)."""
+        sizes = set(self.piecewise_capture_sizes or DEFAULT_PIECEWISE_SIZES)
+        capped = {s for s in sizes if s <= max_num_batched_tokens}
+        if self.piecewise_capture_sizes is None and max_num_batched_tokens < max(sizes):
+            capped.add(max_num_batched_tokens)
+        return tuple(sorted(capped)) or (max_num_batched_tokens,)
 
     def use_cuda_graphs(self, device: torch.device) -> bool:
         return device.type == "cuda" and not self.enforce_eager and self.level in (1, 3)
@@ -420,6 +451,10 @@ class EngineConfig:
     def capture_sizes(self) -> tuple[int, ...]:
         return self.compile.capture_sizes(self.scheduler.max_num_seqs)
 
+    @property
+    def piecewise_sizes(self) -> tuple[int, ...]:
+        return self.compile.piecewise_sizes(self.scheduler.max_num_batched_tokens)
+
     def replace(self, **options) -> "EngineConfig":
         """A copy with some flat options changed (same names as from_kwargs)."""
         parts = _split_options(options)
@@ -430,13 +465,15 @@ class EngineConfig:
     def from_kwargs(cls, model: str | os.PathLike, **options) -> "EngineConfig":
         """Build from flat keyword options; unknown names are rejected with the known ones listed.
         None means "the default" except for options whose default is None."""
-        if options.get("cudagraph_capture_sizes") is not None:
-            options["cudagraph_capture_sizes"] = tuple(options["cudagraph_capture_sizes"])
+        for name in ("cudagraph_capture_sizes", "piecewise_capture_sizes"):
+            if options.get(name) is not None:
+                options[name] = tuple(options[name])
         options = {k: v for k, v in options.items() if v is not None or k in _NULLABLE}
         parts = _split_options({"model": os.fspath(model), **options})
         config = cls(**{name: _PARTS[name](**values) for name, values in parts.items()})
         if config.parallel.experts_span_replicas:  # asked-for graphs would silently not happen (use_cuda_graphs)
-            asked = [f"--{k.replace('_', '-')}={options[k]}" for k in ("level", "cudagraph_capture_sizes")
+            asked = [f"--{k.replace('_', '-')}={options[k]}"
+                     for k in ("level", "cudagraph_capture_sizes", "cudagraph_mode", "piecewise_capture_sizes")
                      if k in options and (k != "level" or options[k] in (1, 3))]
             if asked:
                 raise ValueError(f"{' '.join(asked)}: data-parallel replicas sharing experts (enable_expert_parallel) "

@@ -32,6 +32,8 @@ ENGINE_OPTIONS = {
     "enforce_eager": (bool, typer.Option(False, "--enforce-eager", help="No CUDA graphs, no torch.compile.")),
     "level": (int, typer.Option(3, help="0 eager, 1 CUDA graphs, 2 torch.compile, 3 compile + CUDA graphs (default).")),
     "cudagraph_capture_sizes": (Optional[str], typer.Option(None, help="Comma-separated decode batch sizes to capture.")),
+    "cudagraph_mode": (str, typer.Option("full_decode_only", help="CUDA graphs (levels 1 and 3): full_decode_only (default) captures decode-only batches whole; piecewise captures every step of up to the largest --piecewise-capture-sizes tokens, split at attention, which runs eagerly between the graphs; full_and_piecewise: full graphs for decode-only batches, piecewise for the others. Piecewise is not yet measured on a GPU.")),
+    "piecewise_capture_sizes": (Optional[str], typer.Option(None, help="Comma-separated token counts of the piecewise graphs' buckets (default 1,2,4, 8..248 by 8, 256..512 by 16, capped at --max-num-batched-tokens); a larger step runs eagerly.")),
     "async_scheduling": (bool, typer.Option(True, "--async-scheduling/--no-async-scheduling")),
     "num_scheduler_steps": (Optional[int], typer.Option(None, help="Decode steps per host round trip while no request waits (multi-step; 1 = off). Default 8; serve and profile default to 1.")),
     "torch_profiler_dir": (Optional[str], typer.Option(None, help="Write torch profiler traces here (default: $ATOM_TORCH_PROFILER_DIR).")),
@@ -63,11 +65,12 @@ def engine_kwargs(values: dict) -> dict:
     out = {}
     for name, (_, option) in ENGINE_OPTIONS.items():
         value = values[name]
-        if name == "cudagraph_capture_sizes" and value is not None:
+        if name in ("cudagraph_capture_sizes", "piecewise_capture_sizes") and value is not None:
             try:
                 value = tuple(int(v) for v in value.split(",") if v.strip())
             except ValueError:
-                raise ValueError(f"invalid --cudagraph-capture-sizes {values[name]!r}; expected e.g. 1,2,4,8") from None
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"invalid {flag} {values[name]!r}; expected e.g. 1,2,4,8") from None
         if name == "model":
             value = resolve_model_arg(value)
         if value != option.default or name == "model":

@@ -111,6 +111,7 @@ class ModelRunner:
         self.input_batch = InputBatch()
         self.graphs = None
         self.verify_graphs = None  # speculative decoding: graphs of 1 + k tokens per request
+        self.piecewise = None  # cudagraph_mode piecewise / full_and_piecewise: graphs split at attention
         self.compile_seconds = 0.0
         if config.use_compile:
             from atom_core.worker.compile import compile_model
@@ -125,7 +126,8 @@ class ModelRunner:
             self.proposer.allocate_kv(self.num_kv_blocks)
         self.sizing_seconds = time.perf_counter() - start
         self.warm_up_seconds = self._warm_up_kernels()
-        if config.use_cuda_graphs:
+        mode = config.compile.cudagraph_mode
+        if config.use_cuda_graphs and mode != "piecewise":
             from atom_core.worker.cuda_graph import CUDAGraphRunner
 
             self.graphs = CUDAGraphRunner(self.model, config.capture_sizes, self.max_model_len, self.block_size,
@@ -133,6 +135,10 @@ class ModelRunner:
             self.graphs.capture_all()
             if self.proposer is not None:
                 self._capture_verify_graphs(CUDAGraphRunner)
+        if config.use_cuda_graphs and mode != "full_decode_only":
+            from atom_core.worker.piecewise import CudaGraphKit
+
+            self.capture_piecewise(CudaGraphKit(self.device, self.graphs.pool if self.graphs is not None else None))
 
     @property
     def model_summary(self) -> dict:
@@ -152,8 +158,19 @@ class ModelRunner:
             "compile_setup": self.compile_seconds,  # importing Dynamo/Inductor; compiling is lazy
             "kv_sizing": self.sizing_seconds,
             "kernel_warm_up": self.warm_up_seconds,
-            "graph_capture": sum(g.capture_seconds for g in (self.graphs, self.verify_graphs) if g is not None),
+            "graph_capture": sum(g.capture_seconds for g in (self.graphs, self.verify_graphs, self.piecewise)
+                                 if g is not None),
         }
+
+    def capture_piecewise(self, kit) -> None:
+        """Piecewise graphs for every step of up to the largest bucket's tokens (mixed batches;
+        decode-only ones too when no full decode graphs exist). `kit` makes the graphs: CUDA
+        graphs here; the CPU tests pass a recording stand-in."""
+        from atom_core.worker.piecewise import PiecewiseGraphRunner
+
+        self.piecewise = PiecewiseGraphRunner(self.model, self.attention_layers, self.config.piecewise_sizes,
+                                              self.device, kit)
+        self.piecewise.capture_all()
 
     def _capture_verify_graphs(self, runner_cls) -> None:
         """Verify steps replay graphs too; their sizes count tokens: requests x (1 + k) up to the
@@ -444,6 +461,8 @@ class ModelRunner:
             return self.verify_graphs.replay(flat)
         if self.graphs is not None and out.is_decode_only and self.graphs.can_run(len(out)):
             return self.graphs.replay(flat, inputs_only)
+        if self.piecewise is not None and self.piecewise.can_run(flat.num_tokens):
+            return self.piecewise.replay(flat)
         with set_attention_metadata(flat.attn):
             return self.model(flat.input_ids, flat.positions)
 
