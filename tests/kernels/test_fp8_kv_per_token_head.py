@@ -158,8 +158,9 @@ def _scaled_values(x):
     return (x.float() * inv[..., None]).clamp(-LIMIT, LIMIT)
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["store_kv_cache", "qkv_rope_store"])
-def test_triton_store_writes_the_reference_codes_and_scales(device, fused):
+@pytest.mark.parametrize("fused,norm", [(False, False), (True, False), (True, True)],
+                         ids=["store_kv_cache", "qkv_rope_store", "qkv_norm_rope_store"])
+def test_triton_store_writes_the_reference_codes_and_scales(device, fused, norm):
     pytest.importorskip("triton")
     from atom_core.kernels.triton.kv_store import store_kv_cache
     from atom_core.kernels.triton.qkv_prep import qkv_rope_store
@@ -170,11 +171,13 @@ def test_triton_store_writes_the_reference_codes_and_scales(device, fused):
     qkv, positions, cos_sin = _rope_case(tokens, heads, kv_heads, dim, qdtype, device)
     slots = torch.randperm(8 * block, generator=torch.Generator().manual_seed(2))[:tokens].to(device)
     slots[3] = -1
+    g = torch.Generator().manual_seed(4)
+    norms = [(1 + torch.randn(dim, generator=g) / 4).to(qdtype).to(device) for _ in range(2)] if norm else []
     caches = []
     for store in ((qkv_rope_store, torch_ref.qkv_rope_store) if fused else (store_kv_cache, torch_ref.store_kv_cache)):
         k_cache, v_cache, k_scale, v_scale = _empty_cache(8, block, kv_heads, dim, device)
         if fused:
-            store(qkv, positions, cos_sin, k_cache, v_cache, slots, heads, k_scale=k_scale, v_scale=v_scale)
+            store(qkv, positions, cos_sin, k_cache, v_cache, slots, heads, *norms, k_scale=k_scale, v_scale=v_scale)
         else:
             kv = qkv[:, heads * dim:].view(tokens, 2, kv_heads, dim)
             store(kv[:, 0], kv[:, 1], k_cache, v_cache, slots, k_scale, v_scale)
@@ -184,28 +187,32 @@ def test_triton_store_writes_the_reference_codes_and_scales(device, fused):
     assert torch.equal(vs, rvs)  # V passes no RoPE: its scales match bit for bit everywhere
     if gpu:
         assert torch.equal(v.view(torch.uint8), rv.view(torch.uint8))
-    if not gpu:  # the interpreter's cast of the reference's values; the scales bit for bit
+    if not gpu and not norm:  # the interpreter's cast of the reference's values; the scales bit for bit
         assert torch.equal(ks, rks)
         valid = (slots >= 0).cpu()
         blocks, offsets = slots[valid] // block, slots[valid] % block
+        kk = qkv[:, heads * dim:(heads + kv_heads) * dim].view(tokens, kv_heads, dim)
         if fused:
-            q, kk = torch_ref.rotary_embedding(positions, qkv[:, : heads * dim].view(tokens, heads, dim),
-                                               qkv[:, heads * dim:(heads + kv_heads) * dim].view(tokens, kv_heads, dim),
-                                               cos_sin)
-        else:
-            kk = qkv[:, heads * dim:(heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+            kk = torch_ref.rotary_embedding(positions, kk, kk, cos_sin)[1]
         vv = qkv[:, (heads + kv_heads) * dim:].view(tokens, kv_heads, dim)
         for got, x in ((k, kk), (v, vv)):
             want = _interpreter_codes(_scaled_values(x[valid]))
             assert torch.equal(got[blocks, offsets].view(torch.uint8), want.view(torch.uint8))
     elif not fused:
         assert torch.equal(ks, rks) and torch.equal(k.view(torch.uint8), rk.view(torch.uint8))
-    else:  # RoPE may round a bf16 value one ulp apart from torch's (see test_fp8_kv.py): K within a step
-        torch.testing.assert_close(ks, rks, rtol=2 ** -7, atol=0)
+    else:  # the kernel's RMSNorm / RoPE may round a value an ulp apart from torch's (the interpreter's
+        # float32 norm measured 1e-5 relative on q, 2e-7 on the scales; see test_fp8_kv.py for the GPU's
+        # bf16 RoPE): K scales within that, dequantized K within one e4m3 step of the reference's
+        torch.testing.assert_close(ks, rks, rtol=2 ** -7 if gpu else 1e-6, atol=0)
         k_f, rk_f = k.float() * ks[..., None], rk.float() * rks[..., None]
         step = rk_f.abs() * 2 ** -3 + rks[..., None].abs() * 2 ** -9
-        assert ((k_f - rk_f).abs() <= step * 1.01).all()
-        assert (k.view(torch.uint8) != rk.view(torch.uint8)).float().mean() < 1e-3
+        near = (k_f - rk_f).abs() <= step * 1.01
+        if not gpu:  # or the interpreter's cast: a code rounding up to a power of two comes out as half of it
+            code, ref_code = k.float(), rk.float()
+            near |= (code * 2 == ref_code) & (ref_code.abs().log2() == ref_code.abs().log2().round())
+        assert near.all()
+        # (the interpreter with q/k norm: 0.0 of the codes differed, measured; the bound allows its cast's quirks)
+        assert (k.view(torch.uint8) != rk.view(torch.uint8)).float().mean() < (1e-3 if gpu else 0.05)
 
 
 def test_triton_store_kv_cache_with_per_layer_scales(device):
