@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks, a short table last.
-# Usage: bash tests/gpu/suite.sh [all|tests|bench-small|bench-8b|final|tp]  (carry .whl for the server wheels)
+# Usage: bash tests/gpu/suite.sh [all|tests|bench-small|bench-8b|final|tp|piecewise|piecewise-serve|...]  (carry .whl for the server wheels)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -37,6 +37,17 @@ kernel_tests() {  # in 4 processes: Triton compiles are CPU-bound
   for p in "${pids[@]}"; do wait $p; done
   for i in 0 1 2 3; do echo "--- kernel tests: ${k[$i]}"; grep -E "passed|failed|error|FAILED|Error" /tmp/kt$i.log | tail -n 8; done
   summary+=("$(printf '%-28s %9s %4ss' kernel-tests "" "$(( $(date +%s) - start ))")")
+}
+serve_l8_c64() {  # serve_l8_c64 NAME [ENGINE FLAGS...]: start the server, one bench serve run (the issue's table), stop it
+  local name=$1; shift
+  python3 -m atomctl.main --log-level INFO serve "${l8[@]}" "$@" --port 8011 > /tmp/serve_$name.log 2>&1 &
+  local spid=$! start=$(date +%s) i
+  for i in $(seq 1 300); do curl -sf http://127.0.0.1:8011/health >/dev/null && break; sleep 1; done
+  echo "server ($name) ready after $(( $(date +%s) - start )) s"
+  step bench-serve-l8-$name 150 python3 -m atomctl.main bench serve --backend atom --base-url http://127.0.0.1:8011 \
+    --tokenizer preset:Llama-3-8B --dataset-name random --random-input-len 1024 --random-output-len 128 \
+    --ignore-eos --num-prompts 320 --max-concurrency 64 --save-result --result-dir "$OUT" --result-filename serve_l8_c64_$name.json
+  kill $spid; wait $spid; grep -E "captured" /tmp/serve_$name.log | tail -n 3
 }
 dense_targets() {  # the dense speed targets through the CLI at its defaults; Llama-3-8B offline twice (cold, then warm)
     step off-l8 120 python3 -m atomctl.main bench offline "${l8[@]}" --output-json "$OUT/off_l8.json"
@@ -299,6 +310,16 @@ case $mode in
     step fp8-moe-sweep 100 python3 -m atom_core.kernels.triton.fp8_moe_bench --shapes qwen3-30b-a3b --sweep
     step lat-a3b-bs1 110 python3 -m atomctl.main bench latency "${a3b[@]}" --bs 1 --output-json "$OUT/lat_a3b_bs1.json"
     step lat-a3b-fp8-bs1 130 python3 -m atomctl.main bench latency --model preset:Qwen3-30B-A3B-FP8 --load-format dummy --max-model-len 4096 --bs 1 --output-json "$OUT/lat_a3b_fp8_bs1.json" ;;
+  piecewise)  # issue 19 piecewise graphs (written without a GPU, not yet run): their GPU tests, then Qwen3-0.6B offline (nano workload) with full decode graphs only (default) and with full_and_piecewise
+    step piecewise-gpu-tests 330 python3 -m pytest -q --tb=short -m gpu tests/gpu/test_piecewise_gpu.py -p no:cacheprovider
+    step off-q06-full-decode 90 python3 -m atomctl.main bench offline "${q06[@]}" --output-json "$OUT/off_q06_full_decode.json"
+    step off-q06-piecewise 120 python3 -m atomctl.main bench offline "${q06[@]}" --cudagraph-mode full_and_piecewise --output-json "$OUT/off_q06_piecewise.json" ;;
+  piecewise-serve)  # issue 19: the issue's serving run (Llama-3-8B dummy, random 1024 in / 128 out, concurrency 64), default graphs vs full_and_piecewise (buckets to 512: steps that hold a whole 1024-token prompt still run eagerly)
+    serve_l8_c64 full-decode-only
+    serve_l8_c64 full-and-piecewise --cudagraph-mode full_and_piecewise ;;
+  piecewise-serve-2k)  # issue 19: the same serving run, default graphs vs piecewise buckets up to 2048 tokens (so steps with a prompt replay too)
+    serve_l8_c64 full-decode-only
+    serve_l8_c64 piecewise-2k --cudagraph-mode full_and_piecewise --piecewise-capture-sizes "1,2,4,$(seq -s, 8 8 248),$(seq -s, 256 16 512),$(seq -s, 576 64 2048)" ;;
   *) ;;
 esac
 echo "=== summary"

@@ -52,9 +52,11 @@ def _record_forwards(engine: LLMEngine) -> list:
     steps, forward = [], runner._forward
 
     def recording(flat, out, inputs_only=False):
-        pw = runner.piecewise
+        pw, full = runner.piecewise, runner.graphs
         path, eager = "eager", None
-        if pw is not None and pw.can_run(flat.num_tokens):
+        if full is not None and out.is_decode_only and full.can_run(len(out)):
+            path = "full"
+        elif pw is not None and pw.can_run(flat.num_tokens):
             path = "exact" if pw.padded_size(flat.num_tokens) == flat.num_tokens else "padded"
             with set_attention_metadata(flat.attn):
                 eager = runner.model(flat.input_ids, flat.positions).clone()
@@ -72,22 +74,24 @@ ARRIVALS = {0: [(5, 12), (19, 8)], 2: [(40, 5)], 4: [(5, 9)], 5: [(2, 2)], 7: [(
             18: [(1, 4)]}
 
 
-def _run(engine: LLMEngine) -> tuple[dict, list]:
+def _run(engine: LLMEngine, arrivals: dict = ARRIVALS, vocab: int = 290) -> tuple[dict, list]:
+    """Requests {step: [(prompt length, max tokens)]} added at those steps; greedy tokens per
+    request id and the recorded forwards."""
     steps = _record_forwards(engine)
     outputs = {}
 
     def keep(state, ids, text):
         outputs[state["request_id"]] = state["token_ids"]
 
-    for i in range(200):
-        for length, max_tokens in ARRIVALS.get(i, []):
-            prompt = [3 + (7 * length + j) % 290 for j in range(length)]
+    for i in range(10_000):
+        for length, max_tokens in arrivals.get(i, []):
+            prompt = [3 + (7 * length + j) % vocab for j in range(length)]
             engine.add_request([prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
                                stream_callback=keep)
-        if engine.is_finished() and i > max(ARRIVALS):
+        if engine.is_finished() and i > max(arrivals):
             break
         engine.step()
-    assert sum(len(v) for v in outputs.values()) == sum(m for reqs in ARRIVALS.values() for _, m in reqs)
+    assert sum(len(v) for v in outputs.values()) == sum(m for reqs in arrivals.values() for _, m in reqs)
     return outputs, steps
 
 
