@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, get_args
 
 import torch
 
@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8) + tuple(range(16, 513, 16))
-CUDAGRAPH_MODES = ("full_decode_only", "piecewise", "full_and_piecewise")
+CudaGraphMode = Literal["full_decode_only", "piecewise", "full_and_piecewise"]
+CUDAGRAPH_MODES: tuple[str, ...] = get_args(CudaGraphMode)
 # Piecewise graphs' token buckets (the ladder vLLM uses): fine steps where padding costs most.
 DEFAULT_PIECEWISE_SIZES = (1, 2, 4) + tuple(range(8, 256, 8)) + tuple(range(256, 513, 16))
 
@@ -219,7 +220,7 @@ class CompileConfig:
     level: int = 3
     enforce_eager: bool = False
     cudagraph_capture_sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES
-    cudagraph_mode: str = "full_decode_only"  # CUDAGRAPH_MODES
+    cudagraph_mode: CudaGraphMode = "full_decode_only"
     piecewise_capture_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:

@@ -5,6 +5,7 @@ custom op, `atom::paged_attention`, so Dynamo/Inductor compile everything around
 decoder layer at a time (projections stay cuBLAS; norms, residual adds and SiLU-and-mul become
 Inductor-fused kernels, so those layers use their torch reference implementations here). Token count is a dynamic
 dimension: one compiled graph serves prefill chunks and every decode batch size.
+Piecewise CUDA graphs (worker/piecewise.py) split the forward at the same op, at runtime.
 Compiled artifacts are cached by Inductor's on-disk cache (TORCHINDUCTOR_CACHE_DIR), so a
 second start of the same model compiles much faster.
 """
