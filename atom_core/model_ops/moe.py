@@ -53,7 +53,9 @@ def make_expert_params_mapping(num_experts: int, gate: str, down: str, up: str,
     for HF transformers' fused layout (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj`)."""
     rules: list[tuple[str, str, int | None, str | None]] = []
     for e in range(num_experts):
-        for suffix in ("weight", "weight_scale_inv"):  # weight_scale_inv: block-FP8 experts (quant/fp8.py)
+        # weight_scale_inv: block-FP8 experts (quant/fp8.py); weight_packed/_scale/_shape: compressed-tensors
+        # W4A16 experts (quant/int4_moe.py). A rule only applies where its target parameter exists.
+        for suffix in ("weight", "weight_scale_inv", "weight_packed", "weight_scale", "weight_shape"):
             rules += [(f"{experts}.w13_{suffix}", f"{experts}.{e}.{gate}.{suffix}", e, "w1"),
                       (f"{experts}.w13_{suffix}", f"{experts}.{e}.{up}.{suffix}", e, "w3"),
                       (f"{experts}.w2_{suffix}", f"{experts}.{e}.{down}.{suffix}", e, "w2")]

@@ -13,7 +13,8 @@ an exact module name, or "re:<regex>" matched from the name's start. Schemes run
                   attention layers load and an FP8 KV cache (--kv-cache-dtype fp8) uses
 
 Anything else (static INT8 activation scales, FP8 weights without FP8 activations, act-order g_idx, sparsity, KV-cache schemes, other
-bit widths, quantized MoE experts) fails at start with a message naming it.
+bit widths, MoE experts in any scheme but pack-quantized W4A16 symmetric groups, see quant/int4_moe.py)
+fails at start with a message naming it.
 """
 from __future__ import annotations
 
@@ -158,11 +159,10 @@ class CompressedTensorsConfig(QuantConfig):
         from atom_core.model_ops.moe import FusedMoE
 
         if isinstance(layer, FusedMoE):
-            expert = f"{prefix}.0.gate_proj"
-            if self._scheme_of(expert) is not None:
-                raise ValueError(f"{prefix}: compressed-tensors quantized MoE experts are not supported yet "
-                                 f"(dense linear layers only)")
-            return None
+            from atom_core.quant.int4_moe import compressed_tensors_moe_method
+
+            scheme = self._scheme_of(f"{prefix}.0.gate_proj")  # experts are quantized as their first Linear is
+            return None if scheme is None else compressed_tensors_moe_method(scheme, prefix)
         head, _, leaf = prefix.rpartition(".")
         names = [f"{head}.{m}" if head else m for m in PACKED_MODULES.get(leaf, (leaf,))]
         schemes = {n: self._scheme_of(n) for n in names}

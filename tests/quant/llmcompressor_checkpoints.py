@@ -43,6 +43,12 @@ SCHEMES = {
         "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}}),
 }
 STATIC_ACTIVATIONS = {"qwen3-fp8-static", "llama-fp8-kv"}  # calibrated on random sequences
+# MoE checkpoints (tests/quant/test_w4a16_moe.py), apart so test_compressed_tensors does not make them:
+# llm-compressor writes the experts one Linear at a time (experts.N.gate_proj.weight_packed ...)
+MOE_SCHEMES = {
+    "qwen3moe-w4a16-g32": ("qwen3_moe", 64, _w4(32, True)),
+    "qwen3moe-w4a16-g128": ("qwen3_moe", 128, {"scheme": "W4A16"}),
+}
 
 
 def calibration_dataset(vocab: int):
@@ -113,6 +119,10 @@ def _base_model(path: Path, arch: str, hidden: int) -> Path:
     torch.manual_seed(0)
     if arch == "llama":
         model = tf.LlamaForCausalLM(tf.LlamaConfig(**common, rope_theta=500000.0))
+    elif arch == "qwen3_moe":  # 8 experts of I = hidden, top-2
+        model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**common, head_dim=32, moe_intermediate_size=hidden,
+                                                         num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                                                         tie_word_embeddings=True))
     else:
         model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True))
     with torch.no_grad():
@@ -136,7 +146,7 @@ def main(out: Path, names: list[str]) -> None:
 
     reference, logits, bases = {}, {}, {}
     for name in names:
-        arch, hidden, kwargs = SCHEMES[name]
+        arch, hidden, kwargs = {**SCHEMES, **MOE_SCHEMES}[name]
         base = bases.get((arch, hidden)) or _base_model(out / f"base-{arch}-{hidden}", arch, hidden)
         bases[(arch, hidden)] = base
         model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)

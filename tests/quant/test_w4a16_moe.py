@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import zlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -119,6 +120,183 @@ class TestTritonW4a16Moe:
             fused_moe_w4a16(x, w13.long(), s13, z13, w2, s2, z2, weights, ids, 32)
         with pytest.raises(ValueError, match="w2_scale must be"):
             fused_moe_w4a16(x, w13, s13, z13, w2, s2[:, :, :0], z2, weights, ids, 32)
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoints written by llm-compressor (its own venv, tests/quant/llmcompressor_checkpoints.py)
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoints(tmp_path_factory):
+    from tests.quant.llmcompressor_checkpoints import MOE_SCHEMES, make_checkpoints
+
+    out = tmp_path_factory.mktemp("llmcompressor-moe")
+    return out, make_checkpoints(out, list(MOE_SCHEMES))
+
+
+@pytest.mark.skipif(INTERPRET, reason="engine test: runs the torch reference, not the interpreter")
+class TestLlmCompressorCheckpoints:
+    """Tiny Qwen3-MoE models (8 experts, top-2; attention and experts W4A16, group 32 and 128) as
+    llm-compressor 0.14 writes them. HF transformers (in the llm-compressor venv) dequantizes the
+    experts to float32 when it loads them; we dequantize the same integers with the same scales in
+    float32 and multiply in float32, so the greedy tokens must equal HF's exactly (as for the dense
+    W4A16 checkpoints in test_compressed_tensors.py)."""
+
+    @pytest.mark.parametrize("name", ["qwen3moe-w4a16-g32", "qwen3moe-w4a16-g128"])
+    def test_matches_hf_token_for_token(self, moe_checkpoints, name):
+        import json
+
+        from atom_core import LLMEngine, SamplingParams
+        from tests.quant.llmcompressor_checkpoints import MAX_TOKENS, prompts
+
+        out, reference = moe_checkpoints
+        vocab = json.loads((out / name / "config.json").read_text())["vocab_size"]
+        greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        got = [o["token_ids"] for o in LLMEngine(str(out / name)).generate(prompts(vocab), greedy)]
+        assert got == reference[name]
+
+    def test_experts_get_the_w4a16_moe_method(self, moe_checkpoints):
+        from transformers import AutoConfig
+
+        from atom_core.loader import build_model
+        from atom_core.quant import get_quant_config
+        from atom_core.quant.int4 import CompressedTensorsW4A16Method
+        from atom_core.quant.int4_moe import CompressedTensorsW4A16MoEMethod
+
+        out, _ = moe_checkpoints
+        cfg = AutoConfig.from_pretrained(str(out / "qwen3moe-w4a16-g32"))
+        model = build_model(cfg, out / "qwen3moe-w4a16-g32", torch.float32, "cpu", quant_config=get_quant_config(cfg))
+        layer = model.model.layers[0]
+        experts = layer.mlp.experts
+        assert isinstance(experts.quant_method, CompressedTensorsW4A16MoEMethod)
+        assert experts.quant_method.group_size == 32
+        assert experts.w13_weight_packed.shape == (8, 128, 8) and experts.w2_weight_scale.shape == (8, 64, 2)
+        assert not hasattr(experts, "w13_weight_shape")  # checked at load, then dropped
+        assert isinstance(layer.self_attn.qkv_proj.quant_method, CompressedTensorsW4A16Method)
+        assert layer.mlp.gate.weight.dtype == torch.float32  # the router stays unquantized
+
+
+class TestParallelLoading:
+    """Per-expert checkpoint tensors (llm-compressor's names) through the real loader: TP ranks hold
+    their slice of I (gate/up rows, down's words and scale groups) and sum to the full layer; an EP
+    rank holds whole experts."""
+
+    E, H, I, G = 4, 64, 128, 32
+
+    def _checkpoint(self, gen) -> dict[str, torch.Tensor]:
+        tensors = {}
+        for e in range(self.E):
+            for proj, (rows, cols) in (("gate_proj", (self.I, self.H)), ("up_proj", (self.I, self.H)),
+                                       ("down_proj", (self.H, self.I))):
+                packed, scale, _, _ = int4_experts(gen, 1, rows, cols, self.G, torch.float32, False)
+                base = f"model.layers.0.mlp.experts.{e}.{proj}"
+                tensors.update({f"{base}.weight_packed": packed[0], f"{base}.weight_scale": scale[0],
+                                f"{base}.weight_shape": torch.tensor([rows, cols])})
+        return tensors
+
+    def _layer(self, tensors, tmp_path):
+        from safetensors.torch import save_file
+        from torch import nn
+
+        from atom_core.loader import process_weights_after_loading
+        from atom_core.loader.weights import load_weights
+        from atom_core.model_ops.moe import FusedMoE, MoERouting, make_expert_params_mapping
+        from atom_core.quant.compressed_tensors import CompressedTensorsConfig
+
+        weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": self.G}
+        qc = CompressedTensorsConfig.from_config({"config_groups": {"g": {
+            "targets": ["Linear"], "format": "pack-quantized", "weights": weights}}, "ignore": ["lm_head"]})
+        holder = nn.Module()
+        holder.model = nn.Module()
+        holder.model.layers = nn.ModuleList([nn.Module()])
+        holder.model.layers[0].mlp = nn.Module()
+        experts = FusedMoE(self.E, self.H, self.I, MoERouting(top_k=2), "model.layers.0.mlp.experts", qc)
+        holder.model.layers[0].mlp.experts = experts
+        holder.config = SimpleNamespace()
+        holder.expert_params_mapping = make_expert_params_mapping(self.E, "gate_proj", "down_proj", "up_proj")
+        save_file(tensors, str(tmp_path / "model.safetensors"))
+        load_weights(holder, tmp_path)
+        process_weights_after_loading(holder)
+        return experts
+
+    def test_tensor_parallel_slices_sum_to_the_full_layer(self, tmp_path, monkeypatch):
+        from atom_core.distributed import parallel_state
+
+        gen = seeded("tp")
+        tensors = self._checkpoint(gen)
+        full = self._layer(tensors, tmp_path)
+        x = torch.randn(5, self.H, generator=gen)
+        weights, ids = moe_ref.moe_route(torch.randn(5, self.E, generator=gen), 2, renormalize=True)
+        expected = full.quant_method.apply(full, x, weights, ids)
+        total, part = torch.zeros_like(expected), self.I // 2
+        for rank in range(2):
+            monkeypatch.setitem(parallel_state._GROUPS, "tp", parallel_state.GroupCoordinator(
+                "tp", (0, 1), rank, None, None))
+            layer = self._layer(tensors, tmp_path)
+            rows = torch.cat([torch.arange(rank * part, (rank + 1) * part),
+                              self.I + torch.arange(rank * part, (rank + 1) * part)])
+            assert torch.equal(layer.w13_weight_packed, full.w13_weight_packed[:, rows])
+            words = slice(rank * part // 8, (rank + 1) * part // 8)
+            assert torch.equal(layer.w2_weight_packed, full.w2_weight_packed[:, :, words])
+            assert torch.equal(layer.w2_weight_scale, full.w2_weight_scale[:, :, rank * part // self.G:
+                                                                           (rank + 1) * part // self.G])
+            total += layer.quant_method.apply(layer, x, weights, ids)
+        assert rel_err(total, expected) < 1e-6
+
+    def test_expert_parallel_rank_holds_whole_experts(self, tmp_path, monkeypatch):
+        from atom_core.distributed import parallel_state, set_expert_parallel
+
+        tensors = self._checkpoint(seeded("ep"))
+        full = self._layer(tensors, tmp_path)
+        monkeypatch.setitem(parallel_state._GROUPS, "tp", parallel_state.GroupCoordinator("tp", (0, 1), 1, None, None))
+        set_expert_parallel(True)
+        try:
+            layer = self._layer(tensors, tmp_path)
+        finally:
+            set_expert_parallel(False)
+        for name in ("w13_weight_packed", "w13_weight_scale", "w2_weight_packed", "w2_weight_scale"):
+            assert torch.equal(getattr(layer, name), getattr(full, name)[2:]), name
+
+    def test_a_wrong_weight_shape_is_an_error(self, tmp_path):
+        tensors = self._checkpoint(seeded("shape"))
+        tensors["model.layers.0.mlp.experts.1.down_proj.weight_shape"] = torch.tensor([self.H, self.I + 8])
+        with pytest.raises(ValueError, match=r"expert 1 w2 weight_shape \[64, 136\], expected \[64, 128\]"):
+            self._layer(tensors, tmp_path)
+
+
+class TestConfig:
+    def _config(self, weights: dict):
+        from atom_core.quant.compressed_tensors import CompressedTensorsConfig
+
+        return CompressedTensorsConfig.from_config({"config_groups": {"group_0": {
+            "targets": ["Linear"], "format": "pack-quantized", "weights": weights}}, "ignore": ["lm_head"]})
+
+    def _experts(self, qc):
+        from atom_core.model_ops.moe import FusedMoE, MoERouting
+
+        return FusedMoE(4, 64, 64, MoERouting(top_k=2), "model.layers.0.mlp.experts", qc)
+
+    def test_symmetric_groups_get_the_moe_method(self):
+        from atom_core.quant.int4_moe import CompressedTensorsW4A16MoEMethod
+
+        qc = self._config({"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 64})
+        assert isinstance(self._experts(qc).quant_method, CompressedTensorsW4A16MoEMethod)
+
+    @pytest.mark.parametrize("weights,what", [
+        ({"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 32}, "asymmetric"),
+        ({"num_bits": 4, "type": "int", "symmetric": True, "strategy": "channel"}, "channel"),
+    ])
+    def test_other_expert_schemes_are_refused_at_start(self, weights, what):
+        with pytest.raises(ValueError, match=f"MoE experts with format 'pack-quantized', weights .*{what}.* are not "
+                                             f"supported"):
+            self._experts(self._config(weights))
+
+    def test_intermediate_size_not_a_multiple_of_the_group_is_refused(self):
+        from atom_core.model_ops.moe import FusedMoE, MoERouting
+
+        qc = self._config({"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128})
+        with pytest.raises(ValueError, match="multiples of the group size 128"):
+            FusedMoE(4, 128, 64, MoERouting(top_k=2), "model.layers.0.mlp.experts", qc)
 
 
 @pytest.mark.gpu

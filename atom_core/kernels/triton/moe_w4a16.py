@@ -14,9 +14,9 @@ step of BLOCK_K (a divisor of G, so one scale and zero per column) the [BLOCK_N,
 are unpacked by shifts, (u - zero) * scale is formed in float32 and rounded once to the
 activation dtype (the reference's rounding), and one tl.dot accumulates in float32.
 
-Not run on a GPU yet (written in a session without one): checked under the interpreter against
-the reference and compiled offline for sm_90; tiles untuned. Not wired to a quant method yet (no
-compressed-tensors MoE method exists; see quant/int4_moe.py).
+Used by `quant/int4_moe.CompressedTensorsW4A16MoEMethod` on CUDA (llm-compressor W4A16 MoE
+checkpoints). Not run on a GPU yet (written in a session without one): checked under the
+interpreter against the reference and compiled offline for sm_90; tiles untuned.
 """
 from __future__ import annotations
 
