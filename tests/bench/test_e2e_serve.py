@@ -46,10 +46,13 @@ def _config(server, tiny_llama, **kw):
 
 @pytest.mark.parametrize("backend", ["atom", "openai-chat"])
 def test_backends_complete_and_honour_max_concurrency(server, tiny_llama, backend, tmp_path):
+    # 48 output tokens: the run must outlast a few of the core's 0.1 s gauge pushes, or the
+    # sampler may never see a running request (12 tokens each finished first on an idle box)
+    dataset = DatasetConfig(random_input_len=48, random_output_len=48)
     with RunningSampler(server) as sampler:
-        result = run_benchmark(_config(server, tiny_llama, backend=backend, max_concurrency=3))
+        result = run_benchmark(_config(server, tiny_llama, backend=backend, max_concurrency=3, dataset=dataset))
     assert result["completed"] == 16 and not any(result["errors"])
-    assert result["total_output_tokens"] == 16 * 12
+    assert result["total_output_tokens"] == 16 * 48
     assert 0 < sampler.max_running <= 3
     assert result["median_ttft_ms"] > 0 and result["output_throughput"] > 0
     path = save_result(result, result_dir=str(tmp_path), result_filename="run.json")

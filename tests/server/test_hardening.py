@@ -28,14 +28,20 @@ def sse_events(lines) -> list:
     return [line[6:] if line[6:] == "[DONE]" else json.loads(line[6:]) for line in lines if line.startswith("data: ")]
 
 
-def stream_in_thread(srv, results: dict, key, started: threading.Event, body: dict):
+def stream_in_thread(srv, results: dict, key, started: threading.Event, body: dict,
+                     accepted: threading.Event | None = None):
     def run():
-        with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:
-            lines = []
-            for line in r.iter_lines():
-                lines.append(line)
-                started.set()
-            results[key] = (r.status_code, sse_events(lines))
+        try:  # 150 s between reads: a queued stream waits for those ahead of it (--max-num-seqs 1) on a loaded box
+            with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=150) as r:
+                if accepted is not None:  # response headers: the server took the request in
+                    accepted.set()
+                lines = []
+                for line in r.iter_lines():
+                    lines.append(line)
+                    started.set()
+                results[key] = (r.status_code, sse_events(lines))
+        except Exception as exc:  # noqa: BLE001 - reported by the test's assertions, not lost with the thread
+            results[key] = (None, [repr(exc)])
 
     t = threading.Thread(target=run)
     t.start()
@@ -167,9 +173,16 @@ class TestLimitedServer:
 
     def test_sigterm_finishes_streams_and_refuses_new_requests(self, limited):
         results, started = {}, threading.Event()
-        body = {"stream": True, **LONG, "max_tokens": 200}  # 3 in a row (--max-num-seqs 1): ~1 s idle, < 120 s loaded
-        threads = [stream_in_thread(limited, results, i, started, {"prompt": f"Hello {i}", **body}) for i in range(3)]
+        # 3 in a row (--max-num-seqs 1): ~3 s idle, < 120 s loaded; long enough that the drain is still
+        # under way when the test checks it (200 tokens each sometimes finished first on an idle box)
+        body = {"stream": True, **LONG, "max_tokens": 480}
+        accepted = [threading.Event() for _ in range(3)]
+        threads = [stream_in_thread(limited, results, i, started, {"prompt": f"Hello {i}", **body}, accepted[i])
+                   for i in range(3)]
         assert started.wait(30)
+        # all three in flight before the signal (on a loaded box a thread may connect late, and a
+        # request arriving after SIGTERM is rightly a 503)
+        assert all(event.wait(60) for event in accepted)
         limited.proc.send_signal(signal.SIGTERM)
         wait_draining(limited)
         r = httpx.post(f"{limited.url}/v1/completions", json={"prompt": "late", "max_tokens": 2}, timeout=10)
@@ -180,7 +193,7 @@ class TestLimitedServer:
         assert limited.proc.wait(150) == 0, limited.log()
         assert len(results) == 3
         for status, events in results.values():
-            assert status == 200 and events[-1] == "[DONE]"
+            assert status == 200 and events[-1] == "[DONE]", (status, events[-1:])
             assert "error" not in events[-2], events[-2]
             assert events[-2]["choices"][0]["finish_reason"] == "length"
 
@@ -201,7 +214,7 @@ class TestShutdownTimeout:
             assert time.monotonic() - t0 < 10
         finally:
             srv.stop()
-        stopped = [events for _, events in results.values() if events[-2].get("error")]
+        stopped = [events for status, events in results.values() if status == 200 and events[-2].get("error")]
         assert stopped, "every stream finished within 0.2 s; the test needs longer streams"
         for events in stopped:
             assert events[-1] == "[DONE]"
