@@ -112,6 +112,21 @@ def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps:
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def sampling_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The distribution a row is sampled from [R, V]: temperature (greedy rows get 1; their
+    probabilities are not used), top-k/top-p, then the min-p floor. The rejection sampler
+    verifies drafts against the same distribution."""
+    temps = torch.where(batch.temperatures > 0, batch.temperatures, torch.ones_like(batch.temperatures))
+    logits = logits / temps.unsqueeze(1)
+    if batch.top_ks is not None or batch.top_ps is not None:
+        logits = apply_top_k_top_p(logits, batch.top_ks, batch.top_ps)
+    probs = logits.softmax(dim=-1)
+    if batch.min_ps is not None:
+        floor = batch.min_ps.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < floor, 0.0)
+    return probs
+
+
 class Sampler(nn.Module):
     """logits [B, V] (float32, or the model's dtype) + SamplingBatch -> SamplerOutput.
 
@@ -168,17 +183,9 @@ class Sampler(nn.Module):
         return ops.gumbel_argmax(logits, batch.temperatures, self.philox_seed, self.philox_offset)
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        temps = batch.temperatures
         if batch.any_greedy:
             greedy = logits.argmax(dim=-1)
-            temps = torch.where(temps > 0, temps, torch.ones_like(temps))
-        logits = logits / temps.unsqueeze(1)
-        if batch.top_ks is not None or batch.top_ps is not None:
-            logits = apply_top_k_top_p(logits, batch.top_ks, batch.top_ps)
-        probs = logits.softmax(dim=-1)
-        if batch.min_ps is not None:
-            floor = batch.min_ps.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
-            probs = probs.masked_fill(probs < floor, 0.0)
+        probs = sampling_probs(logits, batch)
         if batch.seeds is not None:
             noise = hashed_exponential(batch.seeds, batch.positions, probs.shape[-1])
         else:

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from atom_core.model_ops.sampler import (SamplingBatch, _mix32, apply_penalties, apply_top_k_top_p,
-                                         hashed_exponential, unit_interval)
+from atom_core.model_ops.sampler import (SamplingBatch, _mix32, apply_penalties, hashed_exponential,
+                                         sampling_probs, unit_interval)
 
 _MASK32 = 0xFFFFFFFF
 
@@ -44,20 +44,6 @@ def _adjusted_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
     return logits
 
 
-def target_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """The distribution the Sampler draws from, per row [R, V] float32 (after _adjusted_logits;
-    greedy rows get temperature 1, their probabilities are not used)."""
-    temps = torch.where(batch.temperatures > 0, batch.temperatures, torch.ones_like(batch.temperatures))
-    logits = logits / temps.unsqueeze(1)
-    if batch.top_ks is not None or batch.top_ps is not None:
-        logits = apply_top_k_top_p(logits, batch.top_ks, batch.top_ps)
-    probs = logits.softmax(dim=-1)
-    if batch.min_ps is not None:
-        floor = batch.min_ps.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
-        probs = probs.masked_fill(probs < floor, 0.0)
-    return probs
-
-
 class RejectionSampler(nn.Module):
     """logits [R, V] + a per-row SamplingBatch + draft_ids [R] (the draft verified at each row;
     -1 on a request's last row) -> [2, R] int64: (accepted, replacement). accepted[r]: row r's
@@ -72,7 +58,7 @@ class RejectionSampler(nn.Module):
         greedy_tokens = logits.argmax(dim=-1)
         if batch.all_greedy:
             return torch.stack([(greedy_tokens == draft_ids).long(), greedy_tokens])
-        probs = target_probs(logits, batch)
+        probs = sampling_probs(logits, batch)
         if batch.seeds is not None:
             uniform = hashed_uniform(batch.seeds, batch.positions)
             noise = hashed_exponential(batch.seeds, batch.positions, probs.shape[-1])

@@ -33,23 +33,11 @@ def make_inputs(bs: int, ctx: int, heads: int, latent: int, rope: int, block_siz
     return (q_latent, q_rope, cache, tables, qsl, seq_lens, (192) ** -0.5, 1, ctx), bytes_moved
 
 
-def time_graph(fn, iters: int = 20) -> float:
-    """Seconds per call: `iters` calls captured in one CUDA graph, median of 5 replays."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            fn()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / iters)
-    return sorted(times)[2]
+def time_graph(fn) -> float:
+    """Seconds per call: median of CUDA-graph replays."""
+    from atom_core.kernels.bench_kernels import bench_ms
+
+    return bench_ms(fn) / 1e3
 
 
 def main() -> None:

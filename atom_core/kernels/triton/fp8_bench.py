@@ -10,23 +10,11 @@ import torch
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
 
 
-def _time_us(fn, iters: int = 200) -> float:
-    """Median of CUDA-graph replays of `iters` calls (launch overhead as in a captured decode step)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            fn()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / iters)
-    return sorted(times)[2]
+def _time_us(fn) -> float:
+    """Median of CUDA-graph replays (launch overhead as in a captured decode step)."""
+    from atom_core.kernels.bench_kernels import bench_ms
+
+    return bench_ms(fn) * 1000
 
 
 def main() -> None:
