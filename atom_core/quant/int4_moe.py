@@ -25,8 +25,10 @@ from atom_core.quant.int_ops import INT4_PER_INT32, dequantize_int4
 def dequantize_experts(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
                        group_size: int) -> torch.Tensor:
     """[E, N, K/8] int32 words, [E, N, K/G] scales, zeros or None -> [E, N, K] in the scales' dtype."""
-    return torch.stack([dequantize_int4(packed[e], scale[e], None if zero is None else zero[e], group_size)
-                        for e in range(packed.shape[0])])
+    out = torch.empty(*packed.shape[:2], packed.shape[2] * INT4_PER_INT32, dtype=scale.dtype, device=scale.device)
+    for e in range(packed.shape[0]):  # one expert at a time: no second copy of the whole stack
+        out[e] = dequantize_int4(packed[e], scale[e], None if zero is None else zero[e], group_size)
+    return out
 
 
 def fused_moe_w4a16_ref(

@@ -310,6 +310,12 @@ case $mode in
     step fp8-moe-sweep 100 python3 -m atom_core.kernels.triton.fp8_moe_bench --shapes qwen3-30b-a3b --sweep
     step lat-a3b-bs1 110 python3 -m atomctl.main bench latency "${a3b[@]}" --bs 1 --output-json "$OUT/lat_a3b_bs1.json"
     step lat-a3b-fp8-bs1 130 python3 -m atomctl.main bench latency --model preset:Qwen3-30B-A3B-FP8 --load-format dummy --max-model-len 4096 --bs 1 --output-json "$OUT/lat_a3b_fp8_bs1.json" ;;
+  w4a16-moe)  # issue 16 W4A16 MoE (written without a GPU, not yet run): kernel GPU tests (Qwen3-30B-A3B expert shape, graph replay), the micro-benchmark vs the bf16 fused MoE and the bytes floor, then Qwen3-30B-A3B batch-1 TPOT, W4A16 preset vs bf16 (dummy weights)
+    a3b=(--model preset:Qwen3-30B-A3B --load-format dummy --max-model-len 4096)
+    step w4a16-moe-gpu-tests 150 python3 -m pytest -q --tb=short -m gpu tests/quant/test_w4a16_moe.py -p no:cacheprovider
+    step w4a16-moe-bench 120 python3 -m atom_core.kernels.triton.w4a16_moe_bench
+    step lat-a3b-bs1 110 python3 -m atomctl.main bench latency "${a3b[@]}" --bs 1 --output-json "$OUT/lat_a3b_bs1.json"
+    step lat-a3b-w4a16-bs1 130 python3 -m atomctl.main bench latency --model preset:Qwen3-30B-A3B-W4A16 --load-format dummy --max-model-len 4096 --bs 1 --output-json "$OUT/lat_a3b_w4a16_bs1.json" ;;
   piecewise)  # issue 19 piecewise graphs (written without a GPU, not yet run): their GPU tests, then Qwen3-0.6B offline (nano workload) with full decode graphs only (default) and with full_and_piecewise
     step piecewise-gpu-tests 330 python3 -m pytest -q --tb=short -m gpu tests/gpu/test_piecewise_gpu.py -p no:cacheprovider
     step off-q06-full-decode 90 python3 -m atomctl.main bench offline "${q06[@]}" --output-json "$OUT/off_q06_full_decode.json"

@@ -264,6 +264,39 @@ class TestParallelLoading:
             self._layer(tensors, tmp_path)
 
 
+def test_qwen3_30b_a3b_w4a16_preset_builds_w4a16_experts_with_dummy_weights():
+    """preset:Qwen3-30B-A3B-W4A16 at toy sizes: experts get the W4A16 MoE method, dummy weights fill
+    the int4 layout, and the model generates (CPU: the reference)."""
+    from atom_core.loader import build_model
+    from atom_core.loader.model_dir import resolve_model_files
+    from atom_core.quant import get_quant_config
+    from atom_core.quant.int4_moe import CompressedTensorsW4A16MoEMethod
+    from tests.models.harness import greedy_generate
+
+    cfg = resolve_model_files("preset:Qwen3-30B-A3B-W4A16").hf_config
+    qc = get_quant_config(cfg)
+    for key, value in dict(hidden_size=256, moe_intermediate_size=128, intermediate_size=512, num_hidden_layers=1,
+                           vocab_size=300, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                           num_experts=8, num_experts_per_tok=2).items():
+        setattr(cfg, key, value)
+    model = build_model(cfg, None, torch.float32, "cpu", load_format="dummy", quant_config=qc)
+    experts = model.model.layers[0].mlp.experts
+    assert isinstance(experts.quant_method, CompressedTensorsW4A16MoEMethod) and experts.quant_method.group_size == 128
+    assert experts.w13_weight_packed.shape == (8, 256, 32) and not hasattr(experts, "w2_weight_shape")
+    assert len(greedy_generate(model, [[1, 2, 3]], 3)[0]) == 3
+
+
+def test_bench_refuses_bad_arguments_and_runs_only_on_cuda(monkeypatch):
+    from atom_core.kernels.triton import w4a16_moe_bench
+
+    for argv, match in ((["--shapes", "llama"], "unknown shape"), (["--group", "96"], "expected one of"),
+                        (["--shapes", "deepseek-v3"], "needs a CUDA GPU")):
+        monkeypatch.setattr("sys.argv", ["w4a16_moe_bench", *argv])
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        with pytest.raises(SystemExit, match=match):
+            w4a16_moe_bench.main()
+
+
 class TestConfig:
     def _config(self, weights: dict):
         from atom_core.quant.compressed_tensors import CompressedTensorsConfig
