@@ -7,24 +7,30 @@ Everything else (embedding, norms, projections, MLP/MoE, collectives) depends on
 count, so it is captured per padded token count T ("bucket"), split at each attention call.
 
 How the split happens: during a capture the runner swaps every attention layer's backend for a
-`_CaptureBackend`. The forward (eager, or the per-layer torch.compile graphs, where attention is
-the opaque `atom::paged_attention` op whose implementation calls the backend) reaches attention
-layer k inside graph k; the capture backend then
-  1. copies the attention inputs into static buffers (captured: part of graph k) - the inputs
-     are pool tensors the runner does not keep, and keeping them would pin one copy per layer
-     and bucket;
-  2. allocates the attention output with torch.zeros (captured: graph k zeroes it at replay, so
-     padded rows hold zeros), ends graph k and begins graph k + 1, and returns that tensor, so
-     graph k + 1 reads it where the eager attention will have written the real rows.
-Replay of a step with n <= T tokens: copy inputs into the static buffers, then for each layer
-replay graph k, run the layer's own backend on rows [:n] of the static inputs (the exact
-metadata: padded rows never reach attention, so the KV cache never sees them) and copy its
-result into rows [:n] of the output tensor; finally replay the last graph. The hidden states
-are a view of graph memory, valid until the next replay (as CUDAGraphRunner's).
+stand-in (`_Capture`). The forward (eager, or the per-layer torch.compile graphs, where attention
+is the opaque `atom::paged_attention` op whose implementation calls the backend) reaches attention
+layer k inside graph k; the stand-in then
+  1. copies the attention inputs into static buffers (part of graph k): the inputs are graph
+     pool tensors the runner does not keep (keeping them would pin one copy per layer and
+     bucket); positions are the runner's static buffer already and are read in place;
+  2. ends graph k, begins graph k + 1 and returns a clone of the static output buffer's rows
+     (part of graph k + 1), so graph k + 1 reads what the eager attention will have written
+     there. A clone, not the buffer itself: the compiled layer may reuse the memory the op
+     returned for later results (Inductor reuses dead buffers of the same size), which the
+     next layer's attention would then overwrite.
+Replay of a step with n <= T tokens: copy ids and positions into the static buffers, then for
+each layer replay graph k, run the layer's own backend on rows [:n] of the static inputs (the
+exact metadata: padded rows never reach attention, so the KV cache never sees them) and copy its
+result into rows [:n] of the static output; finally replay the last graph. Padded rows carry
+stale but finite values; every op outside attention is row-wise in the token dimension, so they
+never reach a real row. The hidden states are a view of graph memory, valid until the next
+replay (as CUDAGraphRunner's).
 
-Assumption (true of every family here): an attention output is consumed (o_proj) inside the
-next graph; nothing else reads it later. The graph capture itself is injectable (`GraphKit`):
-CUDA graphs on a GPU, a recording fake in the CPU tests.
+Static buffers are sized for the largest bucket and shared by every layer and bucket (one per
+input slot, shape and dtype): at replay the layers use them one after another. Assumed (true of
+every family here): attention's inputs and output are token-major, and its output is consumed
+(o_proj) inside the next graph. The graph capture itself is injectable (`GraphKit`): CUDA graphs
+on a GPU, a recording stand-in in the CPU tests.
 """
 from __future__ import annotations
 
@@ -111,10 +117,13 @@ class StaticBuffers:
         self.max_tokens, self.device = max_tokens, device
         self.buffers: dict[tuple, torch.Tensor] = {}
 
-    def get(self, slot: int, like: torch.Tensor) -> torch.Tensor:
-        key = (slot, tuple(like.shape[1:]), like.dtype)
+    def get(self, slot: str, row_shape: tuple[int, ...], dtype: torch.dtype, create: bool = False) -> torch.Tensor:
+        """create: allocate a missing buffer (never while capturing: it would land in the graph's
+        pool and its zero-fill in the graph)."""
+        key = (slot, tuple(row_shape), dtype)
         if key not in self.buffers:
-            self.buffers[key] = torch.zeros(self.max_tokens, *like.shape[1:], dtype=like.dtype, device=self.device)
+            assert create, f"no static buffer for {key} (the warm-up saw other attention inputs)"
+            self.buffers[key] = torch.zeros(self.max_tokens, *row_shape, dtype=dtype, device=self.device)
         return self.buffers[key]
 
 
@@ -125,7 +134,7 @@ class AttentionCall:
     backend: object  # the layer's own backend
     layer: nn.Module
     inputs: list[torch.Tensor]  # static, [T, ...] each
-    output: torch.Tensor  # graph memory, [T, width], zeroed by graph k
+    output: torch.Tensor  # static, [T, width]; graph k + 1 reads it
 
     def run(self, num_tokens: int) -> None:
         out = self.backend.forward(self.layer, *(x[:num_tokens] for x in self.inputs))
@@ -142,14 +151,19 @@ class BucketPlan:
 
 
 class _ShapeProbe:
-    """Stands in for every layer's backend during a bucket's warm-up: runs it and notes each
-    attention output's trailing shape and dtype (the capture allocates them before the call)."""
+    """Stands in for every layer's backend during a bucket's warm-up: runs it, allocates the
+    static buffers its inputs and output need, and notes each output's row shape and dtype (the
+    capture runs no attention)."""
 
-    def __init__(self):
+    def __init__(self, buffers: StaticBuffers):
+        self.buffers = buffers
         self.outputs: list[tuple[tuple[int, ...], torch.dtype]] = []
 
     def forward(self, inner, layer, inputs):
+        for slot, x in enumerate(inputs):
+            self.buffers.get(f"input{slot}", x.shape[1:], x.dtype, create=True)
         out = inner.forward(layer, *inputs)
+        self.buffers.get("output", out.shape[1:], out.dtype, create=True)
         self.outputs.append((tuple(out.shape[1:]), out.dtype))
         return out
 
@@ -184,17 +198,16 @@ class _Capture:
             if x.data_ptr() == self.positions.data_ptr() and x.shape == (T,) and x.stride() == (1,):
                 statics.append(x)
                 continue
-            static = self.buffers.get(slot, x)[:T]
+            static = self.buffers.get(f"input{slot}", x.shape[1:], x.dtype)[:T]
             static.copy_(x)
             statics.append(static)
         k = len(self.calls)
         assert k < len(self.output_shapes), "more attention calls in the capture than in the warm-up"
-        shape, dtype = self.output_shapes[k]
-        output = torch.zeros(T, *shape, dtype=dtype, device=statics[0].device)
+        output = self.buffers.get("output", *self.output_shapes[k])[:T]
         self.end_graph()
         self.calls.append(AttentionCall(inner, layer, statics, output))
         self.begin_graph()
-        return output
+        return output.clone()
 
 
 class _Substitute:
@@ -276,7 +289,7 @@ class PiecewiseGraphRunner:
     def _capture(self, T: int) -> BucketPlan:
         ids, pos = self.input_ids[:T], self.positions[:T]
         with set_attention_metadata(self._padding_metadata(T)):
-            probe = _ShapeProbe()
+            probe = _ShapeProbe(self.buffers)
             with _backends_replaced(self.layers, self.device, probe):
                 self.forward(ids, pos)  # warm-up: compiles / autotunes this shape, notes output shapes
             self.kit.synchronize()
