@@ -250,3 +250,41 @@ class TestModeOnTheCPU:
         runner = engine.core.executor.runner
         assert runner.piecewise is None and runner.graphs is None
         assert len(_generate(engine, [[5, 6, 7]], 3)[0]) == 3
+
+
+class TestRunnerWiring:
+    """Which graphs ModelRunner builds per mode (on a GPU; here with stand-ins for both kinds)."""
+
+    @pytest.mark.parametrize("mode", ["full_decode_only", "piecewise", "full_and_piecewise"])
+    def test_graphs_built_per_mode(self, tiny_llama, monkeypatch, mode):
+        kits = []
+
+        class FakeDecodeGraphs:
+            pool = "decode-pool"
+
+            def __init__(self, *args, **kwargs):
+                self.capture_seconds = 0.0
+
+            def capture_all(self):
+                pass
+
+            def can_run(self, batch_size):
+                return False  # decode-only steps fall through to the piecewise graphs here
+
+        def kit(device, pool):
+            kits.append(pool)
+            return RecordingGraphKit()
+
+        monkeypatch.setattr(EngineConfig, "use_cuda_graphs", property(lambda self: True))
+        monkeypatch.setattr("atom_core.worker.cuda_graph.CUDAGraphRunner", FakeDecodeGraphs)
+        monkeypatch.setattr("atom_core.worker.piecewise.CudaGraphKit", kit)
+        engine = LLMEngine(str(tiny_llama), device="cpu", dtype="float32", num_kv_blocks=64, cudagraph_mode=mode,
+                           max_num_batched_tokens=16)
+        runner = engine.core.executor.runner
+        assert (runner.graphs is not None) == (mode != "piecewise")
+        assert (runner.piecewise is not None) == (mode != "full_decode_only")
+        assert kits == {"full_decode_only": [], "piecewise": [None], "full_and_piecewise": ["decode-pool"]}[mode]
+        if runner.piecewise is not None:
+            assert runner.piecewise.sizes == (1, 2, 4, 8, 16)  # the default ladder capped at the budget
+            assert runner.startup_breakdown["graph_capture"] == runner.piecewise.capture_seconds > 0
+            assert len(_generate(engine, [[5, 6, 7, 8, 9]], 4)[0]) == 4
