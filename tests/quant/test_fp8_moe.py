@@ -224,6 +224,28 @@ class TestOnCuda:
         assert torch.equal(out, fused_moe_fp8_block(*args))
         assert rel_err(out, fused_moe_fp8_block_ref(*args)) < BF16_TOL
 
+    def test_tiny_block_fp8_moe_engine_on_cuda_is_near_greedy_on_the_cpu_model(self, tmp_path):
+        """An engine run of the format on the GPU: a tiny Qwen3-MoE written as a block-FP8 checkpoint
+        (test_fp8_models' writer), generated on CUDA (the fused kernel for the experts, graphs on).
+        Oracle: our CPU model of the same files (checked against HF in test_fp8_models; HF itself
+        would run its own FP8 kernels on a GPU machine). Every CUDA token must be near-greedy under
+        it, with test_fp8_models' FLIP bound (an activation's e4m3 rounding may flip)."""
+        from atom_core import LLMEngine
+        from tests.models.harness import prompt_logits
+        from tests.quant.test_fp8_models import FLIP, GREEDY, _build, prompts, write_block_fp8
+        from tests.tiny_models import build_tiny_model
+
+        write_block_fp8(build_tiny_model(tmp_path / "bf16", "qwen3_moe"), tmp_path / "fp8")
+        path = tmp_path / "fp8"
+        cpu_model = _build(path)
+        plist = prompts(cpu_model.config.vocab_size)
+        engine = LLMEngine(str(path), device="cuda", dtype="float32", num_kv_blocks=512)
+        for prompt, out in zip(plist, engine.generate(plist, GREEDY)):
+            tokens = out["token_ids"]
+            logits = prompt_logits(cpu_model, prompt + tokens[:-1])[len(prompt) - 1:]
+            chosen = logits.gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
+            assert (logits.max(1).values - chosen).max() < FLIP
+
     def test_layer_method_runs_the_kernel_on_cuda(self, monkeypatch):
         """Fp8BlockMoEMethod.apply on a CUDA layer calls the fused kernel (and equals the reference)."""
         from atom_core.kernels.triton import moe_fp8
