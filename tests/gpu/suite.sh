@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks, a short table last.
-# Usage: bash tests/gpu/suite.sh [all|tests|bench-small|bench-8b|final|tp|piecewise|piecewise-serve|...]  (carry .whl for the server wheels)
+# Usage: bash tests/gpu/suite.sh [all|tests|bench-small|bench-8b|final|tp|piecewise|piecewise-offline|piecewise-serve|piecewise-serve-2k|...]  (carry .whl for the server wheels)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -316,10 +316,13 @@ case $mode in
     step w4a16-moe-bench 120 python3 -m atom_core.kernels.triton.w4a16_moe_bench
     step lat-a3b-bs1 110 python3 -m atomctl.main bench latency "${a3b[@]}" --bs 1 --output-json "$OUT/lat_a3b_bs1.json"
     step lat-a3b-w4a16-bs1 130 python3 -m atomctl.main bench latency --model preset:Qwen3-30B-A3B-W4A16 --load-format dummy --max-model-len 4096 --bs 1 --output-json "$OUT/lat_a3b_w4a16_bs1.json" ;;
-  piecewise)  # issue 19 piecewise graphs (written without a GPU, not yet run): their GPU tests, then Qwen3-0.6B offline (nano workload) with full decode graphs only (default) and with full_and_piecewise
-    step piecewise-gpu-tests 330 python3 -m pytest -q --tb=short -m gpu tests/gpu/test_piecewise_gpu.py -p no:cacheprovider
+  piecewise)  # issue 19 piecewise graphs (written without a GPU, not yet run): their GPU tests (tiny fp32 models x levels 1/3 x modes; Qwen3-0.6B bf16 step by step)
+    step piecewise-gpu-tests 540 python3 -m pytest -q -rP --tb=short -m gpu tests/gpu/test_piecewise_gpu.py -p no:cacheprovider ;;
+  piecewise-offline)  # issue 19: offline nano workload, default graphs vs full_and_piecewise, Qwen3-0.6B then Llama-3-8B (dummy weights)
     step off-q06-full-decode 90 python3 -m atomctl.main bench offline "${q06[@]}" --output-json "$OUT/off_q06_full_decode.json"
-    step off-q06-piecewise 120 python3 -m atomctl.main bench offline "${q06[@]}" --cudagraph-mode full_and_piecewise --output-json "$OUT/off_q06_piecewise.json" ;;
+    step off-q06-piecewise 120 python3 -m atomctl.main bench offline "${q06[@]}" --cudagraph-mode full_and_piecewise --output-json "$OUT/off_q06_piecewise.json"
+    step off-l8-full-decode 120 python3 -m atomctl.main bench offline "${l8[@]}" --output-json "$OUT/off_l8_full_decode.json"
+    step off-l8-piecewise 150 python3 -m atomctl.main bench offline "${l8[@]}" --cudagraph-mode full_and_piecewise --output-json "$OUT/off_l8_piecewise.json" ;;
   piecewise-serve)  # issue 19: the issue's serving run (Llama-3-8B dummy, random 1024 in / 128 out, concurrency 64), default graphs vs full_and_piecewise (buckets to 512: steps that hold a whole 1024-token prompt still run eagerly)
     serve_l8_c64 full-decode-only
     serve_l8_c64 full-and-piecewise --cudagraph-mode full_and_piecewise ;;
