@@ -181,8 +181,6 @@ def kv_cache_format(name: str, model_dtype: torch.dtype) -> KVCacheFormat:
     return KVCacheFormat(wanted)
 
 
-kv_cache_torch_dtype = kv_cache_format  # the name the worker imports (kv_spec.set_kv_cache_dtype takes either)
-
 
 @dataclass(frozen=True)
 class SchedulerConfig:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from atom_core.config import EngineConfig, ResolvedModel, kv_cache_torch_dtype
+from atom_core.config import EngineConfig, ResolvedModel, kv_cache_format
 from atom_core.distributed.communication import all_reduce_min_host
 from atom_core.kernels import kernel_ops
 from atom_core.loader import build_model
@@ -92,7 +92,7 @@ class ModelRunner:
                                  model.quant_config)
         self.load_seconds = time.perf_counter() - start
         self.attention_layers = attention_layers(self.model)
-        set_kv_cache_dtype(self.attention_layers, kv_cache_torch_dtype(config.cache.kv_cache_dtype, self.dtype))
+        set_kv_cache_dtype(self.attention_layers, kv_cache_format(config.cache.kv_cache_dtype, self.dtype))
         finalize_kv_scales(self.attention_layers)
         check_attention_supported(self.attention_layers, self.max_model_len, self.device)
         summary = self.model_summary
