@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from atom_core.engine.detokenizer import IncrementalDetokenizer, find_stop
+from atom_core.engine.detokenizer import IncrementalDetokenizer, batch_decoder, decode_step, find_stop
 from atom_core.sampling_params import SamplingParams
 
 
@@ -106,6 +106,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self._decoder = batch_decoder(tokenizer) if tokenizer is not None else None
         self.states: dict[str, RequestState] = {}
 
     def new_state(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
@@ -120,7 +121,11 @@ class OutputProcessor:
     def process(self, outputs: list[CoreOutput]) -> tuple[list[RequestState], list[str]]:
         updated, to_abort = [], []
         now = time.perf_counter()
+        batch: dict[str, tuple[RequestState, CoreOutput]] = {}
         for out in outputs:
+            if out.request_id in batch:  # a second update of one request: the first one's text comes first
+                self._apply(list(batch.values()), now, updated, to_abort)
+                batch = {}
             state = self.states.get(out.request_id)
             if state is None or state.finished:
                 continue
@@ -133,7 +138,15 @@ class OutputProcessor:
                 state.queue_time, state.prefill_time = out.queue_time, out.prefill_time
             state.token_ids.extend(out.new_token_ids)
             state.logprobs.extend(out.new_logprobs)
-            if self._append_text(state, out):
+            batch[out.request_id] = (state, out)
+        self._apply(list(batch.values()), now, updated, to_abort)
+        return updated, to_abort
+
+    def _apply(self, batch: list[tuple[RequestState, CoreOutput]], now: float, updated: list[RequestState],
+               to_abort: list[str]) -> None:
+        """Text, stop strings and endings of one update per request (all decoded together)."""
+        for (state, out), delta in zip(batch, self._detokenize(batch)):
+            if delta is not None and self._append_text(state, delta):
                 to_abort.append(out.request_id)
             elif out.finished:
                 state.finished, state.finish_reason = True, out.finish_reason
@@ -144,20 +157,26 @@ class OutputProcessor:
                 state.finish_time = now
                 del self.states[out.request_id]
             updated.append(state)
-        return updated, to_abort
 
-    def _append_text(self, state: RequestState, out: CoreOutput) -> bool:
-        """Detokenize the new tokens; True when a stop string ended the request."""
-        if state.detokenizer is None:
-            return False
-        ids = out.new_token_ids
-        if out.finished and out.stop_token_id is not None and ids and ids[-1] == out.stop_token_id:
-            ids = ids[:-1]  # the stop token itself is not part of the text
-        delta = state.detokenizer.add_tokens(ids)
-        if not delta or not state.params.stop:
-            state.text += delta
-            return False
+    def _detokenize(self, batch: list[tuple[RequestState, CoreOutput]]) -> list[str | None]:
+        """Each update's new text (None: no tokenizer), one batched decode for the whole step."""
+        detokenizers = []
+        for state, out in batch:
+            if state.detokenizer is None:
+                continue
+            ids = out.new_token_ids
+            if out.finished and out.stop_token_id is not None and ids and ids[-1] == out.stop_token_id:
+                ids = ids[:-1]  # the stop token itself is not part of the text
+            state.detokenizer.append(ids)
+            detokenizers.append(state.detokenizer)
+        deltas = iter(decode_step(detokenizers, self._decoder))
+        return [next(deltas) if state.detokenizer is not None else None for state, _ in batch]
+
+    def _append_text(self, state: RequestState, delta: str) -> bool:
+        """Add the new text; True when a stop string ended the request."""
         state.text += delta
+        if not delta or not state.params.stop:
+            return False
         hit = find_stop(state.text, len(delta), state.params.stop)
         if hit is None:
             return False

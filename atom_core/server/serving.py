@@ -165,6 +165,11 @@ class OpenAIServing:
     # ---- running ----------------------------------------------------------------------
     async def _merged(self, subs: list[EngineRequest]) -> AsyncIterator[tuple[EngineRequest, RequestState]]:
         """Updates of all engine requests as they come; each finished state exactly once."""
+        if len(subs) == 1:  # the common case: no task and queue between the engine and the stream
+            async with aclosing(self._updates(subs[0])) as updates:
+                async for state in updates:
+                    yield subs[0], state
+            return
         updates: asyncio.Queue = asyncio.Queue()
         tasks = [asyncio.create_task(self._pump(sub, updates)) for sub in subs]
         done: set[int] = set()
@@ -184,14 +189,21 @@ class OpenAIServing:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _pump(self, sub: EngineRequest, updates: asyncio.Queue) -> None:
+        try:
+            async with aclosing(self._updates(sub)) as gen:
+                async for state in gen:
+                    updates.put_nowait((sub, state))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which turns it into an error body
+            updates.put_nowait((sub, e))
+
+    async def _updates(self, sub: EngineRequest) -> AsyncIterator[RequestState]:
+        """One engine request's states; closing early aborts it; its end is counted in the metrics."""
         state = None
         try:
             async with aclosing(self.engine.generate(sub.request_id, sub.prompt_ids, sub.params, sub.prompt_text,
                                                   sub.arrival_time)) as gen:
                 async for state in gen:
-                    updates.put_nowait((sub, state))
-        except Exception as e:  # noqa: BLE001 - handed to the consumer, which turns it into an error body
-            updates.put_nowait((sub, e))
+                    yield state
         finally:
             if state is not None:
                 self.metrics.observe_finished(state, state.finish_reason if state.finished else "abort")
