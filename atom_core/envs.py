@@ -12,13 +12,18 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 ENV_VARS: dict[str, str] = {
     "ATOM_TORCH_PROFILER_DIR": "default for --torch-profiler-dir: where torch profiler traces go",
     "ATOM_PROFILER_DETAILED": "0/1: record shapes, Python stacks and memory in traces",
     "ATOM_MARK_TRACE": "0/1: wrap every model module in a named profiler range (eager mode only)",
     "ATOM_API_KEY": "default for `atomctl serve --api-key` (keeps the key out of the process list)",
+    "ATOM_FP8_SMALL_M_KERNEL": "scaled_mm (default) or triton: the CUDA kernel of per-channel FP8 linears "
+                               "(fp8_linear) at M <= 16 tokens; triton = kernels/triton/fp8_gemm.py (to measure both)",
 }
+Fp8SmallMKernel = Literal["scaled_mm", "triton"]
+FP8_SMALL_M_KERNELS: tuple[str, ...] = get_args(Fp8SmallMKernel)
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -32,6 +37,7 @@ class AtomEnvs:
     profiler_detailed: bool = False
     mark_trace: bool = False
     api_key: str | None = field(default=None, repr=False)  # a secret: never in logs or tracebacks
+    fp8_small_m_kernel: Fp8SmallMKernel = "scaled_mm"  # read once by quant/fp8_ops when it is imported
 
 
 def read_envs(environ: Mapping[str, str] | None = None) -> AtomEnvs:
@@ -42,6 +48,7 @@ def read_envs(environ: Mapping[str, str] | None = None) -> AtomEnvs:
         profiler_detailed=env_bool(env, "ATOM_PROFILER_DETAILED", False),
         mark_trace=env_bool(env, "ATOM_MARK_TRACE", False),
         api_key=env_str(env, "ATOM_API_KEY"),
+        fp8_small_m_kernel=env_choice(env, "ATOM_FP8_SMALL_M_KERNEL", FP8_SMALL_M_KERNELS, "scaled_mm"),
     )
 
 
@@ -80,6 +87,15 @@ def env_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
     if value in _FALSE:
         return False
     raise ValueError(f"invalid {name}={env[name]!r}; expected one of: 0, 1 (or true/false, yes/no, on/off)")
+
+
+def env_choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default: str) -> str:
+    value = env.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value not in choices:
+        raise ValueError(f"invalid {name}={env[name]!r}; expected one of: {', '.join(choices)}")
+    return value
 
 
 def env_int(env: Mapping[str, str], name: str, default: int) -> int:

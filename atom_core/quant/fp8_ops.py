@@ -26,11 +26,17 @@ Products (y [*, N] in x's dtype, x [*, K] in bf16/fp16/fp32):
   fp8_block_linear_ref(x, weight, weight_scale_inv, block_size, bias=None)
       block weights as above; activations quantized per token per `block_size[1]` columns.
   fp8_linear / fp8_block_linear: the same signatures as custom ops (`atom::fp8_linear`,
-      `atom::fp8_block_linear`); on CUDA fp8_linear quantizes dynamic activations with one Triton
-      launch (kernels/triton/fp8.py, the reference's bits) and runs torch._scaled_mm (row-wise or
-      per-tensor scales) where the shape allows it (SM89+, K and N multiples of 16), else the
-      reference. fp8_block_linear runs the reference everywhere today (it dequantizes the weight
-      on every call: correct, slow on a GPU; no block-scaled GPU GEMM yet).
+      `atom::fp8_block_linear`). Off NVIDIA SM89+ GPUs: the references (fp8_linear: also
+      torch._scaled_mm on a ROCm device where the shape allows it). On NVIDIA SM89+
+      (`fp8_linear_kernel` decides; not yet run on a GPU, see kernels/triton/fp8_gemm.py):
+      - fp8_block_linear: the Triton block-FP8 GEMM (kernels/triton/fp8_gemm.py).
+      - fp8_linear: torch._scaled_mm (row-wise or per-tensor scales, dynamic activations
+        quantized by one Triton launch, kernels/triton/fp8.py) where the shape allows it (K and N
+        multiples of 16, bf16/fp16 x), else the Triton GEMM. At M <= SMALL_M_MAX tokens the
+        Triton GEMM (activation quantization fused in, split-K) replaces _scaled_mm when
+        ATOM_FP8_SMALL_M_KERNEL=triton (atom_core/envs.py; read when this module is imported;
+        `set_small_m_kernel` for benchmarks and tests). The default stays scaled_mm until both
+        are measured on a GPU (`bash tests/gpu/suite.sh fp8-gemm`).
 
 The references accumulate in float32 over the dequantized operands, which equals the sum over
 K-blocks of the fp8 partial products times their scales up to float32 rounding.
@@ -40,6 +46,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+
+from atom_core.envs import FP8_SMALL_M_KERNELS, Fp8SmallMKernel, read_envs
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -138,11 +146,49 @@ def fp8_block_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv
 # device dispatch (custom ops: a compiled model sees one opaque node)
 
 
-def _scaled_mm_ok(x2: torch.Tensor, weight: torch.Tensor) -> bool:
-    """torch._scaled_mm wants K and N multiples of 16 and an SM89+ (or ROCm MI300) device."""
-    if x2.device.type != "cuda" or x2.shape[1] % 16 or weight.shape[0] % 16:
+SMALL_M_MAX = 16  # tokens up to which a linear is decode-shaped: a weight stream (ATOM_FP8_SMALL_M_KERNEL)
+FP8_LINEAR_KERNELS = ("reference", "scaled_mm", "triton")
+_small_m_kernel: Fp8SmallMKernel = read_envs().fp8_small_m_kernel
+
+
+def set_small_m_kernel(kind: Fp8SmallMKernel) -> None:
+    """Process-wide choice for per-channel fp8_linear at M <= SMALL_M_MAX on CUDA (benchmarks, tests;
+    an engine takes ATOM_FP8_SMALL_M_KERNEL). Not for use while a CUDA graph is captured or replayed:
+    a captured graph keeps the kernel it recorded."""
+    global _small_m_kernel
+    if kind not in FP8_SMALL_M_KERNELS:
+        raise ValueError(f"unknown FP8 small-M kernel {kind!r}; expected one of: {', '.join(FP8_SMALL_M_KERNELS)}")
+    _small_m_kernel = kind
+
+
+def small_m_kernel() -> Fp8SmallMKernel:
+    return _small_m_kernel
+
+
+def _triton_fp8_ok(x2: torch.Tensor) -> bool:
+    """The Triton FP8 GEMM: NVIDIA SM89+ (e4m3 conversions and MMAs), a float activation."""
+    if x2.device.type != "cuda" or torch.version.hip is not None or x2.dtype not in (
+            torch.bfloat16, torch.float16, torch.float32):
         return False
     return torch.cuda.get_device_capability(x2.device) >= (8, 9)
+
+
+def _scaled_mm_ok(x2: torch.Tensor, weight: torch.Tensor) -> bool:
+    """torch._scaled_mm wants K and N multiples of 16, a bf16/fp16 x and an SM89+ (or ROCm MI300) device."""
+    if x2.device.type != "cuda" or x2.shape[1] % 16 or weight.shape[0] % 16:
+        return False
+    if x2.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    return torch.cuda.get_device_capability(x2.device) >= (8, 9)
+
+
+def fp8_linear_kernel(num_tokens: int, scaled_mm_ok: bool, triton_ok: bool,
+                      small_m: Fp8SmallMKernel | None = None) -> str:
+    """Which of FP8_LINEAR_KERNELS runs a per-channel/per-tensor fp8_linear of `num_tokens` rows."""
+    small_m = small_m or _small_m_kernel
+    if triton_ok and (not scaled_mm_ok or (num_tokens <= SMALL_M_MAX and small_m == "triton")):
+        return "triton"
+    return "scaled_mm" if scaled_mm_ok else "reference"
 
 
 @torch.library.custom_op("atom::fp8_linear", mutates_args=())
@@ -150,8 +196,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
                input_scale: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     shape, n = x.shape, weight.shape[0]
     x2 = x.reshape(-1, shape[-1])
-    if not _scaled_mm_ok(x2, weight) or x.dtype not in (torch.bfloat16, torch.float16):
+    kernel = fp8_linear_kernel(x2.shape[0], _scaled_mm_ok(x2, weight), _triton_fp8_ok(x2))
+    if kernel == "reference":
         return fp8_linear_ref(x, weight, weight_scale, input_scale, bias)
+    if kernel == "triton":
+        from atom_core.kernels.triton.fp8_gemm import fp8_channel_gemm
+
+        return fp8_channel_gemm(x2.contiguous(), weight, weight_scale.float(), input_scale, bias).reshape(*shape[:-1], n)
     w_scale = weight_scale.float().reshape(-1)
     if input_scale is not None and w_scale.numel() == 1:  # per-tensor both sides
         q, x_scale = quantize_fp8_per_tensor(x2, input_scale)
@@ -178,6 +229,13 @@ def _(x, weight, weight_scale, input_scale=None, bias=None):
 @torch.library.custom_op("atom::fp8_block_linear", mutates_args=())
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
                      block_size: list[int], bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    if _triton_fp8_ok(x2):
+        from atom_core.kernels.triton.fp8_gemm import block_gemm_supported, fp8_block_gemm
+
+        if block_gemm_supported(block_size):
+            y = fp8_block_gemm(x2.contiguous(), weight, weight_scale_inv.float(), block_size, bias)
+            return y.reshape(*x.shape[:-1], weight.shape[0])
     return fp8_block_linear_ref(x, weight, weight_scale_inv, block_size, bias)
 
 

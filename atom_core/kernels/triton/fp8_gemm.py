@@ -50,9 +50,8 @@ import triton.language as tl
 from atom_core.kernels.triton.common import check_dim, check_float, check_same_device, sm_count
 from atom_core.kernels.triton.moe import _tile_ids
 from atom_core.kernels.triton.moe_fp8 import _dot_fp8, _load_a, _load_w, _quantize_activations, dot_mode
+from atom_core.quant.fp8_ops import _MIN_SCALE, FP8_DTYPE, SMALL_M_MAX, quantize_fp8_per_tensor
 
-FP8_DTYPE = torch.float8_e4m3fn
-SMALL_M_MAX = 16  # rows a decode-shaped call may have: one BLOCK_M 16 tile, the weight read once
 QUANT_NONE, QUANT_DYNAMIC, QUANT_STATIC = 0, 1, 2  # how x reaches the kernel (QUANT below)
 PROGRAMS_PER_SM = 2  # split-K aims for this many programs per SM at small M
 MAX_SPLIT_K = 16
@@ -201,7 +200,7 @@ def default_fp8_gemm_config(m: int, n: int, k: int, group: int | None, num_sms: 
     (no GPU when written): M <= 16 is one BLOCK_M 16 tile row streaming the weight, split over K
     until ~2 programs per SM; larger M uses the moe_fp8 tiers' shapes (no spills at sm_90)."""
     bk = 128 if group is None else _pow2_divisor(group, 128)
-    if m <= SMALL_M_MAX:
+    if m <= SMALL_M_MAX:  # one BLOCK_M 16 tile row (the MMA's minimum): each weight byte read once
         bm, bn, gm, warps, stages = 16, 64, 1, 4, 4
     elif m <= 64:
         bm, bn, gm, warps, stages = 32, 64, 1, 4, 4
@@ -238,8 +237,6 @@ def _check(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: to
 def _launch(x2, xs, stride_xs, weight, w_scale, stride_ws, scale_bn, group, per_group, quant, bias, out_dtype,
             cfg: Fp8GemmConfig) -> torch.Tensor:
     """Runs the GEMM (and the split sum) on prepared operands; returns [M, N] in out_dtype."""
-    from atom_core.quant.fp8_ops import _MIN_SCALE
-
     m, k = x2.shape
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=out_dtype, device=x2.device)
@@ -324,8 +321,6 @@ def fp8_channel_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     cfg = config or default_fp8_gemm_config(x2.shape[0], n, k, None, sm_count(x.device))
     _check_tile(cfg, None)
     if input_scale is not None:
-        from atom_core.quant.fp8_ops import quantize_fp8_per_tensor
-
         static = input_scale.float().reshape(1).to(x.device)
         if cfg.fused_quant:
             xq, xs, quant = x2, static, QUANT_STATIC
