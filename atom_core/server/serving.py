@@ -44,8 +44,25 @@ class EngineRequest:
     arrival_time: float | None = None  # the HTTP request's (perf_counter), stamped by RequestGuard
 
 
+_JSON = json.JSONEncoder(separators=(",", ":"))
+
+
 def sse(data: dict | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n"
+    return f"data: {data if isinstance(data, str) else _JSON.encode(data)}\n\n"
+
+
+class ChoiceEvents:
+    """SSE events of one stream that carry one choice each: the envelope (id, object, created,
+    model; `choices` last) is encoded once, each event encodes only its choice. The bytes equal
+    `sse(head | {"choices": [choice]})`'s, at about half the cost per token."""
+
+    def __init__(self, head: dict):
+        encoded = _JSON.encode(head | {"choices": []})
+        assert encoded.endswith('"choices":[]}'), "the envelope must end with its choices"
+        self._prefix = "data: " + encoded[:-2]
+
+    def event(self, choice: dict) -> str:
+        return f"{self._prefix}{_JSON.encode(choice)}]}}\n\n"
 
 
 def engine_error(e: Exception) -> APIError:
@@ -264,9 +281,10 @@ class OpenAIServing:
     # ---- streams ----------------------------------------------------------------------
     async def _chat_chunks(self, response_id: str, req: ChatCompletionRequest, subs: list[EngineRequest]) -> AsyncIterator[str]:
         head = self._envelope(response_id, "chat.completion.chunk", [])
+        events = ChoiceEvents(head)
         for sub in subs:
-            yield sse(head | {"choices": [{"index": sub.index, "delta": {"role": "assistant", "content": ""},
-                                           "logprobs": None, "finish_reason": None}]})
+            yield events.event({"index": sub.index, "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None, "finish_reason": None})
         final = {}
         async for sub, state in self._merged(subs):
             start = state.sent_tokens
@@ -283,8 +301,8 @@ class OpenAIServing:
                     continue  # all of it held back (a marker still arriving)
             else:
                 delta = {"content": text} if text else {}
-            yield sse(head | {"choices": [{"index": sub.index, "delta": delta, "logprobs": logprobs,
-                                           "finish_reason": _chat_finish_reason(sub, state) if state.finished else None}]})
+            yield events.event({"index": sub.index, "delta": delta, "logprobs": logprobs,
+                                "finish_reason": _chat_finish_reason(sub, state) if state.finished else None})
             if self.on_chunk_written is not None:
                 self.on_chunk_written(state)
             if state.finished:
@@ -295,6 +313,7 @@ class OpenAIServing:
 
     async def _completion_chunks(self, response_id: str, req: CompletionRequest, subs: list[EngineRequest]) -> AsyncIterator[str]:
         head = self._envelope(response_id, "text_completion", [])
+        events = ChoiceEvents(head)
         final, offsets, echoed = {}, {}, set()
         async for sub, state in self._merged(subs):
             start = state.sent_tokens
@@ -310,8 +329,8 @@ class OpenAIServing:
             logprobs = None
             if req.logprobs is not None:
                 logprobs, offsets[sub.index] = self.logprobs.completion(ids, entries, offsets.get(sub.index, 0))
-            yield sse(head | {"choices": [{"index": sub.index, "text": text, "logprobs": logprobs,
-                                           "finish_reason": state.finish_reason if state.finished else None}]})
+            yield events.event({"index": sub.index, "text": text, "logprobs": logprobs,
+                                "finish_reason": state.finish_reason if state.finished else None})
             if self.on_chunk_written is not None:
                 self.on_chunk_written(state)
             if state.finished:
