@@ -1,13 +1,35 @@
-"""Micro-benchmark (CUDA): the FP8 linear (Triton per-token quantization + torch._scaled_mm
-row-wise) vs bf16 F.linear on Llama-3-8B's projection shapes, at M = 1 and 32 tokens, with
-the bytes-read floor (weights only) at 3.0 TB/s. Prints one table; `python -m
-atom_core.kernels.triton.fp8_bench`.
+"""Micro-benchmark (CUDA): dense FP8 linears on Llama-3-8B and DeepSeek-V3 projection shapes at M
+tokens (default 1 and 32), CUDA-graph medians in us, against the bytes-read floor at 3.0 TB/s
+(e4m3 weights + their float32 scales; activations are noise at these M):
+
+  bf16         F.linear on a bf16 weight of the shape (what FP8 must beat)
+  scaled_mm    fp8_linear's default CUDA path: Triton per-token quantizer + torch._scaled_mm row-wise
+  tr-channel   the Triton GEMM, per-channel scales (fp8_channel_gemm; what fp8_linear runs at
+               M <= 16 under ATOM_FP8_SMALL_M_KERNEL=triton)
+  tr-block     the Triton GEMM, row-expanded 128x128 block scales (fp8_block_gemm: block-FP8
+               checkpoints, the CUDA default of fp8_block_linear)
+  quant        the per-token quantizer alone (the launch the Triton small-M path fuses away)
+
+`--sweep` times a few small-M tiles (BLOCK_N x split-K x stages) per shape for both Triton kinds.
+Weight values do not affect speed (random e4m3). Not run on a GPU yet (written without one):
+`python -m atom_core.kernels.triton.fp8_bench [--shapes llama-3-8b,deepseek-v3] [--m 1,32] [--sweep]`.
 """
 from __future__ import annotations
 
+import argparse
+from dataclasses import replace
+
 import torch
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
+# model -> projection -> (N, K), one GPU (TP 1)
+SHAPES = {
+    "llama-3-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
+    # MLA projections (q_a, kv_a with the rope dims, q_b over 128 heads of 192, o) and the dense MLP of
+    # the first three layers
+    "deepseek-v3": {"q_a": (1536, 7168), "kv_a": (576, 7168), "q_b": (24576, 1536), "o": (7168, 16384),
+                    "gate_up": (36864, 7168), "down": (7168, 18432)},
+}
+FLOOR_BYTES_PER_S = 3.0e12
 
 
 def _time_us(fn) -> float:
@@ -17,24 +39,84 @@ def _time_us(fn) -> float:
     return bench_ms(fn) * 1000
 
 
-def main() -> None:
-    from atom_core.kernels.triton.fp8 import quantize_fp8_per_token
-    from atom_core.quant.fp8_ops import fp8_linear, quantize_fp8_per_token as ref_quant
+def floor_us(n: int, k: int, block: bool) -> float:
+    scale_bytes = n * -(-k // 128) * 4 if block else n * 4
+    return (n * k + scale_bytes) / FLOOR_BYTES_PER_S * 1e6
 
-    print(f"{'shape':>8} {'M':>3} {'bf16 us':>8} {'fp8 us':>8} {'quant us':>8} {'mm us':>8} {'fp8 floor us':>12}")
-    for name, (n, k) in SHAPES.items():
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        qw, sw = ref_quant(w)
-        for m in (1, 32):
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            qx, sx = quantize_fp8_per_token(x)
-            t_bf16 = _time_us(lambda: torch.nn.functional.linear(x, w))
-            t_fp8 = _time_us(lambda: fp8_linear(x, qw, sw))
-            t_quant = _time_us(lambda: quantize_fp8_per_token(x))
-            t_mm = _time_us(lambda: torch._scaled_mm(qx, qw.t(), scale_a=sx, scale_b=sw.reshape(1, -1),
-                                                     out_dtype=torch.bfloat16))
-            floor = n * k / 3.0e12 * 1e6
-            print(f"{name:>8} {m:>3} {t_bf16:8.1f} {t_fp8:8.1f} {t_quant:8.1f} {t_mm:8.1f} {floor:12.1f}")
+
+def _weights(n: int, k: int):
+    """e4m3 [N, K], per-channel scales [N, 1] and row-expanded block scales [N, ceil(K/128)]."""
+    w = (torch.randn(n, k, device="cuda") * 32).to(torch.float8_e4m3fn)
+    return w, torch.full((n, 1), 1e-3, device="cuda"), torch.full((n, -(-k // 128)), 1e-3, device="cuda")
+
+
+def _table(names: list[str], ms: list[int]) -> None:
+    from atom_core.kernels.triton.fp8 import quantize_fp8_per_token
+    from atom_core.kernels.triton.fp8_gemm import fp8_block_gemm, fp8_channel_gemm
+    from atom_core.quant.fp8_ops import fp8_linear, set_small_m_kernel
+
+    set_small_m_kernel("scaled_mm")
+    cols = ("bf16", "scaled_mm", "tr-channel", "tr-block", "quant", "floor ch", "floor blk")
+    print(f"{'model':>12} {'shape':>8} {'M':>4} " + " ".join(f"{c:>10}" for c in cols))
+    for model in names:
+        for name, (n, k) in SHAPES[model].items():
+            w, s_channel, s_block = _weights(n, k)
+            wb = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+            for m in ms:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                times = [_time_us(lambda: torch.nn.functional.linear(x, wb)),
+                         _time_us(lambda: fp8_linear(x, w, s_channel)),
+                         _time_us(lambda: fp8_channel_gemm(x, w, s_channel)),
+                         _time_us(lambda: fp8_block_gemm(x, w, s_block, [1, 128])),
+                         _time_us(lambda: quantize_fp8_per_token(x)),
+                         floor_us(n, k, False), floor_us(n, k, True)]
+                print(f"{model:>12} {name:>8} {m:>4} " + " ".join(f"{t:10.1f}" for t in times), flush=True)
+
+
+def _sweep(names: list[str], ms: list[int]) -> None:
+    """A few tiles around the default per (shape, M <= 16): the next default comes from here."""
+    from atom_core.kernels.triton.common import sm_count
+    from atom_core.kernels.triton.fp8_gemm import default_fp8_gemm_config, fp8_block_gemm, fp8_channel_gemm
+
+    print(f"{'model':>12} {'shape':>8} {'M':>4} {'kind':>8} {'BN':>4} {'split':>5} {'stages':>6} {'us':>8} {'floor':>8}")
+    for model in names:
+        for name, (n, k) in SHAPES[model].items():
+            w, s_channel, s_block = _weights(n, k)
+            for m in (m for m in ms if m <= 16):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                for kind, group in (("channel", None), ("block", 128)):
+                    base = default_fp8_gemm_config(m, n, k, group, sm_count(x.device))
+                    for bn in (32, 64, 128):
+                        for split in sorted({max(1, base.split_k // 2), base.split_k, base.split_k * 2}):
+                            for stages in (3, 4, 6):
+                                cfg = replace(base, block_n=bn, split_k=split, num_stages=stages)
+                                if kind == "block":
+                                    t = _time_us(lambda: fp8_block_gemm(x, w, s_block, [1, 128], config=cfg))
+                                else:
+                                    t = _time_us(lambda: fp8_channel_gemm(x, w, s_channel, config=cfg))
+                                print(f"{model:>12} {name:>8} {m:>4} {kind:>8} {bn:>4} {split:>5} {stages:>6} "
+                                      f"{t:8.1f} {floor_us(n, k, kind == 'block'):8.1f}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, from: {', '.join(SHAPES)}")
+    parser.add_argument("--m", default="1,32", help="comma-separated token counts")
+    parser.add_argument("--sweep", action="store_true", help="time small-M tiles (M <= 16) instead of the table")
+    args = parser.parse_args()
+    names = [s for s in args.shapes.split(",") if s]
+    unknown = [s for s in names if s not in SHAPES]
+    if unknown:
+        raise SystemExit(f"unknown shape(s) {unknown}; expected some of: {', '.join(SHAPES)}")
+    try:
+        ms = [int(v) for v in args.m.split(",") if v]
+    except ValueError:
+        raise SystemExit(f"--m takes comma-separated positive integers, got {args.m!r}") from None
+    if not ms or min(ms) < 1:
+        raise SystemExit(f"--m takes comma-separated positive integers, got {args.m!r}")
+    if not torch.cuda.is_available():
+        raise SystemExit("fp8_bench needs a CUDA GPU")
+    (_sweep if args.sweep else _table)(names, ms)
 
 
 if __name__ == "__main__":

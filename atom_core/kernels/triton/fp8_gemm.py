@@ -209,12 +209,13 @@ def default_fp8_gemm_config(m: int, n: int, k: int, group: int | None, num_sms: 
     else:
         bm, bn, gm, warps, stages = 128, 128, 8, 8, 3
     fused = m <= SMALL_M_MAX and (group is None or bk == group)
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    tiles = max(1, triton.cdiv(m, bm) * triton.cdiv(n, bn))
     steps = triton.cdiv(k, bk)
     split = 1
     if tiles < num_sms:
         split = max(1, min(steps, MAX_SPLIT_K, triton.cdiv(PROGRAMS_PER_SM * num_sms, tiles)))
-    split = triton.cdiv(steps, triton.cdiv(steps, split))  # no empty split
+        even = [d for d in range(split, (split + 1) // 2 - 1, -1) if steps % d == 0]
+        split = even[0] if even else triton.cdiv(steps, triton.cdiv(steps, split))  # equal runs, none empty
     return Fp8GemmConfig(bm, bn, bk, split, gm, warps, stages, fused)
 
 
