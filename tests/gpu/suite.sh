@@ -266,11 +266,19 @@ case $mode in
     step lat-q8 120 python3 -m atomctl.main bench latency "${q8[@]}" --bs 1 --output-len 64 --num-iters 2 --output-json "$OUT/lat_q8.json" ;;
   fp8|fp8-lat)  # issue 16 FP8: kernel tests (Triton quantizers' bits, _scaled_mm vs reference), _scaled_mm vs bf16 per shape, Llama-3-8B --quantization fp8 (dummy) batch-1/32 TPOT; fp8 adds the nano offline workload
     step fp8-gpu-tests 90 python3 -m pytest -q --tb=short -m gpu tests/quant/test_fp8_ops.py -p no:cacheprovider
-    step fp8-mm-bench 60 python3 -m atom_core.kernels.triton.fp8_bench
+    step fp8-mm-bench 90 python3 -m atom_core.kernels.triton.fp8_bench --shapes llama-3-8b
     step lat-l8fp8-bs1 100 python3 -m atomctl.main bench latency "${l8[@]}" --quantization fp8 --bs 1 --output-json "$OUT/lat_l8fp8_bs1.json"
     step lat-l8fp8-bs32 80 python3 -m atomctl.main bench latency "${l8[@]}" --quantization fp8 --bs 32 --output-json "$OUT/lat_l8fp8_bs32.json" ;;&
   fp8)
     step off-l8fp8 200 python3 -m atomctl.main bench offline "${l8[@]}" --quantization fp8 --output-json "$OUT/off_l8fp8.json" ;;
+  fp8-gemm)  # issue 16 dense FP8 GEMMs in Triton (kernels/triton/fp8_gemm.py; written without a GPU, NOT yet run): kernel GPU tests (Llama-3-8B / DeepSeek-V3 shapes, graph replay, the ops on CUDA, tiny engine), the micro-benchmark (bf16 vs _scaled_mm vs Triton per-channel/block vs the bytes floor, M=1/32), then Llama-3-8B --quantization fp8 batch-1 TPOT with ATOM_FP8_SMALL_M_KERNEL=scaled_mm (default) and =triton: the faster becomes the default
+    step fp8-gemm-gpu-tests 200 python3 -m pytest -q --tb=short -m gpu tests/quant/test_fp8_gemm.py tests/quant/test_fp8_ops.py -p no:cacheprovider
+    step fp8-gemm-bench 120 python3 -m atom_core.kernels.triton.fp8_bench
+    step lat-l8fp8-bs1-scaled-mm 100 env ATOM_FP8_SMALL_M_KERNEL=scaled_mm python3 -m atomctl.main bench latency "${l8[@]}" --quantization fp8 --bs 1 --output-json "$OUT/lat_l8fp8_bs1_scaled_mm.json"
+    step lat-l8fp8-bs1-triton 100 env ATOM_FP8_SMALL_M_KERNEL=triton python3 -m atomctl.main bench latency "${l8[@]}" --quantization fp8 --bs 1 --output-json "$OUT/lat_l8fp8_bs1_triton.json" ;;
+  fp8-gemm-sweep)  # issue 16: small-M tiles of the Triton FP8 GEMM (BLOCK_N x split-K x stages around the default, M=1), Llama-3-8B then DeepSeek-V3 shapes; not yet run
+    step fp8-gemm-sweep-llama 280 python3 -m atom_core.kernels.triton.fp8_bench --sweep --m 1 --shapes llama-3-8b
+    step fp8-gemm-sweep-dsv3 280 python3 -m atom_core.kernels.triton.fp8_bench --sweep --m 1 --shapes deepseek-v3 ;;
   fp8kv|fp8kv-8b)  # issue 16 FP8 KV cache, per layer (fp8) and per token and head (fp8_per_token_head): the kernel + engine GPU tests, then the nano offline workload with bf16, fp8 and fp8_per_token_head KV (Qwen3-0.6B here; Llama-3-8B in fp8kv-8b, to stay under 600 s a call); not yet run
     kvs=(auto fp8 fp8_per_token_head) ;;&
   fp8kv)

@@ -29,6 +29,8 @@ SHAPES = {
     "deepseek-v3": {"q_a": (1536, 7168), "kv_a": (576, 7168), "q_b": (24576, 1536), "o": (7168, 16384),
                     "gate_up": (36864, 7168), "down": (7168, 18432)},
 }
+# the scale layouts each model's checkpoints come in (DeepSeek-V3 ships block FP8 only); the group is bk
+SWEEP_KINDS = {"llama-3-8b": (("channel", None), ("block", 128)), "deepseek-v3": (("block", 128),)}
 FLOOR_BYTES_PER_S = 3.0e12
 
 
@@ -84,11 +86,11 @@ def _sweep(names: list[str], ms: list[int]) -> None:
             w, s_channel, s_block = _weights(n, k)
             for m in (m for m in ms if m <= 16):
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                for kind, group in (("channel", None), ("block", 128)):
+                for kind, group in SWEEP_KINDS[model]:
                     base = default_fp8_gemm_config(m, n, k, group, sm_count(x.device))
                     for bn in (32, 64, 128):
                         for split in sorted({max(1, base.split_k // 2), base.split_k, base.split_k * 2}):
-                            for stages in (3, 4, 6):
+                            for stages in (3, 5):
                                 cfg = replace(base, block_n=bn, split_k=split, num_stages=stages)
                                 if kind == "block":
                                     t = _time_us(lambda: fp8_block_gemm(x, w, s_block, [1, 128], config=cfg))
