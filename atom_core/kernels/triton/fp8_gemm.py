@@ -36,7 +36,12 @@ Tiles (`default_fp8_gemm_config`): M <= 16 (decode, a weight stream: each weight
 uses BLOCK_M 16 (the MMA's minimum) with split-K until about 2 programs per SM; larger M uses
 wider tiles without split. Untuned: written without a GPU (chosen from offline sm_90 compiles
 without spills, tests/quant/test_fp8_gemm.py); `kernels/triton/fp8_bench.py` times them against
-bf16, `_scaled_mm` and the bytes floor. Not run on a GPU yet.
+bf16, `_scaled_mm` and the bytes floor. Not run on a GPU yet. Offline sm_90 code: BLOCK_M 16-32
+tiles run mma.sync on e4m3 widened to f16 (exact), 64+ use e4m3 wgmma; weight tiles stream by
+16-byte cp.async. Levers if the bench shows M = 1 far from the floor: the fused quantizer divides
+a BLOCK_M 16 tile (15 padded copies of the row at M = 1) per step, and the per-token prologue
+re-reads the row per program (L2); wider BLOCK_N or a multiply by 1/scale (bits may then differ
+from the reference by one e4m3 step on rare elements) cut that work.
 """
 from __future__ import annotations
 
