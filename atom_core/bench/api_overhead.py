@@ -2,15 +2,17 @@
 
 Starts the real server process (the FastAPI app, uvicorn, AsyncEngine, the core process and its
 messages) over a stand-in core whose step costs a fixed `step_ms` of simulated device time
-(bench/stand_in_core.py), then runs the serving benchmark client (`bench serve`'s, httpx, real
-sockets) at each concurrency with `--ignore-eos` prompts of fixed lengths, and reports per
-concurrency:
+(bench/stand_in_core.py), then streams `--ignore-eos` completions of fixed lengths over real
+sockets at each concurrency (bench/stream_client.py: a lean client, so that on a small machine
+the client's CPU does not crowd out the server it measures), and reports per concurrency:
 
 - sample-to-write latency (p50/p90/p99/max, ms): from the core having a step's tokens (stamped
   in the Outputs message) to the chunk's SSE write in the API process, per written chunk;
 - API-process CPU per output token (µs; user + system of the server process, every thread,
-  request intake included), the core process's, and the client's (it shares the machine);
-- output tokens/s, TTFT and TPOT as the client saw them, and the decode steps/s one stream got
+  request intake included), the core process's, and the client's (it shares the machine); the
+  kernel counts CPU time in 10 ms ticks, so runs need thousands of tokens for these to mean much;
+- output tokens/s, TTFT (request sent to first token event) and TPOT (first to last token event
+  over the tokens after the first) as the client saw them, and the decode steps/s one stream got
   (1000 / median TPOT) against the stand-in's 1000 / step_ms.
 """
 from __future__ import annotations
@@ -22,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +70,8 @@ class StandInServer:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, start_new_session=True,
                                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
         try:
-            self.url = f"http://127.0.0.1:{self._read_port()}"
+            self.port = self._read_port()
+            self.url = f"http://127.0.0.1:{self.port}"
             self._wait_healthy()
         except BaseException:
             self.stop()
@@ -131,7 +134,7 @@ class StandInServer:
 def run_api_overhead(cfg: ApiOverheadConfig, log_dir: Path, console: Console | None = None) -> dict[str, Any]:
     """Start the stand-in server once, measure each concurrency, stop it; returns the result dict."""
     from atom_core.bench.datasets import DatasetConfig, sample_requests
-    from atom_core.bench.serve_bench import ServeBenchConfig, load_tokenizer
+    from atom_core.bench.serve_bench import load_tokenizer
 
     console = console or Console()
     tokenizer = load_tokenizer(cfg.model)
@@ -141,66 +144,65 @@ def run_api_overhead(cfg: ApiOverheadConfig, log_dir: Path, console: Console | N
     runs = []
     try:
         for concurrency in cfg.concurrencies:
-            bench = ServeBenchConfig(base_url=server.url, backend="atom", model=cfg.model, dataset=dataset,
-                                     num_prompts=concurrency * cfg.requests_per_stream, max_concurrency=concurrency,
-                                     seed=cfg.seed, ignore_eos=True, show_progress=False,
-                                     percentile_metrics="ttft,tpot,itl", metric_percentiles="50,99")
-            requests = sample_requests(dataset, tokenizer, bench.num_prompts, cfg.seed)
-            _warm_up(server, bench, tokenizer, requests, console)
-            runs.append(_measure(server, bench, tokenizer, requests, cfg, console))
+            prompts = [r.prompt for r in sample_requests(dataset, tokenizer, concurrency * cfg.requests_per_stream,
+                                                         cfg.seed)]
+            bodies = [{"model": cfg.model, "prompt": p, "max_tokens": cfg.output_len, "temperature": 0.0,
+                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+                      for p in prompts]
+            _streams(server, bodies[:4], 4)  # first-use costs (imports, the tokenizer pool)
+            server.take_latencies()
+            runs.append(_measure(server, bodies, concurrency, cfg, console))
     finally:
         server.stop()
     return {"model": cfg.model, "step_ms": cfg.step_ms, "input_len": cfg.input_len, "output_len": cfg.output_len,
             "requests_per_stream": cfg.requests_per_stream, "cpu_count": os.cpu_count(), "runs": runs}
 
 
-def _warm_up(server: StandInServer, bench, tokenizer, requests, console: Console) -> None:
-    """A few short requests (first-use costs: imports, the tokenizer pool), then clear the records."""
-    from atom_core.bench.serve_bench import run_benchmark
+def _streams(server: StandInServer, bodies: list[dict], concurrency: int):
+    from atom_core.bench.stream_client import run_streams
 
-    warm = replace(bench, num_prompts=4, max_concurrency=4, initial_test=False)
-    run_benchmark(warm, tokenizer=tokenizer, requests=requests[:4], console=Console(quiet=True))
-    server.take_latencies()
+    return run_streams("127.0.0.1", server.port, "/v1/completions", bodies, concurrency)
 
 
-def _measure(server: StandInServer, bench, tokenizer, requests, cfg: ApiOverheadConfig, console: Console) -> dict:
-    from atom_core.bench.serve_bench import run_benchmark
-
+def _measure(server: StandInServer, bodies: list[dict], concurrency: int, cfg: ApiOverheadConfig,
+             console: Console) -> dict:
     client = psutil.Process()
     api0, core0 = server.cpu_seconds()
     client0 = sum(client.cpu_times()[:2])
-    result = run_benchmark(replace(bench, initial_test=False), tokenizer=tokenizer, requests=requests,
-                           console=Console(quiet=True))
+    streams = _streams(server, bodies, concurrency)
     api1, core1 = server.cpu_seconds()
     client1 = sum(client.cpu_times()[:2])
     latencies_ms = server.take_latencies() * 1000
-    tokens = max(result["total_output_tokens"], 1)
-    errors = [e for e in result["errors"] if e]
-    if errors:
-        raise RuntimeError(f"{len(errors)} of {len(requests)} requests failed, e.g.: {errors[0].splitlines()[0]}")
-    tpot = result["median_tpot_ms"]
+    tokens = sum(r.num_tokens for r in streams.requests)
+    assert tokens == len(bodies) * cfg.output_len, f"expected {len(bodies) * cfg.output_len} tokens, got {tokens}"
+    ttft_ms = np.array([(r.first_event - r.sent) * 1000 for r in streams.requests])
+    tpot_ms = np.array([(r.last_event - r.first_event) * 1000 / (cfg.output_len - 1)
+                        for r in streams.requests]) if cfg.output_len > 1 else np.zeros(1)
+    tpot = float(np.median(tpot_ms))
+    events = sum(r.num_events for r in streams.requests)
     run = {
-        "concurrency": bench.max_concurrency,
-        "num_requests": result["completed"],
-        "duration_s": result["duration"],
-        "output_tokens": result["total_output_tokens"],
-        "output_tok_s": result["output_throughput"],
+        "concurrency": concurrency,
+        "num_requests": len(streams.requests),
+        "duration_s": streams.duration_s,
+        "output_tokens": tokens,
+        "output_tok_s": tokens / streams.duration_s,
         "num_chunks": int(latencies_ms.size),
-        "tokens_per_chunk": result["total_output_tokens"] / max(latencies_ms.size, 1),
+        "client_events": events,
+        "tokens_per_chunk": tokens / max(events, 1),
         **{f"sample_to_write_{name}_ms": float(np.percentile(latencies_ms, p)) if latencies_ms.size else None
            for name, p in (("p50", 50), ("p90", 90), ("p99", 99), ("max", 100))},
         "api_cpu_s": api1 - api0,
         "api_cpu_us_per_token": (api1 - api0) / tokens * 1e6,
-        "api_cpu_util": (api1 - api0) / result["duration"],
+        "api_cpu_util": (api1 - api0) / streams.duration_s,
         "core_cpu_us_per_token": (core1 - core0) / tokens * 1e6,
         "client_cpu_us_per_token": (client1 - client0) / tokens * 1e6,
-        "median_ttft_ms": result["median_ttft_ms"],
-        "p99_ttft_ms": result["p99_ttft_ms"],
+        "median_ttft_ms": float(np.median(ttft_ms)),
+        "p99_ttft_ms": float(np.percentile(ttft_ms, 99)),
         "median_tpot_ms": tpot,
         "steps_per_s_per_stream": 1000 / tpot if tpot else None,
         "stand_in_steps_per_s": 1000 / cfg.step_ms if cfg.step_ms else None,
     }
-    console.print(f"concurrency {run['concurrency']}: {run['output_tok_s']:,.0f} tok/s, sample-to-write p50 "
+    console.print(f"concurrency {concurrency}: {run['output_tok_s']:,.0f} tok/s, sample-to-write p50 "
                   f"{run['sample_to_write_p50_ms']:.2f} ms, API CPU {run['api_cpu_us_per_token']:.1f} us/token")
     return run
 

@@ -80,8 +80,9 @@ def test_measures_two_concurrencies_on_a_tiny_model(tiny_llama, tmp_path):
         assert RUN_KEYS <= set(run)
         assert run["num_requests"] == run["concurrency"] and run["output_tokens"] == run["concurrency"] * 8
         assert run["num_chunks"] >= run["concurrency"]  # at least one written chunk per request
+        assert run["client_events"] == run["num_chunks"]  # every chunk the server wrote arrived
         assert 0 < run["sample_to_write_p50_ms"] <= run["sample_to_write_p99_ms"] < 10_000
-        assert run["api_cpu_us_per_token"] > 0
+        assert run["api_cpu_us_per_token"] >= 0  # CPU times tick in 10 ms: a run this small may read 0
     assert "c4" in str(result_table(result).columns[-1].header)
 
 
