@@ -273,4 +273,4 @@ def gumbel_argmax(
 
 # The MoE functions live in moe_ref.py; re-exported so both providers list the same functions.
 from atom_core.kernels.moe_ref import fused_moe, moe_align_block_size, moe_route  # noqa: E402,F401
-from atom_core.kernels.mla_ref import mla_attention  # noqa: E402,F401
+from atom_core.kernels.mla_ref import mla_attention, mla_rope_store  # noqa: E402,F401

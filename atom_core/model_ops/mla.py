@@ -2,11 +2,13 @@
 cache, and its backend (registered for kind "mla" in model_ops/attention_backends).
 
 Per token the cache holds one row of kv_lora_rank + qk_rope_head_dim values (576 for V3): the
-normalised latent c and the roped shared key part r. The backend ropes q and r, stores
-[c, r], and attends in the absorbed form for every row of the flat batch (prefill chunks and
-decode alike): kv_b_proj's key half is folded into the query (q_latent = q_nope @ W_UK), the
-kernel averages latents, and the value half maps the result back (o = o_latent @ W_UV^T).
-Kernels: `mla_attention` of the device's provider (kernels/triton/mla.py, kernels/mla_ref.py).
+normalised latent c and the roped shared key part r. The backend normalises c, ropes q and r,
+and stores [c, r] in one op (`mla_rope_store`), then attends in the absorbed form for every row
+of the flat batch (prefill chunks and decode alike): kv_b_proj's key half is folded into the
+query (q_latent = q_nope @ W_UK), the kernel averages latents, and the value half maps the
+result back (o = o_latent @ W_UV^T). Kernels of the device's provider: `mla_rope_store`
+(kernels/triton/mla_prep.py) and `mla_attention` (kernels/triton/mla.py); kernels/mla_ref.py
+holds both for the CPU.
 """
 from __future__ import annotations
 
@@ -19,43 +21,45 @@ from atom_core.kernels import kernel_ops
 from atom_core.model_ops.attention_backends import AttentionBackend, get_attention_backend
 from atom_core.model_ops.forward_context import get_attention_metadata
 from atom_core.model_ops.kv_spec import KVSpec
+from atom_core.model_ops.layernorm import RMSNorm
 from atom_core.model_ops.rotary import RotaryEmbedding
 
 _LAYERS: "weakref.WeakValueDictionary[int, MLAAttention]" = weakref.WeakValueDictionary()
 
 
 @torch.library.custom_op("atom::mla_attention", mutates_args=())
-def mla_attention_op(q: torch.Tensor, kv_latent: torch.Tensor, k_rope: torch.Tensor, positions: torch.Tensor,
-                     layer_key: torch.Tensor, out_width: int) -> torch.Tensor:
+def mla_attention_op(q: torch.Tensor, kv_a: torch.Tensor, positions: torch.Tensor, layer_key: torch.Tensor,
+                     out_width: int) -> torch.Tensor:
     """Opaque to torch.compile, as atom::paged_attention: the cache store is a side effect the
     compiler never sees; the layer (weights, cache views) is looked up by key."""
     layer = _LAYERS[int(layer_key)]
-    return layer.backend(q.device).forward(layer, q, kv_latent, k_rope, positions)
+    return layer.backend(q.device).forward(layer, q, kv_a, positions)
 
 
 @mla_attention_op.register_fake
-def _(q, kv_latent, k_rope, positions, layer_key, out_width):
+def _(q, kv_a, positions, layer_key, out_width):
     return q.new_empty(q.shape[0], out_width)
 
 
 class MLAAttention(nn.Module):
-    """q [T, H, N + R], kv_latent [T, C] (after kv_a_layernorm), k_rope [T, R] (not yet roped)
-    -> [T, H * V] for the flat batch in the forward context.
+    """q [T, H, N + R] and kv_a [T, C + R] (kv_a_proj_with_mqa's output: the latent before
+    kv_a_layernorm, then k_pe before RoPE) -> [T, H * V] for the flat batch in the forward context.
 
-    `kv_b_proj` is the model's own layer (kept registered where the checkpoint names it; held
-    here through a plain reference); its weight, whatever its quant format, is read back once
-    as W_UK / W_UV for the absorbed form. `interleaved`: the rope dims come in (x0, x1) pairs
-    (DeepSeek's layout) rather than neox halves. The KV spec is kind "mla": one row of C + R.
+    `kv_a_layernorm` and `kv_b_proj` are the model's own layers (kept registered where the
+    checkpoint names them; held here through plain references): the norm's weight and eps go to
+    the fused rope + norm + store op; kv_b_proj's weight, whatever its quant format, is read back
+    once as W_UK / W_UV for the absorbed form. `interleaved`: the rope dims come in (x0, x1)
+    pairs (DeepSeek's layout) rather than neox halves. The KV spec is kind "mla": one row of C + R.
     """
 
     def __init__(self, num_heads: int, qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
-                 kv_lora_rank: int, scale: float, rotary: RotaryEmbedding, kv_b_proj: nn.Module,
-                 interleaved: bool, prefix: str = ""):
+                 kv_lora_rank: int, scale: float, rotary: RotaryEmbedding, kv_a_layernorm: RMSNorm,
+                 kv_b_proj: nn.Module, interleaved: bool, prefix: str = ""):
         super().__init__()
         self.num_heads, self.v_head_dim = num_heads, v_head_dim
         self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank = qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank
         self.scale, self.interleaved, self.prefix = scale, interleaved, prefix
-        self._refs = (rotary, kv_b_proj)  # not submodules: their owners register them
+        self._refs = (rotary, kv_b_proj, kv_a_layernorm)  # not submodules: their owners register them
         self.dtype = torch.get_default_dtype()
         self.kv_spec = KVSpec("mla", 1, kv_lora_rank + qk_rope_head_dim, self.dtype)
         self.k_cache = self.v_cache = torch.empty(0)
@@ -68,6 +72,10 @@ class MLAAttention(nn.Module):
     @property
     def rotary(self) -> RotaryEmbedding:
         return self._refs[0]
+
+    @property
+    def kv_a_layernorm(self) -> RMSNorm:
+        return self._refs[2]
 
     def backend(self, device: torch.device) -> AttentionBackend:
         if self._backend is None:
@@ -91,21 +99,15 @@ class MLAAttention(nn.Module):
             self.w_uv_t = w[:, self.qk_nope_head_dim:].transpose(1, 2)
         return self.w_uk, self.w_uv_t
 
-    def forward(self, q: torch.Tensor, kv_latent: torch.Tensor, k_rope: torch.Tensor,
-                positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, kv_a: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            return mla_attention_op(q, kv_latent, k_rope, positions, self.layer_key, self.num_heads * self.v_head_dim)
+            return mla_attention_op(q, kv_a, positions, self.layer_key, self.num_heads * self.v_head_dim)
         assert self.k_cache.numel(), "KV cache not allocated for this MLA layer"
-        return self.backend(q.device).forward(self, q, kv_latent, k_rope, positions)
+        return self.backend(q.device).forward(self, q, kv_a, positions)
 
 
 def _device(module: nn.Module) -> torch.device:
     return next(module.parameters()).device
-
-
-def deinterleave(x: torch.Tensor) -> torch.Tensor:
-    """(x0, x1, x2, x3, ...) -> (x0, x2, ..., x1, x3, ...): DeepSeek's rope pairs as neox halves."""
-    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
 
 
 class MLABackend(AttentionBackend):
@@ -117,21 +119,17 @@ class MLABackend(AttentionBackend):
         super().__init__(device_type)
         self.ops = kernel_ops(device_type)
 
-    def forward(self, layer: MLAAttention, q: torch.Tensor, kv_latent: torch.Tensor, k_rope: torch.Tensor,
+    def forward(self, layer: MLAAttention, q: torch.Tensor, kv_a: torch.Tensor,
                 positions: torch.Tensor) -> torch.Tensor:
         meta = get_attention_metadata()
-        num_tokens, nope = q.shape[0], layer.qk_nope_head_dim
-        q_nope, q_rope = q[..., :nope], q[..., nope:]
-        k_rope = k_rope.view(num_tokens, 1, -1)
-        if layer.interleaved:
-            q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
-        q_rope, k_rope = self.ops.rotary_embedding(positions, q_rope.contiguous(), k_rope.contiguous(),
-                                                   layer.rotary.cos_sin_cache)
-        entry = torch.cat([kv_latent.view(num_tokens, 1, -1), k_rope.to(kv_latent.dtype)], dim=-1)
-        self.ops.store_kv_cache(entry, entry, layer.k_cache, layer.k_cache, meta.slot_mapping)
+        num_tokens = q.shape[0]
+        norm = layer.kv_a_layernorm
+        q_rope = self.ops.mla_rope_store(q, kv_a, positions, layer.rotary.cos_sin_cache, layer.k_cache,
+                                         meta.slot_mapping, norm.weight, norm.eps, layer.interleaved)  # [T, H, R]
         w_uk, w_uv_t = layer.absorbed_weights()
+        q_nope = q[..., :layer.qk_nope_head_dim]
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, C], rows strided
-        o_latent = self.ops.mla_attention(q_latent, q_rope.to(q_latent.dtype), layer.k_cache, meta.block_tables,
+        o_latent = self.ops.mla_attention(q_latent, q_rope, layer.k_cache, meta.block_tables,
                                           meta.query_start_loc, meta.seq_lens, layer.scale, meta.max_query_len,
                                           meta.max_seq_len)
         out = torch.bmm(o_latent.transpose(0, 1), w_uv_t)  # [H, T, V]

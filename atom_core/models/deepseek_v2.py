@@ -76,7 +76,8 @@ def deepseek_routing(config) -> MoERouting:
 
 class DeepseekV2Attention(nn.Module):
     """q (plain q_proj, or q_a_proj -> q_a_layernorm -> q_b_proj), kv_a_proj_with_mqa -> latent +
-    rope key, kv_a_layernorm on the latent, MLA over the latent cache, o_proj.
+    rope key, MLA over the latent cache (which applies kv_a_layernorm to the latent, fused with
+    RoPE and the cache store), o_proj.
 
     Heads: q_b_proj / kv_b_proj are column-parallel over heads and o_proj row-parallel, so this
     rank's head count is read from kv_b_proj's output size (`num_local_heads`), in one place."""
@@ -86,7 +87,7 @@ class DeepseekV2Attention(nn.Module):
         hidden, heads = config.hidden_size, config.num_attention_heads
         nope, rope, v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         self.kv_lora_rank = config.kv_lora_rank
-        self.qk_head_dim, self.qk_rope_head_dim = nope + rope, rope
+        self.qk_head_dim = nope + rope
         bias = getattr(config, "attention_bias", False)
         self.q_lora_rank = config.q_lora_rank
         if self.q_lora_rank is None:
@@ -109,18 +110,17 @@ class DeepseekV2Attention(nn.Module):
         self.rotary_emb = shared_rotary(config)
         interleaved = getattr(config, "rope_interleave", True)  # V2 always pairs; V3 says so
         self.mla_attn = MLAAttention(self.num_local_heads, nope, rope, v_dim, self.kv_lora_rank,
-                                     mla_softmax_scale(config), self.rotary_emb, self.kv_b_proj, interleaved,
-                                     prefix=f"{prefix}.mla_attn")
+                                     mla_softmax_scale(config), self.rotary_emb, self.kv_a_layernorm, self.kv_b_proj,
+                                     interleaved, prefix=f"{prefix}.mla_attn")
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         if self.q_lora_rank is None:
             q = self.q_proj(hidden)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
-        latent, k_rope = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        latent = self.kv_a_layernorm(latent)
+        kv_a = self.kv_a_proj_with_mqa(hidden)  # [T, C + R]: mla_attn normalises the latent and ropes k_pe
         q = q.view(-1, self.num_local_heads, self.qk_head_dim)
-        return self.o_proj(self.mla_attn(q, latent, k_rope, positions))
+        return self.o_proj(self.mla_attn(q, kv_a, positions))
 
 
 class DeepseekV2DecoderLayer(DecoderLayer):

@@ -15,5 +15,6 @@ from atom_core.kernels.triton.moe import fused_moe, moe_align_block_size, moe_ro
 
 __all__ += ["fused_moe", "moe_align_block_size", "moe_route"]
 from atom_core.kernels.triton.mla import mla_attention  # noqa: E402
+from atom_core.kernels.triton.mla_prep import mla_rope_store  # noqa: E402
 
-__all__ += ["mla_attention"]
+__all__ += ["mla_attention", "mla_rope_store"]
