@@ -337,6 +337,9 @@ case $mode in
   piecewise-serve-2k)  # issue 19: the same serving run, default graphs vs piecewise buckets up to 2048 tokens (so steps with a prompt replay too)
     serve_l8_c64 full-decode-only
     serve_l8_c64 piecewise-2k --cudagraph-mode full_and_piecewise --piecewise-capture-sizes "1,2,4,$(seq -s, 8 8 248),$(seq -s, 256 16 512),$(seq -s, 576 64 2048)" ;;
+  api-overhead)  # issue 19 API process on the GPU host's cores (CPU only, stand-in model): per-token cost at the H100's step times (c64 ~15 ms, c256 ~40 ms); the before/after in PERFORMANCE.md 2026-11-26 ran on a 2-core CPU box
+    step api-overhead-15ms 300 python3 -m atomctl.main bench api-overhead --concurrency 64,256 --step-ms 15 --log-dir /tmp/apiov --output-json "$OUT/api_overhead_15ms.json"
+    step api-overhead-c256-40ms 200 python3 -m atomctl.main bench api-overhead --concurrency 256 --step-ms 40 --log-dir /tmp/apiov --output-json "$OUT/api_overhead_c256_40ms.json" ;;
   *) ;;
 esac
 echo "=== summary"
