@@ -340,6 +340,13 @@ case $mode in
   api-overhead)  # issue 19 API process on the GPU host's cores (CPU only, stand-in model): per-token cost at the H100's step times (c64 ~15 ms, c256 ~40 ms); the before/after in PERFORMANCE.md 2026-11-26 ran on a 2-core CPU box
     step api-overhead-15ms 300 python3 -m atomctl.main bench api-overhead --concurrency 64,256 --step-ms 15 --log-dir /tmp/apiov --output-json "$OUT/api_overhead_15ms.json"
     step api-overhead-c256-40ms 200 python3 -m atomctl.main bench api-overhead --concurrency 256 --step-ms 40 --log-dir /tmp/apiov --output-json "$OUT/api_overhead_c256_40ms.json" ;;
+  mla-prep)  # issue 14 fused MLA RoPE + latent RMSNorm + cache store (kernels/triton/mla_prep.py; written without a GPU, NOT yet run): its GPU tests with the MLA kernel's and tiny DeepSeek V2/V3 on CUDA (graphs + compile, eager) vs HF, fused vs unfused time per layer (V2-Lite/V3 heads, bs 1/32), MLA decode bandwidth, then DeepSeek-V2-Lite batch-1/32 TPOT (dummy weights; 2026-11-24 before the fusion: 3.83 / 12.51 ms). Steps sum to < 600 s
+    dsl=(--model preset:DeepSeek-V2-Lite --load-format dummy --max-model-len 4096)
+    step mla-prep-gpu-tests 200 python3 -m pytest -q --tb=short -m gpu tests/kernels/test_mla_prep.py tests/kernels/test_mla.py tests/models/test_deepseek.py -p no:cacheprovider
+    step mla-prep-bench 60 python3 tests/gpu/bench_mla_prep.py --out "$OUT/mla_prep_bench.json"
+    step mla-decode-bench 40 python3 tests/gpu/bench_mla.py --bs 64 --ctx 2048 --out "$OUT/mla_decode_bench.json"
+    step lat-dsv2l-bs1 150 python3 -m atomctl.main bench latency "${dsl[@]}" --bs 1 --output-json "$OUT/lat_dsv2l_bs1.json"
+    step lat-dsv2l-bs32 120 python3 -m atomctl.main bench latency "${dsl[@]}" --bs 32 --output-json "$OUT/lat_dsv2l_bs32.json" ;;
   *) ;;
 esac
 echo "=== summary"
