@@ -21,9 +21,13 @@ ENV_VARS: dict[str, str] = {
     "ATOM_API_KEY": "default for `atomctl serve --api-key` (keeps the key out of the process list)",
     "ATOM_FP8_SMALL_M_KERNEL": "scaled_mm (default) or triton: the CUDA kernel of per-channel FP8 linears "
                                "(fp8_linear) at M <= 16 tokens; triton = kernels/triton/fp8_gemm.py (to measure both)",
+    "ATOM_MOE_DECODE_PATH": "tiled (default) or gemv: the unquantized fused MoE kernels on CUDA for decode batches "
+                            "(tokens x top_k <= 32); gemv = kernels/triton/moe_decode.py (to measure both)",
 }
 Fp8SmallMKernel = Literal["scaled_mm", "triton"]
 FP8_SMALL_M_KERNELS: tuple[str, ...] = get_args(Fp8SmallMKernel)
+MoeDecodePath = Literal["tiled", "gemv"]
+MOE_DECODE_PATHS: tuple[str, ...] = get_args(MoeDecodePath)
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -38,6 +42,7 @@ class AtomEnvs:
     mark_trace: bool = False
     api_key: str | None = field(default=None, repr=False)  # a secret: never in logs or tracebacks
     fp8_small_m_kernel: Fp8SmallMKernel = "scaled_mm"  # read once by quant/fp8_ops when it is imported
+    moe_decode_path: MoeDecodePath = "tiled"  # read once by kernels/triton/moe_decode when it is imported
 
 
 def read_envs(environ: Mapping[str, str] | None = None) -> AtomEnvs:
@@ -49,6 +54,7 @@ def read_envs(environ: Mapping[str, str] | None = None) -> AtomEnvs:
         mark_trace=env_bool(env, "ATOM_MARK_TRACE", False),
         api_key=env_str(env, "ATOM_API_KEY"),
         fp8_small_m_kernel=env_choice(env, "ATOM_FP8_SMALL_M_KERNEL", FP8_SMALL_M_KERNELS, "scaled_mm"),
+        moe_decode_path=env_choice(env, "ATOM_MOE_DECODE_PATH", MOE_DECODE_PATHS, "tiled"),
     )
 
 

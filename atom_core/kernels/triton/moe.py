@@ -370,8 +370,10 @@ def _check_moe_args(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bia
 def launch_fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, activation: str = "silu", w13_bias: Optional[torch.Tensor] = None,
                      w2_bias: Optional[torch.Tensor] = None, swiglu_limit: Optional[float] = None, *,
-                     config: MoeConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """`fused_moe` with a config override and an output buffer (tests, the tuner)."""
+                     config: MoeConfig | None = None, out: torch.Tensor | None = None,
+                     path: moe_decode.MoePath = "auto") -> torch.Tensor:
+    """`fused_moe` with a config override, an output buffer and a path (auto|gemv|tiled, see
+    moe_decode.select_path: decode batches may take moe_decode's GEMVs) for tests, benches, the tuner."""
     _check_moe_args(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, swiglu_limit)
     if out is None:
         out = torch.empty_like(hidden)
@@ -379,6 +381,9 @@ def launch_fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     num_experts, inter, top_k = w13.shape[0], w13.shape[1] // 2, topk_ids.shape[1]
     if num_tokens == 0:
         return out
+    if moe_decode.select_path(num_tokens, top_k, config, path) == "gemv":
+        return moe_decode.fused_moe_gemv(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias,
+                                         swiglu_limit, out)
     cfg = config or get_moe_config(num_experts, hidden_size, inter, top_k, hidden.dtype, num_tokens, hidden.device)
     sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, cfg.block_m, num_experts)
     act = hidden.new_empty((sorted_ids.shape[0], inter))
@@ -413,3 +418,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     if torch.compiler.is_compiling():
         return fused_moe_op(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, swiglu_limit)
     return launch_fused_moe(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, swiglu_limit)
+
+
+# The decode GEMVs import _activate from here, so they are imported last (either module may load first).
+from atom_core.kernels.triton import moe_decode  # noqa: E402

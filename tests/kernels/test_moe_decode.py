@@ -1,0 +1,254 @@
+"""The decode path of the unquantized fused MoE (kernels/triton/moe_decode.py: two GEMVs for
+T * top_k <= 32) against the torch reference, and how `launch_fused_moe` chooses it.
+
+`cpu` cases run the kernels under Triton's interpreter (tiny shapes), `cuda` cases (marker `gpu`)
+at Qwen3-30B-A3B, DeepSeek-V2-Lite, Mixtral and gpt-oss-20b (bf16) expert shapes; the sm_90 check
+compiles both kernels offline (no GPU) and requires no register spills:
+    TRITON_INTERPRET=1 python -m pytest tests/kernels/test_moe_decode.py -q
+    python -m pytest -m gpu tests/kernels/test_moe_decode.py -q
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import zlib
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from atom_core.kernels import moe_ref  # noqa: E402
+from atom_core.kernels.triton import moe as tm  # noqa: E402
+from atom_core.kernels.triton import moe_decode as dec  # noqa: E402
+from tests.kernels.tolerances import INTERPRET, TOL, rel_err  # noqa: E402
+
+SMALL_TILES = dec.GemvTiles((4, 32, 1), (2, 32))  # several K steps with a tail, several row blocks with a tail
+
+
+def make_inputs(key, num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int, dtype: torch.dtype,
+                device: str, bias: bool = False) -> dict:
+    """Fresh random inputs (seeded by `key`), routed by the reference router; weights scaled by fan-in."""
+    gen = torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+    randn = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    weights, ids = moe_ref.moe_route(randn(num_tokens, num_experts), top_k, renormalize=True)
+    args = dict(hidden=randn(num_tokens, hidden), w13=randn(num_experts, 2 * inter, hidden) * hidden ** -0.5,
+                w2=randn(num_experts, hidden, inter) * inter ** -0.5, topk_weights=weights, topk_ids=ids,
+                w13_bias=randn(num_experts, 2 * inter) if bias else None,
+                w2_bias=randn(num_experts, hidden) if bias else None)
+    cast = lambda name, t: t if name.startswith("topk") else t.to(dtype)  # noqa: E731  (routing stays as routed)
+    return {name: None if t is None else cast(name, t).to(device) for name, t in args.items()}
+
+
+ACTIVATIONS = [("silu", None, False), ("swigluoai", 1.0, True)]  # (activation, swiglu_limit, biases)
+
+
+def gemv(args: dict, activation: str = "silu", limit: float | None = None, tiles=None) -> torch.Tensor:
+    if tiles is None:
+        return tm.launch_fused_moe(**args, activation=activation, swiglu_limit=limit, path="gemv")
+    tm._check_moe_args(args["hidden"], args["w13"], args["w2"], args["topk_weights"], args["topk_ids"], activation,
+                       args["w13_bias"], args["w2_bias"], limit)
+    out = torch.full_like(args["hidden"], float("nan"))
+    return dec.fused_moe_gemv(args["hidden"], args["w13"], args["w2"], args["topk_weights"], args["topk_ids"],
+                              activation, args["w13_bias"], args["w2_bias"], limit, out, tiles)
+
+
+def reference(args: dict, activation: str = "silu", limit: float | None = None) -> torch.Tensor:
+    return moe_ref.fused_moe(**args, activation=activation, swiglu_limit=limit)
+
+
+class TestGemvKernels:
+    # (T, E, top_k): T 1..4, top_k 1/2/6/8, up to the T * top_k = 32 bound
+    ROUTES = [(1, 4, 1), (3, 5, 2), (2, 8, 6), (4, 10, 8), (4, 7, 6)]
+
+    @pytest.mark.parametrize("route", ROUTES, ids=lambda r: "T{}-E{}-K{}".format(*r))
+    @pytest.mark.parametrize("activation,limit,bias", ACTIVATIONS, ids=["silu", "swigluoai-bias"])
+    def test_matches_reference_bf16(self, device, route, activation, limit, bias):
+        """H = 74 and I = 42 are multiples of no tile: K tails and clamped rows in both GEMVs."""
+        t, e, k = route
+        args = make_inputs(("bf16", route, activation), t, e, k, 74, 42, torch.bfloat16, device, bias)
+        ref = reference(args, activation, limit)
+        assert rel_err(gemv(args, activation, limit), ref) < TOL[torch.bfloat16]
+        if t * k <= 12:  # the interpreter's time grows with the programs: small tiles on the small routes
+            assert rel_err(gemv(args, activation, limit, SMALL_TILES), ref) < TOL[torch.bfloat16]
+
+    @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+    @pytest.mark.parametrize("activation,limit,bias", ACTIVATIONS, ids=["silu", "swigluoai-bias"])
+    def test_matches_reference_other_dtypes(self, device, dtype, activation, limit, bias):
+        args = make_inputs(("dtype", str(dtype), activation), 3, 6, 2, 40, 24, dtype, device, bias)
+        ref = reference(args, activation, limit)
+        assert rel_err(gemv(args, activation, limit), ref) < TOL[dtype]
+        assert rel_err(gemv(args, activation, limit, SMALL_TILES), ref) < TOL[dtype]
+
+    def test_expert_map_drops_missing_and_zero_weighted_experts(self, device):
+        """An expert-parallel rank's view: ids outside [0, E) and FusedMoE's foreign slots (mapped to
+        local 0, weight 0) add nothing; a token with no expert here gets exact zeros; one expert twice
+        in a token's list counts twice. Expert 0's weights are NaN: a zero-weighted slot reads none."""
+        args = make_inputs("ep", 4, 5, 3, 40, 24, torch.float32, device)
+        ids, weights = args["topk_ids"], args["topk_weights"]
+        ids[0, 1], ids[1, 2] = -1, 5  # dropped
+        ids[2, 0], weights[2, 0] = 0, 0.0  # foreign, as FusedMoE maps it
+        ids[3, :], weights[3, :] = 0, 0.0  # no expert of this rank
+        ids[1, 0] = ids[1, 1] = 3  # duplicate
+        ids[0, 0] = ids[0, 2] = ids[2, 1] = ids[2, 2] = 4  # expert 0 has only zero-weighted slots
+        args["w13"][0] = float("nan")
+        args["w2"][0] = float("nan")
+        out = gemv(args, tiles=SMALL_TILES)
+        clean = dict(args, w13=args["w13"].clone(), w2=args["w2"].clone())
+        clean["w13"][0] = clean["w2"][0] = 0.0
+        assert torch.equal(out[3].cpu(), torch.zeros(40))
+        assert rel_err(out, reference(clean)) < TOL[torch.float32]
+
+    def test_deterministic(self, device):
+        args = make_inputs("det", 2, 6, 6, 40, 24, torch.bfloat16, device)
+        assert torch.equal(gemv(args, tiles=SMALL_TILES), gemv(args, tiles=SMALL_TILES))
+
+
+class TestExpertParallelLayer:
+    def test_fused_moe_layer_on_an_ep_rank_takes_the_gemv_path(self, device, monkeypatch):
+        """FusedMoE under EP (rank 1 of 2, ops = the Triton provider, decode path gemv): its output
+        (before the all_reduce) is the reference over this rank's experts only."""
+        from atom_core.distributed import parallel_state, set_expert_parallel
+        from atom_core.kernels import triton as triton_ops
+        from atom_core.model_ops import moe as moe_layer
+        from atom_core.model_ops.moe import FusedMoE, MoERouting
+
+        if device == "cuda" and not torch.cuda.is_available():
+            pytest.skip("needs CUDA")
+        e, h, i, k = 6, 40, 24, 3
+        monkeypatch.setitem(parallel_state._GROUPS, "tp", parallel_state.GroupCoordinator("tp", (0, 1), 1, None, None))
+        monkeypatch.setattr(moe_layer, "all_reduce", lambda t: t)  # this rank's partial sum
+        set_expert_parallel(True)
+        try:
+            with torch.device(device):
+                layer = FusedMoE(e, h, i, MoERouting(top_k=k, renormalize=True), "experts")
+        finally:
+            set_expert_parallel(False)
+        full = make_inputs("ep-layer", 2, e, k, h, i, torch.float32, device)
+        with torch.no_grad():
+            layer.w13_weight.data = full["w13"][3:].clone()
+            layer.w2_weight.data = full["w2"][3:].clone()
+        layer.ops = triton_ops
+        logits = torch.randn(2, e, generator=torch.Generator().manual_seed(5)).to(device)
+        weights, ids = moe_ref.moe_route(logits, k, renormalize=True)
+        ids = torch.where(ids >= 3, ids, -1).to(torch.int32)  # other ranks' experts add nothing here
+        monkeypatch.setattr(dec, "_decode_path", "gemv")
+        ran, real_gemv = [], dec.fused_moe_gemv
+        monkeypatch.setattr(dec, "fused_moe_gemv", lambda *a: ran.append(1) or real_gemv(*a))
+        out = layer.route_and_run(full["hidden"], logits, None)
+        assert ran == [1]
+        expected = moe_ref.fused_moe(full["hidden"], full["w13"], full["w2"], weights, ids)
+        assert rel_err(out, expected) < TOL[torch.float32]
+
+
+# (H, I, top_k, activation code, biases): the bf16 expert shapes the GPU tests run
+MODEL_SHAPES = {
+    "qwen3-30b-a3b": (2048, 768, 8, 0, False),
+    "deepseek-v2-lite": (2048, 1408, 6, 0, False),
+    "mixtral-8x7b": (4096, 14336, 2, 0, False),
+    "gpt-oss-20b-bf16": (2880, 2880, 4, 1, True),
+}
+_STRIDES1 = ("stride_xt", "stride_we", "stride_wn", "stride_be", "stride_at")
+_STRIDES2 = ("stride_at", "stride_we", "stride_wn", "stride_be", "stride_ot")
+
+
+def _compile_sm90(fn, sig: dict, consts: dict, num_warps: int):
+    """Pointers and strides carry the 16-divisibility Triton gives them at launch (else loads stay scalar)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    aligned = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items()
+               if t.startswith("*") or a.startswith("stride")}
+    src = ASTSource(fn=fn, signature={**sig, **{c: "constexpr" for c in consts}}, constexprs=consts, attrs=aligned)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": 1})
+
+
+@pytest.mark.skipif(INTERPRET, reason="the interpreter replaces the compiled kernels")
+@pytest.mark.parametrize("shape,dtype", [(name, "bf16") for name in MODEL_SHAPES] +
+                         [("deepseek-v2-lite", "fp16"), ("qwen3-30b-a3b", "fp32")])
+def test_gemv_kernels_compile_for_hopper_without_spills(shape, dtype):
+    """Both GEMVs at the default tiles compile for sm_90 with Triton's bundled toolchain (no GPU), stream
+    the weights with 16-byte loads and spill nothing (cuobjdump STACK 0)."""
+    from tests.kernels.sm90_compile import cuobjdump_path, stack_bytes
+
+    if cuobjdump_path() is None:
+        pytest.skip("Triton ships no cuobjdump here")
+    hidden, inter, top_k, act, bias = MODEL_SHAPES[shape]
+    tiles = dec.FP32_TILES if dtype == "fp32" else dec.DEFAULT_TILES
+    (bn1, bk1, warps1), (bn2, bk2) = tiles.gemv1, tiles.gemv2
+    k_p = triton.next_power_of_2(top_k)
+    ptr = "*" + dtype
+    sig1 = {"x_ptr": ptr, "w_ptr": ptr, "bias_ptr": ptr, "ids_ptr": "*i32", "topk_weights_ptr": "*fp32", "act_ptr": ptr,
+            "num_assignments": "i32", "num_experts": "i32", "limit": "fp32", **{s: "i32" for s in _STRIDES1}}
+    k1 = _compile_sm90(dec._gemv1_kernel, sig1, dict(INTER=inter, HIDDEN=hidden, TOP_K=top_k, ACTIVATION=act,
+                                                     HAS_BIAS=bias, BLOCK_N=bn1, BLOCK_K=bk1), warps1)
+    sig2 = {"act_ptr": ptr, "w_ptr": ptr, "bias_ptr": ptr, "topk_weights_ptr": "*fp32", "ids_ptr": "*i32",
+            "out_ptr": ptr, "num_tokens": "i32", "num_experts": "i32", **{s: "i32" for s in _STRIDES2}}
+    k2 = _compile_sm90(dec._gemv2_kernel, sig2, dict(HIDDEN=hidden, INTER=inter, TOP_K=top_k, K_P=k_p, HAS_BIAS=bias,
+                                                     BLOCK_N=bn2, BLOCK_K=bk2), k_p)
+    for name, kernel in (("gemv1", k1), ("gemv2", k2)):
+        assert re.search(r"ld\.global[.\w]*\.v4", kernel.asm["ptx"]), f"{name}: weights should load 16 bytes a thread"
+        assert stack_bytes(kernel) == 0, f"{name} spills registers"
+
+
+class TestPathChoice:
+    def test_auto_keeps_tiled_unless_the_decode_path_is_gemv(self, monkeypatch):
+        assert dec.GEMV_MAX_ASSIGNMENTS == 32
+        monkeypatch.setattr(dec, "_decode_path", "tiled")
+        assert [dec.select_path(t, 8) for t in (1, 4, 5)] == ["tiled"] * 3
+        dec.set_decode_path("gemv")
+        assert dec.decode_path() == "gemv"
+        assert [dec.select_path(t, 8) for t in (1, 4, 5)] == ["gemv", "gemv", "tiled"]
+        assert dec.select_path(32, 1) == "gemv" and dec.select_path(33, 1) == "tiled"
+        assert dec.select_path(1, 8, tm.default_moe_config(1, 8, 128, torch.bfloat16)) == "tiled"  # a tile config
+        assert dec.select_path(64, 8, path="gemv") == "gemv" and dec.select_path(1, 8, path="tiled") == "tiled"
+
+    def test_unknown_paths_are_clear_errors(self):
+        with pytest.raises(ValueError, match="unknown MoE path 'fast'; expected one of: auto, gemv, tiled"):
+            dec.select_path(1, 8, path="fast")
+        with pytest.raises(ValueError, match="unknown MoE decode path 'auto'; expected one of: tiled, gemv"):
+            dec.set_decode_path("auto")
+
+    @pytest.mark.parametrize("decode_path,num_tokens,path,expected", [
+        ("gemv", 4, "auto", "gemv"), ("gemv", 5, "auto", "tiled"), ("tiled", 1, "auto", "tiled"),
+        ("tiled", 1, "gemv", "gemv"), ("gemv", 1, "tiled", "tiled")])
+    def test_launch_fused_moe_dispatches(self, monkeypatch, decode_path, num_tokens, path, expected):
+        """What launch_fused_moe runs (kernels replaced by recorders: no GPU or interpreter)."""
+        ran = []
+
+        class TiledRan(Exception):
+            pass
+
+        def align(*args):
+            ran.append("tiled")
+            raise TiledRan
+
+        monkeypatch.setattr(dec, "_decode_path", decode_path)
+        monkeypatch.setattr(dec, "fused_moe_gemv", lambda *args: ran.append("gemv") or args[9])
+        monkeypatch.setattr(tm, "moe_align_block_size", align)
+        args = make_inputs(("dispatch", num_tokens), num_tokens, 16, 8, 32, 16, torch.bfloat16, "cpu")
+        try:
+            tm.launch_fused_moe(**args, path=path)
+        except TiledRan:
+            pass
+        assert ran == [expected]
+        with pytest.raises(ValueError, match="unknown MoE path"):
+            tm.launch_fused_moe(**args, path="fast")
+
+    def test_env_var_parses(self):
+        from atom_core.envs import read_envs
+
+        assert read_envs({}).moe_decode_path == "tiled"
+        assert read_envs({"ATOM_MOE_DECODE_PATH": " GEMV "}).moe_decode_path == "gemv"
+
+    def test_env_var_sets_the_decode_path_at_import_and_bad_values_fail_clearly(self):
+        code = "from atom_core.kernels.triton import moe; print(moe.moe_decode.decode_path())"
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("ATOM_", "TRITON_INTERPRET"))}
+        run = lambda value: subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,  # noqa: E731
+                                           env={**env, "ATOM_MOE_DECODE_PATH": value})
+        assert run("gemv").stdout.strip() == "gemv"
+        assert run("").stdout.strip() == "tiled"
+        bad = run("fast")
+        assert bad.returncode != 0 and "invalid ATOM_MOE_DECODE_PATH='fast'; expected one of: tiled, gemv" in bad.stderr
