@@ -114,6 +114,12 @@ class TestTritonMatchesReference:
             mla_rope_store(args[0].bfloat16(), *args[1:], True)
         with pytest.raises(ValueError, match="cos_sin_cache must be float32"):
             mla_rope_store(*args[:3], args[3].double(), *args[4:], True)
+        with pytest.raises(ValueError, match="one latent row a token"):
+            mla_rope_store(*args[:4], args[4].expand(-1, -1, 2, -1), *args[5:], True)
+        with pytest.raises(ValueError, match="positions"):
+            mla_rope_store(args[0], args[1], args[2][:1], *args[3:], True)
+        with pytest.raises(ValueError, match="must be even"):
+            mla_rope_store(*args[:3], args[3][:, :15], *args[4:], True)
 
 
 def test_both_providers_expose_the_same_signature():
@@ -145,6 +151,11 @@ class TestReference:
 
         hf_scores = torch.einsum("thr,tr->th", hf_rope(q[..., 8:]), hf_rope(kv_a[:, None, 32:])[:, 0])
         torch.testing.assert_close(torch.einsum("thr,tr->th", q_rope, k_rope), hf_scores, rtol=1e-5, atol=1e-5)
+
+    def test_rejects_a_kv_a_of_the_wrong_width(self):
+        args = list(make_inputs(2, 4, 8, 32, 16, torch.float32, "cpu", seed=1))
+        with pytest.raises(ValueError, match="rope dim 16"):
+            mla_ref.mla_rope_store(args[0], args[1][:, :40], *args[2:], True)
 
     def test_cache_latent_is_rms_normed(self):
         q, kv_a, positions, cos_sin, cache, slots, weight, eps = make_inputs(3, 2, 8, 32, 16, torch.float32, "cpu", 2)
