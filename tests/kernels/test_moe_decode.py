@@ -30,16 +30,17 @@ SMALL_TILES = dec.GemvTiles((4, 32, 1), (2, 32))  # several K steps with a tail,
 
 def make_inputs(key, num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int, dtype: torch.dtype,
                 device: str, bias: bool = False) -> dict:
-    """Fresh random inputs (seeded by `key`), routed by the reference router; weights scaled by fan-in."""
-    gen = torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
-    randn = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    """Fresh random inputs (seeded by `key`, made on `device`), routed by the reference router; weights
+    scaled by fan-in."""
+    gen = torch.Generator(device=device).manual_seed(zlib.crc32(repr(key).encode()))
+    randn = lambda *shape: torch.randn(*shape, generator=gen, device=device)  # noqa: E731
     weights, ids = moe_ref.moe_route(randn(num_tokens, num_experts), top_k, renormalize=True)
     args = dict(hidden=randn(num_tokens, hidden), w13=randn(num_experts, 2 * inter, hidden) * hidden ** -0.5,
                 w2=randn(num_experts, hidden, inter) * inter ** -0.5, topk_weights=weights, topk_ids=ids,
                 w13_bias=randn(num_experts, 2 * inter) if bias else None,
                 w2_bias=randn(num_experts, hidden) if bias else None)
     cast = lambda name, t: t if name.startswith("topk") else t.to(dtype)  # noqa: E731  (routing stays as routed)
-    return {name: None if t is None else cast(name, t).to(device) for name, t in args.items()}
+    return {name: None if t is None else cast(name, t) for name, t in args.items()}
 
 
 ACTIVATIONS = [("silu", None, False), ("swigluoai", 1.0, True)]  # (activation, swiglu_limit, biases)
@@ -193,6 +194,64 @@ def test_gemv_kernels_compile_for_hopper_without_spills(shape, dtype):
         assert stack_bytes(kernel) == 0, f"{name} spills registers"
 
 
+GPU_CASES = [("qwen3-30b-a3b", 128, 1), ("qwen3-30b-a3b", 128, 4), ("deepseek-v2-lite", 64, 1),
+             ("deepseek-v2-lite", 64, 5), ("mixtral-8x7b", 8, 1), ("mixtral-8x7b", 8, 16),
+             ("gpt-oss-20b-bf16", 32, 1), ("gpt-oss-20b-bf16", 32, 8)]  # (shape, E, T): T * top_k <= 32
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,experts,num_tokens", GPU_CASES, ids=lambda v: str(v))
+def test_model_shapes_match_reference_and_the_tiled_path(shape, experts, num_tokens):
+    if INTERPRET or not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    hidden, inter, top_k, act, bias = MODEL_SHAPES[shape]
+    activation, limit = ("swigluoai", 7.0) if act else ("silu", None)
+    args = make_inputs(("gpu", shape, num_tokens), num_tokens, experts, top_k, hidden, inter, torch.bfloat16, "cuda",
+                       bias)
+    out = tm.launch_fused_moe(**args, activation=activation, swiglu_limit=limit, path="gemv")
+    tiled = tm.launch_fused_moe(**args, activation=activation, swiglu_limit=limit, path="tiled")
+    assert rel_err(out, reference(args, activation, limit)) < TOL[torch.bfloat16]
+    assert rel_err(out, tiled) < TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+def test_routed_decode_replays_in_a_cuda_graph(monkeypatch):
+    """moe_route + fused_moe with the decode path on (auto -> gemv), captured once: replays equal eager
+    runs on new activations and new routing (skewed, and with a dropped slot), bit for bit."""
+    if INTERPRET or not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    monkeypatch.setattr(dec, "_decode_path", "gemv")
+    num_tokens, experts, (hidden, inter, top_k, _, _) = 4, 128, MODEL_SHAPES["qwen3-30b-a3b"]
+    assert dec.select_path(num_tokens, top_k) == "gemv"
+    args = make_inputs("graph", num_tokens, experts, top_k, hidden, inter, torch.bfloat16, "cuda")
+    x = args["hidden"]
+    logits = torch.randn(num_tokens, experts, device="cuda")
+    drop = torch.zeros(num_tokens, top_k, dtype=torch.int32, device="cuda")
+
+    def step():
+        weights, ids = tm.moe_route(logits, top_k, renormalize=True)
+        return tm.fused_moe(x, args["w13"], args["w2"], weights, ids - drop * (ids + 1))  # drop: id -1
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for seed in range(3):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        logits.copy_(torch.randn(num_tokens, experts, device="cuda", generator=gen) * (1 + 4 * seed))
+        x.copy_(torch.randn(num_tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16))
+        drop.zero_()
+        drop[1, seed] = 1
+        graph.replay()
+        eager = step()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+        weights, ids = moe_ref.moe_route(logits, top_k, renormalize=True)
+        ids[1, seed] = -1
+        assert rel_err(out, moe_ref.fused_moe(x, args["w13"], args["w2"], weights, ids)) < TOL[torch.bfloat16]
+
+
 class TestPathChoice:
     def test_auto_keeps_tiled_unless_the_decode_path_is_gemv(self, monkeypatch):
         assert dec.GEMV_MAX_ASSIGNMENTS == 32
@@ -252,3 +311,27 @@ class TestPathChoice:
         assert run("").stdout.strip() == "tiled"
         bad = run("fast")
         assert bad.returncode != 0 and "invalid ATOM_MOE_DECODE_PATH='fast'; expected one of: tiled, gemv" in bad.stderr
+
+
+class TestBench:
+    def test_floor_counts_the_touched_experts(self):
+        """The profiles' numbers (docs/PERFORMANCE.md): 8 Qwen3-30B-A3B experts are 75.5 MB, 6 DeepSeek-V2-Lite ones 104 MB."""
+        from atom_core.kernels.triton.moe_decode_bench import SHAPES, floor_bytes
+
+        qwen3, dsv2 = SHAPES["qwen3-30b-a3b"], SHAPES["deepseek-v2-lite"]
+        assert round(floor_bytes(*qwen3[:4], 1, qwen3[6]) / 1e6, 1) == 75.5
+        assert round(floor_bytes(*dsv2[:4], 1, dsv2[6]) / 1e6) == 104
+        assert floor_bytes(*qwen3[:4], 16, False) == 128 * 3 * 2048 * 768 * 2 + 2 * 16 * 2048 * 2  # all 128 experts
+
+    def test_refuses_bad_arguments_and_runs_only_on_cuda(self, monkeypatch, capsys):
+        from atom_core.kernels.triton import moe_decode_bench
+
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        for argv, message in ((["--shapes", "llama"], "unknown shape 'llama'; expected one of: qwen3-30b-a3b"),
+                              (["--m", "0"], "--m takes positive integers, got '0'"),
+                              (["--m", "one"], "--m takes positive integers, got 'one'")):
+            with pytest.raises(SystemExit):
+                moe_decode_bench.main(argv)
+            assert message in capsys.readouterr().err
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            moe_decode_bench.main(["--shapes", "deepseek-v2-lite", "--m", "1"])
