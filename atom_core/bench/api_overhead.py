@@ -7,7 +7,8 @@ sockets at each concurrency (bench/stream_client.py: a lean client, so that on a
 the client's CPU does not crowd out the server it measures), and reports per concurrency:
 
 - sample-to-write latency (p50/p90/p99/max, ms): from the core having a step's tokens (stamped
-  in the Outputs message) to the chunk's SSE write in the API process, per written chunk;
+  in the Outputs message) to the chunk's SSE write in the API process, per written chunk, and
+  the hop's part (p50/p99): until the API process's reader thread has the message;
 - API-process CPU per output token (µs; user + system of the server process, every thread,
   request intake included), the core process's, and the client's (it shares the machine); the
   kernel counts CPU time in 10 ms ticks, so runs need thousands of tokens for these to mean much;
@@ -116,10 +117,12 @@ class StandInServer:
             core += times.user + times.system
         return api.user + api.system, core
 
-    def take_latencies(self) -> np.ndarray:
+    def take_latencies(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per written chunk since the last call: (sample-to-write seconds, the core-to-API hop's part)."""
         response = httpx.get(self.url + "/_bench/latencies", timeout=60)
         response.raise_for_status()
-        return np.asarray(response.json()["seconds"], dtype=np.float64)
+        data = response.json()
+        return np.asarray(data["seconds"], dtype=np.float64), np.asarray(data["hop_seconds"], dtype=np.float64)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -172,7 +175,8 @@ def _measure(server: StandInServer, bodies: list[dict], concurrency: int, cfg: A
     streams = _streams(server, bodies, concurrency)
     api1, core1 = server.cpu_seconds()
     client1 = sum(client.cpu_times()[:2])
-    latencies_ms = server.take_latencies() * 1000
+    latencies_s, hops_s = server.take_latencies()
+    latencies_ms, hops_ms = latencies_s * 1000, hops_s * 1000
     tokens = sum(r.num_tokens for r in streams.requests)
     assert tokens == len(bodies) * cfg.output_len, f"expected {len(bodies) * cfg.output_len} tokens, got {tokens}"
     ttft_ms = np.array([(r.first_event - r.sent) * 1000 for r in streams.requests])
@@ -191,6 +195,8 @@ def _measure(server: StandInServer, bodies: list[dict], concurrency: int, cfg: A
         "tokens_per_chunk": tokens / max(events, 1),
         **{f"sample_to_write_{name}_ms": float(np.percentile(latencies_ms, p)) if latencies_ms.size else None
            for name, p in (("p50", 50), ("p90", 90), ("p99", 99), ("max", 100))},
+        **{f"hop_{name}_ms": float(np.percentile(hops_ms, p)) if hops_ms.size else None
+           for name, p in (("p50", 50), ("p99", 99))},
         "api_cpu_s": api1 - api0,
         "api_cpu_us_per_token": (api1 - api0) / tokens * 1e6,
         "api_cpu_util": (api1 - api0) / streams.duration_s,
@@ -214,6 +220,7 @@ _ROWS = [
     ("sample-to-write p90 (ms)", "sample_to_write_p90_ms", "{:.2f}"),
     ("sample-to-write p99 (ms)", "sample_to_write_p99_ms", "{:.2f}"),
     ("sample-to-write max (ms)", "sample_to_write_max_ms", "{:.2f}"),
+    ("  of which core-to-API hop p50 / p99 (ms)", ("hop_p50_ms", "hop_p99_ms"), "{:.2f} / {:.2f}"),
     ("API CPU per token (us)", "api_cpu_us_per_token", "{:.1f}"),
     ("API CPU busy (cores)", "api_cpu_util", "{:.2f}"),
     ("core CPU per token (us)", "core_cpu_us_per_token", "{:.1f}"),

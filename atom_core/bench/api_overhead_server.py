@@ -5,8 +5,10 @@
 real scheduler and messages, a fixed step time instead of a model), prints `PORT <n>` once the
 core is ready, and serves `build_app`'s app with uvicorn's defaults, as `atomctl serve` does.
 
-One extra route, GET /_bench/latencies, returns and clears the seconds from each written chunk's
-oldest token leaving the core (Outputs.sent_at) to the chunk's SSE write (the send returned).
+One extra route, GET /_bench/latencies, returns and clears, per written chunk, the seconds from its
+oldest token leaving the core (Outputs.sent_at) to the chunk's SSE write (the send returned), and
+the part of them before the API process's reader thread had the message (the hop: pickling, the
+pipe, unpickling).
 """
 from __future__ import annotations
 
@@ -26,19 +28,23 @@ from atom_core.server.app import ServerOptions, _bind, build_app
 
 
 class ChunkLatencies:
-    """Sampling-to-write seconds per written chunk (of its oldest token)."""
+    """Sampling-to-write seconds per written chunk (of its oldest token), and the hop's part."""
 
     def __init__(self) -> None:
         self.seconds: list[float] = []
+        self.hop_seconds: list[float] = []
 
     def observe(self, state: RequestState) -> None:
-        if state.step_stamp is not None:
-            self.seconds.append(time.monotonic() - state.step_stamp)
-            state.step_stamp = None
+        if state.update_stamps is not None:
+            sent, received = state.update_stamps
+            self.seconds.append(time.monotonic() - sent)
+            self.hop_seconds.append(received - sent)
+            state.update_stamps = None
 
     def take(self) -> dict:
-        seconds, self.seconds = self.seconds, []
-        return {"seconds": seconds}
+        taken = {"seconds": self.seconds, "hop_seconds": self.hop_seconds}
+        self.seconds, self.hop_seconds = [], []
+        return taken
 
 
 def serve(model: str, step_ms: float, max_num_seqs: int, max_num_batched_tokens: int,

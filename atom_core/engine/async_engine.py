@@ -496,7 +496,7 @@ class AsyncEngine:
             except (EOFError, OSError) as e:
                 self._post(self._on_dead, f"lost the engine core connection: {e}")
                 return
-            self._post(self._on_message, msg)
+            self._post(self._on_message, msg, time.monotonic())
 
     def _post(self, fn, *args) -> None:
         try:
@@ -504,9 +504,10 @@ class AsyncEngine:
         except RuntimeError:  # the loop closed during shutdown; nobody is waiting any more
             pass
 
-    def _on_message(self, msg) -> None:
+    def _on_message(self, msg, received_at: float) -> None:
+        """received_at: time.monotonic() when the reader thread had the message."""
         if isinstance(msg, Outputs):
-            self._on_outputs(msg.outputs, msg.sent_at)
+            self._on_outputs(msg.outputs, (msg.sent_at, received_at))
         elif isinstance(msg, StatsUpdate):
             self.latest_stats = msg.stats
         elif isinstance(msg, Reply):
@@ -521,7 +522,7 @@ class AsyncEngine:
             logger.error("engine core failed:\n%s", msg.traceback)
             self._on_dead(f"engine core failed: {msg.traceback.strip().splitlines()[-1]}")
 
-    def _on_outputs(self, outputs: list[CoreOutput], sent_at: float) -> None:
+    def _on_outputs(self, outputs: list[CoreOutput], stamps: tuple[float, float]) -> None:
         if self.on_progress is not None:
             before = {o.request_id: len(s.token_ids) for o in outputs if (s := self.processor.states.get(o.request_id))}
         updated, to_abort = self.processor.process(outputs)
@@ -532,8 +533,8 @@ class AsyncEngine:
             for state in updated:
                 self.on_progress(state, len(state.token_ids) - before.get(state.request_id, 0), now)
         for state in updated:
-            if state.step_stamp is None:  # the oldest update not yet written out (timing, see RequestState)
-                state.step_stamp = sent_at
+            if state.update_stamps is None:  # the oldest update not yet written out (timing, see RequestState)
+                state.update_stamps = stamps
             if (q := self._queues.get(state.request_id)) is not None:
                 q.put_nowait(state)
 

@@ -54,9 +54,9 @@ class RequestState:
     prefill_time: float | None = None
     sent_tokens: int = 0
     sent_chars: int = 0
-    # time.monotonic() when the core sent the oldest update not yet written to the client; set by
-    # the server's AsyncEngine, cleared by a consumer that measures sampling-to-write latency.
-    step_stamp: float | None = None
+    # (core sent, API process received) as time.monotonic() of the oldest update not yet written to
+    # the client; set by the server's AsyncEngine, cleared by a consumer that measures it.
+    update_stamps: tuple[float, float] | None = None
 
     @property
     def holdback(self) -> int:

@@ -16,7 +16,8 @@ from atomctl.bench_api_overhead import parse_concurrencies
 from atomctl.main import app
 
 RUN_KEYS = {"concurrency", "num_requests", "output_tokens", "output_tok_s", "num_chunks", "tokens_per_chunk",
-            "sample_to_write_p50_ms", "sample_to_write_p99_ms", "api_cpu_us_per_token", "core_cpu_us_per_token",
+            "sample_to_write_p50_ms", "sample_to_write_p99_ms", "hop_p50_ms", "hop_p99_ms",
+            "api_cpu_us_per_token", "core_cpu_us_per_token",
             "client_cpu_us_per_token", "median_ttft_ms", "median_tpot_ms", "steps_per_s_per_stream"}
 
 
@@ -82,6 +83,9 @@ def test_measures_two_concurrencies_on_a_tiny_model(tiny_llama, tmp_path):
         assert run["num_chunks"] >= run["concurrency"]  # at least one written chunk per request
         assert run["client_events"] == run["num_chunks"]  # every chunk the server wrote arrived
         assert 0 < run["sample_to_write_p50_ms"] <= run["sample_to_write_p99_ms"] < 10_000
+        # the hop is a part of each chunk's latency, so of every percentile too
+        assert 0 <= run["hop_p50_ms"] <= run["sample_to_write_p50_ms"]
+        assert run["hop_p99_ms"] <= run["sample_to_write_p99_ms"]
         assert run["api_cpu_us_per_token"] >= 0  # CPU times tick in 10 ms: a run this small may read 0
     assert "c4" in str(result_table(result).columns[-1].header)
 
