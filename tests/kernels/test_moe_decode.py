@@ -171,7 +171,8 @@ def _compile_sm90(fn, sig: dict, consts: dict, num_warps: int):
                          [("deepseek-v2-lite", "fp16"), ("qwen3-30b-a3b", "fp32")])
 def test_gemv_kernels_compile_for_hopper_without_spills(shape, dtype):
     """Both GEMVs at the default tiles compile for sm_90 with Triton's bundled toolchain (no GPU), stream
-    the weights with 16-byte loads and spill nothing (cuobjdump STACK 0)."""
+    the weights with 16-byte loads, convert no layout inside the K loop (a shared-memory round trip and
+    a barrier a step) and spill nothing (cuobjdump STACK 0)."""
     from tests.kernels.sm90_compile import cuobjdump_path, stack_bytes
 
     if cuobjdump_path() is None:
@@ -191,6 +192,9 @@ def test_gemv_kernels_compile_for_hopper_without_spills(shape, dtype):
                                                      BLOCK_N=bn2, BLOCK_K=bk2), k_p)
     for name, kernel in (("gemv1", k1), ("gemv2", k2)):
         assert re.search(r"ld\.global[.\w]*\.v4", kernel.asm["ptx"]), f"{name}: weights should load 16 bytes a thread"
+        ttgir = kernel.asm["ttgir"]
+        loop = ttgir[ttgir.index("scf.for"):ttgir.index("scf.yield")]
+        assert "convert_layout" not in loop and "local_" not in loop, f"{name}: layout conversion in the K loop"
         assert stack_bytes(kernel) == 0, f"{name} spills registers"
 
 

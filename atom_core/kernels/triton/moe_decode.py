@@ -113,20 +113,22 @@ def _gemv1_kernel(
     expert = expert.to(tl.int64)
     token = (a // TOP_K).to(tl.int64)
     rows = tl.minimum(rb * BLOCK_N + tl.arange(0, BLOCK_N), INTER - 1)  # past I: never stored
-    offs_k = tl.arange(0, BLOCK_K)
-    g_ptrs = w_ptr + expert * stride_we + (rows[:, None] * stride_wn + offs_k[None, :])  # int32 within an expert
+    offs_k = tl.arange(0, BLOCK_K)[None, :]
+    g_ptrs = w_ptr + expert * stride_we + (rows[:, None] * stride_wn + offs_k)  # int32 within an expert
     u_ptrs = g_ptrs + INTER * stride_wn
-    x_ptrs = x_ptr + token * stride_xt + offs_k
+    # x loads as [BLOCK_N, BLOCK_K] (each row the same addresses, L1 hits) so that it gets the weights'
+    # layout: a [BLOCK_K] or [1, BLOCK_K] x was converted to it through shared memory every step.
+    x_ptrs = x_ptr + token * stride_xt + (offs_k + rows[:, None] * 0)
     acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     ok = offs_k < HIDDEN
-    wg = tl.load(g_ptrs, mask=ok[None, :], other=0.0)
-    wu = tl.load(u_ptrs, mask=ok[None, :], other=0.0)
+    wg = tl.load(g_ptrs, mask=ok, other=0.0)
+    wu = tl.load(u_ptrs, mask=ok, other=0.0)
     for k0 in range(0, HIDDEN, BLOCK_K):
         next_ok = offs_k < HIDDEN - BLOCK_K - k0  # the next columns' bytes fly while these multiply
-        wg_next = tl.load(g_ptrs + BLOCK_K, mask=next_ok[None, :], other=0.0)
-        wu_next = tl.load(u_ptrs + BLOCK_K, mask=next_ok[None, :], other=0.0)
-        x = tl.load(x_ptrs, mask=ok, other=0.0).to(tl.float32)[None, :]
+        wg_next = tl.load(g_ptrs + BLOCK_K, mask=next_ok, other=0.0)
+        wu_next = tl.load(u_ptrs + BLOCK_K, mask=next_ok, other=0.0)
+        x = tl.load(x_ptrs, mask=ok, other=0.0).to(tl.float32)
         acc_g += wg.to(tl.float32) * x
         acc_u += wu.to(tl.float32) * x
         wg, wu, ok = wg_next, wu_next, next_ok
