@@ -52,6 +52,17 @@ class TestStandInExecutor:
         assert time.monotonic() - start >= 0.06  # three steps, one after another
 
 
+def test_the_stand_in_core_refuses_what_it_cannot_produce(tiny_llama):
+    from atom_core.bench.stand_in_core import StandInCore
+
+    core = StandInCore(EngineConfig.from_kwargs(tiny_llama, device="cpu"), step_s=0.0)
+    for params in (SamplingParams(logprobs=2), SamplingParams(prompt_logprobs=1)):
+        with pytest.raises(ValueError, match="stand-in core"):
+            core.add_request("r", [1, 2, 3], params)
+    core.add_request("ok", [1, 2, 3], SamplingParams(max_tokens=2))
+    assert core.has_unfinished()
+
+
 class TestConfig:
     @pytest.mark.parametrize("kwargs, message", [
         ({"concurrencies": ()}, "--concurrency"), ({"concurrencies": (4, 0)}, "--concurrency"),
