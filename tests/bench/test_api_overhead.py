@@ -128,3 +128,36 @@ class TestCli:
                                           "--log-dir", str(tmp_path)])
         assert result.exit_code == 1
         assert "error:" in result.output and not (tmp_path / "api_overhead_server.log").exists()
+
+
+def test_the_server_writes_its_cprofile_on_sigterm(tiny_llama, tmp_path):
+    import pstats
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+
+    out = tmp_path / "api.prof"
+    proc = subprocess.Popen([sys.executable, "-m", "atom_core.bench.api_overhead_server", "--model", str(tiny_llama),
+                             "--step-ms", "1", "--max-num-seqs", "4", "--cprofile", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        port = int(proc.stdout.readline().split()[1])
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        body = {"prompt": "hello", "max_tokens": 3, "stream": True}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30) as r:
+            assert r.status_code == 200 and sum(1 for _ in r.iter_lines()) > 0
+        assert len(httpx.get(f"http://127.0.0.1:{port}/_bench/latencies").json()["seconds"]) >= 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert pstats.Stats(str(out)).total_calls > 0
