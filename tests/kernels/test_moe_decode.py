@@ -102,9 +102,11 @@ class TestGemvKernels:
         assert torch.equal(out[3].cpu(), torch.zeros(40))
         assert rel_err(out, reference(clean)) < TOL[torch.float32]
 
-    def test_deterministic(self, device):
+    def test_deterministic_and_int64_ids(self, device):
         args = make_inputs("det", 2, 6, 6, 40, 24, torch.bfloat16, device)
-        assert torch.equal(gemv(args, tiles=SMALL_TILES), gemv(args, tiles=SMALL_TILES))
+        out = gemv(args, tiles=SMALL_TILES)
+        assert torch.equal(out, gemv(args, tiles=SMALL_TILES))
+        assert torch.equal(out, gemv(dict(args, topk_ids=args["topk_ids"].long()), tiles=SMALL_TILES))  # torch.topk's
 
 
 class TestExpertParallelLayer:

@@ -55,10 +55,11 @@ MOE_PATHS = ("auto", "gemv", "tiled")
 @dataclass(frozen=True)
 class GemvTiles:
     """gemv1: (BLOCK_N gate rows and as many up rows, BLOCK_K, num_warps); gemv2: (BLOCK_N, BLOCK_K),
-    num_warps = next_pow2(top_k). Defaults, not yet swept on a GPU (moe_decode_bench --sweep): rows as
-    the MXFP4 GEMVs' sweep winners, a thread loading 16 bytes (8 bf16) per row and step; gemv1 on 2
-    warps because offline sm_90 compiles of 8 x 128 on one warp took ~166 registers and spilled at
-    Mixtral's shape, on two ~96 at every model shape (gemv2: 66-95)."""
+    num_warps = next_pow2(top_k). Defaults, not yet swept on a GPU (moe_decode_bench --sweep): a thread
+    loads 16 bytes (8 bf16) of a row a step; sizes from offline sm_90 compiles at the four model shapes
+    of the tests: the MXFP4 GEMVs' winners (8 rows, gemv1 on one warp) took ~166 registers here and
+    spilled (gemv1 at Mixtral's shape, gemv2 at gpt-oss's); gemv1 on 2 warps and gemv2 with 4 rows take
+    66-96 and spill nothing."""
 
     gemv1: tuple[int, int, int] = (8, 128, 2)
     gemv2: tuple[int, int] = (4, 256)
