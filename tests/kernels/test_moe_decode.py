@@ -186,12 +186,12 @@ def test_gemv_kernels_compile_for_hopper_without_spills(shape, dtype):
     ptr = "*" + dtype
     sig1 = {"x_ptr": ptr, "w_ptr": ptr, "bias_ptr": ptr, "ids_ptr": "*i32", "topk_weights_ptr": "*fp32", "act_ptr": ptr,
             "num_assignments": "i32", "num_experts": "i32", "limit": "fp32", **{s: "i32" for s in _STRIDES1}}
-    k1 = _compile_sm90(dec._gemv1_kernel, sig1, dict(INTER=inter, HIDDEN=hidden, TOP_K=top_k, ACTIVATION=act,
-                                                     HAS_BIAS=bias, BLOCK_N=bn1, BLOCK_K=bk1), warps1)
+    k1 = _compile_sm90(dec._moe_gemv1_kernel, sig1, dict(INTER=inter, HIDDEN=hidden, TOP_K=top_k, ACTIVATION=act,
+                                                         HAS_BIAS=bias, BLOCK_N=bn1, BLOCK_K=bk1), warps1)
     sig2 = {"act_ptr": ptr, "w_ptr": ptr, "bias_ptr": ptr, "topk_weights_ptr": "*fp32", "ids_ptr": "*i32",
             "out_ptr": ptr, "num_tokens": "i32", "num_experts": "i32", **{s: "i32" for s in _STRIDES2}}
-    k2 = _compile_sm90(dec._gemv2_kernel, sig2, dict(HIDDEN=hidden, INTER=inter, TOP_K=top_k, K_P=k_p, HAS_BIAS=bias,
-                                                     BLOCK_N=bn2, BLOCK_K=bk2), k_p)
+    consts2 = dict(HIDDEN=hidden, INTER=inter, TOP_K=top_k, K_P=k_p, HAS_BIAS=bias, BLOCK_N=bn2, BLOCK_K=bk2)
+    k2 = _compile_sm90(dec._moe_gemv2_kernel, sig2, consts2, k_p)
     for name, kernel in (("gemv1", k1), ("gemv2", k2)):
         assert re.search(r"ld\.global[.\w]*\.v4", kernel.asm["ptx"]), f"{name}: weights should load 16 bytes a thread"
         ttgir = kernel.asm["ttgir"]
@@ -321,7 +321,8 @@ class TestPathChoice:
 
 class TestBench:
     def test_floor_counts_the_touched_experts(self):
-        """The profiles' numbers (docs/PERFORMANCE.md): 8 Qwen3-30B-A3B experts are 75.5 MB, 6 DeepSeek-V2-Lite ones 104 MB."""
+        """As the profiles count (docs/PERFORMANCE.md): 8 Qwen3-30B-A3B experts are 75.5 MB, 6 DeepSeek-V2-Lite
+        ones 104 MB."""
         from atom_core.kernels.triton.moe_decode_bench import SHAPES, floor_bytes
 
         qwen3, dsv2 = SHAPES["qwen3-30b-a3b"], SHAPES["deepseek-v2-lite"]

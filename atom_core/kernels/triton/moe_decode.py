@@ -7,12 +7,12 @@ and 52.5 us for 35 us (DeepSeek-V2-Lite, docs/PERFORMANCE.md). The MXFP4 family 
 pattern with GEMVs (moe_mxfp4_decode.py: 48 us vs 81 tiled at gpt-oss-20b M=1); these are their
 bf16 siblings, with the layout of the MXFP4 ones and the tiles of its sweep as the starting point:
 
-- GEMM1 `_gemv1_kernel`: program (row block rb, assignment a = t*K + k): BLOCK_N gate rows and the
+- GEMM1 `_moe_gemv1_kernel`: program (row block rb, assignment a = t*K + k): BLOCK_N gate rows and the
   same BLOCK_N up rows of expert topk_ids[a] over all of H, the bias and the activation (moe._activate:
   silu, or swigluoai with its clamp) in the epilogue, rounded once to hidden's dtype into act [T*K, I].
   The grid puts the assignments of one row block next to each other, so assignments sharing an
   expert read the same bytes at about the same time (the repeats can come from L2).
-- GEMM2 `_gemv2_kernel`: program (row block rb, token t): BLOCK_N rows of H for all K of t's experts
+- GEMM2 `_moe_gemv2_kernel`: program (row block rb, token t): BLOCK_N rows of H for all K of t's experts
   at once (a [BLOCK_N, K, BLOCK_K] tile, num_warps = K: with BLOCK_K = 32 threads x 8 values a warp
   owns one slot), times the routing weight, summed over k in registers in a fixed order.
 
@@ -28,6 +28,9 @@ result is the same as computing them (0 * a finite output), unless an expert out
 
 Precision: float32 accumulation, the activation in float32 rounded once to hidden's dtype (as the
 tiled path and the reference do), the weighted sum over k in float32, rounded once. Deterministic.
+
+The kernels' names start with `_moe_` so that a profile of CUDA-graph replays files them under MoE
+(profiling/module_types.py matches kernel names) and tells them from the MXFP4 GEMVs.
 
 Status: written and checked under the Triton interpreter and an offline sm_90 compile only; NOT yet
 run on a GPU. So `auto` keeps the tiled path unless ATOM_MOE_DECODE_PATH=gemv (envs.py) or
@@ -98,7 +101,7 @@ def select_path(num_tokens: int, top_k: int, config: MoeConfig | None = None, pa
 
 
 @triton.jit(do_not_specialize=["num_assignments", "num_experts", "limit"])
-def _gemv1_kernel(
+def _moe_gemv1_kernel(
     x_ptr, w_ptr, bias_ptr, ids_ptr, topk_weights_ptr, act_ptr, num_assignments, num_experts, limit,
     stride_xt, stride_we, stride_wn, stride_be, stride_at,
     INTER: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, ACTIVATION: tl.constexpr,
@@ -147,7 +150,7 @@ def _gemv1_kernel(
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_experts"])
-def _gemv2_kernel(
+def _moe_gemv2_kernel(
     act_ptr, w_ptr, bias_ptr, topk_weights_ptr, ids_ptr, out_ptr, num_tokens, num_experts,
     stride_at, stride_we, stride_wn, stride_be, stride_ot,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, K_P: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -216,7 +219,7 @@ def fused_moe_gemv(
     tiles = tiles or default_tiles(hidden.dtype)
     (bn1, bk1, warps1), (bn2, bk2) = tiles.gemv1, tiles.gemv2
     act = hidden.new_empty((num_assignments, inter))
-    _gemv1_kernel[(num_assignments * triton.cdiv(inter, bn1),)](
+    _moe_gemv1_kernel[(num_assignments * triton.cdiv(inter, bn1),)](
         hidden, w13, w13_bias if w13_bias is not None else hidden, topk_ids, topk_weights, act, num_assignments,
         num_experts, float(swiglu_limit or 0.0), hidden.stride(0), w13.stride(0), w13.stride(1),
         w13_bias.stride(0) if w13_bias is not None else 0, act.stride(0),
@@ -224,7 +227,7 @@ def fused_moe_gemv(
         HAS_BIAS=w13_bias is not None, BLOCK_N=bn1, BLOCK_K=bk1, num_warps=warps1, num_stages=1,
     )
     k_p = triton.next_power_of_2(top_k)
-    _gemv2_kernel[(num_tokens * triton.cdiv(hidden_size, bn2),)](
+    _moe_gemv2_kernel[(num_tokens * triton.cdiv(hidden_size, bn2),)](
         act, w2, w2_bias if w2_bias is not None else hidden, topk_weights, topk_ids, out, num_tokens, num_experts,
         act.stride(0), w2.stride(0), w2.stride(1), w2_bias.stride(0) if w2_bias is not None else 0, out.stride(0),
         HIDDEN=hidden_size, INTER=inter, TOP_K=top_k, K_P=k_p, HAS_BIAS=w2_bias is not None, BLOCK_N=bn2,
