@@ -347,9 +347,11 @@ case $mode in
     step mla-decode-bench 40 python3 tests/gpu/bench_mla.py --bs 64 --ctx 2048 --out "$OUT/mla_decode_bench.json"
     step lat-dsv2l-bs1 150 python3 -m atomctl.main bench latency "${dsl[@]}" --bs 1 --output-json "$OUT/lat_dsv2l_bs1.json"
     step lat-dsv2l-bs32 120 python3 -m atomctl.main bench latency "${dsl[@]}" --bs 32 --output-json "$OUT/lat_dsv2l_bs32.json" ;;
-  moe-gemv)  # bf16 fused MoE decode GEMVs (kernels/triton/moe_decode.py; written without a GPU, NOT yet run): GPU tests (Qwen3-30B-A3B, DeepSeek-V2-Lite, Mixtral, gpt-oss-20b bf16 shapes vs the reference and the tiled path, graph replay, an EP layer), then the micro-benchmark gemv vs tiled at M=1/2/4/8 vs the bytes floor with a tile sweep. Then run moe-gemv-lat
+  moe-gemv)  # bf16 fused MoE decode GEMVs (kernels/triton/moe_decode.py; written without a GPU, NOT yet run): GPU tests (Qwen3-30B-A3B, DeepSeek-V2-Lite, Mixtral, gpt-oss-20b bf16 shapes vs the reference and the tiled path, graph replay, an EP layer), then the micro-benchmark gemv vs tiled at M=1/2/4/8 vs the bytes floor. Then moe-gemv-sweep (tiles) and moe-gemv-lat (TPOT), one device call each
     step moe-gemv-gpu-tests 240 python3 -m pytest -q --tb=short -m gpu tests/kernels/test_moe_decode.py -p no:cacheprovider
-    step moe-gemv-bench 300 python3 -m atom_core.kernels.triton.moe_decode_bench --sweep ;;
+    step moe-gemv-bench 200 python3 -m atom_core.kernels.triton.moe_decode_bench ;;
+  moe-gemv-sweep)  # the same micro-benchmark with the GEMV tile sweep at M=1 and 8 (sets moe_decode.DEFAULT_TILES)
+    step moe-gemv-sweep 540 python3 -m atom_core.kernels.triton.moe_decode_bench --sweep ;;
   moe-gemv-lat)  # batch-1 TPOT with the MoE decode path tiled (default) and gemv (ATOM_MOE_DECODE_PATH), Qwen3-30B-A3B then DeepSeek-V2-Lite (dummy weights); the faster becomes the default
     a3b=(--model preset:Qwen3-30B-A3B --load-format dummy --max-model-len 4096)
     dsl=(--model preset:DeepSeek-V2-Lite --load-format dummy --max-model-len 4096)
