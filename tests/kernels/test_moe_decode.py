@@ -102,6 +102,21 @@ class TestGemvKernels:
         assert torch.equal(out[3].cpu(), torch.zeros(40))
         assert rel_err(out, reference(clean)) < TOL[torch.float32]
 
+    def test_tensor_parallel_slices_sum_to_the_full_layer(self, device):
+        """FusedMoE under TP: each rank holds every expert's slice of I (21 of 42 here: no tile multiple)
+        and w2_bias on rank 0 only; the ranks' outputs sum (the all_reduce) to the full layer."""
+        args = make_inputs("tp", 3, 5, 2, 40, 42, torch.float32, device, bias=True)
+        inter, half = 42, 21
+        total = torch.zeros_like(args["hidden"])
+        for rank in range(2):
+            own = torch.arange(rank * half, (rank + 1) * half, device=device)
+            rows = torch.cat([own, inter + own])  # this rank's gate rows, then its up rows
+            shard = dict(args, w13=args["w13"][:, rows].contiguous(), w13_bias=args["w13_bias"][:, rows].contiguous(),
+                         w2=args["w2"][:, :, own].contiguous(),
+                         w2_bias=args["w2_bias"] if rank == 0 else torch.zeros_like(args["w2_bias"]))
+            total += gemv(shard, "swigluoai", 1.0, SMALL_TILES)
+        assert rel_err(total, reference(args, "swigluoai", 1.0)) < TOL[torch.float32]
+
     def test_deterministic_and_int64_ids(self, device):
         args = make_inputs("det", 2, 6, 6, 40, 24, torch.bfloat16, device)
         out = gemv(args, tiles=SMALL_TILES)
