@@ -23,11 +23,16 @@ ENV_VARS: dict[str, str] = {
                                "(fp8_linear) at M <= 16 tokens; triton = kernels/triton/fp8_gemm.py (to measure both)",
     "ATOM_MOE_DECODE_PATH": "tiled (default) or gemv: the unquantized fused MoE kernels on CUDA for decode batches "
                             "(tokens x top_k <= 32); gemv = kernels/triton/moe_decode.py (to measure both)",
+    "ATOM_PREFILL_ATTENTION": "paged (default) or contiguous: on CUDA, sequences without cached context (a prompt's "
+                              "first chunk) attend over the step's own K/V rows (kernels/triton/prefill_attention.py) "
+                              "instead of the paged cache (to measure both)",
 }
 Fp8SmallMKernel = Literal["scaled_mm", "triton"]
 FP8_SMALL_M_KERNELS: tuple[str, ...] = get_args(Fp8SmallMKernel)
 MoeDecodePath = Literal["tiled", "gemv"]
 MOE_DECODE_PATHS: tuple[str, ...] = get_args(MoeDecodePath)
+PrefillAttentionMode = Literal["paged", "contiguous"]
+PREFILL_ATTENTION_MODES: tuple[str, ...] = get_args(PrefillAttentionMode)
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -43,6 +48,7 @@ class AtomEnvs:
     api_key: str | None = field(default=None, repr=False)  # a secret: never in logs or tracebacks
     fp8_small_m_kernel: Fp8SmallMKernel = "scaled_mm"  # read once by quant/fp8_ops when it is imported
     moe_decode_path: MoeDecodePath = "tiled"  # read once by kernels/triton/moe_decode when it is imported
+    prefill_attention: PrefillAttentionMode = "paged"  # read once by kernels/triton/prefill_attention on import
 
 
 def read_envs(environ: Mapping[str, str] | None = None) -> AtomEnvs:
@@ -55,6 +61,7 @@ def read_envs(environ: Mapping[str, str] | None = None) -> AtomEnvs:
         api_key=env_str(env, "ATOM_API_KEY"),
         fp8_small_m_kernel=env_choice(env, "ATOM_FP8_SMALL_M_KERNEL", FP8_SMALL_M_KERNELS, "scaled_mm"),
         moe_decode_path=env_choice(env, "ATOM_MOE_DECODE_PATH", MOE_DECODE_PATHS, "tiled"),
+        prefill_attention=env_choice(env, "ATOM_PREFILL_ATTENTION", PREFILL_ATTENTION_MODES, "paged"),
     )
 
 

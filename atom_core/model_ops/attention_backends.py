@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from atom_core.kernels import kernel_ops
-from atom_core.model_ops.forward_context import get_attention_metadata
+from atom_core.model_ops.forward_context import AttentionMetadata, get_attention_metadata
 
 if TYPE_CHECKING:
     from atom_core.model_ops.attention import Attention
@@ -59,10 +59,43 @@ class PagedMHABackend(AttentionBackend):
         scales = self._kv_scales(layer)
         q = self.ops.qkv_rope_store(qkv, positions, layer.qk.rotary.cos_sin_cache, layer.k_cache, layer.v_cache,
                                     meta.slot_mapping, layer.num_heads, *norm, **scales)
+        prefill = self._contiguous_prefill() if meta.fresh_seq_ids is not None and not scales else None
+        if prefill is not None:
+            out = self._split_by_context(prefill, layer, meta, qkv, positions, q, k_norm)
+            return out.view(-1, layer.num_heads * layer.head_dim)
         out = self.ops.paged_attention(q, layer.k_cache, layer.v_cache, meta.block_tables, meta.query_start_loc,
                                        meta.seq_lens, layer.scale, meta.max_query_len, meta.max_seq_len,
                                        seq_order=meta.seq_order, **self._layer_args(layer), **scales)
         return out.view(-1, layer.num_heads * layer.head_dim)
+
+    def _contiguous_prefill(self):
+        """The contiguous prefill kernels' module when ATOM_PREFILL_ATTENTION=contiguous on CUDA, else None
+        (the CPU reference path stays paged). Asked at every forward, so benchmarks can switch it."""
+        if self.device_type != "cuda":
+            return None
+        from atom_core.kernels.triton import prefill_attention
+
+        return prefill_attention if prefill_attention.prefill_attention_mode() == "contiguous" else None
+
+    def _split_by_context(self, prefill, layer: "Attention", meta, qkv: torch.Tensor, positions: torch.Tensor,
+                          q: torch.Tensor, k_norm) -> torch.Tensor:
+        """Sequences without cached context attend over this step's own K/V rows; the rest (chunks
+        with context, decodes) through the paged kernel, run first: under split-KV its merge writes
+        junk into the fresh rows, which the prefill kernel then overwrites. Only for caches in the
+        model dtype (FP8 caches hold codes, which the reference attends over)."""
+        out = torch.empty_like(q)
+        args = self._layer_args(layer)
+        if meta.paged_seq_ids is not None:
+            self.ops.paged_attention(q, layer.k_cache, layer.v_cache, meta.block_tables, meta.query_start_loc,
+                                     meta.seq_lens, layer.scale, meta.paged_max_query_len, meta.max_seq_len, out,
+                                     seq_order=meta.paged_seq_ids, **args)
+        num_kv_heads, head_dim = layer.k_cache.shape[2], layer.head_dim
+        k_norm_args = (k_norm.weight, k_norm.eps) if k_norm is not None else (None, 1e-6)
+        k = prefill.rope_k_rows(qkv, positions, layer.qk.rotary.cos_sin_cache, layer.num_heads, num_kv_heads,
+                                *k_norm_args)
+        v = qkv[:, (layer.num_heads + num_kv_heads) * head_dim:].view(-1, num_kv_heads, head_dim)
+        return prefill.prefill_attention(q, k, v, meta.query_start_loc, meta.fresh_seq_ids, layer.scale,
+                                         meta.fresh_max_query_len, out, **args)
 
     @staticmethod
     def _kv_scales(layer: "Attention") -> dict:
@@ -100,7 +133,33 @@ class PagedMHABackend(AttentionBackend):
                 seen.add(key)
                 count += warm_up_variants(layer.k_cache, layer.v_cache, layer.num_heads, layer.dtype,
                                           max_tokens, threads=threads, **args, **self._kv_scales(layer))
+                if self._contiguous_prefill() is not None and not self._kv_scales(layer):
+                    count += self._warm_up_split_by_context(layer, max_tokens, threads)
         return count
+
+    def _warm_up_split_by_context(self, layer: "Attention", max_tokens: int, threads: int) -> int:
+        """The split path's kernels: paged prefill tiles with a seq_order, K rows, contiguous attention."""
+        from atom_core.kernels.triton.attention import warm_up_variants
+
+        args = self._layer_args(layer)
+        count = warm_up_variants(layer.k_cache, layer.v_cache, layer.num_heads, layer.dtype, max_tokens,
+                                 threads=threads, ordered_prefill=True, **args)
+        num_kv_heads, dev = layer.k_cache.shape[2], layer.k_cache.device
+        qkv = torch.zeros(2, (layer.num_heads + 2 * num_kv_heads) * layer.head_dim, dtype=layer.dtype, device=dev)
+        positions = torch.zeros(2, dtype=torch.int64, device=dev)
+        slots = torch.full((2,), -1, dtype=torch.int64, device=dev)  # store nothing into the real cache
+        k_norm = layer.qk.k_norm
+        norm = (layer.qk.q_norm.weight, k_norm.weight, k_norm.eps) if k_norm is not None else (None, None, 1e-6)
+        q = self.ops.qkv_rope_store(qkv, positions, layer.qk.rotary.cos_sin_cache, layer.k_cache, layer.v_cache,
+                                    slots, layer.num_heads, *norm)
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor([0, 2], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([2], dtype=torch.int32, device=dev),
+            block_tables=torch.zeros(1, 1, dtype=torch.int32, device=dev),
+            slot_mapping=slots, max_query_len=2, max_seq_len=2,
+            fresh_seq_ids=torch.zeros(1, dtype=torch.int32, device=dev), fresh_max_query_len=2)
+        self._split_by_context(self._contiguous_prefill(), layer, meta, qkv, positions, q, k_norm)
+        return count + 2
 
 
 # (kind, device type) -> (module, class); imported on first use.

@@ -20,6 +20,10 @@ class AttentionMetadata:
     max_query_len / max_seq_len are host ints, upper bounds for kernel grids.
     seq_order [S] int32 (optional): the sequences longest first, the order attention programs
     start in, so the last wave holds short ones (decode batches; a schedule, not a result).
+    fresh_seq_ids [F] int32 (optional, set when F > 0 in a batch with prefill rows): the sequences
+    with no cached context (all their keys are this step's rows), with fresh_max_query_len; the
+    others, longest first, are paged_seq_ids [S - F] with paged_max_query_len (None when F == S).
+    Built on the host with the batch, so a backend can split the step without a sync.
     """
 
     query_start_loc: torch.Tensor
@@ -29,6 +33,10 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     seq_order: torch.Tensor | None = None
+    fresh_seq_ids: torch.Tensor | None = None
+    fresh_max_query_len: int = 0
+    paged_seq_ids: torch.Tensor | None = None
+    paged_max_query_len: int = 0
 
 
 _current: AttentionMetadata | None = None

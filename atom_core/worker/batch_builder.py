@@ -54,6 +54,22 @@ def slot_of(block_ids: list[int], position: int, block_size: int) -> int:
     return block_ids[position // block_size] * block_size + position % block_size
 
 
+def context_split(query_lens: list[int], seq_lens: list[int], device: torch.device) -> dict:
+    """AttentionMetadata's fresh/paged fields: which sequences have no cached context (every key
+    is one of this step's rows) and which do, each with its longest query; {} when none is fresh."""
+    fresh = [i for i, (q, s) in enumerate(zip(query_lens, seq_lens)) if q == s]
+    if not fresh:
+        return {}
+    out = {"fresh_seq_ids": _to_device(np.array(fresh, dtype=np.int32), device),
+           "fresh_max_query_len": max(query_lens[i] for i in fresh)}
+    paged = [i for i, (q, s) in enumerate(zip(query_lens, seq_lens)) if q != s]
+    if paged:
+        paged.sort(key=lambda i: -seq_lens[i])  # longest first, as decode batches' seq_order
+        out["paged_seq_ids"] = _to_device(np.array(paged, dtype=np.int32), device)
+        out["paged_max_query_len"] = max(query_lens[i] for i in paged)
+    return out
+
+
 def build_decode_batch(states: list[RequestState], block_size: int, device: torch.device) -> FlatBatch:
     """The decode-only case (one new token per request, each sampling): comprehensions only."""
     num = len(states)
@@ -152,6 +168,7 @@ def build_flat_batch(out: SchedulerOutput, states: list[RequestState], block_siz
         slot_mapping=_to_device(np.array(slot_mapping, dtype=np.int64), device),
         max_query_len=max_query_len,
         max_seq_len=max(seq_lens),
+        **context_split(np.diff(query_start_loc).tolist(), seq_lens, device),
     )
     return FlatBatch(
         input_ids=_to_device(np.array(input_ids, dtype=np.int64), device),

@@ -352,13 +352,14 @@ def launch_paged_attention(
         out = torch.empty_like(query)
     num_tokens, num_heads, head_dim = query.shape
     num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
-    if num_tokens == 0 or num_seqs == 0 or max_query_len <= 0:
+    num_listed = seq_order.shape[0] if seq_order is not None else num_seqs  # seq_order may list a subset
+    if num_tokens == 0 or num_listed == 0 or max_query_len <= 0:
         return out
     group = num_heads // num_kv_heads
     kv_fp8 = k_cache.dtype in FP8_KV_DTYPES
     cfg = _TileConfig(max_query_len, next_pow2(group), head_dim)
     num_q_blocks = triton.cdiv(max_query_len, cfg.block_q)
-    num_programs = num_seqs * num_q_blocks * num_kv_heads
+    num_programs = num_listed * num_q_blocks * num_kv_heads
     split_bytes = num_tokens * num_heads * (head_dim + 1) * 4
     if num_kv_splits is None:
         num_kv_splits = choose_num_kv_splits(num_programs, max_seq_len, query.device, split_bytes, cfg.block_n)
@@ -377,9 +378,9 @@ def launch_paged_attention(
         # (tests/gpu/sweep_attention.py, docs/PERFORMANCE.md). Prefill keeps the 2-D grid.
         heads_inner = max_query_len == 1
     if heads_inner:
-        grid = (num_seqs * num_q_blocks * num_kv_heads, 1, num_kv_splits)
+        grid = (num_listed * num_q_blocks * num_kv_heads, 1, num_kv_splits)
     else:
-        grid = (num_seqs * num_q_blocks, num_kv_heads, num_kv_splits)
+        grid = (num_listed * num_q_blocks, num_kv_heads, num_kv_splits)
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, out, part_out, part_lse,
         block_tables, query_start_loc, seq_lens, seq_order if seq_order is not None else seq_lens,
@@ -421,7 +422,7 @@ def paged_attention(
     max_query_len: int,
     max_seq_len: int,
     out: torch.Tensor | None = None,  # [T, H, D]
-    seq_order: torch.Tensor | None = None,  # [S] int32, a permutation: programs start in this order
+    seq_order: torch.Tensor | None = None,  # [S'] int32: the sequences to attend, in launch order (S' <= S)
     sliding_window: int | None = None,  # a row at position p sees KV positions (p - window, p]
     sinks: torch.Tensor | None = None,  # [H] float: a per-head logit in the softmax denominator, no value
     k_scale: float | torch.Tensor = 1.0,  # FP8 caches: stored K times k_scale is K,
@@ -432,7 +433,9 @@ def paged_attention(
     Host work reads only shapes and the two host ints, so it is CUDA-graph safe.
     max_query_len must bound every q_len (it sizes the grid; longer rows would be skipped);
     max_seq_len only steers the split-KV heuristic. Rows of `out` owned by no sequence
-    (T beyond query_start_loc[S]) are left untouched, as in the reference.
+    (T beyond query_start_loc[S]) are left untouched, as in the reference. A seq_order that
+    lists a subset attends only those sequences (the others' rows are the caller's to write:
+    unsplit they are left untouched, split the merge overwrites them with junk).
     """
     return launch_paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
                                   scale, max_query_len, max_seq_len, out, seq_order=seq_order,
@@ -442,11 +445,12 @@ def paged_attention(
 def warm_up_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, dtype: torch.dtype,
                      max_query_len: int, threads: int = 1, sliding_window: int | None = None,
                      sinks: torch.Tensor | None = None, k_scale: float | torch.Tensor = 1.0,
-                     v_scale: float | torch.Tensor = 1.0) -> int:
+                     v_scale: float | torch.Tensor = 1.0, ordered_prefill: bool = False) -> int:
     """JIT-compile every kernel variant a run can need (decode and each prefill tile height,
     split and unsplit) on tiny inputs, so no step pays a compile; returns how many launched.
     A layer with a sliding window, sinks or per-token-head KV scales compiles its own
     (HAS_WINDOW / HAS_SINKS / TOKEN_SCALES) variants: pass its window, sinks and scales.
+    ordered_prefill: prefill tiles launched with a seq_order too (the split-by-context prefill path).
 
     The variants depend only on constexprs (tile shape per max_query_len class, IS_SPLIT); the
     inputs read block 0 of the real cache and write a scratch output. threads > 1 compiles
@@ -469,7 +473,7 @@ def warm_up_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: in
         seq_len = q_len + 512  # cached context too, so both splits get tiles
         lens = torch.tensor([seq_len], dtype=torch.int32, device=device)
         tables = torch.zeros(1, triton.cdiv(seq_len, k_cache.shape[1]), dtype=torch.int32, device=device)
-        order = qsl[:1] if q_len == 1 else None  # decode batches carry a sequence order
+        order = qsl[:1] if q_len == 1 or ordered_prefill else None  # decode batches carry a sequence order
         launch_paged_attention(query, k_cache, v_cache, tables, qsl, lens, 1.0, q_len, seq_len, num_kv_splits=splits,
                                seq_order=order, sliding_window=sliding_window, sinks=sinks,
                                k_scale=k_scale, v_scale=v_scale)
