@@ -7,8 +7,9 @@ instead of gathered back from the paged cache through the block table. The paged
 
 Work split (as the paged kernel's GROUP_P): a program owns BLOCK_M rows = BLOCK_Q consecutive
 query tokens x GROUP_P query heads of one KV head (row r = token r // GROUP_P, head r % GROUP_P),
-so every K/V tile is loaded once for all heads of the group. Grid = (num_seqs x q tiles,
-kv heads); the highest q tile of a sequence starts first (it reads the most keys).
+so every K/V tile is loaded once for all heads of the group. One grid axis of q tiles x
+sequences x kv heads, highest q tile first (under the causal mask it reads the most keys); a
+program past its sequence's length returns at once.
 
 Inner loop: online softmax in base 2 (log2(e) folded into the scale), fp32 running max, sum
 and accumulator. Causal structure per program (query tokens [q0, q0 + BLOCK_Q)):
@@ -178,19 +179,22 @@ def _prefill_tile(
 
 
 # Per-step sizes are runtime ints: specialising on them would compile new variants mid-run.
-@triton.jit(do_not_specialize=["num_q_blocks", "window"])
+@triton.jit(do_not_specialize=["num_seqs", "num_q_blocks", "window"])
 def _prefill_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens_ptr, seq_ids_ptr, scale_log2e, num_q_blocks,
+    q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens_ptr, seq_ids_ptr, scale_log2e, num_seqs, num_q_blocks,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
     window=0, HAS_WINDOW: tl.constexpr = False, sinks_ptr=None, HAS_SINKS: tl.constexpr = False,
 ):
+    # Launch order: highest query tile first over all sequences and heads (under the causal mask it
+    # reads the most keys), so the last wave holds short programs and SMs finish together.
     pid = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    seq = tl.load(seq_ids_ptr + pid // num_q_blocks)
-    q_block = num_q_blocks - 1 - pid % num_q_blocks  # longest-running tile first
+    kv_head = pid % NUM_KV_HEADS
+    rest = pid // NUM_KV_HEADS
+    seq = tl.load(seq_ids_ptr + rest % num_seqs)
+    q_block = num_q_blocks - 1 - rest // num_seqs
     q_start = tl.load(cu_seqlens_ptr + seq)
     q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
     first_pos = q_block * BLOCK_Q
@@ -325,12 +329,12 @@ def prefill_attention(
     block_m = max(cfg.block_m, 16, group_p)
     block_q = block_m // group_p
     num_q_blocks = triton.cdiv(max_query_len, block_q)
-    grid = (seq_ids.shape[0] * num_q_blocks, num_kv_heads)
+    grid = (num_q_blocks * seq_ids.shape[0] * num_kv_heads,)
     _prefill_attention_kernel[grid](
-        query, key, value, out, cu_seqlens, seq_ids, scale * LOG2E, num_q_blocks,
+        query, key, value, out, cu_seqlens, seq_ids, scale * LOG2E, seq_ids.shape[0], num_q_blocks,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         out.stride(0), out.stride(1),
-        GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)),
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)),
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
         DOT_IN_FP32=_INTERPRETED and query.dtype == torch.bfloat16,
