@@ -359,6 +359,15 @@ case $mode in
       step lat-a3b-bs1-moe-$p 130 env ATOM_MOE_DECODE_PATH=$p python3 -m atomctl.main bench latency "${a3b[@]}" --bs 1 --output-json "$OUT/lat_a3b_bs1_moe_$p.json"
       step lat-dsv2l-bs1-moe-$p 150 env ATOM_MOE_DECODE_PATH=$p python3 -m atomctl.main bench latency "${dsl[@]}" --bs 1 --output-json "$OUT/lat_dsv2l_bs1_moe_$p.json"
     done ;;
+  prefill-attn)  # issue 19 contiguous prefill attention (kernels/triton/prefill_attention.py; written without a GPU, NOT yet run): its GPU tests (Llama-3-8B / Qwen3 heads at 2,048 / 8,192 tokens and varlen batches vs torch SDPA and the paged kernel, a bf16 mixed step split vs paged-only, a tiny Llama on CUDA with the switch on vs HF), then one layer's prefill attention paged vs contiguous vs SDPA flash (and flash-attn if installed) in us and TFLOP/s vs 785 peak, with the contiguous kernel's tile sweep (set default_tile_config from it), then 8 sequences of 1,024. Then run prefill-attn-offline
+    step prefill-attn-gpu-tests 240 python3 -m pytest -q --tb=short -m gpu tests/kernels/test_prefill_attention.py -p no:cacheprovider
+    step prefill-attn-bench 240 python3 -m atom_core.kernels.triton.prefill_attention_bench --shapes llama-3-8b,qwen3-0.6b --tokens 2048,8192 --sweep --output-json "$OUT/prefill_attn_bench.json"
+    step prefill-attn-bench-varlen 60 python3 -m atom_core.kernels.triton.prefill_attention_bench --shapes llama-3-8b --tokens 8192 --seqs 8 --output-json "$OUT/prefill_attn_bench_varlen.json" ;;
+  prefill-attn-offline)  # issue 19: Llama-3-8B (dummy) with ATOM_PREFILL_ATTENTION=paged (default) and =contiguous: the nano offline workload, then 2 prompts of 4,000 tokens + 1 output token (prefill-bound); if contiguous wins, flip envs.py's default
+    for p in paged contiguous; do
+      step off-l8-prefill-$p 150 env ATOM_PREFILL_ATTENTION=$p python3 -m atomctl.main bench offline "${l8[@]}" --output-json "$OUT/off_l8_prefill_$p.json"
+      step lat-l8-4k-prefill-$p 100 env ATOM_PREFILL_ATTENTION=$p python3 -m atomctl.main bench latency "${l8[@]}" --bs 2 --input-len 4000 --output-len 1 --output-json "$OUT/lat_l8_4k_prefill_$p.json"
+    done ;;
   *) ;;
 esac
 echo "=== summary"

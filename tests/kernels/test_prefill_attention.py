@@ -183,34 +183,64 @@ def mixed_step(layer, ctx_lens, q_lens, block_size=16, seed=6):
     return meta, qkv, positions
 
 
-@pytest.mark.skipif(not INTERPRET, reason="runs the Triton kernels under the interpreter (TRITON_INTERPRET=1)")
-@pytest.mark.parametrize("options", [{}, {"norms": True, "rot_dim": 16}, {"window": 9, "sinks": True}])
-def test_mixed_step_through_the_backend_equals_the_paged_only_path(monkeypatch, options):
-    """One fresh prompt, a chunk with cached context, two decodes and a one-token fresh prompt: the
-    split path (paged kernel on a seq_order subset + contiguous kernel) equals the paged kernel
-    alone, and stores the same cache."""
+@pytest.mark.parametrize("splits", [1, 2])
+def test_paged_kernel_attends_only_a_listed_subset(device, splits):
+    """launch_paged_attention with a seq_order listing a subset: those rows equal the reference;
+    unsplit, the other rows are left untouched (split, the merge may write them: the caller's)."""
+    from tests.kernels.test_triton_kernels import make_paged_batch, ref_paged_attention
+
+    batch = make_paged_batch([1, 30, 1, 12], [40, 0, 9, 20], 4, 2, 64, 16, torch.float32, device, seed=8)
+    order = torch.tensor([3, 0, 2], dtype=torch.int32, device=device)
+    out = torch.full_like(batch.query, float("nan"))
+    launch_paged_attention(*batch.args(), out=out, num_kv_splits=splits, seq_order=order)
+    want = ref_paged_attention(*batch.args())
+    listed = torch.tensor([0, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43], device=device)
+    assert rel_err(out[listed], want[listed]) < 1e-5
+    if splits == 1:
+        assert out[1:31].isnan().all()
+
+
+def split_and_paged_only(layer, meta, qkv, positions):
+    """(output, caches) of one step through the Triton backend with the split path on, then the
+    output of the same step with the paged kernel alone, from the same starting caches."""
     import dataclasses
 
     from atom_core.model_ops.attention_backends import PagedMHABackend
     from atom_core.model_ops.forward_context import set_attention_metadata
 
-    layer = make_layer(**options)
-    meta, qkv, positions = mixed_step(layer, ctx_lens=[0, 20, 40, 9, 0], q_lens=[37, 25, 1, 1, 1])
-    assert meta.fresh_seq_ids.tolist() == [0, 4] and meta.paged_seq_ids.tolist() == [1, 2, 3]
-    backend = PagedMHABackend("cuda")  # the Triton provider; CPU tensors under the interpreter
+    backend = PagedMHABackend("cuda")  # the Triton provider (CPU tensors run under the interpreter)
     caches = layer.k_cache.clone(), layer.v_cache.clone()
-    calls = []
-    monkeypatch.setattr(pa, "prefill_attention", lambda *a, _f=pa.prefill_attention, **kw: calls.append(1) or _f(*a, **kw))
     pa.set_prefill_attention_mode("contiguous")
     try:
         with set_attention_metadata(meta):
-            got = backend.forward(layer, qkv, positions)
+            split = backend.forward(layer, qkv, positions)
     finally:
         pa.set_prefill_attention_mode("paged")
     split_caches = layer.k_cache, layer.v_cache
     layer.k_cache, layer.v_cache = caches
     with set_attention_metadata(dataclasses.replace(meta, fresh_seq_ids=None, paged_seq_ids=None)):
-        want = backend.forward(layer, qkv, positions)
+        paged = backend.forward(layer, qkv, positions)
+    return split, split_caches, paged
+
+
+@pytest.mark.skipif(not INTERPRET, reason="runs the Triton kernels under the interpreter (TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("options,kv_splits", [({}, None), ({}, 2), ({"norms": True, "rot_dim": 16}, None),
+                                               ({"window": 9, "sinks": True}, 3)])
+def test_mixed_step_through_the_backend_equals_the_paged_only_path(monkeypatch, options, kv_splits):
+    """One fresh prompt, a chunk with cached context, two decodes and a one-token fresh prompt: the
+    split path (paged kernel on a seq_order subset + contiguous kernel) equals the paged kernel
+    alone, and stores the same cache. kv_splits forces split-KV (its merge writes the fresh rows
+    first; the contiguous kernel must overwrite them all)."""
+    from atom_core.kernels.triton import attention
+
+    if kv_splits:
+        monkeypatch.setattr(attention, "choose_num_kv_splits", lambda *args: kv_splits)
+    layer = make_layer(**options)
+    meta, qkv, positions = mixed_step(layer, ctx_lens=[0, 20, 40, 9, 0], q_lens=[37, 25, 1, 1, 1])
+    assert meta.fresh_seq_ids.tolist() == [0, 4] and meta.paged_seq_ids.tolist() == [1, 2, 3]
+    calls = []
+    monkeypatch.setattr(pa, "prefill_attention", lambda *a, _f=pa.prefill_attention, **kw: calls.append(1) or _f(*a, **kw))
+    got, split_caches, want = split_and_paged_only(layer, meta, qkv, positions)
     assert calls == [1]
     assert rel_err(got, want) < 1e-5
     assert torch.equal(split_caches[0], layer.k_cache) and torch.equal(split_caches[1], layer.v_cache)
@@ -414,26 +444,12 @@ def test_model_shapes_match_sdpa_and_the_paged_kernel(model, lens):
 def test_mixed_step_on_cuda_equals_the_paged_only_path(options):
     import dataclasses
 
-    from atom_core.model_ops.attention_backends import PagedMHABackend
-    from atom_core.model_ops.forward_context import set_attention_metadata
-
     layer = make_layer(**options, heads=32, kv_heads=8, head_dim=128, rot_dim=128, dtype=torch.bfloat16).cuda()
     meta, qkv, positions = mixed_step(layer, ctx_lens=[0, 700, 4000, 9, 0], q_lens=[1500, 333, 1, 1, 77])
     meta = dataclasses.replace(meta, **{f.name: getattr(meta, f.name).cuda() for f in dataclasses.fields(meta)
                                         if isinstance(getattr(meta, f.name), torch.Tensor)})
     layer.k_cache, layer.v_cache = layer.k_cache.cuda(), layer.v_cache.cuda()
-    qkv, positions = qkv.cuda(), positions.cuda()
-    backend = PagedMHABackend("cuda")
-    caches = layer.k_cache.clone(), layer.v_cache.clone()
-    pa.set_prefill_attention_mode("contiguous")
-    try:
-        with set_attention_metadata(meta):
-            got = backend.forward(layer, qkv, positions)
-    finally:
-        pa.set_prefill_attention_mode("paged")
-    layer.k_cache, layer.v_cache = caches
-    with set_attention_metadata(dataclasses.replace(meta, fresh_seq_ids=None, paged_seq_ids=None)):
-        want = backend.forward(layer, qkv, positions)
+    got, _, want = split_and_paged_only(layer, meta, qkv.cuda(), positions.cuda())
     assert rel_err(got, want) < TOL[torch.bfloat16]
 
 
@@ -458,3 +474,48 @@ def test_engine_on_cuda_with_the_switch_on_equals_hf_greedy(tiny_llama, budget):
     finally:
         pa.set_prefill_attention_mode("paged")
     assert [o["token_ids"] for o in got] == want
+
+
+# ---------------------------------------------------------------------------------------------
+# the benchmark (runs on a GPU; here: its arithmetic, its argument errors, a CPU smoke run)
+
+
+class TestBench:
+    def test_causal_flops_count_visible_pairs(self):
+        from atom_core.kernels.triton.prefill_attention_bench import causal_flops
+
+        # Llama-3-8B, 2,048 tokens: 4 * 32 * 128 * 2048 * 2049 / 2 = 34.4 GFLOP (85 us would be 405 TFLOP/s)
+        assert causal_flops([2048], 32, 128) == 4 * 32 * 128 * 2048 * 2049 / 2
+        assert causal_flops([1, 2], 1, 1) == 4 * (1 + 3)
+
+    def test_bad_arguments_and_no_gpu_are_clear_errors(self, monkeypatch, capsys):
+        from atom_core.kernels.triton import prefill_attention_bench as bench
+
+        for argv, message in ((["--shapes", "llama-3-8b,mixtral"], "unknown shape 'mixtral'"),
+                              (["--tokens", "2048,x"], "positive integers"), (["--tokens", "0"], "positive integers"),
+                              (["--tokens", "2048", "--seqs", "3"], "divisible by --seqs")):
+            with pytest.raises(SystemExit):
+                bench.main(argv)
+            assert message in capsys.readouterr().err
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            bench.main([])
+
+    @pytest.mark.skipif(not INTERPRET, reason="runs the Triton kernels under the interpreter (TRITON_INTERPRET=1)")
+    def test_a_row_runs_on_the_cpu(self, monkeypatch):
+        """The bench's own code (cache build, references, sweep bookkeeping) at a tiny shape, with a
+        stand-in timer: the GPU session should find no bug in the script itself."""
+        from atom_core.kernels.triton import prefill_attention_bench as bench
+
+        monkeypatch.setitem(bench.SHAPES, "tiny", (4, 2, 32))
+        monkeypatch.setattr(pa, "TILE_CANDIDATES", (SMALL_TILES,))
+
+        def one_call(fn):
+            fn()
+            return 10.0
+
+        row = bench.bench_case("tiny", 40, 2, True, device="cpu", timer=one_call)
+        assert row["contiguous_vs_paged_rel_err"] < TOL[torch.bfloat16]
+        assert row["paged"]["us"] == 10.0 and row["sdpa_flash"]["tflops"] == bench.causal_flops([20, 20], 4, 32) / 1e7
+        assert list(row["sweep"]) == ["m32_n16_w4_s2"]
+        assert "err" in bench.format_row(row)
