@@ -246,7 +246,7 @@ def test_mixed_step_through_the_backend_equals_the_paged_only_path(monkeypatch, 
     assert torch.equal(split_caches[0], layer.k_cache) and torch.equal(split_caches[1], layer.v_cache)
 
 
-def test_split_path_is_off_by_default_and_skips_fp8_caches_and_the_cpu(monkeypatch):
+def test_split_path_is_off_by_default_and_stays_off_on_the_cpu(monkeypatch):
     from atom_core.model_ops.attention_backends import PagedMHABackend
 
     monkeypatch.setattr(pa, "_mode", "paged")
@@ -254,6 +254,47 @@ def test_split_path_is_off_by_default_and_skips_fp8_caches_and_the_cpu(monkeypat
     monkeypatch.setattr(pa, "_mode", "contiguous")
     assert PagedMHABackend("cuda")._contiguous_prefill() is pa
     assert PagedMHABackend("cpu")._contiguous_prefill() is None  # the reference path stays paged
+
+
+@pytest.mark.skipif(not INTERPRET, reason="runs the Triton kernels under the interpreter (TRITON_INTERPRET=1)")
+def test_fp8_kv_layers_keep_the_paged_kernel(monkeypatch):
+    """An FP8 cache holds codes and the reference attends over them: with the switch on, the step
+    still runs the paged kernel alone (the contiguous rows hold the exact values)."""
+    import dataclasses
+
+    from atom_core.model_ops.attention_backends import PagedMHABackend
+    from atom_core.model_ops.forward_context import set_attention_metadata
+
+    layer = make_layer()
+    meta, qkv, positions = mixed_step(layer, ctx_lens=[0, 20], q_lens=[30, 5])
+    fp8 = torch.float8_e4m3fn
+    layer.k_cache, layer.v_cache = layer.k_cache.to(fp8), layer.v_cache.to(fp8)
+    layer.kv_spec = dataclasses.replace(layer.kv_spec, dtype=fp8)
+    monkeypatch.setattr(pa, "_mode", "contiguous")
+    monkeypatch.setattr(pa, "prefill_attention", lambda *a, **kw: pytest.fail("FP8 KV took the contiguous path"))
+    with set_attention_metadata(meta):
+        out = PagedMHABackend("cuda").forward(layer, qkv, positions)
+    assert out.shape == (35, layer.num_heads * layer.head_dim) and not out.isnan().any()
+
+
+@pytest.mark.skipif(not INTERPRET, reason="runs the Triton kernels under the interpreter (TRITON_INTERPRET=1)")
+def test_warm_up_compiles_the_split_path_only_when_it_is_on(monkeypatch):
+    """With the switch on, warm-up adds the paged prefill tiles launched with a seq_order, the K-rows
+    kernel and the contiguous kernel (launched without touching the cache: slots are -1)."""
+    from atom_core.model_ops.attention_backends import PagedMHABackend
+
+    layer = make_layer(norms=True, window=9, sinks=True)
+    layer.k_cache, layer.v_cache = torch.zeros(40, 16, 2, 32), torch.zeros(40, 16, 2, 32)
+    backend = PagedMHABackend("cuda")
+    ran = []
+    monkeypatch.setattr(pa, "prefill_attention", lambda *a, _f=pa.prefill_attention, **kw: ran.append(kw) or _f(*a, **kw))
+    monkeypatch.setattr(pa, "_mode", "paged")
+    paged_only = backend.warm_up([layer], max_tokens=8, threads=1)
+    assert not ran
+    monkeypatch.setattr(pa, "_mode", "contiguous")
+    assert backend.warm_up([layer], max_tokens=8, threads=1) > paged_only
+    assert len(ran) == 1 and ran[0]["sliding_window"] == 9 and ran[0]["sinks"] is layer.sinks
+    assert not layer.k_cache.any() and not layer.v_cache.any()
 
 
 class TestContextSplitMetadata:
