@@ -313,22 +313,27 @@ class TestContextSplitMetadata:
         assert "paged_seq_ids" not in context_split([3, 2], [3, 2], torch.device("cpu"))
 
     def test_the_batch_builder_fills_them(self, tiny_llama, monkeypatch):
-        """Real engine steps: two fresh prompts in the first step, then a chunk with context and a decode."""
+        """Real engine steps (chunked prompts, decodes): each step's fresh sequences are exactly those
+        with nothing computed yet, the rest are paged; some step mixes both."""
         from atom_core import LLMEngine, SamplingParams
         from atom_core.worker import batch_builder, model_runner
 
-        seen = []
+        steps = []
 
-        def spy(*args, **kwargs):
-            flat = batch_builder.build_flat_batch(*args, **kwargs)
-            seen.append([None if t is None else t.tolist() for t in (flat.attn.fresh_seq_ids, flat.attn.paged_seq_ids)])
+        def spy(out, states, *args, **kwargs):
+            expect = [i for i, s in enumerate(states) if s.num_computed_tokens == 0]
+            flat = batch_builder.build_flat_batch(out, states, *args, **kwargs)
+            got = [None if t is None else t.tolist() for t in (flat.attn.fresh_seq_ids, flat.attn.paged_seq_ids)]
+            steps.append((expect, got, len(states)))
             return flat
 
         monkeypatch.setattr(model_runner, "build_flat_batch", spy)
         engine = LLMEngine(str(tiny_llama), max_num_batched_tokens=16)
-        engine.generate([[5] * 12, [7] * 30], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
-        assert seen[0] == [[0, 1], None]  # 12 + the first 4 of 30
-        assert seen[1] == [None, None]  # a decode and a chunk with context: today's metadata
+        engine.generate([[5] * 12, [7] * 30, [9] * 5], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        for expect, (fresh, paged), num_seqs in steps:
+            assert (fresh or []) == expect
+            assert sorted((fresh or []) + (paged or [])) == (list(range(num_seqs)) if fresh else [])
+        assert any(fresh and paged for _, (fresh, paged), _ in steps)
 
 
 class TestSwitch:
