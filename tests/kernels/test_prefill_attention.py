@@ -23,6 +23,14 @@ from tests.kernels.tolerances import INTERPRET, TOL, rel_err  # noqa: E402
 SMALL_TILES = pa.PrefillTileConfig(32, 16, 4, 2)  # several q and key tiles even at interpreter sizes
 
 
+def recording(fn, log: list):
+    """fn, appending each call's keyword arguments to log first."""
+    def wrapper(*args, **kwargs):
+        log.append(kwargs)
+        return fn(*args, **kwargs)
+    return wrapper
+
+
 def varlen_inputs(lens, num_heads, num_kv_heads, head_dim, dtype, device, seed=0):
     gen = torch.Generator().manual_seed(seed)
     total = sum(lens)
@@ -239,9 +247,9 @@ def test_mixed_step_through_the_backend_equals_the_paged_only_path(monkeypatch, 
     meta, qkv, positions = mixed_step(layer, ctx_lens=[0, 20, 40, 9, 0], q_lens=[37, 25, 1, 1, 1])
     assert meta.fresh_seq_ids.tolist() == [0, 4] and meta.paged_seq_ids.tolist() == [1, 2, 3]
     calls = []
-    monkeypatch.setattr(pa, "prefill_attention", lambda *a, _f=pa.prefill_attention, **kw: calls.append(1) or _f(*a, **kw))
+    monkeypatch.setattr(pa, "prefill_attention", recording(pa.prefill_attention, calls))
     got, split_caches, want = split_and_paged_only(layer, meta, qkv, positions)
-    assert calls == [1]
+    assert len(calls) == 1
     assert rel_err(got, want) < 1e-5
     assert torch.equal(split_caches[0], layer.k_cache) and torch.equal(split_caches[1], layer.v_cache)
 
@@ -287,7 +295,7 @@ def test_warm_up_compiles_the_split_path_only_when_it_is_on(monkeypatch):
     layer.k_cache, layer.v_cache = torch.zeros(40, 16, 2, 32), torch.zeros(40, 16, 2, 32)
     backend = PagedMHABackend("cuda")
     ran = []
-    monkeypatch.setattr(pa, "prefill_attention", lambda *a, _f=pa.prefill_attention, **kw: ran.append(kw) or _f(*a, **kw))
+    monkeypatch.setattr(pa, "prefill_attention", recording(pa.prefill_attention, ran))
     monkeypatch.setattr(pa, "_mode", "paged")
     paged_only = backend.warm_up([layer], max_tokens=8, threads=1)
     assert not ran
@@ -351,7 +359,8 @@ class TestSwitch:
         assert run("contiguous").stdout.strip() == "contiguous"
         assert run("").stdout.strip() == "paged"
         bad = run("flash")
-        assert bad.returncode != 0 and "invalid ATOM_PREFILL_ATTENTION='flash'; expected one of: paged, contiguous" in bad.stderr
+        assert bad.returncode != 0
+        assert "invalid ATOM_PREFILL_ATTENTION='flash'; expected one of: paged, contiguous" in bad.stderr
 
     def test_setter_refuses_unknown_modes(self):
         with pytest.raises(ValueError, match="unknown prefill attention 'flash'; expected one of: paged, contiguous"):
@@ -377,7 +386,7 @@ def test_engine_with_the_switch_on_equals_hf_greedy(tiny_llama, monkeypatch, bud
     want = hf_greedy(AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval(), prompts, 8)
     calls = []
     monkeypatch.setattr(PagedMHABackend, "_contiguous_prefill", lambda self: pa)
-    monkeypatch.setattr(pa, "prefill_attention", lambda *a, _f=pa.prefill_attention, **kw: calls.append(1) or _f(*a, **kw))
+    monkeypatch.setattr(pa, "prefill_attention", recording(pa.prefill_attention, calls))
     engine = LLMEngine(str(tiny_llama), **({"max_num_batched_tokens": budget} if budget else {}))
     got = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert calls and [o["token_ids"] for o in got] == want

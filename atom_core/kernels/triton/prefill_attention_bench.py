@@ -140,7 +140,8 @@ def format_row(row: dict) -> str:
     cells = [f"{name} {row[name]['us']:8.1f} us {row[name]['tflops']:5.0f} TF/s ({row[name]['of_peak']:.0%})"
              for name in ("paged", "contiguous", "sdpa_flash", "flash_attn") if name in row]
     head = f"{row['shape']:<12} T={row['tokens']:<5} S={row['seqs']:<3}"
-    return head + " | ".join(cells) + f" | +rope_k {row['rope_k']['us']:.1f} us | err {row['contiguous_vs_paged_rel_err']:.1e}"
+    tail = f" | +rope_k {row['rope_k']['us']:.1f} us | err {row['contiguous_vs_paged_rel_err']:.1e}"
+    return head + " | ".join(cells) + tail
 
 
 def main(argv=None) -> None:
