@@ -8,10 +8,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from atom_core.model_ops.forward_context import AttentionMetadata
 from atom_core.model_ops.sampler import SamplingBatch
 from atom_core.scheduler_output import SchedulerOutput
-from atom_core.worker.batch_builder import (FlatBatch, _block_table_array, _to_device, build_sampling_batch,
+from atom_core.worker.batch_builder import (FlatBatch, _to_device, assemble_flat_batch, build_sampling_batch,
                                             slot_of)
 from atom_core.worker.input_batch import RequestState
 
@@ -94,26 +93,13 @@ def build_padded_verify_batch(out: SchedulerOutput, states: list[RequestState], 
                 slots.append(-1)
         seq_lens.append(start + q)
     num = len(states)
-    attn = AttentionMetadata(
-        query_start_loc=_to_device(np.arange(num + 1, dtype=np.int32) * q, device),
-        seq_lens=_to_device(np.array(seq_lens, dtype=np.int32), device),
-        # padding rows may sit past a request's last block: they read block 0 there
-        block_tables=_to_device(_block_table_array(
-            [s.block_ids + [0] * (-(-length // block_size) - len(s.block_ids)) for s, length in zip(states, seq_lens)]),
-            device),
-        slot_mapping=_to_device(np.array(slots, dtype=np.int64), device),
-        max_query_len=q,
-        max_seq_len=max(seq_lens),
-    )
-    return FlatBatch(
-        input_ids=_to_device(np.array(input_ids, dtype=np.int64), device),
-        positions=_to_device(np.array(positions, dtype=np.int64), device),
-        attn=attn,
-        logit_rows=_to_device(np.array(logit_rows, dtype=np.int64), device),
+    # padding rows may sit past a request's last block: they read block 0 there
+    tables = [s.block_ids + [0] * (-(-length // block_size) - len(s.block_ids)) for s, length in zip(states, seq_lens)]
+    return assemble_flat_batch(
+        input_ids, positions, slots, np.arange(num + 1) * q, seq_lens, tables, q, logit_rows, device,
         sample_rows=sample_rows,
         sample_seq_idx=list(range(num)),
         prompt_logprob_spans=[],
-        num_tokens=num * q,
         placeholder_rows=[],
         placeholder_seqs=[],
         verify_query_len=q,

@@ -54,6 +54,33 @@ def slot_of(block_ids: list[int], position: int, block_size: int) -> int:
     return block_ids[position // block_size] * block_size + position % block_size
 
 
+def assemble_flat_batch(input_ids: list[int], positions: list[int], slot_mapping: list[int], query_start_loc,
+                        seq_lens, block_tables: list[list[int]], max_query_len: int, logit_rows: list[int] | None,
+                        device: torch.device, attn_extra: dict | None = None, **fields) -> FlatBatch:
+    """The one place a step's host lists become device tensors: the AttentionMetadata and the
+    FlatBatch around it. logit_rows None: every row needs logits (decode), so no gather list is
+    sent. attn_extra: AttentionMetadata's optional fields; fields: FlatBatch's host-side ones."""
+    seq_lens = np.asarray(seq_lens, dtype=np.int32)
+    attn = AttentionMetadata(
+        query_start_loc=_to_device(np.asarray(query_start_loc, dtype=np.int32), device),
+        seq_lens=_to_device(seq_lens, device),
+        block_tables=_to_device(_block_table_array(block_tables), device),
+        slot_mapping=_to_device(np.array(slot_mapping, dtype=np.int64), device),
+        max_query_len=max_query_len,
+        max_seq_len=int(seq_lens.max()),
+        **(attn_extra or {}),
+    )
+    return FlatBatch(
+        input_ids=_to_device(np.array(input_ids, dtype=np.int64), device),
+        positions=_to_device(np.array(positions, dtype=np.int64), device),
+        attn=attn,
+        logit_rows=(attn.query_start_loc[:0] if logit_rows is None
+                    else _to_device(np.array(logit_rows, dtype=np.int64), device)),
+        num_tokens=len(input_ids),
+        **fields,
+    )
+
+
 def context_split(query_lens: list[int], seq_lens: list[int], device: torch.device) -> dict:
     """AttentionMetadata's fresh/paged fields: which sequences have no cached context (every key
     is one of this step's rows) and which do, each with its longest query; {} when none is fresh."""
@@ -81,24 +108,12 @@ def build_decode_batch(states: list[RequestState], block_size: int, device: torc
     slots = [t[p // block_size] * block_size + p % block_size for t, p in zip(tables, positions)]
     rows = list(range(num))
     seq_lens = np.array(positions, dtype=np.int32) + 1
-    attn = AttentionMetadata(
-        query_start_loc=_to_device(np.arange(num + 1, dtype=np.int32), device),
-        seq_lens=_to_device(seq_lens, device),
-        block_tables=_to_device(_block_table_array(tables), device),
-        slot_mapping=_to_device(np.array(slots, dtype=np.int64), device),
-        max_query_len=1,
-        max_seq_len=int(seq_lens.max()),
-        seq_order=_to_device(np.argsort(-seq_lens, kind="stable").astype(np.int32), device),
-    )
-    return FlatBatch(
-        input_ids=_to_device(np.array(input_ids, dtype=np.int64), device),
-        positions=_to_device(np.array(positions, dtype=np.int64), device),
-        attn=attn,
-        logit_rows=attn.query_start_loc[:0],  # unused: every row needs logits
+    return assemble_flat_batch(
+        input_ids, positions, slots, np.arange(num + 1), seq_lens, tables, 1, None, device,
+        attn_extra={"seq_order": _to_device(np.argsort(-seq_lens, kind="stable").astype(np.int32), device)},
         sample_rows=rows,
         sample_seq_idx=rows,
         prompt_logprob_spans=[],
-        num_tokens=num,
         placeholder_rows=placeholder_rows,
         placeholder_seqs=placeholder_rows,
         logits_all_rows=True,
@@ -160,25 +175,12 @@ def build_flat_batch(out: SchedulerOutput, states: list[RequestState], block_siz
             sample_rows.append(len(logit_rows))
             logit_rows.extend(range(offset + n - 1, offset + total))  # one more row per draft
         offset += total
-    block_tables = _block_table_array(tables)
-    attn = AttentionMetadata(
-        query_start_loc=_to_device(np.array(query_start_loc, dtype=np.int32), device),
-        seq_lens=_to_device(np.array(seq_lens, dtype=np.int32), device),
-        block_tables=_to_device(block_tables, device),
-        slot_mapping=_to_device(np.array(slot_mapping, dtype=np.int64), device),
-        max_query_len=max_query_len,
-        max_seq_len=max(seq_lens),
-        **context_split(np.diff(query_start_loc).tolist(), seq_lens, device),
-    )
-    return FlatBatch(
-        input_ids=_to_device(np.array(input_ids, dtype=np.int64), device),
-        positions=_to_device(np.array(positions, dtype=np.int64), device),
-        attn=attn,
-        logit_rows=_to_device(np.array(logit_rows, dtype=np.int64), device),
+    return assemble_flat_batch(
+        input_ids, positions, slot_mapping, query_start_loc, seq_lens, tables, max_query_len, logit_rows, device,
+        attn_extra=context_split(np.diff(query_start_loc).tolist(), seq_lens, device),
         sample_rows=sample_rows,
         sample_seq_idx=sample_seq_idx,
         prompt_logprob_spans=spans,
-        num_tokens=offset,
         placeholder_rows=placeholder_rows,
         placeholder_seqs=placeholder_seqs,
         logits_all_rows=len(logit_rows) == offset,
