@@ -14,6 +14,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
+from functools import partial
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -279,43 +280,57 @@ class OpenAIServing:
         return self.tokenizer.decode(sub.prompt_ids) if self.tokenizer is not None else ""
 
     # ---- streams ----------------------------------------------------------------------
-    async def _chat_chunks(self, response_id: str, req: ChatCompletionRequest, subs: list[EngineRequest]) -> AsyncIterator[str]:
-        head = self._envelope(response_id, "chat.completion.chunk", [])
+    async def _chunks(self, response_id: str, obj: str, subs: list[EngineRequest],
+                      choice_of: Callable[[EngineRequest, RequestState], dict | None], include_usage: bool,
+                      opening: tuple[dict, ...] = ()) -> AsyncIterator[str]:
+        """One stream's SSE events: the `opening` choices, then choice_of(sub, state) per update
+        (None: nothing to send yet), the usage chunk when asked for, and [DONE]."""
+        head = self._envelope(response_id, obj, [])
         events = ChoiceEvents(head)
-        for sub in subs:
-            yield events.event({"index": sub.index, "delta": {"role": "assistant", "content": ""},
-                                "logprobs": None, "finish_reason": None})
+        for choice in opening:
+            yield events.event(choice)
         final = {}
         async for sub, state in self._merged(subs):
-            start = state.sent_tokens
-            text, ids = state.take_delta()
-            if not text and not state.finished and not (req.logprobs and ids):
+            choice = choice_of(sub, state)
+            if choice is None:
                 continue
-            logprobs = None
-            if req.logprobs:
-                entries = state.logprobs[start : start + len(ids)]
-                logprobs = {"content": self.logprobs.chat(ids, entries, req.top_logprobs or 0)}
-            if sub.output is not None:  # the text released so far (stop strings held back), parsed
-                delta = sub.output.delta(state.text[: state.sent_chars], state.finished)
-                if not delta and not state.finished and not logprobs:
-                    continue  # all of it held back (a marker still arriving)
-            else:
-                delta = {"content": text} if text else {}
-            yield events.event({"index": sub.index, "delta": delta, "logprobs": logprobs,
-                                "finish_reason": _chat_finish_reason(sub, state) if state.finished else None})
+            yield events.event(choice)
             if self.on_chunk_written is not None:
                 self.on_chunk_written(state)
             if state.finished:
                 final[sub.index] = state
-        if req.include_usage:
+        if include_usage:
             yield sse(head | {"choices": [], "usage": self._usage(subs, [final[s.index] for s in subs])})
         yield sse("[DONE]")
 
-    async def _completion_chunks(self, response_id: str, req: CompletionRequest, subs: list[EngineRequest]) -> AsyncIterator[str]:
-        head = self._envelope(response_id, "text_completion", [])
-        events = ChoiceEvents(head)
-        final, offsets, echoed = {}, {}, set()
-        async for sub, state in self._merged(subs):
+    def _chat_chunks(self, response_id: str, req: ChatCompletionRequest, subs: list[EngineRequest]) -> AsyncIterator[str]:
+        opening = tuple({"index": sub.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None} for sub in subs)
+        return self._chunks(response_id, "chat.completion.chunk", subs, partial(self._chat_delta, req),
+                            req.include_usage, opening)
+
+    def _chat_delta(self, req: ChatCompletionRequest, sub: EngineRequest, state: RequestState) -> dict | None:
+        start = state.sent_tokens
+        text, ids = state.take_delta()
+        if not text and not state.finished and not (req.logprobs and ids):
+            return None
+        logprobs = None
+        if req.logprobs:
+            entries = state.logprobs[start : start + len(ids)]
+            logprobs = {"content": self.logprobs.chat(ids, entries, req.top_logprobs or 0)}
+        if sub.output is not None:  # the text released so far (stop strings held back), parsed
+            delta = sub.output.delta(state.text[: state.sent_chars], state.finished)
+            if not delta and not state.finished and not logprobs:
+                return None  # all of it held back (a marker still arriving)
+        else:
+            delta = {"content": text} if text else {}
+        return {"index": sub.index, "delta": delta, "logprobs": logprobs,
+                "finish_reason": _chat_finish_reason(sub, state) if state.finished else None}
+
+    def _completion_chunks(self, response_id: str, req: CompletionRequest, subs: list[EngineRequest]) -> AsyncIterator[str]:
+        offsets, echoed = {}, set()
+
+        def choice_of(sub: EngineRequest, state: RequestState) -> dict | None:
             start = state.sent_tokens
             text, ids = state.take_delta()
             entries = state.logprobs[start : start + len(ids)]
@@ -325,19 +340,14 @@ class OpenAIServing:
                 entries = (state.prompt_logprobs or [None] * len(sub.prompt_ids)) + entries
                 ids = sub.prompt_ids + ids
             if not text and not state.finished and not (req.logprobs is not None and ids):
-                continue
+                return None
             logprobs = None
             if req.logprobs is not None:
                 logprobs, offsets[sub.index] = self.logprobs.completion(ids, entries, offsets.get(sub.index, 0))
-            yield events.event({"index": sub.index, "text": text, "logprobs": logprobs,
-                                "finish_reason": state.finish_reason if state.finished else None})
-            if self.on_chunk_written is not None:
-                self.on_chunk_written(state)
-            if state.finished:
-                final[sub.index] = state
-        if req.include_usage:
-            yield sse(head | {"choices": [], "usage": self._usage(subs, [final[s.index] for s in subs])})
-        yield sse("[DONE]")
+            return {"index": sub.index, "text": text, "logprobs": logprobs,
+                    "finish_reason": state.finish_reason if state.finished else None}
+
+        return self._chunks(response_id, "text_completion", subs, choice_of, req.include_usage)
 
 
 def _require_tokenizer(tok, what: str):
