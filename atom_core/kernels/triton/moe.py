@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from atom_core.kernels.moe_ref import SWIGLU_ALPHA, check_activation
+from atom_core.kernels.triton.moe_common import block_rows, block_token_rows
 from atom_core.kernels.triton.common import (
     check_dim, check_float, check_int, check_last_dim_contiguous, check_same_device, next_pow2,
 )
@@ -110,12 +111,7 @@ def _gemm1_kernel(
     pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(INTER, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    flat = tl.load(sorted_ptr + rows)
-    row_ok = flat < num_assignments
-    # Pad rows compute on token 0 and are stored too, so GEMM2 never reads unwritten memory.
-    token = tl.where(row_ok, flat // TOP_K, 0).to(tl.int64)
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    rows, token, expert = block_token_rows(pid_m, sorted_ptr, expert_ids_ptr, num_assignments, TOP_K, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_n = cols % INTER  # columns past I wrap onto real rows; they are never stored
     offs_k = tl.arange(0, BLOCK_K)
@@ -163,10 +159,8 @@ def _gemm2_kernel(
     pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(HIDDEN, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    flat = tl.load(sorted_ptr + rows)
+    rows, flat, expert = block_rows(pid_m, sorted_ptr, expert_ids_ptr, BLOCK_M)
     row_ok = flat < num_assignments
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_n = cols % HIDDEN
     offs_k = tl.arange(0, BLOCK_K)

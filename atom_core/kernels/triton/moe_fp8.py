@@ -46,6 +46,7 @@ import triton.language as tl
 from atom_core.kernels.moe_ref import check_activation
 from atom_core.kernels.triton.common import check_dim, check_float, check_int, check_same_device
 from atom_core.kernels.triton.fp8 import quantize_fp8_per_token_group as quantize_triton
+from atom_core.kernels.triton.moe_common import block_rows, block_token_rows
 from atom_core.kernels.triton.moe import (
     ACTIVATIONS, GemmTile, MoeConfig, _activate, _tile_ids, moe_align_block_size, moe_sum,
 )
@@ -93,11 +94,7 @@ def _gemm1_kernel(
     pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(INTER, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    flat = tl.load(sorted_ptr + rows)
-    # Pad rows compute on token 0 and are stored too, so the next launches never read unwritten memory.
-    token = tl.where(flat < num_assignments, flat // TOP_K, 0).to(tl.int64)
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    rows, token, expert = block_token_rows(pid_m, sorted_ptr, expert_ids_ptr, num_assignments, TOP_K, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_n = cols % INTER  # columns past I wrap onto real rows; they are never stored
     offs_k = tl.arange(0, BLOCK_K)
@@ -137,10 +134,8 @@ def _gemm2_kernel(
     pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(HIDDEN, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    flat = tl.load(sorted_ptr + rows)
+    rows, flat, expert = block_rows(pid_m, sorted_ptr, expert_ids_ptr, BLOCK_M)
     row_ok = flat < num_assignments
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_n = cols % HIDDEN
     offs_k = tl.arange(0, BLOCK_K)

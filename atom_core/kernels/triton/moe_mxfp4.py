@@ -40,6 +40,7 @@ import triton.language as tl
 
 from atom_core.kernels.moe_ref import SWIGLU_ALPHA, check_activation
 from atom_core.kernels.triton.common import check_dim, check_float, check_int, check_same_device
+from atom_core.kernels.triton.moe_common import block_rows, block_token_rows
 from atom_core.kernels.triton.moe import GemmTile, MoeConfig, _tile_ids, moe_align_block_size, moe_sum
 from atom_core.kernels.triton.moe_mxfp4_decode import GEMV_MAX_ASSIGNMENTS, can_use_gemv, fused_moe_mxfp4_gemv
 
@@ -200,11 +201,7 @@ def _gemm1_kernel(
     pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(INTER, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    flat = tl.load(sorted_ptr + rows)
-    # Pad rows compute on token 0 and are stored too, so GEMM2 never reads unwritten memory.
-    token = tl.where(flat < num_assignments, flat // TOP_K, 0).to(tl.int64)
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    rows, token, expert = block_token_rows(pid_m, sorted_ptr, expert_ids_ptr, num_assignments, TOP_K, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_n = cols % INTER  # columns past I wrap onto real rows; they are never stored
     g_ptrs, gs_ptrs = _weight_ptrs(w_ptr, s_ptr, expert, offs_n, stride_we, stride_wn, stride_se, stride_sn, BLOCK_K)
@@ -260,10 +257,8 @@ def _gemm2_kernel(
     pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(HIDDEN, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    flat = tl.load(sorted_ptr + rows)
+    rows, flat, expert = block_rows(pid_m, sorted_ptr, expert_ids_ptr, BLOCK_M)
     row_ok = flat < num_assignments
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_n = cols % HIDDEN
     w_ptrs, ws_ptrs = _weight_ptrs(w_ptr, s_ptr, expert, offs_n, stride_we, stride_wn, stride_se, stride_sn, BLOCK_K)

@@ -1,0 +1,36 @@
+"""Triton pieces every tiled fused-MoE GEMM shares (moe.py bf16, moe_fp8, moe_w4a16, moe_mxfp4).
+
+A program owns BLOCK_M rows of the expert-aligned assignment list (moe_routing: every BLOCK_M rows
+share one expert; pad rows hold ids >= num_assignments) and BLOCK_N output columns. GEMM1 writes
+its rows in aligned order; GEMM2 weights each row by its top-k weight and writes it at its flat id
+t*K + k. The format-specific part of each kernel (operand loads, dequantization, the dot) stays in
+its own file. These helpers are inlined by Triton: the kernels compile to the same PTX as when the
+lines were written out in each kernel.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def block_rows(pid_m, sorted_ptr, expert_ids_ptr, BLOCK_M: tl.constexpr):
+    """The block's aligned rows [BLOCK_M], their flat ids t*K + k (pad rows: >= num_assignments)
+    and the block's expert (int64, for pointer arithmetic)."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    flat = tl.load(sorted_ptr + rows)
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    return rows, flat, expert
+
+
+@triton.jit
+def block_token_rows(pid_m, sorted_ptr, expert_ids_ptr, num_assignments, TOP_K: tl.constexpr,
+                     BLOCK_M: tl.constexpr):
+    """GEMM1's view of the block: its aligned rows, the token each row gathers (int64) and the
+    expert. Pad rows gather token 0 and are stored too, so the next launch never reads unwritten
+    memory. The expert is loaded after the tokens, as the kernels had it (same PTX order)."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    flat = tl.load(sorted_ptr + rows)
+    token = tl.where(flat < num_assignments, flat // TOP_K, 0).to(tl.int64)
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    return rows, token, expert
