@@ -165,33 +165,30 @@ def _chat_event(event: dict, output: RequestOutput, timer: _StreamTimer) -> None
 
 
 async def request_openai_completions(client: httpx.AsyncClient, inp: RequestInput) -> RequestOutput:
-    payload = {
-        "model": inp.model,
-        "prompt": inp.prompt,
-        "temperature": 0.0,
-        "max_tokens": inp.output_len,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    if inp.ignore_eos:
-        payload["ignore_eos"] = True
-    payload.update(inp.extra_body)
-    return await _post_stream(client, inp, payload, _completion_event)
+    return await _openai_stream(client, inp, {"prompt": inp.prompt}, "max_tokens", _completion_event)
 
 
 async def request_openai_chat(client: httpx.AsyncClient, inp: RequestInput) -> RequestOutput:
+    messages = {"messages": [{"role": "user", "content": inp.prompt}]}
+    return await _openai_stream(client, inp, messages, "max_completion_tokens", _chat_event)
+
+
+async def _openai_stream(client: httpx.AsyncClient, inp: RequestInput, prompt: dict, max_tokens_key: str,
+                         on_event) -> RequestOutput:
+    """Both OpenAI endpoints' greedy streaming request with usage; they differ in how the prompt
+    and the length cap are named."""
     payload = {
         "model": inp.model,
-        "messages": [{"role": "user", "content": inp.prompt}],
+        **prompt,
         "temperature": 0.0,
-        "max_completion_tokens": inp.output_len,
+        max_tokens_key: inp.output_len,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
     if inp.ignore_eos:
         payload["ignore_eos"] = True
     payload.update(inp.extra_body)
-    return await _post_stream(client, inp, payload, _chat_event)
+    return await _post_stream(client, inp, payload, on_event)
 
 
 async def request_tgi(client: httpx.AsyncClient, inp: RequestInput) -> RequestOutput:
