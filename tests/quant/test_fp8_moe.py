@@ -37,6 +37,7 @@ from atom_core.quant.fp8 import fused_moe_fp8_block_ref
 from atom_core.quant.fp8_ops import FP8_DTYPE, fp8_block_linear_ref, quantize_fp8_block
 from tests.kernels.conftest import device  # noqa: F401  (the cpu-interpreter / cuda fixture)
 from tests.kernels.tolerances import INTERPRET, TOL, rel_err
+from tests.quant.moe_layers import bf16_moe_layer
 
 BF16_TOL = 4e-2  # see the module docstring
 
@@ -249,25 +250,16 @@ class TestOnCuda:
     def test_layer_method_runs_the_kernel_on_cuda(self, monkeypatch):
         """Fp8BlockMoEMethod.apply on a CUDA layer calls the fused kernel (and equals the reference)."""
         from atom_core.kernels.triton import moe_fp8
-        from atom_core.model_ops.moe import FusedMoE, MoERouting
         from atom_core.quant.fp8 import Fp8Config
 
         calls = []
         kernel = moe_fp8.fused_moe_fp8_block
         monkeypatch.setattr(moe_fp8, "fused_moe_fp8_block", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
         qc = Fp8Config.from_config({"quant_method": "fp8", "weight_block_size": [128, 128]})
-        with torch.device("cuda"):
-            old = torch.get_default_dtype()
-            torch.set_default_dtype(torch.bfloat16)
-            try:
-                layer = FusedMoE(8, 256, 128, MoERouting(top_k=2, renormalize=True), "mlp.experts", qc)
-            finally:
-                torch.set_default_dtype(old)
         w13, s13 = random_block_fp8(8, 256, 256)
         w2, s2 = random_block_fp8(8, 256, 128)
-        for name, value in (("w13_weight", w13), ("w13_weight_scale_inv", s13), ("w2_weight", w2),
-                            ("w2_weight_scale_inv", s2)):
-            getattr(layer, name).data.copy_(value)
+        layer = bf16_moe_layer(qc, {"w13_weight": w13, "w13_weight_scale_inv": s13, "w2_weight": w2,
+                                    "w2_weight_scale_inv": s2})
         x = torch.randn(5, 256, device="cuda").bfloat16()
         logits = torch.randn(5, 8, device="cuda")
         out = layer(x, logits)

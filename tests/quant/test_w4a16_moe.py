@@ -22,6 +22,7 @@ from atom_core.quant.int4_moe import fused_moe_w4a16_ref
 from atom_core.quant.int_ops import pack_int4
 from tests.kernels.conftest import device  # noqa: F401  (the cpu-interpreter / cuda fixture)
 from tests.kernels.tolerances import INTERPRET, TOL, rel_err
+from tests.quant.moe_layers import bf16_moe_layer
 
 
 def seeded(*key) -> torch.Generator:
@@ -346,25 +347,16 @@ class TestOnCuda:
     def test_layer_method_runs_the_kernel_on_cuda(self, monkeypatch):
         """CompressedTensorsW4A16MoEMethod.apply on a CUDA layer calls the fused kernel and equals the reference."""
         from atom_core.kernels.triton import moe_w4a16
-        from atom_core.model_ops.moe import FusedMoE, MoERouting
 
         calls = []
         kernel = moe_w4a16.fused_moe_w4a16
         monkeypatch.setattr(moe_w4a16, "fused_moe_w4a16", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
         qc = TestConfig()._config({"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
                                    "group_size": 64})
-        with torch.device("cuda"):
-            old = torch.get_default_dtype()
-            torch.set_default_dtype(torch.bfloat16)
-            try:
-                layer = FusedMoE(8, 256, 128, MoERouting(top_k=2, renormalize=True), "mlp.experts", qc)
-            finally:
-                torch.set_default_dtype(old)
         args = kernel_inputs(("layer",), 8, 256, 128, 5, 2, 64, torch.bfloat16, "cuda")
         x, w13, s13, _, w2, s2 = args[:6]
-        for name, value in (("w13_weight_packed", w13), ("w13_weight_scale", s13), ("w2_weight_packed", w2),
-                            ("w2_weight_scale", s2)):
-            getattr(layer, name).data.copy_(value)
+        layer = bf16_moe_layer(qc, {"w13_weight_packed": w13, "w13_weight_scale": s13, "w2_weight_packed": w2,
+                                    "w2_weight_scale": s2})
         logits = torch.randn(5, 8, device="cuda")
         out = layer(x, logits)
         weights, ids = moe_ref.moe_route(logits, 2, renormalize=True)
