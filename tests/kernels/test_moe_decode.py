@@ -9,11 +9,9 @@ compiles both kernels offline (no GPU) and requires no register spills:
 """
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 import zlib
+from functools import partial
 
 import pytest
 import torch
@@ -23,6 +21,7 @@ triton = pytest.importorskip("triton")
 from atom_core.kernels import moe_ref  # noqa: E402
 from atom_core.kernels.triton import moe as tm  # noqa: E402
 from atom_core.kernels.triton import moe_decode as dec  # noqa: E402
+from tests.kernels.import_switch import run_with_env  # noqa: E402
 from tests.kernels.tolerances import INTERPRET, TOL, rel_err  # noqa: E402
 
 SMALL_TILES = dec.GemvTiles((4, 32, 1), (2, 32))  # several K steps with a tail, several row blocks with a tail
@@ -325,9 +324,7 @@ class TestPathChoice:
 
     def test_env_var_sets_the_decode_path_at_import_and_bad_values_fail_clearly(self):
         code = "from atom_core.kernels.triton import moe; print(moe.moe_decode.decode_path())"
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("ATOM_", "TRITON_INTERPRET"))}
-        run = lambda value: subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,  # noqa: E731
-                                           env={**env, "ATOM_MOE_DECODE_PATH": value})
+        run = partial(run_with_env, code, "ATOM_MOE_DECODE_PATH")
         assert run("gemv").stdout.strip() == "gemv"
         assert run("").stdout.strip() == "tiled"
         bad = run("fast")

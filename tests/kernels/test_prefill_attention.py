@@ -7,9 +7,7 @@ Without the interpreter the CPU runs the metadata, env and offline sm_90 compile
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+from functools import partial
 
 import pytest
 import torch
@@ -18,6 +16,7 @@ triton = pytest.importorskip("triton")
 
 from atom_core.kernels.triton import prefill_attention as pa  # noqa: E402
 from atom_core.kernels.triton.attention import launch_paged_attention  # noqa: E402
+from tests.kernels.import_switch import run_with_env  # noqa: E402
 from tests.kernels.tolerances import INTERPRET, TOL, rel_err  # noqa: E402
 
 SMALL_TILES = pa.PrefillTileConfig(32, 16, 4, 2)  # several q and key tiles even at interpreter sizes
@@ -353,9 +352,7 @@ class TestSwitch:
 
     def test_env_var_sets_the_mode_at_import_and_bad_values_fail_clearly(self):
         code = "from atom_core.kernels.triton import prefill_attention as p; print(p.prefill_attention_mode())"
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("ATOM_", "TRITON_INTERPRET"))}
-        run = lambda value: subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,  # noqa: E731
-                                           env={**env, "ATOM_PREFILL_ATTENTION": value})
+        run = partial(run_with_env, code, "ATOM_PREFILL_ATTENTION")
         assert run("contiguous").stdout.strip() == "contiguous"
         assert run("").stdout.strip() == "paged"
         bad = run("flash")
