@@ -78,6 +78,20 @@ def prompt_logits(model, prompt: list[int], block_size: int = 16) -> torch.Tenso
         release_kv_cache(layers)
 
 
+def random_prompts(vocab: int, prompt_lens: list[int], shared_prefix: int = 0) -> list[list[int]]:
+    """Seeded random prompts of the given lengths (ids from 3 up: no special tokens), each after
+    one shared random prefix of `shared_prefix` tokens."""
+    g = torch.Generator().manual_seed(1234)
+    prefix = torch.randint(3, vocab, (shared_prefix,), generator=g).tolist()
+    return [prefix + torch.randint(3, vocab, (n,), generator=g).tolist() for n in prompt_lens]
+
+
+def assert_same_tokens(outputs: list[dict], ref: list[list[int]], prompt_lens: list[int]) -> None:
+    """Each engine output's token ids equal the reference's, naming the first prompt that diverged."""
+    for i, (out, expected) in enumerate(zip(outputs, ref)):
+        assert out["token_ids"] == expected, f"prompt {i} (len {prompt_lens[i]}) diverged"
+
+
 def hf_greedy(hf_model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """HF transformers' greedy continuation of each prompt, with no EOS (exactly max_tokens each)."""
     from transformers import GenerationConfig

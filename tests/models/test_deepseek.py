@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from atom_core import LLMEngine, SamplingParams
-from tests.models.harness import hf_greedy
+from tests.models.harness import assert_same_tokens, hf_greedy, random_prompts
 
 PROMPT_LENS = [1, 9, 40, 130]
 MAX_TOKENS = 16
@@ -57,12 +57,6 @@ def build_tiny_deepseek(path: Path, version: str, seed: int = 0, **overrides) ->
     return path
 
 
-def _prompts(vocab: int, shared_prefix: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(1234)
-    prefix = torch.randint(3, vocab, (shared_prefix,), generator=g).tolist()
-    return [prefix + torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
-
-
 @pytest.fixture(scope="module", params=["v2", "v3"])
 def model_and_ref(request, tmp_path_factory):
     from transformers import AutoModelForCausalLM
@@ -70,33 +64,28 @@ def model_and_ref(request, tmp_path_factory):
     path = build_tiny_deepseek(tmp_path_factory.mktemp(f"tiny_deepseek_{request.param}"), request.param)
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    prompts, shared = _prompts(vocab), _prompts(vocab, shared_prefix=100)
+    prompts, shared = random_prompts(vocab, PROMPT_LENS), random_prompts(vocab, PROMPT_LENS, shared_prefix=100)
     return path, prompts, hf_greedy(hf, prompts, MAX_TOKENS), shared, hf_greedy(hf, shared, MAX_TOKENS)
-
-
-def _check(outputs, ref):
-    for i, (out, expected) in enumerate(zip(outputs, ref)):
-        assert out["token_ids"] == expected, f"prompt {i} (len {PROMPT_LENS[i]}) diverged"
 
 
 def test_defaults(model_and_ref):
     path, prompts, ref, _, _ = model_and_ref
     engine = LLMEngine(str(path))
-    _check(engine.generate(prompts, GREEDY), ref)
+    assert_same_tokens(engine.generate(prompts, GREEDY), ref, PROMPT_LENS)
     assert engine.core.kv.num_free_blocks == engine.core.kv.num_blocks
 
 
 def test_chunked_prefill(model_and_ref):
     path, prompts, ref, _, _ = model_and_ref
     engine = LLMEngine(str(path), max_num_batched_tokens=64)
-    _check(engine.generate(prompts, GREEDY), ref)
+    assert_same_tokens(engine.generate(prompts, GREEDY), ref, PROMPT_LENS)
 
 
 def test_prefix_caching_with_shared_prefixes(model_and_ref):
     path, _, _, shared, shared_ref = model_and_ref
     engine = LLMEngine(str(path), enable_prefix_caching=True)
     assert engine.generate([shared[0]], GREEDY)[0]["token_ids"] == shared_ref[0]
-    _check(engine.generate(shared, GREEDY), shared_ref)
+    assert_same_tokens(engine.generate(shared, GREEDY), shared_ref, PROMPT_LENS)
     assert engine.core.kv.num_hit_tokens >= 3 * 96  # 6 full blocks of the 100-token prefix, per later prompt
     assert engine.core.kv.num_free_blocks == engine.core.kv.num_blocks
 
@@ -104,7 +93,7 @@ def test_prefix_caching_with_shared_prefixes(model_and_ref):
 def test_max_num_seqs_two_with_preemption(model_and_ref):
     path, prompts, ref, _, _ = model_and_ref
     engine = LLMEngine(str(path), max_num_seqs=2, num_kv_blocks=11, max_model_len=160)
-    _check(engine.generate(prompts, GREEDY), ref)
+    assert_same_tokens(engine.generate(prompts, GREEDY), ref, PROMPT_LENS)
     assert engine.core.kv.num_free_blocks == engine.core.kv.num_blocks
 
 
@@ -133,7 +122,7 @@ def test_mtp_layer_weights_are_skipped(model_and_ref, tmp_path):
     weights["model.layers.3.self_attn.kv_b_proj.weight"] = torch.zeros(4 * 40, 32)
     save_file(weights, str(copy / "model.safetensors"), metadata={"format": "pt"})
     engine = LLMEngine(str(copy))
-    _check(engine.generate(model_and_ref[1][:2], GREEDY), model_and_ref[2][:2])
+    assert_same_tokens(engine.generate(model_and_ref[1][:2], GREEDY), model_and_ref[2][:2], PROMPT_LENS)
 
 
 @pytest.mark.gpu
@@ -144,5 +133,5 @@ def test_cuda_engine_matches_hf(model_and_ref, eager):
     on the CPU; chunked prefill so prefill chunks, decode rows and mixed batches all occur."""
     path, prompts, ref, _, _ = model_and_ref
     engine = LLMEngine(str(path), device="cuda", dtype="float32", max_num_batched_tokens=64, enforce_eager=eager)
-    _check(engine.generate(prompts, GREEDY), ref)
+    assert_same_tokens(engine.generate(prompts, GREEDY), ref, PROMPT_LENS)
     assert engine.core.kv.num_free_blocks == engine.core.kv.num_blocks

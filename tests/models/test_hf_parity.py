@@ -4,17 +4,11 @@ import pytest
 import torch
 
 from atom_core import LLMEngine, SamplingParams
-from tests.models.harness import hf_greedy
+from tests.models.harness import assert_same_tokens, hf_greedy, random_prompts
 
 PROMPT_LENS = [1, 7, 20, 50, 100, 150, 220, 300]
 MAX_TOKENS = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-
-
-def _prompts(vocab: int, shared_prefix: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(1234)
-    prefix = torch.randint(3, vocab, (shared_prefix,), generator=g).tolist()
-    return [prefix + torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
 def _hf_greedy(path, prompts):
@@ -28,27 +22,22 @@ def _hf_greedy(path, prompts):
 def model_and_ref(request):
     path = request.getfixturevalue(f"tiny_{request.param}")
     vocab = __import__("json").load(open(path / "config.json"))["vocab_size"]
-    prompts = _prompts(vocab)
-    shared = _prompts(vocab, shared_prefix=100)
+    prompts = random_prompts(vocab, PROMPT_LENS)
+    shared = random_prompts(vocab, PROMPT_LENS, shared_prefix=100)
     return path, prompts, _hf_greedy(path, prompts), shared, _hf_greedy(path, shared)
-
-
-def _check(outputs, ref):
-    for i, (out, expected) in enumerate(zip(outputs, ref)):
-        assert out["token_ids"] == expected, f"prompt {i} (len {PROMPT_LENS[i]}) diverged"
 
 
 def test_defaults(model_and_ref):
     path, prompts, ref, _, _ = model_and_ref
     engine = LLMEngine(str(path))
-    _check(engine.generate(prompts, GREEDY), ref)
+    assert_same_tokens(engine.generate(prompts, GREEDY), ref, PROMPT_LENS)
     assert engine.core.kv.num_free_blocks == engine.core.kv.num_blocks
 
 
 def test_chunked_prefill(model_and_ref):
     path, prompts, ref, _, _ = model_and_ref
     engine = LLMEngine(str(path), max_num_batched_tokens=64)
-    _check(engine.generate(prompts, GREEDY), ref)
+    assert_same_tokens(engine.generate(prompts, GREEDY), ref, PROMPT_LENS)
     assert engine.core.kv.num_free_blocks == engine.core.kv.num_blocks
 
 
@@ -57,7 +46,7 @@ def test_prefix_caching_with_shared_prefixes(model_and_ref):
     engine = LLMEngine(str(path), enable_prefix_caching=True)
     first = engine.generate([shared[0]], GREEDY)  # computes and caches the shared prefix
     assert first[0]["token_ids"] == shared_ref[0]
-    _check(engine.generate(shared, GREEDY), shared_ref)
+    assert_same_tokens(engine.generate(shared, GREEDY), shared_ref, PROMPT_LENS)
     assert engine.core.kv.num_hit_tokens >= 7 * 96  # 6 full blocks of the 100-token prefix, per later prompt
     assert engine.core.kv.num_free_blocks == engine.core.kv.num_blocks
 
@@ -65,7 +54,7 @@ def test_prefix_caching_with_shared_prefixes(model_and_ref):
 def test_preemption_keeps_outputs(model_and_ref):
     path, prompts, ref, _, _ = model_and_ref
     engine = LLMEngine(str(path), num_kv_blocks=24, max_model_len=340, enable_prefix_caching=False)
-    _check(engine.generate(prompts, GREEDY), ref)
+    assert_same_tokens(engine.generate(prompts, GREEDY), ref, PROMPT_LENS)
     assert engine.core.scheduler.num_preemptions > 0
     assert engine.core.kv.num_free_blocks == engine.core.kv.num_blocks
 
@@ -73,7 +62,7 @@ def test_preemption_keeps_outputs(model_and_ref):
 def test_preemption_with_prefix_caching(model_and_ref):
     path, prompts, ref, _, _ = model_and_ref
     engine = LLMEngine(str(path), num_kv_blocks=24, max_model_len=340, max_num_batched_tokens=64)
-    _check(engine.generate(prompts, GREEDY), ref)
+    assert_same_tokens(engine.generate(prompts, GREEDY), ref, PROMPT_LENS)
     assert engine.core.scheduler.num_preemptions > 0
     assert engine.core.kv.num_free_blocks == engine.core.kv.num_blocks
 
@@ -81,7 +70,7 @@ def test_preemption_with_prefix_caching(model_and_ref):
 def test_max_num_seqs_two(model_and_ref):
     path, prompts, ref, _, _ = model_and_ref
     engine = LLMEngine(str(path), max_num_seqs=2)
-    _check(engine.generate(prompts, GREEDY), ref)
+    assert_same_tokens(engine.generate(prompts, GREEDY), ref, PROMPT_LENS)
 
 
 def test_prompt_logprobs_match_hf_logits(model_and_ref):
