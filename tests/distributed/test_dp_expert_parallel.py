@@ -16,6 +16,7 @@ import torch
 
 from atom_core import LLMEngine, SamplingParams
 from atom_core.config import EngineConfig
+from tests.distributed.dead_engine import assert_engine_dead
 from tests.distributed.engines import ThreadedEngine
 from tests.distributed.ranks import replica_checks, run_ranks
 from tests.models.harness import hf_greedy
@@ -212,14 +213,7 @@ def test_served_then_a_dead_replica_fails_fast(moe_path, tmp_path):
         assert len(cores) == 2
         os.kill(cores[0], signal.SIGKILL)
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            health = httpx.get(f"{srv.url}/health", timeout=10)
-            if health.status_code == 503:
-                break
-            time.sleep(0.2)
-        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead", health.text
-        r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=20)
-        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        assert_engine_dead(srv, body, deadline)
         while time.monotonic() < deadline and "another replica has died" not in srv.log():
             time.sleep(0.2)  # the survivor's collectives fail with a message naming the cause
         assert "a collective with the replicas that share its experts failed; another replica has died" in srv.log()

@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.distributed.dead_engine import assert_engine_dead
 from tests.server.conftest import ENGINE_ARGS, atomctl_cmd, free_port, start_server
 
 BODY = {"prompt": [5, 6, 7, 8, 9], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
@@ -39,18 +40,6 @@ def _complete(srv) -> list[int]:
     return r.json()["choices"][0]["text"]
 
 
-def _assert_dead(srv) -> None:
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        health = httpx.get(f"{srv.url}/health", timeout=10)
-        if health.status_code == 503:
-            break
-        time.sleep(0.2)
-    assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead", health.text
-    r = httpx.post(f"{srv.url}/v1/completions", json={**BODY, "model": srv.model_name}, timeout=20)
-    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
-
-
 @pytest.fixture(scope="module")
 def reference_text(tiny_dist_models):
     from atom_core import LLMEngine, SamplingParams
@@ -69,7 +58,7 @@ def test_tp2_server_serves_then_fails_fast_when_a_worker_dies(tiny_dist_models, 
         # The next step finds the dead rank; a request in flight or new must fail, not hang.
         r = httpx.post(f"{srv.url}/v1/completions", json={**BODY, "model": srv.model_name}, timeout=30)
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
-        _assert_dead(srv)
+        assert_engine_dead(srv, {**BODY, "model": srv.model_name}, time.monotonic() + 20)
         assert "tensor-parallel worker rank 1" in srv.log()
     finally:
         srv.stop()
@@ -92,7 +81,7 @@ def test_two_local_nodes(tiny_dist_models, tmp_path, reference_text):
             # No local process to watch: the next step's collective finds the dead rank.
             r = httpx.post(f"{srv.url}/v1/completions", json={**BODY, "model": srv.model_name}, timeout=30)
             assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
-            _assert_dead(srv)
+            assert_engine_dead(srv, {**BODY, "model": srv.model_name}, time.monotonic() + 20)
             assert "possibly on another node" in srv.log()
         finally:
             srv.stop()
