@@ -39,7 +39,9 @@ import triton
 import triton.language as tl
 
 from atom_core.kernels.moe_ref import SWIGLU_ALPHA, check_activation
-from atom_core.kernels.triton.moe_common import block_rows, block_token_rows
+from atom_core.kernels.triton.moe_common import (
+    block_rows, block_token_rows, store_aligned_rows, store_weighted_rows,
+)
 from atom_core.kernels.triton.common import (
     check_dim, check_float, check_int, check_last_dim_contiguous, check_same_device, next_pow2,
 )
@@ -142,8 +144,7 @@ def _gemm1_kernel(
         acc_g += tl.load(b_ptrs).to(tl.float32)[None, :]
         acc_u += tl.load(b_ptrs + INTER).to(tl.float32)[None, :]
     act = _activate(acc_g, acc_u, limit, ACTIVATION)
-    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_ot + cols[None, :]
-    tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=(cols < INTER)[None, :])
+    store_aligned_rows(out_ptr, act, rows, cols, stride_ot, INTER)
 
 
 @triton.jit(do_not_specialize=["num_assignments", "num_m_blocks"])
@@ -182,9 +183,7 @@ def _gemm2_kernel(
         b_ptrs += BLOCK_K
     if HAS_BIAS:
         acc += tl.load(bias_ptr + expert * stride_be + offs_n).to(tl.float32)[None, :]
-    acc *= tl.load(topk_weights_ptr + flat, mask=row_ok, other=0.0)[:, None]
-    out_ptrs = out_ptr + flat.to(tl.int64)[:, None] * stride_ot + cols[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < HIDDEN)[None, :])
+    store_weighted_rows(out_ptr, acc, topk_weights_ptr, flat, row_ok, cols, stride_ot, HIDDEN)
 
 
 @triton.jit

@@ -34,3 +34,20 @@ def block_token_rows(pid_m, sorted_ptr, expert_ids_ptr, num_assignments, TOP_K: 
     token = tl.where(flat < num_assignments, flat // TOP_K, 0).to(tl.int64)
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     return rows, token, expert
+
+
+@triton.jit
+def store_aligned_rows(out_ptr, vals, rows, cols, stride_ot, N: tl.constexpr):
+    """GEMM1 epilogue: vals [BLOCK_M, BLOCK_N] (float32) rounded once to out's dtype at the block's
+    aligned rows, pad rows included; columns past N (wrapped onto real ones by the loads) are dropped."""
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_ot + cols[None, :]
+    tl.store(out_ptrs, vals.to(out_ptr.dtype.element_ty), mask=(cols < N)[None, :])
+
+
+@triton.jit
+def store_weighted_rows(out_ptr, acc, topk_weights_ptr, flat, row_ok, cols, stride_ot, N: tl.constexpr):
+    """GEMM2 epilogue: acc [BLOCK_M, BLOCK_N] (float32) times each row's top-k weight, rounded once
+    and stored at row t*K + k (the row's flat id); pad rows and columns past N are not stored."""
+    acc *= tl.load(topk_weights_ptr + flat, mask=row_ok, other=0.0)[:, None]
+    out_ptrs = out_ptr + flat.to(tl.int64)[:, None] * stride_ot + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < N)[None, :])

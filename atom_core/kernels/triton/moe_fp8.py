@@ -46,7 +46,9 @@ import triton.language as tl
 from atom_core.kernels.moe_ref import check_activation
 from atom_core.kernels.triton.common import check_dim, check_float, check_int, check_same_device
 from atom_core.kernels.triton.fp8 import quantize_fp8_per_token_group as quantize_triton
-from atom_core.kernels.triton.moe_common import block_rows, block_token_rows
+from atom_core.kernels.triton.moe_common import (
+    block_rows, block_token_rows, store_aligned_rows, store_weighted_rows,
+)
 from atom_core.kernels.triton.moe import (
     ACTIVATIONS, GemmTile, MoeConfig, _activate, _tile_ids, moe_align_block_size, moe_sum,
 )
@@ -118,8 +120,7 @@ def _gemm1_kernel(
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
     act = _activate(acc_g, acc_u, limit, ACTIVATION)
-    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_ot + cols[None, :]
-    tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=(cols < INTER)[None, :])
+    store_aligned_rows(out_ptr, act, rows, cols, stride_ot, INTER)
 
 
 @triton.jit(do_not_specialize=["num_assignments", "num_m_blocks"])
@@ -151,9 +152,7 @@ def _gemm2_kernel(
         acc += _dot_fp8(a, w, DOT_MODE) * (tl.load(as_ptrs + grp)[:, None] * tl.load(ws_ptrs + grp)[None, :])
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    acc *= tl.load(topk_weights_ptr + flat, mask=row_ok, other=0.0)[:, None]
-    out_ptrs = out_ptr + flat.to(tl.int64)[:, None] * stride_ot + cols[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < HIDDEN)[None, :])
+    store_weighted_rows(out_ptr, acc, topk_weights_ptr, flat, row_ok, cols, stride_ot, HIDDEN)
 
 
 _INTERPRETED = not isinstance(_gemm1_kernel, triton.runtime.jit.JITFunction)
