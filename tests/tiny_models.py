@@ -58,6 +58,19 @@ def _moe_model(arch: str, common: dict):
     raise ValueError(arch)
 
 
+def randomize_weights(model) -> None:
+    """Bigger-than-init weights (normal, std 0.15) so greedy outputs vary with the input instead of
+    repeating one token; HF initialises norms to 1 and biases to 0, so random 1-D values make a
+    skipped one show. Draws from torch's global generator: seed it first."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.15)
+        for name, t in model.state_dict().items():  # saved tensors only (not the rotary inv_freq)
+            if t.dim() == 1:
+                t.copy_(1 + 0.2 * torch.randn_like(t) if "norm" in name else 0.1 * torch.randn_like(t))
+
+
 def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, num_layers: int = 2) -> Path:
     """Save a tiny random `arch` (llama | qwen3 | qwen3_moe | mixtral | glm4_moe) model with a
     tokenizer into `path`."""
@@ -79,15 +92,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, num_layers:
         model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=32, tie_word_embeddings=True))
     else:
         model = _moe_model(arch, common)
-    # Bigger-than-init weights so greedy outputs vary with the input instead of repeating one token.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.15)
-        # HF initialises norms to 1 and biases to 0: random values make a skipped one show.
-        for name, t in model.state_dict().items():  # saved tensors only (not the rotary inv_freq)
-            if t.dim() == 1:
-                t.copy_(1 + 0.2 * torch.randn_like(t) if "norm" in name else 0.1 * torch.randn_like(t))
+    randomize_weights(model)
     model.save_pretrained(str(path))
     GenerationConfig(eos_token_id=eos, pad_token_id=0).save_pretrained(str(path))
     return path

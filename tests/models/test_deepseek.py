@@ -25,7 +25,7 @@ def build_tiny_deepseek(path: Path, version: str, seed: int = 0, **overrides) ->
     (config fields in `overrides` replace these)."""
     import transformers as tf
 
-    from tests.tiny_models import build_tokenizer
+    from tests.tiny_models import build_tokenizer, randomize_weights
 
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(path)
@@ -45,13 +45,7 @@ def build_tiny_deepseek(path: Path, version: str, seed: int = 0, **overrides) ->
         config = tf.DeepseekV3Config(**common, q_lora_rank=24, n_group=2, topk_group=1, routed_scaling_factor=2.5,
                                      norm_topk_prob=True, rope_interleave=True, rope_parameters=dict(YARN))
         model = tf.DeepseekV3ForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.15)
-        for name, t in model.state_dict().items():  # HF inits norms to 1, biases to 0
-            if t.dim() == 1:
-                t.copy_(1 + 0.2 * torch.randn_like(t) if "norm" in name else 0.1 * torch.randn_like(t))
+    randomize_weights(model)
     model.save_pretrained(str(path))
     tf.GenerationConfig(eos_token_id=eos, pad_token_id=0).save_pretrained(str(path))
     return path

@@ -19,7 +19,7 @@ def build_tiny_deepseek_v3_mtp(path: Path, own_copies: bool = True, seed: int = 
     import transformers as tf
     from safetensors.torch import load_file, save_file
 
-    from tests.tiny_models import build_tokenizer
+    from tests.tiny_models import build_tokenizer, randomize_weights
 
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(path)
@@ -34,13 +34,7 @@ def build_tiny_deepseek_v3_mtp(path: Path, own_copies: bool = True, seed: int = 
         rope_interleave=True, rope_parameters=dict(YARN))
     torch.manual_seed(seed)
     model = tf.DeepseekV3ForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.15)
-        for name, t in model.state_dict().items():  # random 1-D params: a skipped norm or bias shows
-            if t.dim() == 1:
-                t.copy_(1 + 0.2 * torch.randn_like(t) if "norm" in name else 0.1 * torch.randn_like(t))
+    randomize_weights(model)
     model.save_pretrained(str(path))
     tf.GenerationConfig(eos_token_id=eos, pad_token_id=0).save_pretrained(str(path))
     weights = load_file(str(path / "model.safetensors"))
