@@ -5,6 +5,8 @@ user's HF directory holds. Cached per session under a temp dir by the `tiny_mode
 """
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -56,6 +58,15 @@ def _moe_model(arch: str, common: dict):
             n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
             first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True))
     raise ValueError(arch)
+
+
+def copy_model_with(src: Path, dst: Path, file: str = "config.json", **changes) -> Path:
+    """A copy of the model directory `src` at `dst` whose JSON `file` has `changes` set."""
+    shutil.copytree(src, dst)
+    data = json.loads((dst / file).read_text())
+    data.update(changes)
+    (dst / file).write_text(json.dumps(data))
+    return dst
 
 
 def randomize_weights(model) -> None:

@@ -11,6 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from atomctl.main import app
+from tests.tiny_models import copy_model_with
 
 STATS = re.compile(r"^\[(\d+) request\(s\), (\d+) tokens, TTFT [\d.]+ ms, TPOT [\d.]+ ms, [\d.]+ tok/s\]$", re.M)
 OUTPUT_KEYS = {"text", "token_ids", "latency", "finish_reason", "num_tokens_input", "num_tokens_output", "ttft", "tpot"}
@@ -173,11 +174,7 @@ class TestErrors:
         assert_one_line_error(result, "model directory not found")
 
     def test_unknown_architecture(self, tiny_llama, tmp_path):
-        path = tmp_path / "foo"
-        shutil.copytree(tiny_llama, path)
-        config = json.loads((path / "config.json").read_text())
-        config["architectures"] = ["FooForCausalLM"]
-        (path / "config.json").write_text(json.dumps(config))
+        path = copy_model_with(tiny_llama, tmp_path / "foo", architectures=["FooForCausalLM"])
         result = invoke(["generate", "--model", str(path), "--device", "cpu", "hi"])
         assert_one_line_error(result, "FooForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM")
 

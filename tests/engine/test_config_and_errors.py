@@ -3,12 +3,12 @@ request never leaves anything queued or breaks the engine for the next one."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
 from atom_core import LLMEngine, SamplingParams
 from atom_core.config import EngineConfig
+from tests.tiny_models import copy_model_with
 
 
 @pytest.fixture(scope="module")
@@ -123,11 +123,7 @@ class TestModelDirectory:
             LLMEngine(str(tmp_path), device="cpu")
 
     def test_unknown_architecture_lists_the_supported_ones(self, tiny_llama, tmp_path):
-        path = tmp_path / "foo"
-        shutil.copytree(tiny_llama, path)
-        config = json.loads((path / "config.json").read_text())
-        config["architectures"] = ["FooForCausalLM"]
-        (path / "config.json").write_text(json.dumps(config))
+        path = copy_model_with(tiny_llama, tmp_path / "foo", architectures=["FooForCausalLM"])
         with pytest.raises(ValueError, match="FooForCausalLM") as err:
             LLMEngine(str(path), device="cpu")
         assert "LlamaForCausalLM" in str(err.value) and "Qwen3ForCausalLM" in str(err.value)

@@ -5,14 +5,13 @@ Stop cases are derived from what the model greedily emits, so they hold for any 
 """
 from __future__ import annotations
 
-import json
 import random
-import shutil
 
 import pytest
 
 from atom_core import LLMEngine, SamplingParams
 from atom_core.engine.detokenizer import IncrementalDetokenizer
+from tests.tiny_models import copy_model_with
 
 PROMPT = "naïve café 🚀"
 N = 20  # greedy reference length
@@ -158,11 +157,8 @@ class TestEos:
         """The tiny model with its generation_config EOS set to a token it greedily emits at k."""
         ids, _, _ = ref
         k = first_new_token(ids)
-        path = tmp_path_factory.mktemp("eos_model") / "m"
-        shutil.copytree(tiny_llama, path)
-        gen = json.loads((path / "generation_config.json").read_text())
-        gen["eos_token_id"] = ids[k]
-        (path / "generation_config.json").write_text(json.dumps(gen))
+        path = copy_model_with(tiny_llama, tmp_path_factory.mktemp("eos_model") / "m", "generation_config.json",
+                               eos_token_id=ids[k])
         eng = LLMEngine(str(path), device="cpu", num_kv_blocks=64)
         assert eng.core.files.eos_token_ids == {ids[k]}
         return eng, ids, k

@@ -8,7 +8,6 @@ layer fail at start. The demo model ships a trained MTP layer: real acceptance, 
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from atom_core import LLMEngine, SamplingParams
 from atom_core.loader.model_dir import DEMO_MODEL_DIR
 from tests.models.harness import hf_greedy
 from tests.spec_decode.mtp_models import build_tiny_deepseek_v3_mtp
+from tests.tiny_models import copy_model_with
 
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -149,12 +149,9 @@ class TestErrors:
             LLMEngine(str(tiny_llama), method="mtp", num_speculative_tokens=1)
 
     def test_a_declared_nextn_layer_without_weights_fails_at_start(self, tiny_llama, tmp_path):
-        shutil.copytree(tiny_llama, tmp_path / "m")
-        config = json.loads((tmp_path / "m" / "config.json").read_text())
-        config["num_nextn_predict_layers"] = 1
-        (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+        path = copy_model_with(tiny_llama, tmp_path / "m", num_nextn_predict_layers=1)
         with pytest.raises(ValueError, match="hold no model.layers.2.eh_proj.weight"):
-            LLMEngine(str(tmp_path / "m"), method="mtp", num_speculative_tokens=1)
+            LLMEngine(str(path), method="mtp", num_speculative_tokens=1)
 
     def test_k_defaults_to_one(self):
         from atom_core.config import EngineConfig
