@@ -40,10 +40,10 @@ import triton.language as tl
 
 from atom_core.kernels.moe_ref import SWIGLU_ALPHA, check_activation
 from atom_core.kernels.triton.moe_common import (
-    block_rows, block_token_rows, store_aligned_rows, store_weighted_rows,
+    block_rows, block_token_rows, check_routing, store_aligned_rows, store_weighted_rows,
 )
 from atom_core.kernels.triton.common import (
-    check_dim, check_float, check_int, check_last_dim_contiguous, check_same_device, next_pow2,
+    check_dim, check_float, check_last_dim_contiguous, check_same_device, next_pow2,
 )
 
 # Routing and alignment live beside this file; re-exported so one module holds the MoE API.
@@ -340,14 +340,7 @@ def _check_moe_args(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bia
                          f"and {tuple(w2.shape)}")
     if w13.dtype != hidden.dtype or w2.dtype != hidden.dtype:
         raise ValueError(f"w13 {w13.dtype} and w2 {w2.dtype} must have hidden's dtype {hidden.dtype}")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != num_tokens or topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"need topk_weights and topk_ids [T={num_tokens}, K], got {tuple(topk_weights.shape)} "
-                         f"and {tuple(topk_ids.shape)}")
-    check_int("topk_ids", topk_ids)
-    if topk_weights.dtype != torch.float32:
-        raise ValueError(f"topk_weights must be float32, got {topk_weights.dtype}")
-    if not (topk_ids.is_contiguous() and topk_weights.is_contiguous()):
-        raise ValueError("topk_weights and topk_ids must be contiguous")
+    check_routing(topk_weights, topk_ids, num_tokens)
     biases = (("w13_bias", w13_bias, (num_experts, 2 * inter)), ("w2_bias", w2_bias, (num_experts, hidden_size)))
     for name, t, shape in biases:
         if t is not None:

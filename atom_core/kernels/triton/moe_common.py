@@ -5,12 +5,16 @@ share one expert; pad rows hold ids >= num_assignments) and BLOCK_N output colum
 its rows in aligned order; GEMM2 weights each row by its top-k weight and writes it at its flat id
 t*K + k. The format-specific part of each kernel (operand loads, dequantization, the dot) stays in
 its own file. These helpers are inlined by Triton: the kernels compile to the same PTX as when the
-lines were written out in each kernel.
+lines were written out in each kernel. check_routing is the host-side check of the routing
+tensors every fused-MoE entry point takes.
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+from atom_core.kernels.triton.common import check_int
 
 
 @triton.jit
@@ -51,3 +55,16 @@ def store_weighted_rows(out_ptr, acc, topk_weights_ptr, flat, row_ok, cols, stri
     acc *= tl.load(topk_weights_ptr + flat, mask=row_ok, other=0.0)[:, None]
     out_ptrs = out_ptr + flat.to(tl.int64)[:, None] * stride_ot + cols[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < N)[None, :])
+
+
+def check_routing(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_tokens: int) -> None:
+    """topk_weights float32 and topk_ids integer, both [T, K] and contiguous: the kernels read them
+    by flat assignment id t*K + k."""
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != num_tokens or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"need topk_weights and topk_ids [T={num_tokens}, K], got {tuple(topk_weights.shape)} "
+                         f"and {tuple(topk_ids.shape)}")
+    check_int("topk_ids", topk_ids)
+    if topk_weights.dtype != torch.float32:
+        raise ValueError(f"topk_weights must be float32, got {topk_weights.dtype}")
+    if not (topk_ids.is_contiguous() and topk_weights.is_contiguous()):
+        raise ValueError("topk_weights and topk_ids must be contiguous")

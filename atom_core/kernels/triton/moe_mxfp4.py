@@ -39,9 +39,9 @@ import triton
 import triton.language as tl
 
 from atom_core.kernels.moe_ref import SWIGLU_ALPHA, check_activation
-from atom_core.kernels.triton.common import check_dim, check_float, check_int, check_same_device
+from atom_core.kernels.triton.common import check_dim, check_float, check_same_device
 from atom_core.kernels.triton.moe_common import (
-    block_rows, block_token_rows, store_aligned_rows, store_weighted_rows,
+    block_rows, block_token_rows, check_routing, store_aligned_rows, store_weighted_rows,
 )
 from atom_core.kernels.triton.moe import GemmTile, MoeConfig, _tile_ids, moe_align_block_size, moe_sum
 from atom_core.kernels.triton.moe_mxfp4_decode import GEMV_MAX_ASSIGNMENTS, can_use_gemv, fused_moe_mxfp4_gemv
@@ -386,12 +386,7 @@ def _check_args(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, ac
         if tuple(t.shape) != expect[name]:
             raise ValueError(f"{name} must be {list(expect[name])} for H={hidden_size}, I={inter}, E={num_experts}, "
                              f"got {tuple(t.shape)}")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != num_tokens or topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"need topk_weights and topk_ids [T={num_tokens}, K], got {tuple(topk_weights.shape)} "
-                         f"and {tuple(topk_ids.shape)}")
-    check_int("topk_ids", topk_ids)
-    if topk_weights.dtype != torch.float32 or not (topk_ids.is_contiguous() and topk_weights.is_contiguous()):
-        raise ValueError("topk_weights must be float32, and topk_weights and topk_ids contiguous")
+    check_routing(topk_weights, topk_ids, num_tokens)
     if hidden.stride(1) != 1:
         raise ValueError(f"hidden must be contiguous in its last dim, got strides {hidden.stride()}")
     for name, t, shape in (("w13_bias", w13_bias, (num_experts, 2 * inter)), ("w2_bias", w2_bias,

@@ -27,9 +27,9 @@ import triton
 import triton.language as tl
 
 from atom_core.kernels.moe_ref import check_activation
-from atom_core.kernels.triton.common import check_dim, check_float, check_int, check_same_device
+from atom_core.kernels.triton.common import check_dim, check_float, check_same_device
 from atom_core.kernels.triton.moe_common import (
-    block_rows, block_token_rows, store_aligned_rows, store_weighted_rows,
+    block_rows, block_token_rows, check_routing, store_aligned_rows, store_weighted_rows,
 )
 from atom_core.kernels.triton.moe import (
     ACTIVATIONS, GemmTile, MoeConfig, _activate, _tile_ids, moe_align_block_size, moe_sum,
@@ -185,12 +185,7 @@ def _check_args(hidden, w13, w13_scale, w13_zero, w2, w2_scale, w2_zero, topk_we
         raise ValueError(f"zero points must be uint8, got {w13_zero.dtype} and {w2_zero.dtype}")
     if w13_zero is not None and (w13_zero.stride() != w13_scale.stride() or w2_zero.stride() != w2_scale.stride()):
         raise ValueError("zero points must have their scales' strides")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != num_tokens or topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"need topk_weights and topk_ids [T={num_tokens}, K], got {tuple(topk_weights.shape)} "
-                         f"and {tuple(topk_ids.shape)}")
-    check_int("topk_ids", topk_ids)
-    if topk_weights.dtype != torch.float32 or not (topk_ids.is_contiguous() and topk_weights.is_contiguous()):
-        raise ValueError("topk_weights must be float32, and topk_weights and topk_ids contiguous")
+    check_routing(topk_weights, topk_ids, num_tokens)
     if hidden.stride(1) != 1:
         raise ValueError(f"hidden must be contiguous in its last dim, got strides {hidden.stride()}")
     check_same_device(hidden=hidden, w13=w13, w2=w2, topk_ids=topk_ids, **{k: v for k, v in named.items() if "_" in k})
