@@ -41,6 +41,14 @@ def block_token_rows(pid_m, sorted_ptr, expert_ids_ptr, num_assignments, TOP_K: 
 
 
 @triton.jit
+def tile_cols(pid_n, N: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The tile's output columns [BLOCK_N] and the weight rows they read: columns past N wrap onto
+    real rows (unmasked loads) and are never stored."""
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return cols, cols % N
+
+
+@triton.jit
 def store_aligned_rows(out_ptr, vals, rows, cols, stride_ot, N: tl.constexpr):
     """GEMM1 epilogue: vals [BLOCK_M, BLOCK_N] (float32) rounded once to out's dtype at the block's
     aligned rows, pad rows included; columns past N (wrapped onto real ones by the loads) are dropped."""

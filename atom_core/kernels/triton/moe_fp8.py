@@ -47,7 +47,7 @@ from atom_core.kernels.moe_ref import check_activation
 from atom_core.kernels.triton.common import check_dim, check_float, check_same_device
 from atom_core.kernels.triton.fp8 import quantize_fp8_per_token_group as quantize_triton
 from atom_core.kernels.triton.moe_common import (
-    block_rows, block_token_rows, check_routing, store_aligned_rows, store_weighted_rows,
+    block_rows, block_token_rows, check_routing, store_aligned_rows, store_weighted_rows, tile_cols,
 )
 from atom_core.kernels.triton.moe import (
     ACTIVATIONS, GemmTile, MoeConfig, _activate, _tile_ids, moe_align_block_size, moe_sum,
@@ -97,8 +97,7 @@ def _gemm1_kernel(
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return
     rows, token, expert = block_token_rows(pid_m, sorted_ptr, expert_ids_ptr, num_assignments, TOP_K, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_n = cols % INTER  # columns past I wrap onto real rows; they are never stored
+    cols, offs_n = tile_cols(pid_n, INTER, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = xq_ptr + token[:, None] * stride_xt + offs_k[None, :]
     as_ptrs = xs_ptr + token * stride_xst
@@ -137,8 +136,7 @@ def _gemm2_kernel(
         return
     rows, flat, expert = block_rows(pid_m, sorted_ptr, expert_ids_ptr, BLOCK_M)
     row_ok = flat < num_assignments
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_n = cols % HIDDEN
+    cols, offs_n = tile_cols(pid_n, HIDDEN, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = aq_ptr + rows.to(tl.int64)[:, None] * stride_at + offs_k[None, :]
     as_ptrs = as_ptr + rows.to(tl.int64) * stride_ast

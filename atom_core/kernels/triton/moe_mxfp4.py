@@ -41,7 +41,7 @@ import triton.language as tl
 from atom_core.kernels.moe_ref import SWIGLU_ALPHA, check_activation
 from atom_core.kernels.triton.common import check_dim, check_float, check_same_device
 from atom_core.kernels.triton.moe_common import (
-    block_rows, block_token_rows, check_routing, store_aligned_rows, store_weighted_rows,
+    block_rows, block_token_rows, check_routing, store_aligned_rows, store_weighted_rows, tile_cols,
 )
 from atom_core.kernels.triton.moe import GemmTile, MoeConfig, _tile_ids, moe_align_block_size, moe_sum
 from atom_core.kernels.triton.moe_mxfp4_decode import GEMV_MAX_ASSIGNMENTS, can_use_gemv, fused_moe_mxfp4_gemv
@@ -204,8 +204,7 @@ def _gemm1_kernel(
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return
     rows, token, expert = block_token_rows(pid_m, sorted_ptr, expert_ids_ptr, num_assignments, TOP_K, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_n = cols % INTER  # columns past I wrap onto real rows; they are never stored
+    cols, offs_n = tile_cols(pid_n, INTER, BLOCK_N)
     g_ptrs, gs_ptrs = _weight_ptrs(w_ptr, s_ptr, expert, offs_n, stride_we, stride_wn, stride_se, stride_sn, BLOCK_K)
     u_ptrs = g_ptrs + INTER * stride_wn
     us_ptrs = gs_ptrs + INTER * stride_sn
@@ -260,8 +259,7 @@ def _gemm2_kernel(
         return
     rows, flat, expert = block_rows(pid_m, sorted_ptr, expert_ids_ptr, BLOCK_M)
     row_ok = flat < num_assignments
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_n = cols % HIDDEN
+    cols, offs_n = tile_cols(pid_n, HIDDEN, BLOCK_N)
     w_ptrs, ws_ptrs = _weight_ptrs(w_ptr, s_ptr, expert, offs_n, stride_we, stride_wn, stride_se, stride_sn, BLOCK_K)
     a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_at + tl.arange(0, BLOCK_K)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)

@@ -29,7 +29,7 @@ import triton.language as tl
 from atom_core.kernels.moe_ref import check_activation
 from atom_core.kernels.triton.common import check_dim, check_float, check_same_device
 from atom_core.kernels.triton.moe_common import (
-    block_rows, block_token_rows, check_routing, store_aligned_rows, store_weighted_rows,
+    block_rows, block_token_rows, check_routing, store_aligned_rows, store_weighted_rows, tile_cols,
 )
 from atom_core.kernels.triton.moe import (
     ACTIVATIONS, GemmTile, MoeConfig, _activate, _tile_ids, moe_align_block_size, moe_sum,
@@ -72,8 +72,7 @@ def _gemm1_kernel(
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return
     rows, token, expert = block_token_rows(pid_m, sorted_ptr, expert_ids_ptr, num_assignments, TOP_K, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_n = cols % INTER  # columns past I wrap onto real rows; never stored
+    cols, offs_n = tile_cols(pid_n, INTER, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :]
     g_ptrs = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn + tl.arange(0, BLOCK_K // 8)[None, :]
@@ -112,8 +111,7 @@ def _gemm2_kernel(
         return
     rows, flat, expert = block_rows(pid_m, sorted_ptr, expert_ids_ptr, BLOCK_M)
     row_ok = flat < num_assignments
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_n = cols % HIDDEN
+    cols, offs_n = tile_cols(pid_n, HIDDEN, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_at + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn + tl.arange(0, BLOCK_K // 8)[None, :]
