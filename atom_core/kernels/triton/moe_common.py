@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from atom_core.kernels.triton.common import check_int
+from atom_core.kernels.triton.moe_routing import moe_align_block_size
 
 
 @triton.jit
@@ -76,3 +77,17 @@ def check_routing(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_tokens
         raise ValueError(f"topk_weights must be float32, got {topk_weights.dtype}")
     if not (topk_ids.is_contiguous() and topk_weights.is_contiguous()):
         raise ValueError("topk_weights and topk_ids must be contiguous")
+
+
+def grouped_launch_setup(topk_ids: torch.Tensor, cfg, num_experts: int, group_size: int, inter: int,
+                         hidden: torch.Tensor, fmt: str):
+    """Host side of a tiled MoE launch over group-scaled weights (block FP8, W4A16): tiles whose
+    block_k divides the scale group, the expert-aligned assignment list, its block count and
+    GEMM1's output buffer [aligned rows, inter] in hidden's dtype."""
+    for tile in (cfg.gemm1, cfg.gemm2):
+        if tile.block_k < 16 or group_size % tile.block_k:
+            raise ValueError(f"{fmt} MoE tiles need block_k >= 16 dividing the group size {group_size}, "
+                             f"got {tile.block_k}")
+    sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, cfg.block_m, num_experts)
+    num_m = triton.cdiv(sorted_ids.shape[0], cfg.block_m)
+    return sorted_ids, expert_ids, num_post, num_m, hidden.new_empty((sorted_ids.shape[0], inter))

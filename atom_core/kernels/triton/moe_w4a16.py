@@ -29,10 +29,11 @@ import triton.language as tl
 from atom_core.kernels.moe_ref import check_activation
 from atom_core.kernels.triton.common import check_dim, check_float, check_same_device
 from atom_core.kernels.triton.moe_common import (
-    block_rows, block_token_rows, check_routing, store_aligned_rows, store_weighted_rows, tile_cols,
+    block_rows, block_token_rows, check_routing, grouped_launch_setup, store_aligned_rows, store_weighted_rows,
+    tile_cols,
 )
 from atom_core.kernels.triton.moe import (
-    ACTIVATIONS, GemmTile, MoeConfig, _activate, _tile_ids, moe_align_block_size, moe_sum,
+    ACTIVATIONS, GemmTile, MoeConfig, _activate, _tile_ids, moe_sum,
 )
 
 
@@ -217,13 +218,8 @@ def fused_moe_w4a16(
     if num_tokens == 0:
         return out
     cfg = config or default_w4a16_moe_config(num_tokens, top_k, num_experts, group_size)
-    for tile in (cfg.gemm1, cfg.gemm2):
-        if tile.block_k < 16 or group_size % tile.block_k:
-            raise ValueError(f"W4A16 MoE tiles need block_k >= 16 dividing the group size {group_size}, "
-                             f"got {tile.block_k}")
-    sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, cfg.block_m, num_experts)
-    num_m = triton.cdiv(sorted_ids.shape[0], cfg.block_m)
-    act = hidden.new_empty((sorted_ids.shape[0], inter))
+    sorted_ids, expert_ids, num_post, num_m, act = grouped_launch_setup(
+        topk_ids, cfg, num_experts, group_size, inter, hidden, "W4A16")
     t1, has_zero = cfg.gemm1, w13_zero is not None
     _gemm1_kernel[(num_m * triton.cdiv(inter, t1.block_n),)](
         hidden, w13, w13_scale, w13_zero if has_zero else w13_scale, act, sorted_ids, expert_ids, num_post,
