@@ -10,11 +10,17 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DI
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 git rev-parse --short HEAD 2>/dev/null
 
-mode=${1:-all}
+modes=("${@:-all}")
 summary=()
+# DEADLINE_S (seconds from now): a step whose timeout would pass it is skipped, so several modes
+# can share one device call without the call outrunning its limit.
+deadline=$(( $(date +%s) + ${DEADLINE_S:-100000} ))
 step() {  # step NAME TIMEOUT CMD...
   local name=$1 t=$2; shift 2
   local start=$(date +%s)
+  if (( start + t > deadline )); then
+    summary+=("$(printf '%-28s skipped (deadline)' "$name")"); echo "=== $name skipped (deadline)"; return
+  fi
   echo "=== $name"
   mkdir -p "${LOGDIR:-$OUT}"; timeout "$t" "$@" 2>&1 | tee "${LOGDIR:-$OUT}/$name.log"
   local rc=${PIPESTATUS[0]}
@@ -57,7 +63,48 @@ dense_targets() {  # the dense speed targets through the CLI at its defaults; Ll
     step lat-l8-bs1 70 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-json "$OUT/lat_l8_bs1.json"
     step lat-l8-bs32 70 python3 -m atomctl.main bench latency "${l8[@]}" --bs 32 --output-json "$OUT/lat_l8_bs32.json"
 }
+parallel_tests() {  # parallel_tests TIMEOUT "GROUP1 FILES" "GROUP2 FILES" ...: pytest -m gpu per group, all at once
+  local t=$1; shift
+  local pids=() i=0 g start=$(date +%s)
+  for g in "$@"; do
+    timeout "$t" python3 -m pytest -q --tb=short -m gpu -p no:cacheprovider $g > "$OUT/ptest$i.log" 2>&1 &
+    pids+=($!); i=$((i + 1))
+  done
+  i=0
+  for g in "$@"; do
+    wait "${pids[$i]}"; local rc=$?
+    echo "--- [$g] rc=$rc"; grep -E "passed|failed|error|FAILED|Error" "$OUT/ptest$i.log" | tail -n 12
+    summary+=("$(printf '%-28s rc=%-3s' "ptest$i" "$rc") $g"); i=$((i + 1))
+  done
+  summary+=("$(printf '%-28s %9s %4ss' parallel-tests "" "$(( $(date +%s) - start ))")")
+}
+for mode in "${modes[@]}"; do
 case $mode in
+  new-tests)  # every GPU test of kernels and paths never run on a GPU (2026-11-26), in parallel groups: engines that size KV from free memory share one group
+    parallel_tests 420 "tests/gpu/test_piecewise_gpu.py" \
+      "tests/spec_decode/test_mtp.py tests/models/test_deepseek.py tests/engine/test_fp8_kv_per_token_head.py" \
+      "tests/kernels/test_mla_prep.py tests/kernels/test_mla.py" "tests/quant/test_fp8_gemm.py" \
+      "tests/quant/test_fp8_ops.py tests/quant/test_fp8_moe.py" "tests/quant/test_w4a16_moe.py tests/kernels/test_moe_decode.py" \
+      "tests/kernels/test_fp8_kv.py tests/kernels/test_fp8_kv_per_token_head.py" "tests/kernels/test_prefill_attention.py" \
+      "tests/kernels/test_triton_kernels.py" ;;
+  micro)  # kernel micro-benchmarks of the new kernels (no engine): FP8 GEMMs, block-FP8 / W4A16 / GEMV MoE, MLA prep and decode, prefill attention
+    step fp8-gemm-bench 100 python3 -m atom_core.kernels.triton.fp8_bench --shapes llama-3-8b,deepseek-v3
+    step fp8-moe-bench 80 python3 -m atom_core.kernels.triton.fp8_moe_bench
+    step w4a16-moe-bench 80 python3 -m atom_core.kernels.triton.w4a16_moe_bench
+    step moe-gemv-bench 100 python3 -m atom_core.kernels.triton.moe_decode_bench
+    step mla-prep-bench 60 python3 tests/gpu/bench_mla_prep.py --out "$OUT/mla_prep_bench.json"
+    step mla-decode-bench 40 python3 tests/gpu/bench_mla.py --bs 64 --ctx 2048 --out "$OUT/mla_decode_bench.json"
+    step prefill-attn-bench 120 python3 -m atom_core.kernels.triton.prefill_attention_bench --shapes llama-3-8b --tokens 2048,8192 --output-json "$OUT/prefill_attn_bench.json" ;;
+  lat-new)  # batch-1/32 TPOT through the CLI where a new kernel is now the CUDA default or a switch waits on a measurement
+    dsl=(--model preset:DeepSeek-V2-Lite --load-format dummy --max-model-len 4096)
+    a3b=(--model preset:Qwen3-30B-A3B --load-format dummy --max-model-len 4096)
+    step lat-l8-bs1 70 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-json "$OUT/lat_l8_bs1.json"
+    step lat-l8fp8-bs1-scaled-mm 80 env ATOM_FP8_SMALL_M_KERNEL=scaled_mm python3 -m atomctl.main bench latency "${l8[@]}" --quantization fp8 --bs 1 --output-json "$OUT/lat_l8fp8_bs1_scaled_mm.json"
+    step lat-l8fp8-bs1-triton 80 env ATOM_FP8_SMALL_M_KERNEL=triton python3 -m atomctl.main bench latency "${l8[@]}" --quantization fp8 --bs 1 --output-json "$OUT/lat_l8fp8_bs1_triton.json"
+    step lat-a3b-bs1 90 python3 -m atomctl.main bench latency "${a3b[@]}" --bs 1 --output-json "$OUT/lat_a3b_bs1.json"
+    step lat-a3b-fp8-bs1 100 python3 -m atomctl.main bench latency --model preset:Qwen3-30B-A3B-FP8 --load-format dummy --max-model-len 4096 --bs 1 --output-json "$OUT/lat_a3b_fp8_bs1.json"
+    step lat-dsv2l-bs1 100 python3 -m atomctl.main bench latency "${dsl[@]}" --bs 1 --output-json "$OUT/lat_dsv2l_bs1.json"
+    step lat-dsv2l-bs1-gemv 90 env ATOM_MOE_DECODE_PATH=gemv python3 -m atomctl.main bench latency "${dsl[@]}" --bs 1 --output-json "$OUT/lat_dsv2l_bs1_gemv.json" ;;
   train-and-test)  # logs stay on the machine: $OUT carries the model files; retrain the demo model (recipe defaults) while the correctness tests run
     LOGDIR=/tmp/logs; (WORK_DIR=/tmp/dm bash recipes/demo-model/run.sh "$OUT/model" --device cuda > "$OUT/train.log" 2>&1; echo "train rc=$?" >> "$OUT/train.log") &
     tpid=$!
@@ -368,8 +415,9 @@ case $mode in
       step off-l8-prefill-$p 150 env ATOM_PREFILL_ATTENTION=$p python3 -m atomctl.main bench offline "${l8[@]}" --output-json "$OUT/off_l8_prefill_$p.json"
       step lat-l8-4k-prefill-$p 100 env ATOM_PREFILL_ATTENTION=$p python3 -m atomctl.main bench latency "${l8[@]}" --bs 2 --input-len 4000 --output-len 1 --output-json "$OUT/lat_l8_4k_prefill_$p.json"
     done ;;
-  *) ;;
+  *) echo "unknown mode $mode" ;;
 esac
+done
 echo "=== summary"
 printf '%s\n' "${summary[@]}"
 for f in "$OUT"/*.json; do [ -f "$f" ] && python3 -c "
