@@ -21,8 +21,9 @@ ENV_VARS: dict[str, str] = {
     "ATOM_API_KEY": "default for `atomctl serve --api-key` (keeps the key out of the process list)",
     "ATOM_FP8_SMALL_M_KERNEL": "scaled_mm (default) or triton: the CUDA kernel of per-channel FP8 linears "
                                "(fp8_linear) at M <= 16 tokens; triton = kernels/triton/fp8_gemm.py (to measure both)",
-    "ATOM_MOE_DECODE_PATH": "tiled (default) or gemv: the unquantized fused MoE kernels on CUDA for decode batches "
-                            "(tokens x top_k <= 32); gemv = kernels/triton/moe_decode.py (to measure both)",
+    "ATOM_MOE_DECODE_PATH": "gemv (default) or tiled: the unquantized fused MoE kernels on CUDA for decode batches "
+                            "(<= 2 tokens, tokens x top_k <= 32); gemv = kernels/triton/moe_decode.py, faster there "
+                            "on the H100 (docs/PERFORMANCE.md 2026-11-26)",
     "ATOM_PREFILL_ATTENTION": "paged (default) or contiguous: on CUDA, sequences without cached context (a prompt's "
                               "first chunk) attend over the step's own K/V rows (kernels/triton/prefill_attention.py) "
                               "instead of the paged cache (to measure both)",
@@ -47,7 +48,7 @@ class AtomEnvs:
     mark_trace: bool = False
     api_key: str | None = field(default=None, repr=False)  # a secret: never in logs or tracebacks
     fp8_small_m_kernel: Fp8SmallMKernel = "scaled_mm"  # read once by quant/fp8_ops when it is imported
-    moe_decode_path: MoeDecodePath = "tiled"  # read once by kernels/triton/moe_decode when it is imported
+    moe_decode_path: MoeDecodePath = "gemv"  # read once by kernels/triton/moe_decode when it is imported
     prefill_attention: PrefillAttentionMode = "paged"  # read once by kernels/triton/prefill_attention on import
 
 
@@ -60,7 +61,7 @@ def read_envs(environ: Mapping[str, str] | None = None) -> AtomEnvs:
         mark_trace=env_bool(env, "ATOM_MARK_TRACE", False),
         api_key=env_str(env, "ATOM_API_KEY"),
         fp8_small_m_kernel=env_choice(env, "ATOM_FP8_SMALL_M_KERNEL", FP8_SMALL_M_KERNELS, "scaled_mm"),
-        moe_decode_path=env_choice(env, "ATOM_MOE_DECODE_PATH", MOE_DECODE_PATHS, "tiled"),
+        moe_decode_path=env_choice(env, "ATOM_MOE_DECODE_PATH", MOE_DECODE_PATHS, "gemv"),
         prefill_attention=env_choice(env, "ATOM_PREFILL_ATTENTION", PREFILL_ATTENTION_MODES, "paged"),
     )
 

@@ -93,13 +93,20 @@ def from_kv_cache(x: torch.Tensor, scale: float | torch.Tensor = 1.0) -> torch.T
     return x.float() * scale if x.dtype in FP8_KV_DTYPES else x.float()
 
 
+def ieee_div(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """x / divisor rounded as IEEE division, on every device. On CUDA, torch divides by a Python
+    scalar as a multiply by its reciprocal, which differs from the Triton kernels' div.rn in the
+    last bit and then flips FP8 codes at rounding boundaries; a tensor divisor divides exactly."""
+    return x / torch.full_like(x, divisor)
+
+
 def quantize_per_token_head(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """x [N, KH, D] -> (codes [N, KH, D] of FP8 `dtype`, scales [N, KH] float32): each row's
     scale is amax / FP8 max (float32 division), its codes x * (1 / scale) saturated and rounded
     to nearest even; an all-zero row gets scale 0 and codes 0. Dequantized: codes * scale."""
     limit = torch.finfo(dtype).max
     xf = x.float()
-    scale = xf.abs().amax(dim=-1) / limit
+    scale = ieee_div(xf.abs().amax(dim=-1), limit)
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     return (xf * inv.unsqueeze(-1)).clamp(-limit, limit).to(dtype), scale
 

@@ -48,6 +48,7 @@ from typing import Optional
 import torch
 
 from atom_core.envs import FP8_SMALL_M_KERNELS, Fp8SmallMKernel, read_envs
+from atom_core.kernels.torch_ref import ieee_div
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -66,7 +67,7 @@ def quantize_fp8_per_tensor(x: torch.Tensor, scale: torch.Tensor | None = None) 
     """x -> (fp8 like x, float32 scale [1]); dynamic (absmax / 448) unless a static `scale` is given."""
     xf = x.float()
     if scale is None:
-        scale = (xf.abs().amax() / FP8_MAX).clamp(min=_MIN_SCALE).reshape(1)
+        scale = ieee_div(xf.abs().amax(), FP8_MAX).clamp(min=_MIN_SCALE).reshape(1)
     scale = scale.float().reshape(1).to(x.device)
     return _cast(xf, scale), scale
 
@@ -74,7 +75,7 @@ def quantize_fp8_per_tensor(x: torch.Tensor, scale: torch.Tensor | None = None) 
 def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (fp8 [M, K], float32 scale [M, 1]), one absmax scale per row."""
     xf = x.float()
-    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_MIN_SCALE)
+    scale = ieee_div(xf.abs().amax(dim=-1, keepdim=True), FP8_MAX).clamp(min=_MIN_SCALE)
     return _cast(xf, scale), scale
 
 
@@ -83,7 +84,7 @@ def quantize_fp8_per_token_group(x: torch.Tensor, group_size: int = 128) -> tupl
     m, k = x.shape
     groups = -(-k // group_size)
     xf = torch.nn.functional.pad(x.float(), (0, groups * group_size - k)).reshape(m, groups, group_size)
-    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_MIN_SCALE)
+    scale = ieee_div(xf.abs().amax(dim=-1, keepdim=True), FP8_MAX).clamp(min=_MIN_SCALE)
     q = _cast(xf, scale).reshape(m, groups * group_size)[:, :k]
     return q.contiguous(), scale.squeeze(-1)
 
@@ -95,7 +96,7 @@ def quantize_fp8_block(w: torch.Tensor, block_size: tuple[int, int] = (128, 128)
     n, k = w.shape
     nb, kb = -(-n // bn), -(-k // bk)
     wf = torch.nn.functional.pad(w.float(), (0, kb * bk - k, 0, nb * bn - n)).reshape(nb, bn, kb, bk)
-    scale = (wf.abs().amax(dim=(1, 3), keepdim=True) / FP8_MAX).clamp(min=_MIN_SCALE)
+    scale = ieee_div(wf.abs().amax(dim=(1, 3), keepdim=True), FP8_MAX).clamp(min=_MIN_SCALE)
     q = _cast(wf, scale).reshape(nb * bn, kb * bk)[:n, :k]
     return q.contiguous(), scale.reshape(nb, kb)
 

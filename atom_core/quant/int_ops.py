@@ -19,6 +19,8 @@ from typing import Optional
 
 import torch
 
+from atom_core.kernels.torch_ref import ieee_div
+
 INT4_PER_INT32 = 8
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)  # nibble i sits at bits 4i
 
@@ -75,7 +77,7 @@ def w4a16_gemm_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 def quantize_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (int8 [M, K], float32 scale [M, 1]), symmetric per row (compressed-tensors' rule)."""
     xf = x.float()
-    scale = xf.abs().amax(dim=-1, keepdim=True) / 127.5
+    scale = ieee_div(xf.abs().amax(dim=-1, keepdim=True), 127.5)
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)  # an all-zero row stays zero
     q = torch.clamp(torch.round(xf / scale), -128, 127).to(torch.int8)
     return q, scale

@@ -33,11 +33,20 @@ def parity(engine, runner, vocab: int) -> dict:
     spec = [o["token_ids"] for o in engine.generate(prompts, params)]
     accepted = engine.spec_decode_stats()["num_accepted_tokens"] - before
     proposer, runner.proposer = runner.proposer, None
-    plain = [o["token_ids"] for o in engine.generate(prompts, params)]
+    plain_out = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=128, ignore_eos=True, logprobs=5))
     runner.proposer = proposer
+    plain = [o["token_ids"] for o in plain_out]
     first_diff = [next((i for i, (a, b) in enumerate(zip(s, p)) if a != b), None) for s, p in zip(spec, plain)]
+    # Where a sequence diverges, how far the speculative token was from the plain step's best, in the
+    # plain step's own log-probabilities: bf16 rounding of a 1+k-row verify vs a 1-row decode only
+    # flips near-ties (gap of a few hundredths); a real bug picks tokens far from the top.
+    gaps = []
+    for d, s_ids, out in zip(first_diff, spec, plain_out):
+        if d is not None:
+            chosen, top = out["logprobs"][d]
+            gaps.append(round(chosen - top[s_ids[d]], 4) if s_ids[d] in top else None)
     return {"identical": sum(d is None for d in first_diff), "of": len(prompts), "first_divergence": first_diff,
-            "accepted_tokens": accepted}
+            "logprob_gap_at_divergence": gaps, "accepted_tokens": accepted}
 
 
 def latency(engine, runner, spec: bool, output_len: int) -> dict:
@@ -103,7 +112,8 @@ def main() -> None:
     acc = sd["num_accepted_tokens"] / max(sd["num_draft_tokens"], 1)
     mal = 1 + sd["num_accepted_tokens"] / max(sd["num_drafts"], 1)
     print(f"| ngram k={args.k} | {s['tpot_ms']:.2f} | {acc:.1%} | {mal:.2f} |\n| plain (same engine) | {p['tpot_ms']:.2f} | | |")
-    print(f"parity: {par['identical']}/{par['of']} identical; verify ms: "
+    print(f"parity: {par['identical']}/{par['of']} identical, logprob gaps at divergence "
+          f"{par['logprob_gap_at_divergence']}; verify ms: "
           + ", ".join(f"{k} {v:.2f}" for k, v in result["verify_step_ms"].items()))
 
 

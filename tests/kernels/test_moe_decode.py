@@ -273,14 +273,14 @@ def test_routed_decode_replays_in_a_cuda_graph(monkeypatch):
 
 
 class TestPathChoice:
-    def test_auto_keeps_tiled_unless_the_decode_path_is_gemv(self, monkeypatch):
-        assert dec.GEMV_MAX_ASSIGNMENTS == 32
+    def test_auto_gives_gemv_to_at_most_two_tokens_on_the_gemv_decode_path(self, monkeypatch):
+        assert dec.GEMV_MAX_ASSIGNMENTS == 32 and dec.GEMV_MAX_TOKENS == 2
         monkeypatch.setattr(dec, "_decode_path", "tiled")
-        assert [dec.select_path(t, 8) for t in (1, 4, 5)] == ["tiled"] * 3
+        assert [dec.select_path(t, 8) for t in (1, 2, 3)] == ["tiled"] * 3
         dec.set_decode_path("gemv")
         assert dec.decode_path() == "gemv"
-        assert [dec.select_path(t, 8) for t in (1, 4, 5)] == ["gemv", "gemv", "tiled"]
-        assert dec.select_path(32, 1) == "gemv" and dec.select_path(33, 1) == "tiled"
+        assert [dec.select_path(t, 8) for t in (1, 2, 3, 5)] == ["gemv", "gemv", "tiled", "tiled"]
+        assert dec.select_path(2, 16) == "gemv" and dec.select_path(2, 17) == "tiled"  # and T * K <= 32
         assert dec.select_path(1, 8, tm.default_moe_config(1, 8, 128, torch.bfloat16)) == "tiled"  # a tile config
         assert dec.select_path(64, 8, path="gemv") == "gemv" and dec.select_path(1, 8, path="tiled") == "tiled"
 
@@ -291,7 +291,7 @@ class TestPathChoice:
             dec.set_decode_path("auto")
 
     @pytest.mark.parametrize("decode_path,num_tokens,path,expected", [
-        ("gemv", 4, "auto", "gemv"), ("gemv", 5, "auto", "tiled"), ("tiled", 1, "auto", "tiled"),
+        ("gemv", 2, "auto", "gemv"), ("gemv", 3, "auto", "tiled"), ("tiled", 1, "auto", "tiled"),
         ("tiled", 1, "gemv", "gemv"), ("gemv", 1, "tiled", "tiled")])
     def test_launch_fused_moe_dispatches(self, monkeypatch, decode_path, num_tokens, path, expected):
         """What launch_fused_moe runs (kernels replaced by recorders: no GPU or interpreter)."""
@@ -319,14 +319,14 @@ class TestPathChoice:
     def test_env_var_parses(self):
         from atom_core.envs import read_envs
 
-        assert read_envs({}).moe_decode_path == "tiled"
-        assert read_envs({"ATOM_MOE_DECODE_PATH": " GEMV "}).moe_decode_path == "gemv"
+        assert read_envs({}).moe_decode_path == "gemv"
+        assert read_envs({"ATOM_MOE_DECODE_PATH": " TILED "}).moe_decode_path == "tiled"
 
     def test_env_var_sets_the_decode_path_at_import_and_bad_values_fail_clearly(self):
         code = "from atom_core.kernels.triton import moe; print(moe.moe_decode.decode_path())"
         run = partial(run_with_env, code, "ATOM_MOE_DECODE_PATH")
-        assert run("gemv").stdout.strip() == "gemv"
-        assert run("").stdout.strip() == "tiled"
+        assert run("tiled").stdout.strip() == "tiled"
+        assert run("").stdout.strip() == "gemv"
         bad = run("fast")
         assert bad.returncode != 0 and "invalid ATOM_MOE_DECODE_PATH='fast'; expected one of: tiled, gemv" in bad.stderr
 

@@ -154,7 +154,7 @@ def _make_layer(window, sinks, norms, rot_dim, heads, kv_heads, head_dim, Attent
     for n in norm_pair:
         if n is not None:
             n.weight.data = (1 + 0.3 * torch.randn(head_dim, generator=gen)).to(n.weight.dtype)
-    qk = QKTransform(RotaryEmbedding(head_dim, rot_dim, 256, 10000.0), *norm_pair)
+    qk = QKTransform(RotaryEmbedding(head_dim, rot_dim, 8192, 10000.0), *norm_pair)  # positions up to ctx + q
     layer = Attention(heads, head_dim, head_dim ** -0.5, kv_heads, qk, sliding_window=window, sinks=sinks)
     if sinks:
         layer.sinks.data = torch.randn(heads, generator=gen)
@@ -501,6 +501,9 @@ def test_mixed_step_on_cuda_equals_the_paged_only_path(options):
     meta = dataclasses.replace(meta, **{f.name: getattr(meta, f.name).cuda() for f in dataclasses.fields(meta)
                                         if isinstance(getattr(meta, f.name), torch.Tensor)})
     layer.k_cache, layer.v_cache = layer.k_cache.cuda(), layer.v_cache.cuda()
+    for module in (layer.qk.rotary, layer.qk.q_norm, layer.qk.k_norm):  # QKTransform is not a submodule
+        if module is not None:
+            module.cuda()
     got, _, want = split_and_paged_only(layer, meta, qkv.cuda(), positions.cuda())
     assert rel_err(got, want) < TOL[torch.bfloat16]
 

@@ -51,6 +51,9 @@ from atom_core.kernels.triton.moe import ACTIVATIONS, MoeConfig, _activate
 # T * top_k up to this may run the GEMVs (the MXFP4 GEMVs' measured bound: past it, experts repeat
 # across tokens and the tiled path, which reads each expert once, won on gpt-oss-20b).
 GEMV_MAX_ASSIGNMENTS = 32
+# and T up to this (H100, bf16, moe_decode_bench 2026-11-26: the GEMVs beat the tiled path at 1-2
+# tokens on Qwen3-30B-A3B, DeepSeek-V2-Lite, Mixtral and gpt-oss-20b shapes, tie or lose from 4).
+GEMV_MAX_TOKENS = 2
 MoePath = Literal["auto", "gemv", "tiled"]
 MOE_PATHS = ("auto", "gemv", "tiled")
 
@@ -88,14 +91,14 @@ def decode_path() -> MoeDecodePath:
 
 
 def select_path(num_tokens: int, top_k: int, config: MoeConfig | None = None, path: MoePath = "auto") -> str:
-    """'gemv' or 'tiled'. An explicit path wins; `auto` gives decode-sized batches (T * top_k <=
-    GEMV_MAX_ASSIGNMENTS, no tile config given) the process-wide decode path (tiled by default until
-    measured), everything else the tiled path."""
+    """'gemv' or 'tiled'. An explicit path wins; `auto` gives decode-sized batches (T <=
+    GEMV_MAX_TOKENS and T * top_k <= GEMV_MAX_ASSIGNMENTS, no tile config given) the process-wide
+    decode path (gemv by default), everything else the tiled path."""
     if path not in MOE_PATHS:
         raise ValueError(f"unknown MoE path {path!r}; expected one of: {', '.join(MOE_PATHS)}")
     if path != "auto":
         return path
-    if config is not None or num_tokens * top_k > GEMV_MAX_ASSIGNMENTS:
+    if config is not None or num_tokens > GEMV_MAX_TOKENS or num_tokens * top_k > GEMV_MAX_ASSIGNMENTS:
         return "tiled"
     return _decode_path
 
