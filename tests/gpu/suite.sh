@@ -99,6 +99,10 @@ case $mode in
     for k in 1 3; do
       step lat-dsv2lm-mtp$k-bs1 90 python3 -m atomctl.main bench latency "${dsm[@]}" --bs 1 --num-iters 2 --method mtp --num-speculative-tokens $k --output-json "$OUT/lat_dsv2lm_mtp${k}_bs1.json"
     done ;;
+  profile-fp8)  # issue 16: where Llama-3-8B --quantization fp8's batch-1 decode step goes (per-kernel breakdown, CUDA graphs as served)
+    step profile-l8fp8-bs1 150 python3 -m atomctl.main profile "${l8[@]}" --quantization fp8 --bs 1 --input-length 512 --output-length 8 --torch-profiler-dir /tmp/traces_fp8
+    trace=$(ls -t /tmp/traces_fp8/rank_0/*.json.gz 2>/dev/null | head -1)
+    step parse-trace-l8fp8 90 python3 -m atomctl.main parse-trace "$trace" --top 25 --out-dir "$OUT" ;;
   micro)  # kernel micro-benchmarks of the new kernels (no engine): FP8 GEMMs, block-FP8 / W4A16 / GEMV MoE, MLA prep and decode, prefill attention
     step fp8-gemm-bench 100 python3 -m atom_core.kernels.triton.fp8_bench --shapes llama-3-8b,deepseek-v3
     step fp8-moe-bench 80 python3 -m atom_core.kernels.triton.fp8_moe_bench
