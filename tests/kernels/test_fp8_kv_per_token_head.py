@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from atom_core.kernels import torch_ref
-from tests.kernels.tolerances import INTERPRET
+from tests.kernels.tolerances import INTERPRET, rel_err
 
 E4M3 = torch.float8_e4m3fn
 LIMIT = torch.finfo(E4M3).max
@@ -114,8 +114,13 @@ def test_triton_attention_reads_per_token_scales(device, shape, splits, window):
     cpu[0] = cpu[0].float()
     ref = torch_ref.paged_attention(*cpu, sliding_window=window, sinks=None if sinks is None else sinks.cpu(),
                                     k_scale=scales["k_scale"].cpu(), v_scale=scales["v_scale"].cpu())
-    tol = 3e-2 if gpu else 1e-4
-    torch.testing.assert_close(got.cpu().float(), ref, atol=tol, rtol=tol)
+    if gpu:  # the kernel rounds each probability times its V scale to bf16 for the PV dot (2^-9
+        # relative): absolute errors scale with the largest |V| (rows span 3 decades here), so
+        # near-zero outputs cannot meet a relative bound (H100: 0.19 on outputs of ~100)
+        assert rel_err(got.cpu(), ref) < 1e-2
+        torch.testing.assert_close(got.cpu().float(), ref, atol=2 ** -8 * ref.abs().amax().item(), rtol=3e-2)
+    else:
+        torch.testing.assert_close(got.cpu().float(), ref, atol=1e-4, rtol=1e-4)
 
 
 def _rope_case(tokens, heads, kv_heads, dim, qdtype, device, seed=1):

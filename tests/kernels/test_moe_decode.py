@@ -241,7 +241,7 @@ def test_routed_decode_replays_in_a_cuda_graph(monkeypatch):
     if INTERPRET or not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     monkeypatch.setattr(dec, "_decode_path", "gemv")
-    num_tokens, experts, (hidden, inter, top_k, _, _) = 4, 128, MODEL_SHAPES["qwen3-30b-a3b"]
+    num_tokens, experts, (hidden, inter, top_k, _, _) = 2, 128, MODEL_SHAPES["qwen3-30b-a3b"]
     assert dec.select_path(num_tokens, top_k) == "gemv"
     args = make_inputs("graph", num_tokens, experts, top_k, hidden, inter, torch.bfloat16, "cuda")
     x = args["hidden"]

@@ -39,7 +39,7 @@ from atom_core.quant.fp8_ops import (
     quantize_fp8_block, quantize_fp8_per_token,
 )
 from tests.kernels.conftest import device  # noqa: F401  (the cpu-interpreter / cuda fixture)
-from tests.kernels.tolerances import INTERPRET, TOL, rel_err
+from tests.kernels.tolerances import INTERPRET, TOL, rel_err, widen_fp8_dot_on_cuda
 from tests.quant.test_fp8_ops import _oracle_w_block, _oracle_x
 
 
@@ -72,8 +72,11 @@ SHAPES = [(1, 96, 200), (7, 256, 128), (16, 130, 256), (64, 64, 384), (300, 72, 
 class TestBlockGemm:
     @pytest.mark.parametrize("m,n,k", SHAPES)
     @pytest.mark.parametrize("row_expanded", [True, False])
-    def test_matches_reference_float32(self, device, m, n, k, row_expanded):
+    def test_matches_reference_float32(self, device, m, n, k, row_expanded, monkeypatch):
+        from atom_core.kernels.triton import fp8_gemm
         from atom_core.kernels.triton.fp8_gemm import fp8_block_gemm
+
+        widen_fp8_dot_on_cuda(monkeypatch, device, fp8_gemm)
 
         gen = seeded("block", m, n, k)
         w, s, block = block_weight(gen, n, k, row_expanded)
@@ -148,8 +151,11 @@ class TestBlockGemm:
 
 class TestChannelGemm:
     @pytest.mark.parametrize("m,n,k", SHAPES)
-    def test_per_channel_dynamic_matches_reference(self, device, m, n, k):
+    def test_per_channel_dynamic_matches_reference(self, device, m, n, k, monkeypatch):
+        from atom_core.kernels.triton import fp8_gemm
         from atom_core.kernels.triton.fp8_gemm import fp8_channel_gemm
+
+        widen_fp8_dot_on_cuda(monkeypatch, device, fp8_gemm)
 
         gen = seeded("channel", m, n, k)
         w, s = channel_weight(gen, n, k)

@@ -36,7 +36,7 @@ from atom_core.kernels import moe_ref
 from atom_core.quant.fp8 import fused_moe_fp8_block_ref
 from atom_core.quant.fp8_ops import FP8_DTYPE, fp8_block_linear_ref, quantize_fp8_block
 from tests.kernels.conftest import device  # noqa: F401  (the cpu-interpreter / cuda fixture)
-from tests.kernels.tolerances import INTERPRET, TOL, rel_err
+from tests.kernels.tolerances import INTERPRET, TOL, rel_err, widen_fp8_dot_on_cuda
 from tests.quant.moe_layers import bf16_moe_layer
 
 BF16_TOL = 4e-2  # see the module docstring
@@ -115,8 +115,11 @@ SMALL_SHAPES = [(4, 64, 96, 1, 1), (8, 200, 72, 7, 2), (16, 96, 64, 64, 8), (4, 
 
 class TestTritonFp8Moe:
     @pytest.mark.parametrize("shape", SMALL_SHAPES)
-    def test_matches_reference_float32(self, device, shape):
+    def test_matches_reference_float32(self, device, shape, monkeypatch):
+        from atom_core.kernels.triton import moe_fp8
         from atom_core.kernels.triton.moe_fp8 import fused_moe_fp8_block
+
+        widen_fp8_dot_on_cuda(monkeypatch, device, moe_fp8)
 
         args = kernel_inputs(("f32", shape), *shape, torch.float32, device)
         assert rel_err(fused_moe_fp8_block(*args), fused_moe_fp8_block_ref(*args)) < TOL[torch.float32]
@@ -132,11 +135,13 @@ class TestTritonFp8Moe:
         assert rel_err(out, fused_moe_fp8_block_ref(*args)) < BF16_TOL
 
     @pytest.mark.parametrize("tier_tokens", [1, 24, 96, 400])
-    def test_every_default_tile_tier_and_dropped_ids(self, device, tier_tokens):
+    def test_every_default_tile_tier_and_dropped_ids(self, device, tier_tokens, monkeypatch):
         """Each tier of default_fp8_moe_config forced on a small float32 problem with K tails and ids
         outside [0, E) (experts of other ranks)."""
+        from atom_core.kernels.triton import moe_fp8
         from atom_core.kernels.triton.moe_fp8 import default_fp8_moe_config, fused_moe_fp8_block
 
+        widen_fp8_dot_on_cuda(monkeypatch, device, moe_fp8)
         cfg = default_fp8_moe_config(tier_tokens, 4, 8, 128)
         args = kernel_inputs(("tier", tier_tokens), 8, 160, 96, 6, 2, torch.float32, device, drop=True)
         out = fused_moe_fp8_block(*args, config=cfg)
