@@ -103,6 +103,22 @@ case $mode in
     step profile-l8fp8-bs1 150 python3 -m atomctl.main profile "${l8[@]}" --quantization fp8 --bs 1 --input-length 512 --output-length 8 --torch-profiler-dir /tmp/traces_fp8
     trace=$(ls -t /tmp/traces_fp8/rank_0/*.json.gz 2>/dev/null | head -1)
     step parse-trace-l8fp8 90 python3 -m atomctl.main parse-trace "$trace" --top 25 --out-dir "$OUT" ;;
+  quant-nano)  # issue 16's unmeasured rows: Llama-3-8B --quantization fp8 nano; FP8 KV (per layer, per token and head) vs bf16 KV nano on Qwen3-0.6B and Llama-3-8B; then where Qwen3-30B-A3B-FP8's batch-1 decode step goes
+    step off-l8fp8 120 python3 -m atomctl.main bench offline "${l8[@]}" --quantization fp8 --output-json "$OUT/off_l8fp8.json"
+    for kv in auto fp8 fp8_per_token_head; do
+      step off-q06-kv-$kv 90 python3 -m atomctl.main bench offline "${q06[@]}" --kv-cache-dtype $kv --output-json "$OUT/off_q06_kv_$kv.json"
+    done
+    for kv in auto fp8; do
+      step off-l8-kv-$kv 120 python3 -m atomctl.main bench offline "${l8[@]}" --kv-cache-dtype $kv --output-json "$OUT/off_l8_kv_$kv.json"
+    done
+    step profile-a3bfp8-bs1 120 python3 -m atomctl.main profile --model preset:Qwen3-30B-A3B-FP8 --load-format dummy --max-model-len 4096 --bs 1 --input-length 512 --output-length 8 --torch-profiler-dir /tmp/traces_a3b
+    trace=$(ls -t /tmp/traces_a3b/rank_0/*.json.gz 2>/dev/null | head -1)
+    step parse-trace-a3bfp8 60 python3 -m atomctl.main parse-trace "$trace" --top 25 --out-dir /tmp/a3b_xlsx
+    python3 -c "
+import pandas as pd
+v = pd.read_excel('/tmp/a3b_xlsx/decode_breakdown.xlsx', sheet_name='full_step')
+v['k'] = v.gpu_kernel.str.slice(0, 80)
+print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum', ascending=False).head(20).to_string())" ;;
   micro)  # kernel micro-benchmarks of the new kernels (no engine): FP8 GEMMs, block-FP8 / W4A16 / GEMV MoE, MLA prep and decode, prefill attention
     step fp8-gemm-bench 100 python3 -m atom_core.kernels.triton.fp8_bench --shapes llama-3-8b,deepseek-v3
     step fp8-moe-bench 80 python3 -m atom_core.kernels.triton.fp8_moe_bench
