@@ -335,12 +335,19 @@ class TestContextSplitMetadata:
             return flat
 
         monkeypatch.setattr(model_runner, "build_flat_batch", spy)
+        monkeypatch.setattr(pa, "_mode", "contiguous")
         engine = LLMEngine(str(tiny_llama), max_num_batched_tokens=16)
-        engine.generate([[5] * 12, [7] * 30, [9] * 5], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        prompts, params = [[5] * 12, [7] * 30, [9] * 5], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        engine.generate(prompts, params)
         for expect, (fresh, paged), num_seqs in steps:
             assert (fresh or []) == expect
             assert sorted((fresh or []) + (paged or [])) == (list(range(num_seqs)) if fresh else [])
         assert any(fresh and paged for _, (fresh, paged), _ in steps)
+        # The paged default reads no split: the builder leaves it out (no lists, no copies).
+        steps.clear()
+        monkeypatch.setattr(pa, "_mode", "paged")
+        engine.generate(prompts, params)
+        assert steps and all(fresh is None and paged is None for _, (fresh, paged), _ in steps)
 
 
 class TestSwitch:
