@@ -315,18 +315,21 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
     mx=(--model preset:Mixtral-8x7B --load-format dummy --max-model-len 4096)
     step lat-mixtral-bs1 200 python3 -m atomctl.main bench latency "${mx[@]}" --bs 1 --output-json "$OUT/lat_mixtral_bs1.json"
     step off-mixtral 200 python3 -m atomctl.main bench offline "${mx[@]}" --output-json "$OUT/off_mixtral.json" ;;
-  tp)  # issue 18 on nvidia-h200-x2: TP=2 vs TP=1 parity (eager, graphs, compile), then TP=1/TP=2 and TP/EP speed (dummy weights)
+  tp|tp-tests)  # issue 18 on nvidia-h200-x2: TP=2 vs TP=1 parity (eager, graphs, compile; MoE TP and EP; DP attention + EP), one engine start per case
+    step tp-gpu-tests 420 python3 -m pytest -v --tb=short tests/distributed/test_tp_gpu.py -p no:cacheprovider ;;&
+  tp|tp-bench)  # issue 18's speed rows (dummy weights): Llama-3-8B TP=1/TP=2 batch 1 and DP=1/DP=2 nano, Llama-3.1-70B TP=2 batch 1 and nano, Qwen3-30B-A3B TP=2 vs EP=2 nano
     l8=(--model preset:Llama-3-8B --load-format dummy --max-model-len 4096)
     l70=(--model preset:Llama-3.1-70B --load-format dummy --max-model-len 4096)
     a3b=(--model preset:Qwen3-30B-A3B --load-format dummy --max-model-len 4096)
-    step tp-gpu-tests 300 python3 -m pytest -q --tb=short tests/distributed/test_tp_gpu.py -p no:cacheprovider
     step lat-l8-tp1-bs1 100 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-json "$OUT/lat_l8_tp1_bs1.json"
     step lat-l8-tp2-bs1 150 python3 -m atomctl.main bench latency "${l8[@]}" -tp 2 --bs 1 --output-json "$OUT/lat_l8_tp2_bs1.json"
-    step off-l8-tp2 200 python3 -m atomctl.main bench offline "${l8[@]}" -tp 2 --output-json "$OUT/off_l8_tp2.json"
+    step off-l8-dp1 120 python3 -m atomctl.main bench offline "${l8[@]}" --output-json "$OUT/off_l8_dp1.json"
+    step off-l8-dp2 200 python3 -m atomctl.main bench offline "${l8[@]}" -dp 2 --output-json "$OUT/off_l8_dp2.json"
     step lat-l70-tp2-bs1 300 python3 -m atomctl.main bench latency "${l70[@]}" -tp 2 --bs 1 --output-json "$OUT/lat_l70_tp2_bs1.json"
     step off-l70-tp2 300 python3 -m atomctl.main bench offline "${l70[@]}" -tp 2 --output-json "$OUT/off_l70_tp2.json"
     step off-a3b-tp2 250 python3 -m atomctl.main bench offline "${a3b[@]}" -tp 2 --output-json "$OUT/off_a3b_tp2.json"
     step off-a3b-ep2 250 python3 -m atomctl.main bench offline "${a3b[@]}" -tp 2 --enable-expert-parallel --output-json "$OUT/off_a3b_ep2.json" ;;
+  tp-tests) ;;  # (ends tp-tests' fall-through above)
   specdec)  # issue 15: n-gram speculation, Llama-3-8B (dummy): bf16 greedy parity in graphs, batch-1 TPOT on a repetitive workload with/without drafts, verify-step cost k=0..4; then the default engine on the same workload
     step specdec-l8 230 python3 tests/gpu/spec_decode_bench.py preset:Llama-3-8B --k 4 --out "$OUT/specdec_l8.json"
     step lat-l8-period16 110 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --input-len 512 --output-len 128 --prompt-period 16 --num-iters 2 --output-json "$OUT/lat_l8_period16.json" ;;
@@ -416,6 +419,19 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
   piecewise-serve-2k)  # issue 19: the same serving run, default graphs vs piecewise buckets up to 2048 tokens (so steps with a prompt replay too)
     serve_l8_c64 full-decode-only
     serve_l8_c64 piecewise-2k --cudagraph-mode full_and_piecewise --piecewise-capture-sizes "1,2,4,$(seq -s, 8 8 248),$(seq -s, 256 16 512),$(seq -s, 576 64 2048)" ;;
+  prefill-attn-serve)  # issue 19: the c64 serving run with ATOM_PREFILL_ATTENTION=paged (default) and =contiguous (the server inherits the variable)
+    serve_l8_c64 paged
+    ATOM_PREFILL_ATTENTION=contiguous serve_l8_c64 contiguous ;;
+  serve-profile)  # issue 19: where a loaded server's steps go: the c64 run (80 requests) under the torch profiler (/start_profile, /stop_profile by bench serve --profile), then parse-trace's per-phase breakdown (prefill, mixed, decode steps)
+    python3 -m atomctl.main --log-level INFO serve "${l8[@]}" --torch-profiler-dir /tmp/serve_traces --port 8011 > /tmp/serve_profile.log 2>&1 &
+    spid=$!
+    for i in $(seq 1 300); do curl -sf http://127.0.0.1:8011/health >/dev/null && break; sleep 1; done
+    step bench-serve-profile 200 python3 -m atomctl.main bench serve --backend atom --base-url http://127.0.0.1:8011 \
+      --tokenizer preset:Llama-3-8B --dataset-name random --random-input-len 1024 --random-output-len 128 \
+      --ignore-eos --num-prompts 80 --max-concurrency 64 --profile
+    kill $spid; wait $spid
+    trace=$(ls -t /tmp/serve_traces/rank_0/*.json.gz 2>/dev/null | head -1)
+    step parse-trace-serve 120 python3 -m atomctl.main parse-trace "$trace" --top 25 --out-dir "$OUT" ;;
   api-overhead)  # issue 19 API process on the GPU host's cores (CPU only, stand-in model): per-token cost at the H100's step times (c64 ~15 ms, c256 ~40 ms); the before/after in PERFORMANCE.md 2026-11-26 ran on a 2-core CPU box
     step api-overhead-15ms 300 python3 -m atomctl.main bench api-overhead --concurrency 64,256 --step-ms 15 --log-dir /tmp/apiov --output-json "$OUT/api_overhead_15ms.json"
     step api-overhead-c256-40ms 200 python3 -m atomctl.main bench api-overhead --concurrency 256 --step-ms 40 --log-dir /tmp/apiov --output-json "$OUT/api_overhead_c256_40ms.json" ;;
