@@ -19,8 +19,10 @@ ENV_VARS: dict[str, str] = {
     "ATOM_PROFILER_DETAILED": "0/1: record shapes, Python stacks and memory in traces",
     "ATOM_MARK_TRACE": "0/1: wrap every model module in a named profiler range (eager mode only)",
     "ATOM_API_KEY": "default for `atomctl serve --api-key` (keeps the key out of the process list)",
-    "ATOM_FP8_SMALL_M_KERNEL": "scaled_mm (default) or triton: the CUDA kernel of per-channel FP8 linears "
-                               "(fp8_linear) at M <= 16 tokens; triton = kernels/triton/fp8_gemm.py (to measure both)",
+    "ATOM_FP8_SMALL_M_KERNEL": "scaled_mm (default), triton or gemv: the CUDA kernel of per-channel FP8 linears "
+                               "(fp8_linear) at M <= 16 tokens; triton = kernels/triton/fp8_gemm.py (to measure both); "
+                               "gemv = kernels/triton/fp8_gemv.py (weight-only, x not quantized) at M <= 4 for dynamic "
+                               "activations and block FP8 (not yet run on a GPU)",
     "ATOM_MOE_DECODE_PATH": "gemv (default) or tiled: the unquantized fused MoE kernels on CUDA for decode batches "
                             "(<= 2 tokens, tokens x top_k <= 32); gemv = kernels/triton/moe_decode.py, faster there "
                             "on the H100 (docs/PERFORMANCE.md 2026-11-26)",
@@ -28,7 +30,7 @@ ENV_VARS: dict[str, str] = {
                               "first chunk) attend over the step's own K/V rows (kernels/triton/prefill_attention.py) "
                               "instead of the paged cache (to measure both)",
 }
-Fp8SmallMKernel = Literal["scaled_mm", "triton"]
+Fp8SmallMKernel = Literal["scaled_mm", "triton", "gemv"]
 FP8_SMALL_M_KERNELS: tuple[str, ...] = get_args(Fp8SmallMKernel)
 MoeDecodePath = Literal["tiled", "gemv"]
 MOE_DECODE_PATHS: tuple[str, ...] = get_args(MoeDecodePath)

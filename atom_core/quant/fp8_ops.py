@@ -37,6 +37,10 @@ Products (y [*, N] in x's dtype, x [*, K] in bf16/fp16/fp32):
         ATOM_FP8_SMALL_M_KERNEL=triton (atom_core/envs.py; read when this module is imported;
         `set_small_m_kernel` for benchmarks and tests). The default stays scaled_mm until both
         are measured on a GPU (`bash tests/gpu/suite.sh fp8-gemm`).
+      - ATOM_FP8_SMALL_M_KERNEL=gemv: at M <= GEMV_MAX_TOKENS both ops run the weight-only FP8 GEMV
+        (kernels/triton/fp8_gemv.py: x not quantized, so closer to the bf16 product than these
+        references); fp8_linear only for dynamic activations (a static input_scale is part of the
+        checkpoint's arithmetic and keeps its path). Not yet run on a GPU (`suite.sh fp8-gemv`).
 
 The references accumulate in float32 over the dequantized operands, which equals the sum over
 K-blocks of the fp8 partial products times their scales up to float32 rounding.
@@ -148,7 +152,8 @@ def fp8_block_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv
 
 
 SMALL_M_MAX = 16  # tokens up to which a linear is decode-shaped: a weight stream (ATOM_FP8_SMALL_M_KERNEL)
-FP8_LINEAR_KERNELS = ("reference", "scaled_mm", "triton")
+GEMV_MAX_TOKENS = 4  # tokens the FP8 GEMV takes (it keeps an accumulator per token)
+FP8_LINEAR_KERNELS = ("reference", "scaled_mm", "triton", "gemv")
 _small_m_kernel: Fp8SmallMKernel = read_envs().fp8_small_m_kernel
 
 
@@ -184,9 +189,11 @@ def _scaled_mm_ok(x2: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def fp8_linear_kernel(num_tokens: int, scaled_mm_ok: bool, triton_ok: bool,
-                      small_m: Fp8SmallMKernel | None = None) -> str:
+                      small_m: Fp8SmallMKernel | None = None, static_input: bool = False) -> str:
     """Which of FP8_LINEAR_KERNELS runs a per-channel/per-tensor fp8_linear of `num_tokens` rows."""
     small_m = small_m or _small_m_kernel
+    if triton_ok and small_m == "gemv" and num_tokens <= GEMV_MAX_TOKENS and not static_input:
+        return "gemv"
     if triton_ok and (not scaled_mm_ok or (num_tokens <= SMALL_M_MAX and small_m == "triton")):
         return "triton"
     return "scaled_mm" if scaled_mm_ok else "reference"
@@ -197,9 +204,14 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
                input_scale: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     shape, n = x.shape, weight.shape[0]
     x2 = x.reshape(-1, shape[-1])
-    kernel = fp8_linear_kernel(x2.shape[0], _scaled_mm_ok(x2, weight), _triton_fp8_ok(x2))
+    kernel = fp8_linear_kernel(x2.shape[0], _scaled_mm_ok(x2, weight), _triton_fp8_ok(x2),
+                               static_input=input_scale is not None)
     if kernel == "reference":
         return fp8_linear_ref(x, weight, weight_scale, input_scale, bias)
+    if kernel == "gemv":
+        from atom_core.kernels.triton.fp8_gemv import fp8_channel_gemv
+
+        return fp8_channel_gemv(x2.contiguous(), weight, weight_scale.float(), bias).reshape(*shape[:-1], n)
     if kernel == "triton":
         from atom_core.kernels.triton.fp8_gemm import fp8_channel_gemm
 
@@ -227,11 +239,25 @@ def _(x, weight, weight_scale, input_scale=None, bias=None):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+def fp8_block_linear_kernel(num_tokens: int, triton_ok: bool, small_m: Fp8SmallMKernel | None = None) -> str:
+    """Which kernel runs a block-FP8 fp8_block_linear: "gemv" (M <= GEMV_MAX_TOKENS under the gemv
+    switch), "triton" (the block GEMM where it supports the block, else the reference) or "reference"."""
+    if not triton_ok:
+        return "reference"
+    return "gemv" if num_tokens <= GEMV_MAX_TOKENS and (small_m or _small_m_kernel) == "gemv" else "triton"
+
+
 @torch.library.custom_op("atom::fp8_block_linear", mutates_args=())
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
                      block_size: list[int], bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
-    if _triton_fp8_ok(x2):
+    kernel = fp8_block_linear_kernel(x2.shape[0], _triton_fp8_ok(x2))
+    if kernel == "gemv":
+        from atom_core.kernels.triton.fp8_gemv import fp8_block_gemv
+
+        y = fp8_block_gemv(x2.contiguous(), weight, weight_scale_inv.float(), block_size, bias)
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+    if kernel == "triton":
         from atom_core.kernels.triton.fp8_gemm import block_gemm_supported, fp8_block_gemm
 
         if block_gemm_supported(block_size):

@@ -361,6 +361,14 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
   fp8-gemm-sweep)  # issue 16: small-M tiles of the Triton FP8 GEMM (BLOCK_N x split-K x stages around the default, M=1), Llama-3-8B then DeepSeek-V3 shapes; not yet run
     step fp8-gemm-sweep-llama 280 python3 -m atom_core.kernels.triton.fp8_bench --sweep --m 1 --shapes llama-3-8b
     step fp8-gemm-sweep-dsv3 280 python3 -m atom_core.kernels.triton.fp8_bench --sweep --m 1 --shapes deepseek-v3 ;;
+  fp8-gemv)  # weight-only FP8 GEMV for M <= 4 (kernels/triton/fp8_gemv.py; written without a GPU, NOT yet run): its GPU tests (Llama-3-8B / DeepSeek-V3 shapes at M=1/2/4, graph replay, the ops under the switch), the micro-benchmark at M=1/4 (gemv ch/blk columns vs bf16, _scaled_mm and the floor), then Llama-3-8B --quantization fp8 batch-1 TPOT with ATOM_FP8_SMALL_M_KERNEL=scaled_mm (default) and =gemv (target <= 3.4 ms; 5.92 with scaled_mm on 2026-11-26). Then fp8-gemv-sweep (tiles)
+    step fp8-gemv-gpu-tests 150 python3 -m pytest -q --tb=short -m gpu tests/quant/test_fp8_gemv.py -p no:cacheprovider
+    step fp8-gemv-bench 130 python3 -m atom_core.kernels.triton.fp8_bench --shapes llama-3-8b,deepseek-v3 --m 1,4
+    step lat-l8fp8-bs1-scaled-mm 100 env ATOM_FP8_SMALL_M_KERNEL=scaled_mm python3 -m atomctl.main bench latency "${l8[@]}" --quantization fp8 --bs 1 --output-json "$OUT/lat_l8fp8_bs1_scaled_mm.json"
+    step lat-l8fp8-bs1-gemv 100 env ATOM_FP8_SMALL_M_KERNEL=gemv python3 -m atomctl.main bench latency "${l8[@]}" --quantization fp8 --bs 1 --output-json "$OUT/lat_l8fp8_bs1_gemv.json" ;;
+  fp8-gemv-sweep)  # the FP8 GEMV's tiles (BLOCK_K x weights a thread x split-K) at M=1 then 4, Llama-3-8B shapes (a compile per tile and shape): sets fp8_gemv.default_fp8_gemv_config
+    step fp8-gemv-sweep-m1 280 python3 -m atom_core.kernels.triton.fp8_bench --sweep-gemv --m 1 --shapes llama-3-8b
+    step fp8-gemv-sweep-m4 280 python3 -m atom_core.kernels.triton.fp8_bench --sweep-gemv --m 4 --shapes llama-3-8b ;;
   fp8kv|fp8kv-8b)  # issue 16 FP8 KV cache, per layer (fp8) and per token and head (fp8_per_token_head): the kernel + engine GPU tests, then the nano offline workload with bf16, fp8 and fp8_per_token_head KV (Qwen3-0.6B here; Llama-3-8B in fp8kv-8b, to stay under 600 s a call); not yet run
     kvs=(auto fp8 fp8_per_token_head) ;;&
   fp8kv)

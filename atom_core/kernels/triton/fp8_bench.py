@@ -9,10 +9,13 @@ tokens (default 1 and 32), CUDA-graph medians in us, against the bytes-read floo
   tr-block     the Triton GEMM, row-expanded 128x128 block scales (fp8_block_gemm: block-FP8
                checkpoints, the CUDA default of fp8_block_linear)
   quant        the per-token quantizer alone (the launch the Triton small-M path fuses away)
+  gemv ch/blk  the weight-only FP8 GEMV (kernels/triton/fp8_gemv.py, x not quantized), per-channel
+               and row-expanded block scales; M <= 4 only (blank above): ATOM_FP8_SMALL_M_KERNEL=gemv
 
-`--sweep` times a few small-M tiles (BLOCK_N x split-K x stages) per shape for both Triton kinds.
+`--sweep` times a few small-M tiles (BLOCK_N x split-K x stages) per shape for both Triton kinds;
+`--sweep-gemv` the GEMV's (BLOCK_K x weights a thread x split-K) at M <= 4.
 Weight values do not affect speed (random e4m3). Not run on a GPU yet (written without one):
-`python -m atom_core.kernels.triton.fp8_bench [--shapes llama-3-8b,deepseek-v3] [--m 1,32] [--sweep]`.
+`python -m atom_core.kernels.triton.fp8_bench [--shapes llama-3-8b,deepseek-v3] [--m 1,32] [--sweep | --sweep-gemv]`.
 """
 from __future__ import annotations
 
@@ -55,10 +58,11 @@ def _weights(n: int, k: int):
 def _table(names: list[str], ms: list[int]) -> None:
     from atom_core.kernels.triton.fp8 import quantize_fp8_per_token
     from atom_core.kernels.triton.fp8_gemm import fp8_block_gemm, fp8_channel_gemm
-    from atom_core.quant.fp8_ops import fp8_linear, set_small_m_kernel
+    from atom_core.kernels.triton.fp8_gemv import fp8_block_gemv, fp8_channel_gemv
+    from atom_core.quant.fp8_ops import GEMV_MAX_TOKENS, fp8_linear, set_small_m_kernel
 
     set_small_m_kernel("scaled_mm")
-    cols = ("bf16", "scaled_mm", "tr-channel", "tr-block", "quant", "floor ch", "floor blk")
+    cols = ("bf16", "scaled_mm", "tr-channel", "tr-block", "quant", "gemv ch", "gemv blk", "floor ch", "floor blk")
     print(f"{'model':>12} {'shape':>8} {'M':>4} " + " ".join(f"{c:>10}" for c in cols))
     for model in names:
         for name, (n, k) in SHAPES[model].items():
@@ -70,9 +74,15 @@ def _table(names: list[str], ms: list[int]) -> None:
                          _time_us(lambda: fp8_linear(x, w, s_channel)),
                          _time_us(lambda: fp8_channel_gemm(x, w, s_channel)),
                          _time_us(lambda: fp8_block_gemm(x, w, s_block, [1, 128])),
-                         _time_us(lambda: quantize_fp8_per_token(x)),
-                         floor_us(n, k, False), floor_us(n, k, True)]
-                print(f"{model:>12} {name:>8} {m:>4} " + " ".join(f"{t:10.1f}" for t in times), flush=True)
+                         _time_us(lambda: quantize_fp8_per_token(x))]
+                if m <= GEMV_MAX_TOKENS:
+                    times += [_time_us(lambda: fp8_channel_gemv(x, w, s_channel)),
+                              _time_us(lambda: fp8_block_gemv(x, w, s_block, [1, 128]))]
+                else:
+                    times += [None, None]
+                times += [floor_us(n, k, False), floor_us(n, k, True)]
+                print(f"{model:>12} {name:>8} {m:>4} " + " ".join(" " * 10 if t is None else f"{t:10.1f}" for t in times),
+                      flush=True)
 
 
 def _sweep(names: list[str], ms: list[int]) -> None:
@@ -100,12 +110,42 @@ def _sweep(names: list[str], ms: list[int]) -> None:
                                       f"{t:8.1f} {floor_us(n, k, kind == 'block'):8.1f}", flush=True)
 
 
+def _sweep_gemv(names: list[str], ms: list[int]) -> None:
+    """The GEMV's tiles around the default per (shape, M <= 4): BLOCK_K x weights a thread a step x split-K."""
+    from atom_core.kernels.triton.common import sm_count
+    from atom_core.kernels.triton.fp8_gemv import default_fp8_gemv_config, fp8_block_gemv, fp8_channel_gemv
+    from atom_core.quant.fp8_ops import GEMV_MAX_TOKENS
+
+    print(f"{'model':>12} {'shape':>8} {'M':>4} {'kind':>8} {'BK':>5} {'BN':>4} {'split':>5} {'us':>8} {'floor':>8}")
+    for model in names:
+        for name, (n, k) in SHAPES[model].items():
+            w, s_channel, s_block = _weights(n, k)
+            for m in (m for m in ms if m <= GEMV_MAX_TOKENS):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                for kind, group in SWEEP_KINDS[model]:
+                    base = default_fp8_gemv_config(m, n, k, 2, group, sm_count(x.device))
+                    for bk in (256, 512, 1024):
+                        for per_thread in (16, 32):
+                            bn = max(1, per_thread * 32 * base.num_warps // bk)
+                            for split in sorted({1, base.split_k, 2}):
+                                cfg = replace(base, block_n=bn, block_k=bk, split_k=split)
+                                if kind == "block":
+                                    t = _time_us(lambda: fp8_block_gemv(x, w, s_block, [1, 128], config=cfg))
+                                else:
+                                    t = _time_us(lambda: fp8_channel_gemv(x, w, s_channel, config=cfg))
+                                print(f"{model:>12} {name:>8} {m:>4} {kind:>8} {bk:>5} {bn:>4} {split:>5} "
+                                      f"{t:8.1f} {floor_us(n, k, kind == 'block'):8.1f}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, from: {', '.join(SHAPES)}")
     parser.add_argument("--m", default="1,32", help="comma-separated token counts")
     parser.add_argument("--sweep", action="store_true", help="time small-M tiles (M <= 16) instead of the table")
+    parser.add_argument("--sweep-gemv", action="store_true", help="time the FP8 GEMV's tiles (M <= 4) instead")
     args = parser.parse_args()
+    if args.sweep and args.sweep_gemv:
+        raise SystemExit("--sweep and --sweep-gemv are separate runs; pass one")
     names = [s for s in args.shapes.split(",") if s]
     unknown = [s for s in names if s not in SHAPES]
     if unknown:
@@ -118,7 +158,7 @@ def main() -> None:
         raise SystemExit(f"--m takes comma-separated positive integers, got {args.m!r}")
     if not torch.cuda.is_available():
         raise SystemExit("fp8_bench needs a CUDA GPU")
-    (_sweep if args.sweep else _table)(names, ms)
+    (_sweep if args.sweep else _sweep_gemv if args.sweep_gemv else _table)(names, ms)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,287 @@
+"""Weight-only FP8 GEMV for decode (M <= 4 rows, Triton): y [M, N] = x [M, K] @ dequant(W)^T (+ bias),
+W e4m3 [N, K], x in bf16/fp16/fp32 and NOT quantized (W8A16, as Marlin-FP8 does):
+
+  fp8_channel_gemv(x, weight, weight_scale, bias)             per-tensor [1] / per-channel [N] or [N, 1]
+  fp8_block_gemv(x, weight, weight_scale_inv, block_size, bias)  block FP8: scales [ceil(N/bn), ceil(K/bk)],
+      row-expanded ([N, ceil(K/bk)], bn = 1, as the loader keeps them) or compact (bn = 128)
+  fp8_gemv_ref(x, weight, scale, block_size, bias)             the torch reference of both
+
+Why: at batch 1 a linear is a weight stream. The tl.dot GEMM (fp8_gemm.py) pads the one row to a
+BLOCK_M 16 MMA and quantizes x; cuBLAS `_scaled_mm` ran 1.3-3.2x the weight-bytes floor on an H100
+at Llama-3-8B shapes plus a quantizer launch per linear. Here each program streams BLOCK_N rows of W
+once for all M rows of x, in registers, like the bf16 MoE GEMVs (moe_decode.py: 1.05-1.4x the floor).
+
+Precision (more accurate than fp8_linear_ref / fp8_block_linear_ref, which quantize x to e4m3):
+each weight becomes float32 exactly, times its block scale (block layout) or not (per channel:
+the scale multiplies each row's sum at the end), times x in float32, summed in float32 (a fixed
+order: deterministic), bias added in float32, rounded once to x's dtype. The reference dequantizes
+W to float32 and multiplies in float32; results differ by float32 summation order only.
+
+Layout: a program owns BLOCK_N rows; per K step it loads a [BLOCK_N, BLOCK_K] weight tile and each x
+row as a tile of the same shape (the row broadcast over BLOCK_N by the pointers, so it gets the
+weights' register layout; ptxas merges the equal-address loads, one x load serves a thread's rows)
+and keeps a [BLOCK_N, BLOCK_K] float32 accumulator per x row (an FMA per weight and row; one
+cross-thread sum at the end). Weights load VEC = 16 / x's element size at a time (8 bytes for half
+x): with 16-byte weight loads Triton gave the weights another layout than x's 8-a-thread and moved
+every tile through shared memory (offline TTGIR). The next step's weights load before the current
+ones are used (a register double buffer; the last step re-reads its own tile, so no mask). Rows past
+N are clamped onto row N - 1 and never stored; columns past K are masked. Block scales: a step
+covers whole groups or lies in one, so column k0 + c is in group k0 // GROUP + c // GROUP and a
+thread's VEC columns share one scale (ptxas keeps one load). Offline sm_90 SASS (bf16 x, M = 1,
+block): ~7.8 instructions a weight (unpack, f16 -> f32, the scale multiply, the FMA), 96 registers.
+
+Split-K (grid axis 1) when the grid's bytes in flight are too few to hide DRAM latency: a step of
+the whole grid reads N * BLOCK_K bytes, split when that is under IN_FLIGHT_BYTES_PER_SM per SM. Each
+split owns a run of whole K steps and stores float32 partials [SPLIT, M, N]; fp8_gemm's
+`_sum_splits_kernel` adds them in split order (deterministic), adds the bias and rounds once.
+
+Levers if the benchmark shows M = 1 far from the floor: tiles (fp8_bench --sweep-gemv); the
+split's second launch (a last-arriving-split sum would save it); at M = 4 the instruction issue
+(~10 a weight) and x's L1 traffic (2 bytes per weight and row) may bind before DRAM does.
+
+Status: written without a GPU; checked under the Triton interpreter and by offline sm_90 compiles
+(tests/quant/test_fp8_gemv.py). NOT yet run on a GPU, so fp8_ops dispatches here only under
+ATOM_FP8_SMALL_M_KERNEL=gemv; `kernels/triton/fp8_bench.py` times it (the gemv columns, --sweep-gemv).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from atom_core.kernels.triton.common import sm_count
+from atom_core.kernels.triton.fp8_gemm import _check as check_operands
+from atom_core.kernels.triton.fp8_gemm import _sum_splits_kernel
+from atom_core.quant.fp8_ops import GEMV_MAX_TOKENS, dequantize_fp8_block
+
+MAX_SPLIT_K = 8
+
+
+@dataclass(frozen=True)
+class Fp8GemvConfig:
+    block_n: int  # weight rows a program streams
+    block_k: int  # columns a step; a power of two >= 16 (16 e4m3 = one 16-byte load a thread)
+    num_warps: int
+    split_k: int  # K splits (grid axis 1); 1 = the GEMV stores the output itself
+
+
+@triton.jit
+def _fma_row(acc, w, x_ptrs, k_ok, MASK_K: tl.constexpr):
+    """acc [BN, BK] += w [BN, BK] (float32) * one x row loaded in w's layout."""
+    if MASK_K:
+        x = tl.load(x_ptrs, mask=k_ok, other=0.0)
+    else:
+        x = tl.load(x_ptrs)
+    return acc + w * x.to(tl.float32)
+
+
+@triton.jit
+def _load_w(w_ptrs, k_ok, MASK_K: tl.constexpr):
+    if MASK_K:
+        return tl.load(w_ptrs, mask=k_ok, other=0.0)
+    return tl.load(w_ptrs)
+
+
+@triton.jit(do_not_specialize=["steps_per_split"])
+def _fp8_gemv_kernel(
+    x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, steps_per_split,
+    stride_xm, stride_wn, stride_wsn, stride_wsk, stride_om, stride_os,
+    M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, SCALE_BN: tl.constexpr, GROUP: tl.constexpr,
+    PER_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, VEC: tl.constexpr,
+):
+    """out[m, cols] (or split partials) for BLOCK_N columns, all M (<= 4) rows of x, one split's K steps.
+    Weight scales of row r: ws_ptr + (r // SCALE_BN) * stride_wsn (+ (k // GROUP) * stride_wsk if PER_GROUP)."""
+    split = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(cols, N - 1)  # weight rows; past N: never stored
+    offs_k = tl.arange(0, BLOCK_K)[None, :]
+    MASK_K: tl.constexpr = K % BLOCK_K != 0
+    k_start = split * steps_per_split * BLOCK_K
+    k_end = tl.minimum(k_start + steps_per_split * BLOCK_K, K)
+    # weights load VEC (16 bytes of x) at a time, so their register layout is x's: with 16-byte weight
+    # loads (16 e4m3) the compiler moved every weight tile through shared memory to x's 8 a thread
+    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + (k_start + tl.max_contiguous(offs_k, [1, VEC]))
+    x_ptrs = x_ptr + (k_start + offs_k + rows[:, None] * 0)  # x rows in the weights' layout (repeats: L1)
+    # k0 is a multiple of GROUP or BLOCK_K divides it: column k0 + c is in group k0 // GROUP + c // GROUP
+    ws_ptrs = ws_ptr + (rows // SCALE_BN).to(tl.int64)[:, None] * stride_wsn + (offs_k // GROUP) * stride_wsk
+    acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    w = _load_w(w_ptrs, offs_k < K - k_start, MASK_K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        # the next columns' bytes fly while these multiply; the last step re-reads its own tile (no mask)
+        step = tl.where(k0 + BLOCK_K < k_end, BLOCK_K, 0)
+        w_next = _load_w(w_ptrs + step, offs_k < K - k0 - step, MASK_K)
+        wf = w.to(tl.float32)
+        if PER_GROUP:  # a scale per element, equal addresses along a thread's VEC columns: one load
+            wf = wf * tl.load(ws_ptrs + (k0 // GROUP) * stride_wsk)
+        k_ok = offs_k < K - k0
+        acc0 = _fma_row(acc0, wf, x_ptrs, k_ok, MASK_K)
+        if M > 1:
+            acc1 = _fma_row(acc1, wf, x_ptrs + stride_xm, k_ok, MASK_K)
+        if M > 2:
+            acc2 = _fma_row(acc2, wf, x_ptrs + 2 * stride_xm, k_ok, MASK_K)
+        if M > 3:
+            acc3 = _fma_row(acc3, wf, x_ptrs + 3 * stride_xm, k_ok, MASK_K)
+        w = w_next
+        w_ptrs += step
+        x_ptrs += BLOCK_K
+    w_scale = tl.load(ws_ptr + (rows // SCALE_BN) * stride_wsn)  # per channel / tensor: times the row sums
+    out_ptrs = out_ptr + split * stride_os + cols
+    col_ok = cols < N
+    _store_row(acc0, w_scale, bias_ptr, out_ptrs, rows, col_ok, PER_GROUP, HAS_BIAS, IS_SPLIT)
+    if M > 1:
+        _store_row(acc1, w_scale, bias_ptr, out_ptrs + stride_om, rows, col_ok, PER_GROUP, HAS_BIAS, IS_SPLIT)
+    if M > 2:
+        _store_row(acc2, w_scale, bias_ptr, out_ptrs + 2 * stride_om, rows, col_ok, PER_GROUP, HAS_BIAS, IS_SPLIT)
+    if M > 3:
+        _store_row(acc3, w_scale, bias_ptr, out_ptrs + 3 * stride_om, rows, col_ok, PER_GROUP, HAS_BIAS, IS_SPLIT)
+
+
+@triton.jit
+def _store_row(acc, w_scale, bias_ptr, out_ptrs, rows, col_ok, PER_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+               IS_SPLIT: tl.constexpr):
+    """One x row's BLOCK_N outputs: the K sum (times the per-channel scale). A split stores float32
+    partials (the sum kernel adds the bias); otherwise the bias is added and the sum rounded once."""
+    y = tl.sum(acc, axis=1)
+    if not PER_GROUP:
+        y = y * w_scale
+    if IS_SPLIT:
+        tl.store(out_ptrs, y, mask=col_ok)
+    else:
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + rows).to(tl.float32)
+        tl.store(out_ptrs, y.to(out_ptrs.dtype.element_ty), mask=col_ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# host side
+
+# Split K until about this many weight bytes per SM are in flight: a step's loads (N * BLOCK_K bytes
+# over the whole grid) are what hides DRAM latency (Little's law: ~3 TB/s x ~0.6 us / 132 SMs ~ 14 KB
+# an SM on an H100). Llama-3-8B's narrowest projections (N 4096, BLOCK_K 512) pass without a split.
+IN_FLIGHT_BYTES_PER_SM = 12 * 1024
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    return min(n & -n, cap)
+
+
+def default_fp8_gemv_config(m: int, n: int, k: int, x_bytes: int, group: int | None, num_sms: int) -> Fp8GemvConfig:
+    """Untuned (written without a GPU; offline sm_90 compiles: 94-142 registers, no spills, one
+    load a row and group for block scales): 16 bytes of x a thread load (VEC columns), BLOCK_K 512
+    (256 for float32 x), 32 weights a thread a step at M <= 2 and 16 at M 3-4 (the accumulators
+    grow with M), 4 warps; split-K per IN_FLIGHT_BYTES_PER_SM."""
+    bk = max(16, min(256 if x_bytes == 4 else 512, triton.next_power_of_2(k)))
+    if group is not None and bk % group and group % bk:  # a step must cover whole groups or lie in one
+        bk = _pow2_divisor(group, bk)
+    per_thread = 32 if m <= 2 else 16
+    warps = 4
+    bn = max(1, per_thread * 32 * warps // bk)
+    steps = triton.cdiv(k, bk)
+    split = max(1, min(MAX_SPLIT_K, steps, triton.cdiv(IN_FLIGHT_BYTES_PER_SM * num_sms, n * bk)))
+    split = triton.cdiv(steps, triton.cdiv(steps, split))  # runs of whole steps, none empty (the last may be short)
+    return Fp8GemvConfig(bn, bk, warps, split)
+
+
+def block_gemv_supported(block_size: list[int] | tuple[int, int]) -> bool:
+    """Any [bn, bk] >= 1 (a step covers whole scale groups or lies in one; an odd bk narrows the step)."""
+    return len(block_size) == 2 and min(int(b) for b in block_size) >= 1
+
+
+def _check(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+    check_operands(x2, weight, scale, bias)  # the tl.dot GEMM's contract: dtypes, shapes, strides, device
+    if x2.shape[0] > GEMV_MAX_TOKENS:  # an accumulator per row of x
+        raise ValueError(f"the FP8 GEMV takes at most {GEMV_MAX_TOKENS} rows of x, got {x2.shape[0]}")
+
+
+def _check_config(cfg: Fp8GemvConfig, group: int | None) -> None:
+    bk, bn = cfg.block_k, cfg.block_n
+    if bk < 1 or bk & (bk - 1) or bn < 1 or bn & (bn - 1) or cfg.split_k < 1:
+        raise ValueError(f"FP8 GEMV tiles need power-of-two block_n and block_k and split_k >= 1, got {cfg}")
+    if group is not None and bk % group and group % bk:
+        raise ValueError(f"FP8 GEMV block_k {bk} must divide the scale group {group} or be a multiple of it")
+
+
+def _launch(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, stride_ws: tuple[int, int], scale_bn: int,
+            group: int | None, bias: torch.Tensor | None, cfg: Fp8GemvConfig) -> torch.Tensor:
+    """The GEMV (and the split sum) on checked operands; returns [M, N] in x's dtype."""
+    (m, k), n = x2.shape, weight.shape[0]
+    out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
+    if m == 0:
+        return out
+    steps = triton.cdiv(k, cfg.block_k)
+    per_split = triton.cdiv(steps, cfg.split_k)
+    split = triton.cdiv(steps, per_split)
+    target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x2.device)
+    _fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
+        x2, weight, scale, bias if bias is not None else scale, target, per_split,
+        x2.stride(0), weight.stride(0), *stride_ws, target.stride(-2), target.stride(0) if split > 1 else 0,
+        M=m, N=n, K=k, SCALE_BN=scale_bn, GROUP=group or k, PER_GROUP=group is not None, HAS_BIAS=bias is not None,
+        IS_SPLIT=split > 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, VEC=min(cfg.block_k, 16 // x2.element_size()),
+        num_warps=cfg.num_warps, num_stages=1,
+    )
+    if split > 1:
+        block = min(1024, triton.next_power_of_2(n))
+        _sum_splits_kernel[(m, triton.cdiv(n, block))](
+            target, bias if bias is not None else target, out, n, target.stride(0), target.stride(1), out.stride(0),
+            SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=block)
+    return out
+
+
+def fp8_channel_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     bias: Optional[torch.Tensor] = None, *, config: Fp8GemvConfig | None = None) -> torch.Tensor:
+    """x [*, K] with at most GEMV_MAX_TOKENS rows (bf16/fp16/fp32), weight e4m3 [N, K], weight_scale float32
+    with 1 or N values (per tensor / per channel) -> [*, N] in x's dtype (module docstring: precision)."""
+    shape, (n, k) = x.shape, weight.shape
+    x2 = x.reshape(-1, shape[-1])
+    _check(x2, weight, weight_scale, bias)
+    w_scale = weight_scale.reshape(-1)
+    if w_scale.numel() not in (1, n):
+        raise ValueError(f"weight_scale must hold 1 or N={n} values, got {tuple(weight_scale.shape)}")
+    cfg = config or default_fp8_gemv_config(x2.shape[0], n, k, x2.element_size(), None, sm_count(x.device))
+    _check_config(cfg, None)
+    stride_ws = (0 if w_scale.numel() == 1 else w_scale.stride(0), 0)
+    return _launch(x2, weight, w_scale, stride_ws, 1, None, bias, cfg).reshape(*shape[:-1], n)
+
+
+def fp8_block_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, block_size: list[int],
+                   bias: Optional[torch.Tensor] = None, *, config: Fp8GemvConfig | None = None) -> torch.Tensor:
+    """Block FP8: weight_scale_inv float32 [ceil(N/bn), ceil(K/bk)] for block_size [bn, bk]: the
+    loader's row-expanded scales (bn = 1) or the checkpoint's compact ones (e.g. [128, 128])."""
+    shape, (n, k) = x.shape, weight.shape
+    x2 = x.reshape(-1, shape[-1])
+    _check(x2, weight, weight_scale_inv, bias)
+    if not block_gemv_supported(block_size):
+        raise ValueError(f"block_size must be [bn, bk] with both >= 1, got {list(block_size)}")
+    bn, bk = (int(b) for b in block_size)
+    expect = (triton.cdiv(n, bn), triton.cdiv(k, bk))
+    if weight_scale_inv.dim() != 2 or tuple(weight_scale_inv.shape) != expect:
+        raise ValueError(f"weight_scale_inv must be {list(expect)} for weight {tuple(weight.shape)} and block "
+                         f"{[bn, bk]}, got {tuple(weight_scale_inv.shape)}")
+    cfg = config or default_fp8_gemv_config(x2.shape[0], n, k, x2.element_size(), bk, sm_count(x.device))
+    _check_config(cfg, bk)
+    out = _launch(x2, weight, weight_scale_inv, weight_scale_inv.stride(), bn, bk, bias, cfg)
+    return out.reshape(*shape[:-1], n)
+
+
+def fp8_gemv_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_size: list[int] | None = None,
+                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The torch reference of both GEMVs: W dequantized to float32 (per tensor / per channel when
+    block_size is None, else by blocks), x in float32 (not quantized), a float32 matmul, the bias in
+    float32, rounded once to x's dtype."""
+    n = weight.shape[0]
+    if block_size is None:
+        s = scale.float().reshape(-1)
+        w = weight.float() * (s if s.numel() == 1 else s.reshape(n, 1))
+    else:
+        w = dequantize_fp8_block(weight, scale, tuple(block_size))
+    y = x.float().reshape(-1, x.shape[-1]) @ w.t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)
