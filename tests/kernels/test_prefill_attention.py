@@ -390,6 +390,7 @@ def test_engine_with_the_switch_on_equals_hf_greedy(tiny_llama, monkeypatch, bud
     want = hf_greedy(AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval(), prompts, 8)
     calls = []
     monkeypatch.setattr(PagedMHABackend, "_contiguous_prefill", lambda self: pa)
+    monkeypatch.setattr(pa, "_mode", "contiguous")  # the batch builder splits only in this mode
     monkeypatch.setattr(pa, "prefill_attention", recording(pa.prefill_attention, calls))
     engine = LLMEngine(str(tiny_llama), **({"max_num_batched_tokens": budget} if budget else {}))
     got = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
