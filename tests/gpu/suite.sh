@@ -119,6 +119,12 @@ import pandas as pd
 v = pd.read_excel('/tmp/a3b_xlsx/decode_breakdown.xlsx', sheet_name='full_step')
 v['k'] = v.gpu_kernel.str.slice(0, 80)
 print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum', ascending=False).head(20).to_string())" ;;
+  tune-dsv2l)  # issue 14: no tuned fused-MoE table exists for DeepSeek-V2-Lite's expert shape (E=64, N=1408, K=2048; only Qwen3-30B-A3B's and Mixtral's), so its prefill runs default tiles: tune it (the table comes back in $OUT: commit it under kernels/triton/moe_configs/), then the V2-Lite nano run and batch 32 with it
+    dsl=(--model preset:DeepSeek-V2-Lite --load-format dummy --max-model-len 4096)
+    step tune-moe-dsv2l 400 python3 -m atom_core.kernels.tune_moe --preset DeepSeek-V2-Lite
+    cp atom_core/kernels/triton/moe_configs/E=64,*.json "$OUT/" 2>/dev/null
+    step off-dsv2l 150 python3 -m atomctl.main bench offline "${dsl[@]}" --output-json "$OUT/off_dsv2l.json"
+    step lat-dsv2l-bs32 100 python3 -m atomctl.main bench latency "${dsl[@]}" --bs 32 --output-json "$OUT/lat_dsv2l_bs32.json" ;;
   micro)  # kernel micro-benchmarks of the new kernels (no engine): FP8 GEMMs, block-FP8 / W4A16 / GEMV MoE, MLA prep and decode, prefill attention
     step fp8-gemm-bench 100 python3 -m atom_core.kernels.triton.fp8_bench --shapes llama-3-8b,deepseek-v3
     step fp8-moe-bench 80 python3 -m atom_core.kernels.triton.fp8_moe_bench
