@@ -29,6 +29,8 @@ ENV_VARS: dict[str, str] = {
     "ATOM_PREFILL_ATTENTION": "paged (default) or contiguous: on CUDA, sequences without cached context (a prompt's "
                               "first chunk) attend over the step's own K/V rows (kernels/triton/prefill_attention.py) "
                               "instead of the paged cache (to measure both)",
+    "ATOM_MTP_GRAPHS": "0/1 (default 0 until run on a GPU): with CUDA graphs, the MTP layer's catch-up and later "
+                       "drafts replay graphs too (spec_decode/mtp_graphs.py) instead of running eagerly",
 }
 Fp8SmallMKernel = Literal["scaled_mm", "triton", "gemv"]
 FP8_SMALL_M_KERNELS: tuple[str, ...] = get_args(Fp8SmallMKernel)
@@ -52,6 +54,7 @@ class AtomEnvs:
     fp8_small_m_kernel: Fp8SmallMKernel = "scaled_mm"  # read once by quant/fp8_ops when it is imported
     moe_decode_path: MoeDecodePath = "gemv"  # read once by kernels/triton/moe_decode when it is imported
     prefill_attention: PrefillAttentionMode = "paged"  # read once by kernels/triton/prefill_attention on import
+    mtp_graphs: bool = False  # read by the model runner when it captures graphs
 
 
 def read_envs(environ: Mapping[str, str] | None = None) -> AtomEnvs:
@@ -65,6 +68,7 @@ def read_envs(environ: Mapping[str, str] | None = None) -> AtomEnvs:
         fp8_small_m_kernel=env_choice(env, "ATOM_FP8_SMALL_M_KERNEL", FP8_SMALL_M_KERNELS, "scaled_mm"),
         moe_decode_path=env_choice(env, "ATOM_MOE_DECODE_PATH", MOE_DECODE_PATHS, "gemv"),
         prefill_attention=env_choice(env, "ATOM_PREFILL_ATTENTION", PREFILL_ATTENTION_MODES, "paged"),
+        mtp_graphs=env_bool(env, "ATOM_MTP_GRAPHS", False),
     )
 
 

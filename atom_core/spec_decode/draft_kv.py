@@ -62,16 +62,20 @@ class DraftKV:
         first = self.first_scratch_block + NUM_SCRATCH_BLOCKS * index
         return real + list(range(first, first + NUM_SCRATCH_BLOCKS))
 
-    def metadata(self, row_counts: list[int], starts: list[int], tables: list[list[int]]):
+    def metadata(self, row_counts: list[int], starts: list[int], tables: list[list[int]],
+                 num_real: list[int] | None = None):
         """Positions [T] and the AttentionMetadata of one flat forward: request r computes
-        row_counts[r] rows from position starts[r] over its block table tables[r]."""
+        row_counts[r] rows from position starts[r] over its block table tables[r]. With num_real,
+        only its first num_real[r] rows store KV (the rest are padding: slot -1, as in padded verify
+        batches), and each table is padded with block 0 to cover its seq_len."""
         bs = self.block_size
         positions = [p for n, s in zip(row_counts, starts) for p in range(s, s + n)]
-        slots = [table[p // bs] * bs + p % bs for n, s, table in zip(row_counts, starts, tables)
-                 for p in range(s, s + n)]
+        real = num_real or row_counts
+        slots = [table[p // bs] * bs + p % bs if j < m else -1
+                 for n, m, s, table in zip(row_counts, real, starts, tables) for j, p in enumerate(range(s, s + n))]
         qsl = np.cumsum([0, *row_counts])
         seq_lens = [s + n for n, s in zip(row_counts, starts)]
-        width = max(len(t) for t in tables)
+        width = max(max(len(t) for t in tables), max(-(-length // bs) for length in seq_lens))
         block_tables = np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int32)
         dev = self.device
         meta = AttentionMetadata(

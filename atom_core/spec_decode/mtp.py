@@ -39,7 +39,8 @@ from atom_core.model_ops.forward_context import set_attention_metadata
 from atom_core.model_ops.kv_spec import attention_layers
 from atom_core.model_ops.layernorm import RMSNorm
 from atom_core.model_ops.linear import ReplicatedLinear
-from atom_core.spec_decode.draft_kv import DraftKV
+from atom_core.spec_decode.draft_kv import NUM_SCRATCH_BLOCKS, DraftKV
+from atom_core.spec_decode.mtp_graphs import MTPGraphs, padded_catch_up
 from atom_core.spec_decode.proposer import Proposer, TargetHidden, can_speculate
 
 if TYPE_CHECKING:
@@ -193,6 +194,8 @@ class MTPProposer(Proposer):
         self.max_model_len = target.max_model_len
         self.layers = attention_layers(self.model)
         self.kv = DraftKV(self.layers, block_size, max_num_seqs, target.device)
+        self.graphs: MTPGraphs | None = None
+        self.pad_catch_up = False  # True with graphs (capture_graphs); tests set it to check the padded rows eagerly
 
     def kv_layers(self) -> list:
         return self.layers
@@ -207,7 +210,7 @@ class MTPProposer(Proposer):
     def propose(self, states: list["RequestState"], target: TargetHidden | None = None) -> list[list[int]]:
         assert target is not None, "the MTP proposer drafts from the target's hidden states"
         wanted = {s.req_id for s in states}
-        token_ids, counts, starts, tables, hidden_rows = [], [], [], [], []
+        tokens_of, counts, starts, tables, first_rows = [], [], [], [], []
         drafting: dict[str, int] = {}  # request id -> its entry in this forward
         for i, state in enumerate(target.states):
             n, first = target.num_rows[i], target.first_positions[i]
@@ -219,28 +222,34 @@ class MTPProposer(Proposer):
                     and self.kv.claim(rid)):
                 assert first + n + 1 == state.num_known_tokens, "a drafting request's rows end at its newest token"
                 drafting[rid] = len(counts)
-            token_ids.extend(state.tokens(first + 1, first + n + 1))
+            tokens_of.append(state.tokens(first + 1, first + n + 1))
             counts.append(n)
             starts.append(first)
             tables.append(self.kv.table(state, first + n))
-            hidden_rows.append(torch.arange(target.row_starts[i], target.row_starts[i] + n))
+            first_rows.append(target.row_starts[i])
         drafts: list[list[int]] = [[] for _ in states]
         if not counts:
             return drafts
-        rows = torch.cat(hidden_rows).to(self.device)
-        out = self._forward(token_ids, counts, starts, tables, target.hidden.index_select(0, rows))
+        q = 1 + self.num_draft_tokens
+        if self._pads_catch_up(counts, starts, q):
+            out, last_rows = self._catch_up_padded(tokens_of, counts, starts, tables, first_rows, target.hidden, q)
+        else:
+            rows = torch.cat([torch.arange(r, r + n) for r, n in zip(first_rows, counts)]).to(self.device)
+            token_ids = [t for toks in tokens_of for t in toks]
+            out = self._forward(token_ids, counts, starts, tables, target.hidden.index_select(0, rows))
+            last_rows = [end - 1 for end in itertools.accumulate(counts)]
         if not drafting:
             return drafts
         entries = list(drafting.values())
-        ends = list(itertools.accumulate(counts))
-        last = torch.tensor([ends[e] - 1 for e in entries], device=self.device)
+        last = torch.tensor([last_rows[e] for e in entries], device=self.device)
         hidden = out.index_select(0, last)
         tokens = [self.head(hidden).argmax(dim=-1)]
         # Later drafts: one row per request, one position further, over its scratch blocks.
         positions = [starts[e] + counts[e] for e in entries]  # the newest token's position
         draft_tables = [tables[e] for e in entries]
         for _ in range(self.num_draft_tokens - 1):
-            hidden = self._forward(tokens[-1], [1] * len(entries), positions, draft_tables, hidden)
+            positions_t, meta = self.kv.metadata([1] * len(entries), positions, draft_tables)
+            hidden = self._run(tokens[-1], positions_t, meta, hidden, self.draft_graphs)
             tokens.append(self.head(hidden).argmax(dim=-1))
             positions = [p + 1 for p in positions]
         by_request = dict(zip(drafting, torch.stack(tokens, dim=1).tolist()))
@@ -251,5 +260,39 @@ class MTPProposer(Proposer):
         """The nextn layer over each request's rows; [rows, H] normed outputs."""
         positions, meta = self.kv.metadata(counts, starts, tables)
         ids = token_ids if isinstance(token_ids, torch.Tensor) else torch.tensor(token_ids, device=self.device)
+        return self._run(ids, positions, meta, previous_hidden, None)
+
+    # ---- CUDA graphs (spec_decode/mtp_graphs.py explains the padded catch-up) ---------------
+    def capture_graphs(self, decode_sizes: tuple[int, ...], pool) -> None:
+        """Graphs of the catch-up forward (q = 1 + K rows per request) and, for K >= 2, of the later
+        drafts (one row per request), in the target's graph memory pool."""
+        self.graphs = MTPGraphs(self.layer, self.embed, decode_sizes, 1 + self.num_draft_tokens,
+                                self.max_model_len + NUM_SCRATCH_BLOCKS * self.kv.block_size, self.kv.block_size,
+                                self.device, pool)
+        self.pad_catch_up = True
+
+    @property
+    def draft_graphs(self):
+        return None if self.graphs is None else self.graphs.drafts
+
+    def _pads_catch_up(self, counts: list[int], starts: list[int], q: int) -> bool:
+        """Whether the catch-up runs padded to q rows a request: asked for (graphs), every request
+        has at most q rows (decode and verify steps; a prefill chunk has more), padding positions
+        stay inside max_model_len, and a graph of that many requests exists when graphs are on."""
+        if not self.pad_catch_up or max(counts) > q or max(starts) + q > self.max_model_len:
+            return False
+        return self.graphs is None or self.graphs.catch_up.can_run(len(counts))
+
+    def _catch_up_padded(self, tokens_of, counts, starts, tables, first_rows, hidden: torch.Tensor, q: int):
+        """mtp_graphs.padded_catch_up's rows through the layer; (outputs, each request's last real row)."""
+        ids, rows, last_rows = padded_catch_up(tokens_of, counts, first_rows, q)
+        positions, meta = self.kv.metadata([q] * len(counts), starts, tables, num_real=counts)
+        previous = hidden.index_select(0, torch.tensor(rows, device=self.device))
+        runner = None if self.graphs is None else self.graphs.catch_up
+        return self._run(torch.tensor(ids, device=self.device), positions, meta, previous, runner), last_rows
+
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, meta, previous_hidden: torch.Tensor, runner):
+        if runner is not None and runner.can_run(ids.shape[0] // runner.query_len):
+            return self.graphs.replay(runner, ids, positions, meta, previous_hidden)
         with set_attention_metadata(meta):
             return self.layer.forward_nextn(ids, positions, previous_hidden, self.embed)

@@ -27,6 +27,7 @@ from atom_core.model_ops.kv_spec import (allocate_kv_cache, attention_layers, ch
                                          set_kv_cache_dtype, warm_up_attention)
 from atom_core.model_ops.sampler import Sampler
 from atom_core.scheduler_output import PLACEHOLDER, ModelRunnerOutput, SchedulerOutput
+from atom_core.envs import read_envs
 from atom_core.spec_decode.proposer import TargetHidden, build_proposer, can_speculate, check_proposer
 from atom_core.spec_decode.rejection_sampler import RejectionSampler, emitted_tokens
 from atom_core.spec_decode.verify import build_padded_verify_batch, emitted_logprobs, verify_rows
@@ -135,6 +136,8 @@ class ModelRunner:
             self.graphs.capture_all()
             if self.proposer is not None:
                 self._capture_verify_graphs(CUDAGraphRunner)
+                if hasattr(self.proposer, "capture_graphs") and read_envs().mtp_graphs:  # MTP's own forwards
+                    self.proposer.capture_graphs(config.capture_sizes, self.graphs.pool)
         if config.use_cuda_graphs and mode != "full_decode_only":
             from atom_core.worker.piecewise import CudaGraphKit
 
@@ -158,7 +161,8 @@ class ModelRunner:
             "compile_setup": self.compile_seconds,  # importing Dynamo/Inductor; compiling is lazy
             "kv_sizing": self.sizing_seconds,
             "kernel_warm_up": self.warm_up_seconds,
-            "graph_capture": sum(g.capture_seconds for g in (self.graphs, self.verify_graphs, self.piecewise)
+            "graph_capture": sum(g.capture_seconds for g in (self.graphs, self.verify_graphs, self.piecewise,
+                                                             getattr(self.proposer, "graphs", None))
                                  if g is not None),
         }
 

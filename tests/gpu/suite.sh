@@ -339,12 +339,14 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
   specdec)  # issue 15: n-gram speculation, Llama-3-8B (dummy): bf16 greedy parity in graphs, batch-1 TPOT on a repetitive workload with/without drafts, verify-step cost k=0..4; then the default engine on the same workload
     step specdec-l8 230 python3 tests/gpu/spec_decode_bench.py preset:Llama-3-8B --k 4 --out "$OUT/specdec_l8.json"
     step lat-l8-period16 110 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --input-len 512 --output-len 128 --prompt-period 16 --num-iters 2 --output-json "$OUT/lat_l8_period16.json" ;;
-  mtp)  # issue 15 MTP: the MTP GPU tests (tiny DeepSeek-V3 + nextn layer in fp32 with verify graphs vs HF; the demo model's trained MTP layer in bf16), then DeepSeek-V2-Lite + one nextn layer (preset DeepSeek-V2-Lite-MTP, dummy weights: acceptance meaningless, this is the verify + draft cost per step) batch-1 TPOT without and with --method mtp K=1..3
+  mtp)  # issue 15 MTP: the MTP GPU tests (tiny DeepSeek-V3 + nextn layer in fp32 with verify and MTP-layer graphs vs HF; the demo model's trained MTP layer in bf16, acceptance >= 0.3), then DeepSeek-V2-Lite + one nextn layer (preset DeepSeek-V2-Lite-MTP, dummy weights: acceptance meaningless, this is the verify + draft cost per step; 2026-11-26 with the layer eager: 3.43 ms plain, 7.32 K=1, 12.69 K=3) batch-1 TPOT without and with --method mtp K=1..3
     dsm=(--model preset:DeepSeek-V2-Lite-MTP --load-format dummy --max-model-len 4096)
     step mtp-gpu-tests 300 python3 -m pytest -q --tb=short -m gpu tests/spec_decode/test_mtp.py -p no:cacheprovider
     step lat-dsv2lm-bs1 150 python3 -m atomctl.main bench latency "${dsm[@]}" --bs 1 --num-iters 2 --output-json "$OUT/lat_dsv2lm_bs1.json"
-    for k in 1 2 3; do
-      step lat-dsv2lm-mtp$k-bs1 150 python3 -m atomctl.main bench latency "${dsm[@]}" --bs 1 --num-iters 2 --method mtp --num-speculative-tokens $k --output-json "$OUT/lat_dsv2lm_mtp${k}_bs1.json"
+    for k in 1 3; do
+      for g in 0 1; do
+        step lat-dsv2lm-mtp$k-graphs$g-bs1 120 env ATOM_MTP_GRAPHS=$g python3 -m atomctl.main bench latency "${dsm[@]}" --bs 1 --num-iters 2 --method mtp --num-speculative-tokens $k --output-json "$OUT/lat_dsv2lm_mtp${k}_g${g}_bs1.json"
+      done
     done ;;
   structured)  # issue 20: structured outputs on CUDA (xgrammar: fetch its wheels with device-wheels.sh xgrammar apache-tvm-ffi)
     step structured-gpu 300 python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu/test_structured_gpu.py ;;

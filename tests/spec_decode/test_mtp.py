@@ -236,18 +236,26 @@ class TestDemoModel:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 class TestCuda:
+    @pytest.mark.parametrize("mtp_graphs", ["0", "1"], ids=["mtp-eager", "mtp-graphs"])
     @pytest.mark.parametrize("k", [1, 3])
-    def test_tiny_v3_fp32_in_graphs_equals_hf(self, v3_mtp, k):
-        """Verify steps replay CUDA graphs (the MTP layer runs eagerly after them); fp32 against HF on the CPU."""
+    def test_tiny_v3_fp32_in_graphs_equals_hf(self, v3_mtp, k, mtp_graphs, monkeypatch):
+        """Verify steps replay CUDA graphs, and with ATOM_MTP_GRAPHS=1 so do the MTP layer's padded
+        catch-up and later drafts (spec_decode/mtp_graphs.py); fp32 against HF on the CPU."""
+        monkeypatch.setenv("ATOM_MTP_GRAPHS", mtp_graphs)
         path, prompts, hf = v3_mtp
         engine = LLMEngine(str(path), device="cuda", dtype="float32", method="mtp", num_speculative_tokens=k)
-        assert engine.core.executor.runner.verify_graphs is not None
+        runner = engine.core.executor.runner
+        assert runner.verify_graphs is not None and (runner.proposer.graphs is not None) == (mtp_graphs == "1")
+        if mtp_graphs == "1":
+            assert (runner.proposer.graphs.drafts is not None) == (k > 1)
         assert _tokens(engine, prompts) == hf
         assert engine.spec_decode_stats()["num_drafts"] > 0
         assert engine.core.kv.num_free_blocks == engine.core.kv.num_blocks
 
+    @pytest.mark.parametrize("mtp_graphs", ["0", "1"], ids=["mtp-eager", "mtp-graphs"])
     @pytest.mark.parametrize("k", [1, 3])
-    def test_demo_model_bf16_in_graphs(self, k):
+    def test_demo_model_bf16_in_graphs(self, k, mtp_graphs, monkeypatch):
+        monkeypatch.setenv("ATOM_MTP_GRAPHS", mtp_graphs)
         plain = _tokens(LLMEngine(str(DEMO_MODEL_DIR), device="cuda"), _demo_prompts(), DEMO_GREEDY)
         engine = LLMEngine(str(DEMO_MODEL_DIR), device="cuda", method="mtp", num_speculative_tokens=k)
         assert _tokens(engine, _demo_prompts(), DEMO_GREEDY) == plain
