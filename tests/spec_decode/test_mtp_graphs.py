@@ -117,3 +117,45 @@ def test_the_cpu_engine_captures_no_graphs(v3_mtp, monkeypatch):
     engine = LLMEngine(str(v3_mtp[0]), method="mtp", num_speculative_tokens=2)
     proposer = engine.core.executor.runner.proposer
     assert proposer.graphs is None and not proposer.pad_catch_up
+
+
+class _EagerGraph:
+    """Stands in for one captured CUDA graph on the CPU: replay() reruns the runner's forward on
+    its persistent input buffers with the metadata the capture saw, into the output slot a replay
+    returns. So everything CUDAGraphRunner.replay does around the graph (copying the step into the
+    buffers, padding rows and requests) runs for real; only the capture itself is not exercised."""
+
+    def __init__(self, runner, bs: int):
+        self.runner, self.bs = runner, bs
+
+    def replay(self) -> None:
+        from atom_core.model_ops.forward_context import set_attention_metadata
+
+        r, tokens = self.runner, self.bs * self.runner.query_len
+        with set_attention_metadata(r._metadata(self.bs)):
+            r.outputs[self.bs] = r.forward(r.input_ids[:tokens], r.positions[:tokens])
+
+
+def _capture_eagerly(runner) -> None:
+    runner.graphs = {bs: _EagerGraph(runner, bs) for bs in runner.sizes}
+    runner.capture_seconds = 0.0
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_graph_replays_through_the_runners_buffers_draft_the_same(v3_mtp, monkeypatch, k):
+    """MTPGraphs with its CUDAGraphRunners replaying eagerly (decode sizes to 16; catch-up graphs of
+    up to 16 / (1 + K) requests, as the verify graphs: 4 prompts fit at K = 3): same outputs and
+    acceptance counts as the eager layer, and both runners replayed."""
+    from atom_core.worker.cuda_graph import CUDAGraphRunner
+
+    path, prompts = v3_mtp
+    expected = _run(LLMEngine(str(path), method="mtp", num_speculative_tokens=k), prompts)
+    monkeypatch.setattr(CUDAGraphRunner, "capture_all", _capture_eagerly)
+    replays = []
+    real_replay = CUDAGraphRunner.replay
+    monkeypatch.setattr(CUDAGraphRunner, "replay", lambda self, flat, **kw: replays.append(self.query_len)
+                        or real_replay(self, flat, **kw))
+    engine = LLMEngine(str(path), method="mtp", num_speculative_tokens=k)
+    engine.core.executor.runner.proposer.capture_graphs((1, 2, 4, 8, 16), None)
+    assert _run(engine, prompts) == expected
+    assert 1 + k in replays and (1 in replays) == (k > 1)
