@@ -323,10 +323,11 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
     step off-mixtral 200 python3 -m atomctl.main bench offline "${mx[@]}" --output-json "$OUT/off_mixtral.json" ;;
   tp|tp-tests)  # issue 18 on nvidia-h200-x2: TP=2 vs TP=1 parity (eager, graphs, compile; MoE TP and EP; DP attention + EP), one engine start per case
     step tp-gpu-tests 420 python3 -m pytest -v --tb=short tests/distributed/test_tp_gpu.py -p no:cacheprovider ;;&
-  tp|tp-bench)  # issue 18's speed rows (dummy weights): Llama-3-8B TP=1/TP=2 batch 1 and DP=1/DP=2 nano, Llama-3.1-70B TP=2 batch 1 and nano, Qwen3-30B-A3B TP=2 vs EP=2 nano
+  tp|tp-bench)  # issue 18's speed rows (dummy weights): NCCL vs symmetric-memory all-reduce at TP sizes, Llama-3-8B TP=1/TP=2 batch 1 and DP=1/DP=2 nano, Llama-3.1-70B TP=2 batch 1 and nano, Qwen3-30B-A3B TP=2 vs EP=2 nano
     l8=(--model preset:Llama-3-8B --load-format dummy --max-model-len 4096)
     l70=(--model preset:Llama-3.1-70B --load-format dummy --max-model-len 4096)
     a3b=(--model preset:Qwen3-30B-A3B --load-format dummy --max-model-len 4096)
+    step allreduce-bench 120 python3 tests/gpu/bench_allreduce.py --gpus 2  # NCCL vs symmetric-memory all-reduce in graphs
     step lat-l8-tp1-bs1 100 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-json "$OUT/lat_l8_tp1_bs1.json"
     step lat-l8-tp2-bs1 150 python3 -m atomctl.main bench latency "${l8[@]}" -tp 2 --bs 1 --output-json "$OUT/lat_l8_tp2_bs1.json"
     step off-l8-dp1 120 python3 -m atomctl.main bench offline "${l8[@]}" --output-json "$OUT/off_l8_dp1.json"
