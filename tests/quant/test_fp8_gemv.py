@@ -35,7 +35,7 @@ from atom_core.quant.fp8_ops import (
 )
 from tests.kernels.conftest import device  # noqa: F401  (the cpu-interpreter / cuda fixture)
 from tests.kernels.tolerances import INTERPRET, TOL, rel_err
-from tests.quant.test_fp8_gemm import block_weight, channel_weight, random_fp8, seeded, to
+from tests.quant.test_fp8_gemm import _gpu_shapes, block_weight, channel_weight, random_fp8, seeded, to
 from tests.quant.test_fp8_ops import _oracle_w_block
 
 F32_TOL = 1e-5
@@ -259,12 +259,6 @@ def test_bench_refuses_both_sweeps_at_once(monkeypatch):
 
 # ---------------------------------------------------------------------------------------------
 # GPU (not run yet: written in a session without one)
-
-
-def _gpu_shapes():
-    from atom_core.kernels.triton.fp8_bench import SHAPES
-
-    return [pytest.param(model, name, id=f"{model}-{name}") for model, shapes in SHAPES.items() for name in shapes]
 
 
 @pytest.mark.gpu

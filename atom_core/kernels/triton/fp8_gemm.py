@@ -248,10 +248,7 @@ def _launch(x2, xs, stride_xs, weight, w_scale, stride_ws, scale_bn, group, per_
     out = torch.empty(m, n, dtype=out_dtype, device=x2.device)
     if m == 0:
         return out
-    steps = triton.cdiv(k, cfg.block_k)
-    per_split = triton.cdiv(steps, cfg.split_k)
-    split = triton.cdiv(steps, per_split)
-    target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x2.device)
+    per_split, split, target = split_k_target(out, k, cfg.block_k, cfg.split_k)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
     _fp8_gemm_kernel[grid](
         x2, xs, weight, w_scale, bias if bias is not None else w_scale, target,
@@ -263,11 +260,28 @@ def _launch(x2, xs, stride_xs, weight, w_scale, stride_ws, scale_bn, group, per_
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split > 1:
-        block = min(1024, triton.next_power_of_2(n))
-        _sum_splits_kernel[(m, triton.cdiv(n, block))](
-            target, bias if bias is not None else target, out, n, target.stride(0), target.stride(1), out.stride(0),
-            SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=block)
+        sum_splits(target, bias, out)
     return out
+
+
+def split_k_target(out: torch.Tensor, k: int, block_k: int, split_k: int) -> tuple[int, int, torch.Tensor]:
+    """(K steps per split, splits, where the kernel writes): `out` itself without a split, else
+    float32 partials [splits, M, N] for `sum_splits` (each split owns a run of whole K steps)."""
+    steps = triton.cdiv(k, block_k)
+    per_split = triton.cdiv(steps, split_k)
+    split = triton.cdiv(steps, per_split)
+    if split == 1:
+        return per_split, split, out
+    return per_split, split, torch.empty(split, *out.shape, dtype=torch.float32, device=out.device)
+
+
+def sum_splits(partials: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """out = sum of the float32 partials over splits (fixed order: deterministic) + bias, rounded once."""
+    m, n = out.shape
+    block = min(1024, triton.next_power_of_2(n))
+    _sum_splits_kernel[(m, triton.cdiv(n, block))](
+        partials, bias if bias is not None else partials, out, n, partials.stride(0), partials.stride(1),
+        out.stride(0), SPLIT_K=partials.shape[0], HAS_BIAS=bias is not None, BLOCK=block)
 
 
 def block_gemm_supported(block_size: list[int] | tuple[int, int]) -> bool:

@@ -54,7 +54,7 @@ import triton.language as tl
 
 from atom_core.kernels.triton.common import sm_count
 from atom_core.kernels.triton.fp8_gemm import _check as check_operands
-from atom_core.kernels.triton.fp8_gemm import _sum_splits_kernel
+from atom_core.kernels.triton.fp8_gemm import split_k_target, sum_splits
 from atom_core.quant.fp8_ops import GEMV_MAX_TOKENS, dequantize_fp8_block
 
 MAX_SPLIT_K = 8
@@ -215,10 +215,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, stride_
     out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
     if m == 0:
         return out
-    steps = triton.cdiv(k, cfg.block_k)
-    per_split = triton.cdiv(steps, cfg.split_k)
-    split = triton.cdiv(steps, per_split)
-    target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x2.device)
+    per_split, split, target = split_k_target(out, k, cfg.block_k, cfg.split_k)
     _fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
         x2, weight, scale, bias if bias is not None else scale, target, per_split,
         x2.stride(0), weight.stride(0), *stride_ws, target.stride(-2), target.stride(0) if split > 1 else 0,
@@ -227,10 +224,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, stride_
         num_warps=cfg.num_warps, num_stages=1,
     )
     if split > 1:
-        block = min(1024, triton.next_power_of_2(n))
-        _sum_splits_kernel[(m, triton.cdiv(n, block))](
-            target, bias if bias is not None else target, out, n, target.stride(0), target.stride(1), out.stride(0),
-            SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=block)
+        sum_splits(target, bias, out)
     return out
 
 
