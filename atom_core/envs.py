@@ -31,7 +31,12 @@ ENV_VARS: dict[str, str] = {
                               "instead of the paged cache (to measure both)",
     "ATOM_MTP_GRAPHS": "0/1 (default 0 until run on a GPU): with CUDA graphs, the MTP layer's catch-up and later "
                        "drafts replay graphs too (spec_decode/mtp_graphs.py) instead of running eagerly",
+    "ATOM_ALL_REDUCE": "nccl (default), symm or auto: tensor-parallel all-reduces up to 4 MiB on CUDA through "
+                       "PyTorch symmetric memory (one-shot, distributed/symm_all_reduce.py) instead of NCCL; symm "
+                       "fails at start where it cannot run, auto falls back to NCCL",
 }
+AllReduceMode = Literal["nccl", "symm", "auto"]
+ALL_REDUCE_MODES: tuple[str, ...] = get_args(AllReduceMode)
 Fp8SmallMKernel = Literal["scaled_mm", "triton", "gemv"]
 FP8_SMALL_M_KERNELS: tuple[str, ...] = get_args(Fp8SmallMKernel)
 MoeDecodePath = Literal["tiled", "gemv"]
@@ -55,6 +60,7 @@ class AtomEnvs:
     moe_decode_path: MoeDecodePath = "gemv"  # read once by kernels/triton/moe_decode when it is imported
     prefill_attention: PrefillAttentionMode = "paged"  # read once by kernels/triton/prefill_attention on import
     mtp_graphs: bool = False  # read by the model runner when it captures graphs
+    all_reduce: AllReduceMode = "nccl"  # read by distributed.init_distributed
 
 
 def read_envs(environ: Mapping[str, str] | None = None) -> AtomEnvs:
@@ -69,6 +75,7 @@ def read_envs(environ: Mapping[str, str] | None = None) -> AtomEnvs:
         moe_decode_path=env_choice(env, "ATOM_MOE_DECODE_PATH", MOE_DECODE_PATHS, "gemv"),
         prefill_attention=env_choice(env, "ATOM_PREFILL_ATTENTION", PREFILL_ATTENTION_MODES, "paged"),
         mtp_graphs=env_bool(env, "ATOM_MTP_GRAPHS", False),
+        all_reduce=env_choice(env, "ATOM_ALL_REDUCE", ALL_REDUCE_MODES, "nccl"),
     )
 
 

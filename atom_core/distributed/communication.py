@@ -5,7 +5,8 @@ world size 1, so a single-rank model never touches torch.distributed.
 known output shape instead of tracing into torch.distributed; under CUDA graphs an NCCL
 all-reduce is captured like any kernel (the communicator exists before capture: the warm-up
 and memory-profiling steps run collectives first). The other collectives run where the graph
-is already split (the LM head, the MoE op), eagerly.
+is already split (the LM head, the MoE op), eagerly. Small all-reduces may go through symmetric
+memory instead (ATOM_ALL_REDUCE, distributed/symm_all_reduce.py).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from atom_core.distributed.parallel_state import GroupCoordinator, get_group, get_tp_group
+from atom_core.distributed.parallel_state import GroupCoordinator, get_group, get_symmetric_all_reduce, get_tp_group
 
 # torch >= 2.12 names them *_single (the *_tensor names warn); the GPU machine's 2.11 has only those.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -25,6 +26,9 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 @torch.library.custom_op("atom::all_reduce", mutates_args=())
 def all_reduce_op(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    symm = get_symmetric_all_reduce(group_name)
+    if symm is not None and symm.fits(x):
+        return symm(x.contiguous())
     out = x.clone()
     dist.all_reduce(out, group=get_group(group_name).device_group)
     return out

@@ -47,6 +47,7 @@ class GroupCoordinator:
 _SINGLE = GroupCoordinator("tp", (0,), 0, None, None)
 _GROUPS: dict[str, GroupCoordinator] = {"tp": _SINGLE}
 _EXPERT_PARALLEL = [False]
+_SYMM_ALL_REDUCE: dict[str, object] = {}  # group name -> its SymmetricAllReduce (ATOM_ALL_REDUCE)
 
 
 def set_expert_parallel(enabled: bool) -> None:
@@ -75,6 +76,11 @@ def experts_span_replicas() -> bool:
 
 def get_group(name: str) -> GroupCoordinator:
     return _GROUPS[name]
+
+
+def get_symmetric_all_reduce(name: str):
+    """The group's symmetric-memory all-reduce, or None where its all-reduces use NCCL."""
+    return _SYMM_ALL_REDUCE.get(name)
 
 
 def get_tp_size() -> int:
@@ -113,7 +119,13 @@ def init_distributed(rank: int, world_size: int, init_method: str, device: torch
     tensor-parallel group. NCCL when the device is a GPU (which must be set current first),
     gloo on the CPU; the host-side group is gloo either way.
     """
+    from atom_core.distributed.symm_all_reduce import make_symmetric_all_reduce
+    from atom_core.envs import read_envs
+
     _GROUPS["tp"] = _join_world("tp", rank, world_size, init_method, device, timeout_s)
+    symm = make_symmetric_all_reduce(read_envs().all_reduce, _GROUPS["tp"].device_group, device)
+    if symm is not None:
+        _SYMM_ALL_REDUCE["tp"] = symm
     return _GROUPS["tp"]
 
 
@@ -132,6 +144,7 @@ def destroy_distributed() -> None:
     """Leave the world (a no-op when never joined); the groups go back to the trivial one."""
     _GROUPS["tp"] = _SINGLE
     _GROUPS.pop("ep", None)
+    _SYMM_ALL_REDUCE.clear()
     _EXPERT_PARALLEL[0] = False
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -49,6 +49,13 @@ def test_tp2_equals_tp1_in_fp32(tiny_dist_models, arch, extra, compile_options):
     assert _tokens(path, tensor_parallel_size=2, **extra, **compile_options) == _reference(path)
 
 
+def test_tp2_with_symmetric_memory_all_reduce_equals_tp1(tiny_dist_models, monkeypatch):
+    """ATOM_ALL_REDUCE=symm: the decode all-reduces run the one-shot kernel inside the graphs."""
+    monkeypatch.setenv("ATOM_ALL_REDUCE", "symm")  # the spawned workers inherit it
+    path = tiny_dist_models("llama")
+    assert _tokens(path, tensor_parallel_size=2, level=1) == _reference(path)
+
+
 @pytest.mark.parametrize("compile_options", [{"enforce_eager": True}, {"level": 3}], ids=["eager", "compiled"])
 def test_dp2_sharing_experts_equals_one_gpu_in_fp32(tiny_dist_models, compile_options):
     """Requests spread over the two replicas (uneven token counts per step, an idle replica's
