@@ -15,6 +15,7 @@ world size 1, rank 0, no process group, so every collective is an identity.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -140,11 +141,20 @@ def init_replica_experts(replica: int, num_replicas: int, init_method: str, devi
     return _GROUPS["ep"]
 
 
-def destroy_distributed() -> None:
-    """Leave the world (a no-op when never joined); the groups go back to the trivial one."""
+def destroy_distributed(timeout_s: float = 30.0) -> None:
+    """Leave the world (a no-op when never joined); the groups go back to the trivial one.
+
+    Free captured CUDA graphs first (ModelRunner.release_graphs). NCCL's teardown may wait for
+    the other ranks, so every rank should leave at about the same time; it runs in a thread
+    that gets `timeout_s`, after which the process goes on (and its exit frees the rest)."""
     _GROUPS["tp"] = _SINGLE
     _GROUPS.pop("ep", None)
     _SYMM_ALL_REDUCE.clear()
     _EXPERT_PARALLEL[0] = False
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if not dist.is_initialized():
+        return
+    leaving = threading.Thread(target=dist.destroy_process_group, name="atom-leave-groups", daemon=True)
+    leaving.start()
+    leaving.join(timeout_s)
+    if leaving.is_alive():
+        logger.warning("leaving the process groups took over %.0f s; going on without waiting", timeout_s)

@@ -40,7 +40,8 @@ class SymmetricAllReduce:
         symm_mem.rendezvous(self.buffer, device_group)  # collective: every rank of the group, same order
 
     def fits(self, x: torch.Tensor) -> bool:
-        return x.is_cuda and x.numel() * x.element_size() <= self.buffer.numel()
+        nbytes = x.numel() * x.element_size()
+        return x.is_cuda and nbytes <= self.buffer.numel() and nbytes % 4 == 0  # the kernel moves 4-byte words at least
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         staged = self.buffer[: x.numel() * x.element_size()].view(x.dtype).view(x.shape)

@@ -9,6 +9,7 @@ producer of several tokens per request (`_launch_window`).
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import random
@@ -142,6 +143,17 @@ class ModelRunner:
             from atom_core.worker.piecewise import CudaGraphKit
 
             self.capture_piecewise(CudaGraphKit(self.device, self.graphs.pool if self.graphs is not None else None))
+
+    def release_graphs(self) -> None:
+        """Free every captured CUDA graph. Before leaving an NCCL group: a live graph that captured
+        NCCL kernels makes ncclCommDestroy wait forever (pytorch/pytorch#115388)."""
+        self.graphs = self.verify_graphs = self.piecewise = None
+        if self.proposer is not None and getattr(self.proposer, "graphs", None) is not None:
+            self.proposer.graphs = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     @property
     def model_summary(self) -> dict:

@@ -194,13 +194,17 @@ class MultiprocExecutor(Executor):
                 self.broadcaster.broadcast(None)
             except RuntimeError:
                 pass  # a worker died meanwhile: it is killed below
+        if hasattr(self, "runner"):
+            self.runner.release_graphs()
+        # Leave the groups while the workers leave too (NCCL's teardown may wait for every rank),
+        # then wait for them.
+        destroy_distributed(timeout_s=20.0 if alive else 2.0)
         for proc in self.workers.values():
             try:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        destroy_distributed()
 
 
 # ---- the worker side --------------------------------------------------------------------
@@ -242,7 +246,8 @@ def run_worker(setup: WorkerSetup) -> None:
             last = None
     from atom_core.distributed import destroy_distributed
 
-    destroy_distributed()
+    runner.release_graphs()
+    destroy_distributed(timeout_s=20.0)
 
 
 def run_node_workers(config: EngineConfig) -> int:
@@ -268,6 +273,11 @@ def _worker_main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s [tp worker] %(message)s")
     setup = pickle.load(sys.stdin.buffer)
     run_worker(setup)
+    # Exit now: a process group that could not be left cleanly must not hold the exit.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
