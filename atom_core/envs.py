@@ -31,8 +31,8 @@ ENV_VARS: dict[str, str] = {
                               "instead of the paged cache (to measure both)",
     "ATOM_MTP_GRAPHS": "0/1 (default 0 until run on a GPU): with CUDA graphs, the MTP layer's catch-up and later "
                        "drafts replay graphs too (spec_decode/mtp_graphs.py) instead of running eagerly",
-    "ATOM_ALL_REDUCE": "nccl (default), symm or auto: tensor-parallel all-reduces up to 4 MiB on CUDA through "
-                       "PyTorch symmetric memory (one-shot, distributed/symm_all_reduce.py) instead of NCCL; symm "
+    "ATOM_ALL_REDUCE": "nccl (default), symm or auto: tensor-parallel all-reduces up to 16 MiB on CUDA through "
+                       "PyTorch symmetric memory (two-shot, distributed/symm_all_reduce.py) instead of NCCL; symm "
                        "fails at start where it cannot run, auto falls back to NCCL",
 }
 AllReduceMode = Literal["nccl", "symm", "auto"]

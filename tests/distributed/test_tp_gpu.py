@@ -35,6 +35,13 @@ def _reference(path) -> list:
     return _REFERENCES[str(path)]
 
 
+def test_tp2_with_symmetric_memory_all_reduce_equals_tp1(tiny_dist_models, monkeypatch):
+    """ATOM_ALL_REDUCE=symm: the decode all-reduces run the two-shot kernel inside the graphs."""
+    monkeypatch.setenv("ATOM_ALL_REDUCE", "symm")  # the spawned workers inherit it
+    path = tiny_dist_models("llama")
+    assert _tokens(path, tensor_parallel_size=2, level=1) == _reference(path)
+
+
 # One engine start at TP=2 per case, so a slow start (two workers compiling on a cold machine)
 # shows which case it was; the llama cases cover eager, CUDA graphs, and compile + graphs.
 @pytest.mark.parametrize("arch,extra,compile_options", [
@@ -47,13 +54,6 @@ def _reference(path) -> list:
 def test_tp2_equals_tp1_in_fp32(tiny_dist_models, arch, extra, compile_options):
     path = tiny_dist_models(arch)
     assert _tokens(path, tensor_parallel_size=2, **extra, **compile_options) == _reference(path)
-
-
-def test_tp2_with_symmetric_memory_all_reduce_equals_tp1(tiny_dist_models, monkeypatch):
-    """ATOM_ALL_REDUCE=symm: the decode all-reduces run the one-shot kernel inside the graphs."""
-    monkeypatch.setenv("ATOM_ALL_REDUCE", "symm")  # the spawned workers inherit it
-    path = tiny_dist_models("llama")
-    assert _tokens(path, tensor_parallel_size=2, level=1) == _reference(path)
 
 
 @pytest.mark.parametrize("compile_options", [{"enforce_eager": True}, {"level": 3}], ids=["eager", "compiled"])

@@ -321,23 +321,22 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
     mx=(--model preset:Mixtral-8x7B --load-format dummy --max-model-len 4096)
     step lat-mixtral-bs1 200 python3 -m atomctl.main bench latency "${mx[@]}" --bs 1 --output-json "$OUT/lat_mixtral_bs1.json"
     step off-mixtral 200 python3 -m atomctl.main bench offline "${mx[@]}" --output-json "$OUT/off_mixtral.json" ;;
-  tp|tp-tests)  # issue 18 on nvidia-h200-x2: the one-shot symmetric-memory all-reduce against its definition (eager, graphs); TP=2 vs TP=1 parity (eager, graphs, compile, symm all-reduce; MoE TP and EP; DP attention + EP), one engine start per case; NCCL vs symmetric-memory all-reduce in graphs; Llama-3-8B TP=2 batch 1 with each
-    step symm-gpu-test 120 python3 -m pytest -q --tb=short -m gpu tests/distributed/test_symm_all_reduce.py -p no:cacheprovider
-    step tp-gpu-tests 380 python3 -m pytest -v --tb=short -m gpu tests/distributed/test_tp_gpu.py -p no:cacheprovider
-    step allreduce-bench 90 python3 tests/gpu/bench_allreduce.py --gpus 2 --tokens 1,8,64,256,1024,8192
+  tp|tp-tests)  # issue 18 on nvidia-h200-x2: the symmetric-memory all-reduce against its definition (eager, graphs); TP=2 vs TP=1 parity (symm all-reduce, eager, graphs, compile; MoE TP and EP; DP attention + EP), one engine start per case; Llama-3-8B TP=2 batch 1 with NCCL and with symm, TP=1 batch 1 (2026-11-26: NCCL vs symmetric-memory all-reduce in graphs measured, tests/gpu/bench_allreduce.py)
+    step symm-gpu-test 90 python3 -m pytest -q --tb=short -m gpu tests/distributed/test_symm_all_reduce.py -p no:cacheprovider
+    step tp-gpu-tests 260 python3 -m pytest -v --tb=short -m gpu tests/distributed/test_tp_gpu.py -p no:cacheprovider
     for ar in nccl symm; do
-      step lat-l8-tp2-bs1-$ar 100 env ATOM_ALL_REDUCE=$ar python3 -m atomctl.main bench latency "${l8[@]}" -tp 2 --bs 1 --output-json "$OUT/lat_l8_tp2_bs1_$ar.json"
-    done ;;&
-  tp|tp-bench)  # issue 18's speed rows (dummy weights, the default all-reduce): Llama-3.1-70B TP=2 batch 1 and nano, Qwen3-30B-A3B TP=2 vs EP=2 nano, Llama-3-8B DP=2 nano and TP=1 batch 1
+      step lat-l8-tp2-bs1-$ar 90 env ATOM_ALL_REDUCE=$ar python3 -m atomctl.main bench latency "${l8[@]}" -tp 2 --bs 1 --output-json "$OUT/lat_l8_tp2_bs1_$ar.json"
+    done
+    step lat-l8-tp1-bs1 80 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-json "$OUT/lat_l8_tp1_bs1.json" ;;&
+  tp|tp-bench)  # issue 18's speed rows (dummy weights, the default all-reduce): Llama-3.1-70B TP=2 batch 1 and nano, Qwen3-30B-A3B TP=2 vs EP=2 nano, Llama-3-8B DP=2 and DP=1 nano
     l70=(--model preset:Llama-3.1-70B --load-format dummy --max-model-len 4096)
     a3b=(--model preset:Qwen3-30B-A3B --load-format dummy --max-model-len 4096)
-    step lat-l70-tp2-bs1 200 python3 -m atomctl.main bench latency "${l70[@]}" -tp 2 --bs 1 --output-json "$OUT/lat_l70_tp2_bs1.json"
-    step off-l70-tp2 240 python3 -m atomctl.main bench offline "${l70[@]}" -tp 2 --output-json "$OUT/off_l70_tp2.json"
-    step off-a3b-tp2 150 python3 -m atomctl.main bench offline "${a3b[@]}" -tp 2 --output-json "$OUT/off_a3b_tp2.json"
-    step off-a3b-ep2 150 python3 -m atomctl.main bench offline "${a3b[@]}" -tp 2 --enable-expert-parallel --output-json "$OUT/off_a3b_ep2.json"
-    step off-l8-dp2 150 python3 -m atomctl.main bench offline "${l8[@]}" -dp 2 --output-json "$OUT/off_l8_dp2.json"
-    step off-l8-dp1 100 python3 -m atomctl.main bench offline "${l8[@]}" --output-json "$OUT/off_l8_dp1.json"
-    step lat-l8-tp1-bs1 90 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-json "$OUT/lat_l8_tp1_bs1.json" ;;
+    step lat-l70-tp2-bs1 150 python3 -m atomctl.main bench latency "${l70[@]}" -tp 2 --bs 1 --output-json "$OUT/lat_l70_tp2_bs1.json"
+    step off-l70-tp2 200 python3 -m atomctl.main bench offline "${l70[@]}" -tp 2 --output-json "$OUT/off_l70_tp2.json"
+    step off-a3b-tp2 110 python3 -m atomctl.main bench offline "${a3b[@]}" -tp 2 --output-json "$OUT/off_a3b_tp2.json"
+    step off-a3b-ep2 110 python3 -m atomctl.main bench offline "${a3b[@]}" -tp 2 --enable-expert-parallel --output-json "$OUT/off_a3b_ep2.json"
+    step off-l8-dp2 110 python3 -m atomctl.main bench offline "${l8[@]}" -dp 2 --output-json "$OUT/off_l8_dp2.json"
+    step off-l8-dp1 90 python3 -m atomctl.main bench offline "${l8[@]}" --output-json "$OUT/off_l8_dp1.json" ;;
   tp-tests) ;;  # (ends tp-tests' fall-through above)
   specdec)  # issue 15: n-gram speculation, Llama-3-8B (dummy): bf16 greedy parity in graphs, batch-1 TPOT on a repetitive workload with/without drafts, verify-step cost k=0..4; then the default engine on the same workload
     step specdec-l8 230 python3 tests/gpu/spec_decode_bench.py preset:Llama-3-8B --k 4 --out "$OUT/specdec_l8.json"
