@@ -56,7 +56,8 @@ def test_tp2_equals_tp1_in_fp32(tiny_dist_models, arch, extra, compile_options):
     assert _tokens(path, tensor_parallel_size=2, **extra, **compile_options) == _reference(path)
 
 
-@pytest.mark.parametrize("compile_options", [{"enforce_eager": True}, {"level": 3}], ids=["eager", "compiled"])
+# Replicas sharing experts run without CUDA graphs (config refuses level 3): compiled is level 2.
+@pytest.mark.parametrize("compile_options", [{"enforce_eager": True}, {"level": 2}], ids=["eager", "compiled"])
 def test_dp2_sharing_experts_equals_one_gpu_in_fp32(tiny_dist_models, compile_options):
     """Requests spread over the two replicas (uneven token counts per step, an idle replica's
     dummy forwards at the end), MoE tokens moved over NCCL; compiled: the MoE op stays opaque."""

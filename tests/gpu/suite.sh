@@ -328,15 +328,15 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
       step lat-l8-tp2-bs1-$ar 90 env ATOM_ALL_REDUCE=$ar python3 -m atomctl.main bench latency "${l8[@]}" -tp 2 --bs 1 --output-json "$OUT/lat_l8_tp2_bs1_$ar.json"
     done
     step lat-l8-tp1-bs1 80 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-json "$OUT/lat_l8_tp1_bs1.json" ;;&
-  tp|tp-bench)  # issue 18's speed rows (dummy weights, the default all-reduce): Llama-3.1-70B TP=2 batch 1 and nano, Qwen3-30B-A3B TP=2 vs EP=2 nano, Llama-3-8B DP=2 and DP=1 nano
+  tp|tp-bench)  # issue 18's speed rows (dummy weights, the default all-reduce): Llama-3.1-70B TP=2 batch 1, Qwen3-30B-A3B TP=2 vs EP=2 nano, Llama-3-8B DP=2 nano, Llama-3.1-70B TP=2 nano, Llama-3-8B DP=1 nano
     l70=(--model preset:Llama-3.1-70B --load-format dummy --max-model-len 4096)
     a3b=(--model preset:Qwen3-30B-A3B --load-format dummy --max-model-len 4096)
-    step lat-l70-tp2-bs1 150 python3 -m atomctl.main bench latency "${l70[@]}" -tp 2 --bs 1 --output-json "$OUT/lat_l70_tp2_bs1.json"
-    step off-l70-tp2 200 python3 -m atomctl.main bench offline "${l70[@]}" -tp 2 --output-json "$OUT/off_l70_tp2.json"
-    step off-a3b-tp2 110 python3 -m atomctl.main bench offline "${a3b[@]}" -tp 2 --output-json "$OUT/off_a3b_tp2.json"
-    step off-a3b-ep2 110 python3 -m atomctl.main bench offline "${a3b[@]}" -tp 2 --enable-expert-parallel --output-json "$OUT/off_a3b_ep2.json"
-    step off-l8-dp2 110 python3 -m atomctl.main bench offline "${l8[@]}" -dp 2 --output-json "$OUT/off_l8_dp2.json"
-    step off-l8-dp1 90 python3 -m atomctl.main bench offline "${l8[@]}" --output-json "$OUT/off_l8_dp1.json" ;;
+    step lat-l70-tp2-bs1 120 python3 -m atomctl.main bench latency "${l70[@]}" -tp 2 --bs 1 --output-json "$OUT/lat_l70_tp2_bs1.json"
+    step off-a3b-tp2 90 python3 -m atomctl.main bench offline "${a3b[@]}" -tp 2 --output-json "$OUT/off_a3b_tp2.json"
+    step off-a3b-ep2 90 python3 -m atomctl.main bench offline "${a3b[@]}" -tp 2 --enable-expert-parallel --output-json "$OUT/off_a3b_ep2.json"
+    step off-l8-dp2 100 python3 -m atomctl.main bench offline "${l8[@]}" -dp 2 --output-json "$OUT/off_l8_dp2.json"
+    step off-l70-tp2 170 python3 -m atomctl.main bench offline "${l70[@]}" -tp 2 --output-json "$OUT/off_l70_tp2.json"
+    step off-l8-dp1 80 python3 -m atomctl.main bench offline "${l8[@]}" --output-json "$OUT/off_l8_dp1.json" ;;
   tp-tests) ;;  # (ends tp-tests' fall-through above)
   specdec)  # issue 15: n-gram speculation, Llama-3-8B (dummy): bf16 greedy parity in graphs, batch-1 TPOT on a repetitive workload with/without drafts, verify-step cost k=0..4; then the default engine on the same workload
     step specdec-l8 230 python3 tests/gpu/spec_decode_bench.py preset:Llama-3-8B --k 4 --out "$OUT/specdec_l8.json"
