@@ -76,23 +76,44 @@ def offline_cmd(
 
     workload = ThroughputWorkload(num_prompts, min_input_len, max_input_len, min_output_len, max_output_len,
                                   temperature, workload_seed)
+    if engine_args.get("data_parallel_size", 1) > 1:
+        return _offline_replicas(workload, engine_args, output_json)
     engine, startup = _start_engine(engine_args)
     result = run_throughput(engine, workload, startup)
     phases = _startup_phases(engine, startup)
     _show("atomctl bench offline", [
-        ("requests", f"{result.num_requests}"),
-        ("input tokens", f"{result.input_tokens}"),
-        ("output tokens", f"{result.output_tokens}"),
-        ("elapsed (s)", f"{result.elapsed_s:.2f}"),
-        ("output tok/s", f"{result.output_throughput:,.0f}"),
-        ("total tok/s", f"{result.total_throughput:,.0f}"),
-        ("requests/s", f"{result.request_throughput:.2f}"),
+        *_throughput_rows(result),
         *_spec_rows(result.spec_decode),
         ("start to ready (s)", f"{result.startup_s:.1f}"),
         ("  of which (s)", _breakdown(phases)),
         *_model_rows(engine),
     ], output_json, {"workload": as_json(workload), **as_json(result), "engine_args": engine_kwargs(engine_args),
                      "startup_breakdown_s": phases, "model": engine.core.executor.runner.model_summary})
+
+
+def _throughput_rows(result) -> list[tuple[str, str]]:
+    return [("requests", f"{result.num_requests}"), ("input tokens", f"{result.input_tokens}"),
+            ("output tokens", f"{result.output_tokens}"), ("elapsed (s)", f"{result.elapsed_s:.2f}"),
+            ("output tok/s", f"{result.output_throughput:,.0f}"), ("total tok/s", f"{result.total_throughput:,.0f}"),
+            ("requests/s", f"{result.request_throughput:.2f}")]
+
+
+def _offline_replicas(workload, engine_args: dict, output_json: Optional[Path]) -> None:
+    """-dp N: the workload through N engine cores behind the serving balancer (atom_core/bench/offline_dp.py)."""
+    from atom_core.bench.offline import as_json
+    from atom_core.bench.offline_dp import run_throughput_replicas
+    from atom_core.config import EngineConfig
+
+    kwargs = engine_kwargs(engine_args)
+    config = EngineConfig.from_kwargs(kwargs.pop("model"), **kwargs)
+    result, split = run_throughput_replicas(config, workload)
+    replicas = config.parallel.data_parallel_size
+    _show(f"atomctl bench offline ({replicas} data-parallel replicas)", [
+        *_throughput_rows(result),
+        ("requests per replica", " / ".join(str(n) for n in split["requests_per_replica"])),
+        ("start to ready (s)", f"{result.startup_s:.1f}"),
+    ], output_json, {"workload": as_json(workload), **as_json(result), **split,
+                     "engine_args": engine_kwargs(engine_args)})
 
 
 @friendly_errors

@@ -38,7 +38,7 @@ ENGINE_OPTIONS = {
     "num_scheduler_steps": (Optional[int], typer.Option(None, help="Decode steps per host round trip while no request waits (multi-step; 1 = off). Default 8; serve and profile default to 1.")),
     "torch_profiler_dir": (Optional[str], typer.Option(None, help="Write torch profiler traces here (default: $ATOM_TORCH_PROFILER_DIR).")),
     "tensor_parallel_size": (int, typer.Option(1, "--tensor-parallel-size", "-tp", help="Ranks (GPUs) one model is split over.")),
-    "data_parallel_size": (int, typer.Option(1, "--data-parallel-size", "-dp", help="Engine replicas behind one server (serve only), each on its own GPUs; requests go to the least busy.")),
+    "data_parallel_size": (int, typer.Option(1, "--data-parallel-size", "-dp", help="Engine replicas behind one balancer (serve, and bench offline), each on its own GPUs; requests go to the least busy.")),
     "enable_expert_parallel": (bool, typer.Option(False, "--enable-expert-parallel", help="MoE: each tensor-parallel rank holds whole experts (default: a slice of every expert); with -dp N the experts split over the replicas, which run attention on their own requests and step in lock-step (-tp 1, --num-scheduler-steps 1, no speculation; eager decode).")),
     "nnodes": (Optional[int], typer.Option(None, help="Nodes the tensor-parallel ranks span (default 1, or from torchrun's environment).")),
     "node_rank": (Optional[int], typer.Option(None, help="This node's index; node 0 runs the engine, the others only workers (default 0, or torchrun's GROUP_RANK).")),

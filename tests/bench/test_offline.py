@@ -68,6 +68,22 @@ class TestCommands:
         assert res.exit_code == 0, res.output
         assert json.loads(out.read_text())["output_tokens"] == 4 * 9
 
+    def test_offline_over_two_data_parallel_replicas(self, tiny_llama, tmp_path):
+        """-dp 2: two engine cores behind the serving balancer; every request served once, both replicas used."""
+        out = tmp_path / "off_dp.json"
+        res = runner.invoke(app, ["bench", "offline", "--model", str(tiny_llama), "--device", "cpu", "-dp", "2",
+                                  "--num-prompts", "6", "--min-input-len", "10", "--max-input-len", "40",
+                                  "--min-output-len", "5", "--max-output-len", "5", "--output-json", str(out)])
+        assert res.exit_code == 0, res.output
+        data = json.loads(out.read_text())
+        assert data["num_requests"] == 6 and data["output_tokens"] == 6 * 5 and data["output_throughput"] > 0
+        assert sum(data["requests_per_replica"]) == 6 and min(data["requests_per_replica"]) >= 1
+        assert "requests per replica" in res.output and "3 / 3" in res.output  # least outstanding: an even split
+
+    def test_latency_with_data_parallel_replicas_is_a_clear_error(self, tiny_llama):
+        res = runner.invoke(app, ["bench", "latency", "--model", str(tiny_llama), "--device", "cpu", "-dp", "2"])
+        assert res.exit_code != 0 and "data_parallel_size=2" in res.output
+
     def test_latency_reports_ttft_tpot_e2e(self, tiny_llama, tmp_path):
         out = tmp_path / "lat.json"
         res = runner.invoke(app, ["bench", "latency", "--model", str(tiny_llama), "--device", "cpu", "--bs", "2",

@@ -328,8 +328,14 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
       step lat-l8-tp2-bs1-$ar 90 env ATOM_ALL_REDUCE=$ar python3 -m atomctl.main bench latency "${l8[@]}" -tp 2 --bs 1 --output-json "$OUT/lat_l8_tp2_bs1_$ar.json"
     done
     step lat-l8-tp1-bs1 80 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-json "$OUT/lat_l8_tp1_bs1.json" ;;&
+  tp-70b)  # the rows of tp-bench that had not run (2026-11-26): Llama-3.1-70B TP=2 batch 1, Llama-3-8B DP=2 nano (bench offline -dp 2: two cores behind the serving balancer), Llama-3.1-70B TP=2 nano
+    l70=(--model preset:Llama-3.1-70B --load-format dummy --max-model-len 4096 --gpu-memory-utilization 0.97)
+    step lat-l70-tp2-bs1 120 python3 -m atomctl.main bench latency "${l70[@]}" -tp 2 --bs 1 --output-json "$OUT/lat_l70_tp2_bs1.json"
+    step off-l8-dp2 100 python3 -m atomctl.main bench offline "${l8[@]}" -dp 2 --output-json "$OUT/off_l8_dp2.json"
+    step off-l70-tp2 200 python3 -m atomctl.main bench offline "${l70[@]}" -tp 2 --output-json "$OUT/off_l70_tp2.json" ;;
   tp|tp-bench)  # issue 18's speed rows (dummy weights, the default all-reduce): Llama-3.1-70B TP=2 batch 1, Qwen3-30B-A3B TP=2 vs EP=2 nano, Llama-3-8B DP=2 nano, Llama-3.1-70B TP=2 nano, Llama-3-8B DP=1 nano
-    l70=(--model preset:Llama-3.1-70B --load-format dummy --max-model-len 4096)
+    # 70.7 GiB of weights per rank: on 2x H100 (79.2 GiB) the default 0.9 leaves no KV cache
+    l70=(--model preset:Llama-3.1-70B --load-format dummy --max-model-len 4096 --gpu-memory-utilization 0.97)
     a3b=(--model preset:Qwen3-30B-A3B --load-format dummy --max-model-len 4096)
     step lat-l70-tp2-bs1 120 python3 -m atomctl.main bench latency "${l70[@]}" -tp 2 --bs 1 --output-json "$OUT/lat_l70_tp2_bs1.json"
     step off-a3b-tp2 90 python3 -m atomctl.main bench offline "${a3b[@]}" -tp 2 --output-json "$OUT/off_a3b_tp2.json"
