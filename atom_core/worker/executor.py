@@ -44,8 +44,12 @@ class InProcessExecutor(Executor):
     """One runner in the engine core's own process."""
 
     def __init__(self, config: EngineConfig, model: ResolvedModel, profiler=None):
+        import torch
+
         from atom_core.worker.model_runner import ModelRunner
 
+        if model.device.type == "cuda":  # a data-parallel replica's core runs on cuda:N; Triton launches on the current one
+            torch.cuda.set_device(model.device)
         self.runner = ModelRunner(config, model, profiler)
         self.num_kv_blocks = self.runner.num_kv_blocks
 
