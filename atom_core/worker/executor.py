@@ -48,7 +48,7 @@ class InProcessExecutor(Executor):
 
         from atom_core.worker.model_runner import ModelRunner
 
-        if model.device.type == "cuda":  # a data-parallel replica's core runs on cuda:N; Triton launches on the current one
+        if model.device.type == "cuda" and model.device.index is not None:  # a data-parallel replica's core runs on cuda:N; Triton launches on the current one
             torch.cuda.set_device(model.device)
         self.runner = ModelRunner(config, model, profiler)
         self.num_kv_blocks = self.runner.num_kv_blocks
