@@ -31,10 +31,15 @@ ENV_VARS: dict[str, str] = {
                               "instead of the paged cache (to measure both)",
     "ATOM_MTP_GRAPHS": "0/1 (default 0 until run on a GPU): with CUDA graphs, the MTP layer's catch-up and later "
                        "drafts replay graphs too (spec_decode/mtp_graphs.py) instead of running eagerly",
+    "ATOM_DENSE_SMALL_M_KERNEL": "linear (default) or gemv: unquantized linears on CUDA at <= 4 tokens run "
+                                 "F.linear (cuBLAS) or the Triton GEMV of kernels/triton/dense_gemv.py (not yet run "
+                                 "on a GPU)",
     "ATOM_ALL_REDUCE": "nccl (default), symm or auto: tensor-parallel all-reduces up to 16 MiB on CUDA through "
                        "PyTorch symmetric memory (two-shot, distributed/symm_all_reduce.py) instead of NCCL; symm "
                        "fails at start where it cannot run, auto falls back to NCCL",
 }
+DenseSmallMKernel = Literal["linear", "gemv"]
+DENSE_SMALL_M_KERNELS: tuple[str, ...] = get_args(DenseSmallMKernel)
 AllReduceMode = Literal["nccl", "symm", "auto"]
 ALL_REDUCE_MODES: tuple[str, ...] = get_args(AllReduceMode)
 Fp8SmallMKernel = Literal["scaled_mm", "triton", "gemv"]
@@ -61,6 +66,7 @@ class AtomEnvs:
     prefill_attention: PrefillAttentionMode = "paged"  # read once by kernels/triton/prefill_attention on import
     mtp_graphs: bool = False  # read by the model runner when it captures graphs
     all_reduce: AllReduceMode = "nccl"  # read by distributed.init_distributed
+    dense_small_m_kernel: DenseSmallMKernel = "linear"  # read once by quant/unquantized when it is imported
 
 
 def read_envs(environ: Mapping[str, str] | None = None) -> AtomEnvs:
@@ -76,6 +82,7 @@ def read_envs(environ: Mapping[str, str] | None = None) -> AtomEnvs:
         prefill_attention=env_choice(env, "ATOM_PREFILL_ATTENTION", PREFILL_ATTENTION_MODES, "paged"),
         mtp_graphs=env_bool(env, "ATOM_MTP_GRAPHS", False),
         all_reduce=env_choice(env, "ATOM_ALL_REDUCE", ALL_REDUCE_MODES, "nccl"),
+        dense_small_m_kernel=env_choice(env, "ATOM_DENSE_SMALL_M_KERNEL", DENSE_SMALL_M_KERNELS, "linear"),
     )
 
 

@@ -1,11 +1,53 @@
-"""The unquantized methods: plain weights in the model dtype, F.linear and the fused MoE kernel."""
+"""The unquantized methods: plain weights in the model dtype, F.linear and the fused MoE kernel.
+
+ATOM_DENSE_SMALL_M_KERNEL=gemv sends linears on CUDA through `atom::dense_linear`, which runs the
+Triton GEMV (kernels/triton/dense_gemv.py) at <= 4 tokens and F.linear above; a custom op, so
+torch.compile keeps the token-count test inside it instead of specializing on it. Off (the
+default) the linears are plain F.linear, as before.
+"""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from atom_core.envs import DenseSmallMKernel, read_envs
 from atom_core.quant.base import QuantMethod, set_weight_attrs
+
+_small_m_kernel: DenseSmallMKernel = read_envs().dense_small_m_kernel
+
+
+def set_dense_small_m_kernel(kind: DenseSmallMKernel) -> None:
+    """For benchmarks and tests: the kernel of linears built or run from now on."""
+    global _small_m_kernel
+    if kind not in ("linear", "gemv"):
+        raise ValueError(f"unknown dense small-M kernel {kind!r}; expected linear or gemv")
+    _small_m_kernel = kind
+
+
+def _gemv_ok(x: torch.Tensor) -> bool:
+    return x.is_cuda
+
+
+def dense_linear_kernel(num_tokens: int, gemv_ok: bool, kind: str | None = None) -> str:
+    """Which kernel a linear of `num_tokens` rows runs: "gemv" or "linear"."""
+    from atom_core.kernels.triton.dense_gemv import MAX_TOKENS
+
+    return "gemv" if (kind or _small_m_kernel) == "gemv" and gemv_ok and num_tokens <= MAX_TOKENS else "linear"
+
+
+@torch.library.custom_op("atom::dense_linear", mutates_args=())
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if dense_linear_kernel(x.numel() // max(1, x.shape[-1]), _gemv_ok(x) and weight.dtype == x.dtype) == "gemv":
+        from atom_core.kernels.triton.dense_gemv import dense_gemv
+
+        return dense_gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+@dense_linear.register_fake
+def _(x, weight, bias=None):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 class UnquantizedLinearMethod(QuantMethod):
@@ -18,6 +60,8 @@ class UnquantizedLinearMethod(QuantMethod):
         layer.register_parameter("weight", weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if _small_m_kernel == "gemv" and x.is_cuda:
+            return dense_linear(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
 
 

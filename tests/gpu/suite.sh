@@ -328,12 +328,20 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
       step lat-l8-tp2-bs1-$ar 90 env ATOM_ALL_REDUCE=$ar python3 -m atomctl.main bench latency "${l8[@]}" -tp 2 --bs 1 --output-json "$OUT/lat_l8_tp2_bs1_$ar.json"
     done
     step lat-l8-tp1-bs1 80 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-json "$OUT/lat_l8_tp1_bs1.json" ;;&
-  tp-profile)  # issue 18: where a Llama-3-8B TP=2 batch-1 decode step's time goes, with NCCL and with ATOM_ALL_REDUCE=symm (the micro-benchmark says two-shot is 2x faster; the engine ran 4.70 vs 4.52 ms with it): rank 0's kernels, the top rows per phase
+  tp-profile)  # issue 18: where a Llama-3-8B TP=2 batch-1 decode step's time goes, with NCCL and with ATOM_ALL_REDUCE=symm (the micro-benchmark says two-shot is 2x faster; the engine ran 4.70 vs 4.52 ms with it): rank 0's kernels, the top rows per phase; then TP=2 batch 1 with the dense GEMV
+    step lat-l8-tp2-bs1-gemv 90 env ATOM_DENSE_SMALL_M_KERNEL=gemv python3 -m atomctl.main bench latency "${l8[@]}" -tp 2 --bs 1 --output-json "$OUT/lat_l8_tp2_bs1_gemv.json"
     for ar in nccl symm; do
       rm -rf /tmp/traces_$ar
       step profile-l8-tp2-$ar 150 env ATOM_ALL_REDUCE=$ar python3 -m atomctl.main profile "${l8[@]}" -tp 2 --bs 1 --input-length 128 --output-length 64 --torch-profiler-dir /tmp/traces_$ar
       trace=$(ls -t /tmp/traces_$ar/rank_0/*.json.gz 2>/dev/null | grep -v capture | head -1)
       step parse-trace-$ar 90 python3 -m atomctl.main parse-trace "$trace" --layer 3 --top 25 --out-dir "$OUT/$ar"
+    done ;;
+  dense-gemv)  # the unquantized decode GEMV (kernels/triton/dense_gemv.py, ATOM_DENSE_SMALL_M_KERNEL=gemv; written without a GPU): its GPU tests, the micro-benchmark against cuBLAS (TP=1 and TP=2 shapes of Llama-3-8B and 70B), then batch-1 TPOT of Llama-3-8B and Qwen3-0.6B with the switch off and on; the faster becomes the default
+    step dense-gemv-tests 150 python3 -m pytest -q --tb=short -m gpu tests/kernels/test_dense_gemv.py -p no:cacheprovider
+    step dense-gemv-bench 150 python3 -m atom_core.kernels.triton.dense_gemv_bench
+    for kern in linear gemv; do
+      step lat-l8-bs1-$kern 70 env ATOM_DENSE_SMALL_M_KERNEL=$kern python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-json "$OUT/lat_l8_bs1_$kern.json"
+      step lat-q06-bs1-$kern 60 env ATOM_DENSE_SMALL_M_KERNEL=$kern python3 -m atomctl.main bench latency "${q06[@]}" --bs 1 --output-json "$OUT/lat_q06_bs1_$kern.json"
     done ;;
   tp-70b)  # the rows of tp-bench that had not run (2026-11-26): Llama-3.1-70B TP=2 batch 1, Llama-3-8B DP=2 nano (bench offline -dp 2: two cores behind the serving balancer), Llama-3.1-70B TP=2 nano
     l70=(--model preset:Llama-3.1-70B --load-format dummy --max-model-len 4096 --gpu-memory-utilization 0.97)

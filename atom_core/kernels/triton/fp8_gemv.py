@@ -172,11 +172,13 @@ def _pow2_divisor(n: int, cap: int) -> int:
     return min(n & -n, cap)
 
 
-def default_fp8_gemv_config(m: int, n: int, k: int, x_bytes: int, group: int | None, num_sms: int) -> Fp8GemvConfig:
+def default_fp8_gemv_config(m: int, n: int, k: int, x_bytes: int, group: int | None, num_sms: int,
+                            w_bytes: int = 1) -> Fp8GemvConfig:
     """Untuned (written without a GPU; offline sm_90 compiles: 94-142 registers, no spills, one
     load a row and group for block scales): 16 bytes of x a thread load (VEC columns), BLOCK_K 512
     (256 for float32 x), 32 weights a thread a step at M <= 2 and 16 at M 3-4 (the accumulators
-    grow with M), 4 warps; split-K per IN_FLIGHT_BYTES_PER_SM."""
+    grow with M), 4 warps; split-K per IN_FLIGHT_BYTES_PER_SM (w_bytes: a weight's size, 2 for
+    the bf16 GEMV of dense_gemv.py)."""
     bk = max(16, min(256 if x_bytes == 4 else 512, triton.next_power_of_2(k)))
     if group is not None and bk % group and group % bk:  # a step must cover whole groups or lie in one
         bk = _pow2_divisor(group, bk)
@@ -184,7 +186,7 @@ def default_fp8_gemv_config(m: int, n: int, k: int, x_bytes: int, group: int | N
     warps = 4
     bn = max(1, per_thread * 32 * warps // bk)
     steps = triton.cdiv(k, bk)
-    split = max(1, min(MAX_SPLIT_K, steps, triton.cdiv(IN_FLIGHT_BYTES_PER_SM * num_sms, n * bk)))
+    split = max(1, min(MAX_SPLIT_K, steps, triton.cdiv(IN_FLIGHT_BYTES_PER_SM * num_sms, n * bk * w_bytes)))
     split = triton.cdiv(steps, triton.cdiv(steps, split))  # runs of whole steps, none empty (the last may be short)
     return Fp8GemvConfig(bn, bk, warps, split)
 

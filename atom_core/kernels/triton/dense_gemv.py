@@ -1,0 +1,82 @@
+"""Unquantized GEMV for decode (M <= 4 rows, Triton): y [M, N] = x [M, K] @ W^T (+ bias), W [N, K]
+in x's dtype (bf16 / fp16 / fp32).
+
+  dense_gemv(x, weight, bias)       the kernel
+  dense_gemv_ref(x, weight, bias)   its torch reference (float32 matmul, rounded once)
+
+Why: at batch 1 a linear is a weight stream, and its speed is the decode step's. cuBLAS reaches
+~2.2 TB/s of the H100's ~3.0 on a 1 x 4,096 by 4,096 x 28,672 product (ANCHORS), and less on
+the half-width weights of tensor parallelism: Llama-3-8B TP=2 on two H100s streamed its weights
+at ~2.2 TB/s against ~2.5 at TP=1, and Llama-3.1-70B TP=2 on two H200s at ~75% of peak
+(docs/PERFORMANCE.md, 2026-11-26). Issue 18's batch-1 targets need ~4.3 TB/s on the H200.
+
+The kernel is the weight-only FP8 GEMV's (fp8_gemv._fp8_gemv_kernel): a program streams BLOCK_N
+weight rows once for all M rows of x, converts each weight to float32, FMAs in float32 in a fixed
+order (deterministic), adds the bias in float32 and rounds once. Its weights here are x's dtype,
+loaded 16 bytes a thread (8 bf16: the same register layout as x's), under a unit per-tensor scale
+(one float32 1.0: multiplying a sum by it is exact). Split-K counts 2-byte weights in flight.
+
+Status: written without a GPU (checked under the Triton interpreter, tests/kernels/test_dense_gemv.py);
+dispatched to only under ATOM_DENSE_SMALL_M_KERNEL=gemv (quant/unquantized.py) until it has been
+timed (`python -m atom_core.kernels.triton.dense_gemv_bench`, `tests/gpu/suite.sh dense-gemv`).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from atom_core.kernels.triton.common import sm_count
+from atom_core.kernels.triton.fp8_gemv import Fp8GemvConfig, _check_config, _launch, default_fp8_gemv_config
+
+MAX_TOKENS = 4  # rows of x (the kernel keeps an accumulator per row)
+_UNIT_SCALES: dict[torch.device, torch.Tensor] = {}
+
+
+def _unit_scale(device: torch.device) -> torch.Tensor:
+    if device not in _UNIT_SCALES:
+        _UNIT_SCALES[device] = torch.ones(1, dtype=torch.float32, device=device)
+    return _UNIT_SCALES[device]
+
+
+def _check(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if x2.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x must be bf16, fp16 or fp32, got {x2.dtype}")
+    if weight.dim() != 2 or weight.dtype != x2.dtype:
+        raise ValueError(f"weight must be 2-D [N, K] in x's dtype {x2.dtype}, got {tuple(weight.shape)} {weight.dtype}")
+    if x2.shape[0] > MAX_TOKENS:
+        raise ValueError(f"the dense GEMV takes at most {MAX_TOKENS} rows of x, got {x2.shape[0]}")
+    if x2.shape[1] != weight.shape[1]:
+        raise ValueError(f"x has {x2.shape[1]} columns but weight is {tuple(weight.shape)} ([N, K])")
+    if weight.stride(1) != 1 or (x2.shape[1] > 1 and x2.stride(1) != 1):
+        raise ValueError(f"x and weight need contiguous rows, got strides {x2.stride()} and {weight.stride()}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
+    devices = {t.device for t in (x2, weight, bias) if t is not None}
+    if len(devices) != 1:
+        raise ValueError(f"x, weight and bias must be on one device, got {sorted(map(str, devices))}")
+
+
+def default_dense_gemv_config(m: int, n: int, k: int, elem_bytes: int, num_sms: int) -> Fp8GemvConfig:
+    return default_fp8_gemv_config(m, n, k, elem_bytes, None, num_sms, w_bytes=elem_bytes)
+
+
+def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+               config: Fp8GemvConfig | None = None) -> torch.Tensor:
+    """x [*, K] with at most MAX_TOKENS rows, weight [N, K] in x's dtype -> [*, N] in x's dtype."""
+    shape, n = x.shape, weight.shape[0]
+    x2 = x.reshape(-1, shape[-1])
+    if x2.shape[1] > 1 and x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    _check(x2, weight, bias)
+    cfg = config or default_dense_gemv_config(x2.shape[0], n, weight.shape[1], x2.element_size(), sm_count(x.device))
+    _check_config(cfg, None)
+    return _launch(x2, weight, _unit_scale(x2.device), (0, 0), 1, None, bias, cfg).reshape(*shape[:-1], n)
+
+
+def dense_gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A float32 matmul (+ the bias in float32), rounded once to x's dtype."""
+    y = x.float().reshape(-1, x.shape[-1]) @ weight.float().t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])

@@ -1,0 +1,220 @@
+"""The unquantized decode GEMV (`kernels/triton/dense_gemv.py`) and its dispatch (`quant/unquantized.py`).
+
+- the kernel equals `dense_gemv_ref` (a float32 matmul rounded once) on fresh random inputs: `cpu`
+  cases under Triton's interpreter (M 1-4; N and K multiples and non-multiples of 128 and of the
+  tiles; bias; split-K forced on and off; x and W in float32/bf16/fp16); `cuda` cases (marker
+  `gpu`) at Llama-3-8B and Llama-3.1-70B projection shapes, whole and halved for TP=2, and replayed
+  in a CUDA graph;
+- which kernel a linear runs (ATOM_DENSE_SMALL_M_KERNEL=gemv, <= 4 tokens, CUDA), and that the
+  switch leaves the default path (F.linear) untouched.
+
+    TRITON_INTERPRET=1 python -m pytest tests/kernels/test_dense_gemv.py -q
+    python -m pytest -m gpu tests/kernels/test_dense_gemv.py -q        (NOT run on a GPU yet)
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from atom_core.envs import read_envs
+from atom_core.quant import unquantized
+from atom_core.quant.unquantized import dense_linear, dense_linear_kernel
+from tests.kernels.conftest import device  # noqa: F401  (the cpu-interpreter / cuda fixture)
+from tests.kernels.tolerances import INTERPRET, TOL, rel_err
+
+F32_TOL = 1e-5  # the same float32 products summed in another order
+BF16_ON_CUDA = 4e-3  # rare elements one bf16 step apart after the float32 sums round
+SHAPES = [(1, 96, 200), (2, 128, 256), (3, 130, 384), (4, 40, 520)]  # tiny for the interpreter
+
+
+def _gemv():
+    from atom_core.kernels.triton import dense_gemv
+
+    return dense_gemv
+
+
+def _inputs(m, n, k, dtype, device, seed, bias=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(dtype).to(device)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype).to(device)
+    b = torch.randn(n, generator=g).to(dtype).to(device) if bias else None
+    return x, w, b
+
+
+def _tol(dtype, device):
+    if dtype == torch.float32:
+        return F32_TOL
+    return TOL[dtype] if device == "cpu" else BF16_ON_CUDA
+
+
+class TestKernel:
+    @pytest.mark.parametrize("m,n,k", SHAPES)
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+    def test_matches_reference(self, device, m, n, k, dtype):
+        gemv = _gemv()
+        x, w, b = _inputs(m, n, k, dtype, device, seed=m * 1000 + n + k, bias=m % 2 == 1)
+        out = gemv.dense_gemv(x, w, b)
+        assert out.dtype == dtype and out.shape == (m, n)
+        assert rel_err(out, gemv.dense_gemv_ref(x, w, b)) < _tol(dtype, device)
+
+    @pytest.mark.parametrize("split_k", [1, 3])
+    def test_forced_split_and_leading_dims(self, device, split_k):
+        gemv = _gemv()
+        x, w, b = _inputs(4, 72, 600, torch.float32, device, seed=11, bias=True)
+        cfg = replace(gemv.default_dense_gemv_config(4, 72, 600, 4, 4), block_k=64, split_k=split_k)
+        out = gemv.dense_gemv(x.view(2, 2, 600), w, b, config=cfg)
+        assert out.shape == (2, 2, 72)
+        assert rel_err(out.view(4, 72), gemv.dense_gemv_ref(x, w, b)) < F32_TOL
+
+    def test_no_rows(self, device):
+        gemv = _gemv()
+        x, w, _ = _inputs(1, 16, 32, torch.float32, device, seed=3)
+        assert gemv.dense_gemv(x[:0], w).shape == (0, 16)
+
+
+def test_bad_arguments_are_clear_errors():
+    gemv = _gemv()
+    x, w = torch.randn(2, 64), torch.randn(32, 64)
+    with pytest.raises(ValueError, match="at most 4 rows"):
+        gemv.dense_gemv(torch.randn(5, 64), w)
+    with pytest.raises(ValueError, match="in x's dtype"):
+        gemv.dense_gemv(x, w.bfloat16())
+    with pytest.raises(ValueError, match="columns"):
+        gemv.dense_gemv(x[:, :32], w)
+    with pytest.raises(ValueError, match="bias must be"):
+        gemv.dense_gemv(x, w, torch.zeros(3))
+    with pytest.raises(ValueError, match="bf16, fp16 or fp32"):
+        gemv.dense_gemv(x.double(), w.double())
+    with pytest.raises(ValueError, match="contiguous rows"):
+        gemv.dense_gemv(x, torch.randn(64, 32).t())
+
+
+def test_default_tiles_count_two_byte_weights():
+    """H100 (132 SMs), bf16: Llama-3-8B's and 70B's projections (whole and TP=2 halves) stream in
+    512-column steps without split-K; a narrow N splits K into runs of whole steps."""
+    config = _gemv().default_dense_gemv_config
+    for n, k in ((6144, 4096), (3072, 4096), (4096, 2048), (14336, 4096), (4096, 7168), (5120, 8192),
+                 (8192, 4096), (28672, 8192), (8192, 14336)):
+        cfg = config(1, n, k, 2, 132)
+        assert (cfg.block_k, cfg.split_k) == (512, 1), (n, k, cfg)
+    narrow = config(1, 512, 8192, 2, 132)
+    assert 1 < narrow.split_k <= 8
+
+
+class TestDispatch:
+    def test_gemv_only_under_the_switch_for_up_to_four_tokens_on_cuda(self):
+        assert dense_linear_kernel(1, True, "gemv") == dense_linear_kernel(4, True, "gemv") == "gemv"
+        assert dense_linear_kernel(5, True, "gemv") == "linear"
+        assert dense_linear_kernel(1, False, "gemv") == "linear"  # not CUDA
+        assert dense_linear_kernel(1, True, "linear") == "linear"
+
+    def test_env_var_and_setter(self):
+        assert read_envs({}).dense_small_m_kernel == "linear"
+        assert read_envs({"ATOM_DENSE_SMALL_M_KERNEL": "GEMV"}).dense_small_m_kernel == "gemv"
+        with pytest.raises(ValueError, match="invalid ATOM_DENSE_SMALL_M_KERNEL='cublas'; expected one of: linear, gemv"):
+            read_envs({"ATOM_DENSE_SMALL_M_KERNEL": "cublas"})
+        with pytest.raises(ValueError, match="unknown dense small-M kernel"):
+            unquantized.set_dense_small_m_kernel("cublas")
+        code = "from atom_core.quant import unquantized as u; print(u._small_m_kernel)"
+        env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("ATOM_")}
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env={**env, "ATOM_DENSE_SMALL_M_KERNEL": "gemv"})
+        assert run.stdout.strip() == "gemv", run.stderr
+
+    def test_cpu_linears_stay_f_linear_under_the_switch(self, monkeypatch):
+        monkeypatch.setattr(unquantized, "_small_m_kernel", "gemv")
+        layer = torch.nn.Module()
+        layer.weight = torch.nn.Parameter(torch.randn(8, 16), requires_grad=False)
+        x = torch.randn(2, 16)
+        method = unquantized.UnquantizedLinearMethod()
+        assert torch.equal(method.apply(layer, x), F.linear(x, layer.weight))
+        assert torch.equal(dense_linear(x, layer.weight), F.linear(x, layer.weight))
+
+
+@pytest.mark.skipif(not INTERPRET, reason="runs the GEMV under the interpreter (TRITON_INTERPRET=1)")
+def test_the_op_runs_the_gemv_under_the_switch(monkeypatch):
+    """With the switch on and the device taken for CUDA (interpreter), <= 4 tokens run the GEMV and
+    5 run F.linear; both through the custom op, and through torch.compile."""
+    gemv = _gemv()
+    calls = []
+    real = gemv.dense_gemv
+    monkeypatch.setattr(gemv, "dense_gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(unquantized, "_gemv_ok", lambda x: True)
+    monkeypatch.setattr(unquantized, "_small_m_kernel", "gemv")
+    x, w, b = _inputs(3, 40, 96, torch.float32, "cpu", seed=5, bias=True)
+    assert rel_err(dense_linear(x, w, b), gemv.dense_gemv_ref(x, w, b)) < F32_TOL and calls == [1]
+    x5 = torch.randn(5, 96)
+    assert torch.equal(dense_linear(x5, w, b), F.linear(x5, w, b)) and calls == [1]
+    compiled = torch.compile(lambda t: dense_linear(t, w, b) * 2, fullgraph=True)
+    assert rel_err(compiled(x), 2 * gemv.dense_gemv_ref(x, w, b)) < F32_TOL and calls == [1, 1]
+
+
+# ---- GPU: model shapes and graphs --------------------------------------------------------------
+
+# (N, K) of Llama-3-8B (qkv, o, gate_up, down) and Llama-3.1-70B, whole and per rank at TP=2
+GPU_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (3072, 4096), (4096, 2048),
+              (14336, 4096), (4096, 7168), (5120, 8192), (8192, 4096), (28672, 8192), (8192, 14336)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA")
+@pytest.mark.parametrize("n,k", GPU_SHAPES)
+@pytest.mark.parametrize("m", [1, 4])
+def test_model_shapes_match_reference_on_cuda(n, k, m):
+    gemv = _gemv()
+    x, w, b = _inputs(m, n, k, torch.bfloat16, "cuda", seed=n + k + m, bias=m == 4)
+    assert rel_err(gemv.dense_gemv(x, w, b), gemv.dense_gemv_ref(x, w, b)) < BF16_ON_CUDA
+    assert rel_err(gemv.dense_gemv(x, w, b), F.linear(x, w, b)) < 1e-2  # cuBLAS: another summation order
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA")
+def test_replays_in_a_cuda_graph():
+    gemv = _gemv()
+    x, w, _ = _inputs(2, 4096, 4096, torch.bfloat16, "cuda", seed=9)
+    static = torch.zeros_like(x)
+    gemv.dense_gemv(static, w)  # compile and warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gemv.dense_gemv(static, w)
+    static.copy_(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(out, gemv.dense_gemv_ref(x, w)) < BF16_ON_CUDA
+
+
+# ---- offline sm_90 compile (Triton's bundled ptxas; no GPU) ---------------------------------------
+
+@pytest.mark.skipif(INTERPRET, reason="the interpreter replaces the compiled kernels")
+@pytest.mark.parametrize("m,n,k", [(1, 6144, 4096), (1, 4096, 14336), (2, 3072, 4096), (4, 8192, 4096)])
+def test_default_tiles_compile_for_hopper_without_spills(m, n, k):
+    """bf16 weights and x: no local-memory spills, 16-byte weight loads (8 bf16, x's layout), and no
+    layout conversion in the K loop (only the epilogue's, one per row of x)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from atom_core.kernels.triton.fp8_gemv import _fp8_gemv_kernel as fn
+    from tests.kernels.sm90_compile import cuobjdump_path, stack_bytes
+
+    if cuobjdump_path() is None:
+        pytest.skip("Triton ships no cuobjdump here")
+    cfg = _gemv().default_dense_gemv_config(m, n, k, 2, 132)
+    strides = ("stride_xm", "stride_wn", "stride_wsn", "stride_wsk", "stride_om", "stride_os")
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "ws_ptr": "*fp32", "bias_ptr": "*bf16",
+           "out_ptr": "*fp32" if cfg.split_k > 1 else "*bf16", "steps_per_split": "i32", **{s: "i32" for s in strides}}
+    consts = dict(M=m, N=n, K=k, SCALE_BN=1, GROUP=k, PER_GROUP=False, HAS_BIAS=False, IS_SPLIT=cfg.split_k > 1,
+                  BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, VEC=8)
+    aligned = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items()
+               if t.startswith("*") or a in ("stride_xm", "stride_wn", "stride_om", "stride_os")}
+    src = ASTSource(fn=fn, signature={**sig, **{c: "constexpr" for c in consts}}, constexprs=consts, attrs=aligned)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps, "num_stages": 1})
+    assert stack_bytes(kernel) == 0
+    assert "ld.global.v4.b32" in kernel.asm["ptx"], "weights should load 16 bytes at a time"
+    assert kernel.asm["ttgir"].count("ttg.convert_layout") <= m
