@@ -342,6 +342,8 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
     for kern in linear gemv; do
       step lat-l8-bs1-$kern 70 env ATOM_DENSE_SMALL_M_KERNEL=$kern python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-json "$OUT/lat_l8_bs1_$kern.json"
       step lat-q06-bs1-$kern 60 env ATOM_DENSE_SMALL_M_KERNEL=$kern python3 -m atomctl.main bench latency "${q06[@]}" --bs 1 --output-json "$OUT/lat_q06_bs1_$kern.json"
+      # DeepSeek-V2-Lite batch 1 (issue 14): its dense projections, shared experts and LM head were 31% of a step (1.13 ms)
+      step lat-dsv2l-bs1-$kern 120 env ATOM_DENSE_SMALL_M_KERNEL=$kern python3 -m atomctl.main bench latency --model preset:DeepSeek-V2-Lite --load-format dummy --max-model-len 4096 --bs 1 --num-iters 2 --output-json "$OUT/lat_dsv2l_bs1_$kern.json"
     done ;;
   tp-70b)  # the rows of tp-bench that had not run (2026-11-26): Llama-3.1-70B TP=2 batch 1, Llama-3-8B DP=2 nano (bench offline -dp 2: two cores behind the serving balancer), Llama-3.1-70B TP=2 nano
     l70=(--model preset:Llama-3.1-70B --load-format dummy --max-model-len 4096 --gpu-memory-utilization 0.97)
