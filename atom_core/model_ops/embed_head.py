@@ -13,6 +13,7 @@ from torch import nn
 
 from atom_core.distributed import all_gather, all_reduce, get_tp_group
 from atom_core.model_ops.linear import copy_weight
+from atom_core.quant.unquantized import unquantized_linear
 
 
 class VocabEmbedding(nn.Module):
@@ -48,7 +49,7 @@ class LMHead(VocabEmbedding):
     """logits = hidden @ W^T, computed only for the rows the runner asks for."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = unquantized_linear(hidden, self.weight)  # the decode GEMV under ATOM_DENSE_SMALL_M_KERNEL=gemv
         if self.tp_size == 1:
             return logits
         logits = all_gather(logits, dim=-1)

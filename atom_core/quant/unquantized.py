@@ -50,6 +50,13 @@ def _(x, weight, bias=None):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+def unquantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ b): F.linear, or `atom::dense_linear` on CUDA under ATOM_DENSE_SMALL_M_KERNEL=gemv."""
+    if _small_m_kernel == "gemv" and x.is_cuda:
+        return dense_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 class UnquantizedLinearMethod(QuantMethod):
     """weight [sum(output_sizes), input_size] in the default dtype; y = x W^T (+ b)."""
 
@@ -60,9 +67,7 @@ class UnquantizedLinearMethod(QuantMethod):
         layer.register_parameter("weight", weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if _small_m_kernel == "gemv" and x.is_cuda:
-            return dense_linear(x, layer.weight, bias)
-        return F.linear(x, layer.weight, bias)
+        return unquantized_linear(x, layer.weight, bias)
 
 
 class UnquantizedFusedMoEMethod(QuantMethod):

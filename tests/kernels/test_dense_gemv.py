@@ -134,6 +134,28 @@ class TestDispatch:
         method = unquantized.UnquantizedLinearMethod()
         assert torch.equal(method.apply(layer, x), F.linear(x, layer.weight))
         assert torch.equal(dense_linear(x, layer.weight), F.linear(x, layer.weight))
+        from atom_core.model_ops.embed_head import LMHead
+
+        head = LMHead(8, 16)
+        head.weight.data.copy_(layer.weight)
+        assert torch.equal(head(x), F.linear(x, layer.weight))  # the LM head takes the same switch
+
+    def test_lm_head_and_linears_route_through_the_op_on_cuda(self, monkeypatch):
+        """Under the switch a CUDA tensor goes to atom::dense_linear (recorded here; the op itself
+        is tested above and on the GPU), a CPU one to F.linear."""
+        seen = []
+        monkeypatch.setattr(unquantized, "_small_m_kernel", "gemv")
+        monkeypatch.setattr(unquantized, "dense_linear", lambda x, w, b=None: seen.append(tuple(w.shape)) or F.linear(x, w, b))
+
+        class FakeCuda(torch.Tensor):
+            @property
+            def is_cuda(self):
+                return True
+
+        x = torch.randn(1, 16).as_subclass(FakeCuda)
+        unquantized.unquantized_linear(x, torch.randn(8, 16))
+        unquantized.unquantized_linear(torch.randn(1, 16), torch.randn(4, 16))
+        assert seen == [(8, 16)]
 
 
 @pytest.mark.skipif(not INTERPRET, reason="runs the GEMV under the interpreter (TRITON_INTERPRET=1)")
