@@ -2,6 +2,8 @@
 uses inside its CUDA graphs, against PyTorch's symmetric-memory one-shot and two-shot all-reduce
 (peer-to-peer loads and stores; no NVLink multicast, which the device machines keep off), each
 captured in a CUDA graph and replayed, as a decode step would. Median microseconds of a replay.
+`symm_engine` is the engine's own path (distributed/symm_all_reduce.py: the input copied into the
+buffer, two-shot written to a new tensor), the others the bare ops on a buffer already filled.
 
   python3 tests/gpu/bench_allreduce.py --gpus 2 --hidden 4096,8192 --tokens 1,8,32,64,128,256,1024,8192
 
@@ -67,7 +69,18 @@ def _methods(numel_max: int, device: torch.device):
             return lambda: torch.ops.symm_mem.two_shot_all_reduce_(view, "sum", group_name)
         return setup
 
-    return {"nccl": lambda: nccl, "symm_one_shot": lambda: symm("one_shot"), "symm_two_shot": lambda: symm("two_shot")}
+    def engine_path():
+        """What the engine runs under ATOM_ALL_REDUCE=symm: copy-in, two-shot written to a new tensor."""
+        from atom_core.distributed.symm_all_reduce import SymmetricAllReduce
+
+        symm_ar = SymmetricAllReduce(dist.group.WORLD, device, max_bytes=numel_max * 2)
+
+        def setup(x):
+            return lambda: symm_ar(x)
+        return setup
+
+    return {"nccl": lambda: nccl, "symm_one_shot": lambda: symm("one_shot"), "symm_two_shot": lambda: symm("two_shot"),
+            "symm_engine": engine_path}
 
 
 def _worker(rank: int, world: int, port: int, hidden: list[int], tokens: list[int], results):

@@ -329,6 +329,7 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
     done
     step lat-l8-tp1-bs1 80 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-json "$OUT/lat_l8_tp1_bs1.json" ;;&
   tp-profile)  # issue 18: where a Llama-3-8B TP=2 batch-1 decode step's time goes, with NCCL and with ATOM_ALL_REDUCE=symm (the micro-benchmark says two-shot is 2x faster; the engine ran 4.70 vs 4.52 ms with it): rank 0's kernels, the top rows per phase; then TP=2 batch 1 with the dense GEMV
+    step allreduce-bench 60 python3 tests/gpu/bench_allreduce.py --gpus 2 --tokens 1,8,64,256  # symm_engine: the engine's copy-in + two-shot path
     step lat-l8-tp2-bs1-gemv 90 env ATOM_DENSE_SMALL_M_KERNEL=gemv python3 -m atomctl.main bench latency "${l8[@]}" -tp 2 --bs 1 --output-json "$OUT/lat_l8_tp2_bs1_gemv.json"
     for ar in nccl symm; do
       rm -rf /tmp/traces_$ar
