@@ -34,12 +34,17 @@ ENV_VARS: dict[str, str] = {
     "ATOM_DENSE_SMALL_M_KERNEL": "linear (default) or gemv: unquantized linears on CUDA at <= 4 tokens run "
                                  "F.linear (cuBLAS) or the Triton GEMV of kernels/triton/dense_gemv.py (not yet run "
                                  "on a GPU)",
+    "ATOM_EP_DISPATCH": "allgather (default) or alltoall: how data-parallel replicas sharing experts move tokens "
+                        "to the experts' ranks (all-gather + reduce-scatter, or all-to-all to the owners only; "
+                        "distributed/moe_all_to_all.py)",
     "ATOM_ALL_REDUCE": "nccl (default), symm or auto: tensor-parallel all-reduces up to 16 MiB on CUDA through "
                        "PyTorch symmetric memory (two-shot, distributed/symm_all_reduce.py) instead of NCCL; symm "
                        "fails at start where it cannot run, auto falls back to NCCL",
 }
 DenseSmallMKernel = Literal["linear", "gemv"]
 DENSE_SMALL_M_KERNELS: tuple[str, ...] = get_args(DenseSmallMKernel)
+EpDispatch = Literal["allgather", "alltoall"]
+EP_DISPATCHES: tuple[str, ...] = get_args(EpDispatch)
 AllReduceMode = Literal["nccl", "symm", "auto"]
 ALL_REDUCE_MODES: tuple[str, ...] = get_args(AllReduceMode)
 Fp8SmallMKernel = Literal["scaled_mm", "triton", "gemv"]
@@ -67,6 +72,7 @@ class AtomEnvs:
     mtp_graphs: bool = False  # read by the model runner when it captures graphs
     all_reduce: AllReduceMode = "nccl"  # read by distributed.init_distributed
     dense_small_m_kernel: DenseSmallMKernel = "linear"  # read once by quant/unquantized when it is imported
+    ep_dispatch: EpDispatch = "allgather"  # read once by model_ops/moe when it is imported
 
 
 def read_envs(environ: Mapping[str, str] | None = None) -> AtomEnvs:
@@ -83,6 +89,7 @@ def read_envs(environ: Mapping[str, str] | None = None) -> AtomEnvs:
         mtp_graphs=env_bool(env, "ATOM_MTP_GRAPHS", False),
         all_reduce=env_choice(env, "ATOM_ALL_REDUCE", ALL_REDUCE_MODES, "nccl"),
         dense_small_m_kernel=env_choice(env, "ATOM_DENSE_SMALL_M_KERNEL", DENSE_SMALL_M_KERNELS, "linear"),
+        ep_dispatch=env_choice(env, "ATOM_EP_DISPATCH", EP_DISPATCHES, "allgather"),
     )
 
 

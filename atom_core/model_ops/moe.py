@@ -17,6 +17,7 @@ from torch import nn
 
 from atom_core.distributed import (all_reduce, combine_tokens, dispatch_tokens, expert_parallel_enabled,
                                    experts_span_replicas, get_ep_group, replica_token_counts)
+from atom_core.envs import read_envs
 from atom_core.kernels import kernel_ops
 from atom_core.kernels.moe_ref import check_activation
 from atom_core.model_ops.linear import ReplicatedLinear, copy_weight
@@ -67,6 +68,7 @@ def make_expert_params_mapping(num_experts: int, gate: str, down: str, up: str,
 # Layers by key, as in model_ops/attention.py: under torch.compile the experts run as one
 # opaque op (the kernels' host-side setup is not traceable), which looks its layer up here.
 _LAYERS: "weakref.WeakValueDictionary[int, FusedMoE]" = weakref.WeakValueDictionary()
+_ep_dispatch = [read_envs().ep_dispatch]  # ATOM_EP_DISPATCH; set_ep_dispatch changes it
 
 
 @torch.library.custom_op("atom::fused_moe_layer", mutates_args=())
@@ -236,16 +238,18 @@ class FusedMoE(nn.Module):
 
     def route_and_run(self, hidden: torch.Tensor, router_logits: torch.Tensor,
                       correction_bias: torch.Tensor | None) -> torch.Tensor:
+        if self.spans_replicas and _ep_dispatch[0] == "alltoall":  # tokens go to their experts' owners only
+            from atom_core.distributed.moe_all_to_all import moe_all_to_all
+
+            weights, ids = self._route(router_logits, correction_bias)
+            run = lambda h, w, i: self.quant_method.apply(self, h, w, i, activation=self.activation,  # noqa: E731
+                                                          swiglu_limit=self.swiglu_limit)
+            return moe_all_to_all(hidden, weights, ids, self.num_local_experts, self.ep_group, run)
         if self.spans_replicas:  # DP attention + EP: every replica's tokens meet this rank's experts
             counts = replica_token_counts(hidden.shape[0], self.ep_group)
             hidden = dispatch_tokens(hidden, counts, self.ep_group)
             router_logits = dispatch_tokens(router_logits, counts, self.ep_group)
-        r = self.routing
-        weights, ids = self.ops.moe_route(router_logits, r.top_k, scoring=r.scoring, renormalize=r.renormalize,
-                                          correction_bias=correction_bias, num_expert_group=r.num_expert_group,
-                                          topk_group=r.topk_group, routed_scaling_factor=r.routed_scaling_factor)
-        if r.weights_in_model_dtype:
-            weights = weights.to(self.model_dtype).float()
+        weights, ids = self._route(router_logits, correction_bias)
         if self.use_ep:  # other ranks' experts weigh 0 here (static shapes: CUDA-graph safe)
             local = ids - self.expert_start
             owned = (local >= 0) & (local < self.num_local_experts)
@@ -256,6 +260,24 @@ class FusedMoE(nn.Module):
         if self.spans_replicas:
             return combine_tokens(out, counts, self.ep_group)  # the sum over ranks, this replica's rows
         return all_reduce(out) if self.tp_size > 1 else out  # partial sums: a slice of each expert, or some experts
+
+
+    def _route(self, router_logits: torch.Tensor, correction_bias: torch.Tensor | None):
+        """Top-k weights (float32) and global expert ids per token."""
+        r = self.routing
+        weights, ids = self.ops.moe_route(router_logits, r.top_k, scoring=r.scoring, renormalize=r.renormalize,
+                                          correction_bias=correction_bias, num_expert_group=r.num_expert_group,
+                                          topk_group=r.topk_group, routed_scaling_factor=r.routed_scaling_factor)
+        if r.weights_in_model_dtype:
+            weights = weights.to(self.model_dtype).float()
+        return weights, ids
+
+
+def set_ep_dispatch(kind: str) -> None:
+    """For benchmarks and tests: how MoE layers of replicas sharing experts move tokens from now on."""
+    if kind not in ("allgather", "alltoall"):
+        raise ValueError(f"unknown EP dispatch {kind!r}; expected allgather or alltoall")
+    _ep_dispatch[0] = kind
 
 
 class SparseMoeBlock(nn.Module):

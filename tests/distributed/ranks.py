@@ -112,7 +112,14 @@ def replica_moe_check(weights: dict, inputs: list, counts_seen: list) -> dict:
     with agreed_token_counts(counts_seen):
         agreed = layer(x, logits)
     dispatched = dispatch_tokens(x, counts_seen, group)
-    out = {"agreed": agreed, "asked": layer(x, logits), "dispatched": dispatched,
+    from atom_core.model_ops import moe
+
+    moe.set_ep_dispatch("alltoall")
+    try:
+        by_all_to_all = layer(x, logits)
+    finally:
+        moe.set_ep_dispatch("allgather")
+    out = {"agreed": agreed, "asked": layer(x, logits), "alltoall": by_all_to_all, "dispatched": dispatched,
            "combined": combine_tokens(dispatched * (r + 1), counts_seen, group)}
     # numpy: a tensor crosses the result queue as a shared-memory handle, gone once this rank exits
     return {"experts": (layer.expert_start, layer.num_local_experts), "w13": tuple(layer.w13_weight.shape),

@@ -81,6 +81,31 @@ class TestLockstepServing:
         assert dp_ep.engine.is_healthy
 
 
+def test_all_to_all_dispatch_serves_the_same_tokens(moe_path, hf_tokens, monkeypatch):
+    """ATOM_EP_DISPATCH=alltoall (each replica's core process reads it): tokens travel to their
+    experts' owners only; greedy output still equals HF, with both replicas busy and one idle."""
+    monkeypatch.setenv("ATOM_EP_DISPATCH", "alltoall")
+    engine = ThreadedEngine(EngineConfig.from_kwargs(str(moe_path), device="cpu", kv_cache_memory_gb=0.02, **DP_EP),
+                            PARAMS, CALL_TIMEOUT_S)
+    try:
+        assert engine.run(engine.generate_all(PROMPTS)) == [hf_tokens[tuple(p)] for p in PROMPTS]
+        assert engine.run(engine.generate(PROMPTS[0])) == hf_tokens[tuple(PROMPTS[0])]
+    finally:
+        engine.close()
+
+
+def test_ep_dispatch_option_values():
+    from atom_core.envs import read_envs
+    from atom_core.model_ops import moe
+
+    assert read_envs({}).ep_dispatch == "allgather"
+    assert read_envs({"ATOM_EP_DISPATCH": "AllToAll"}).ep_dispatch == "alltoall"
+    with pytest.raises(ValueError, match="invalid ATOM_EP_DISPATCH='nccl'; expected one of: allgather, alltoall"):
+        read_envs({"ATOM_EP_DISPATCH": "nccl"})
+    with pytest.raises(ValueError, match="unknown EP dispatch"):
+        moe.set_ep_dispatch("nccl")
+
+
 MOE_COUNTS = [3, 5]  # replica 0 brings 3 tokens to the lone MoE layer, replica 1 brings 5
 
 
@@ -139,6 +164,7 @@ class TestExpertSplit:
             expected = whole(*inputs[r])
             torch.testing.assert_close(out["agreed"], expected, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(out["asked"], expected, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(out["alltoall"], expected, rtol=1e-5, atol=1e-6)  # ATOM_EP_DISPATCH=alltoall
             assert torch.equal(out["dispatched"], padded)
             torch.testing.assert_close(out["combined"], 3 * inputs[r][0])  # rank 0 sent 1x, rank 1 2x
 

@@ -346,6 +346,11 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
       # DeepSeek-V2-Lite batch 1 (issue 14): its dense projections, shared experts and LM head were 31% of a step (1.13 ms)
       step lat-dsv2l-bs1-$kern 120 env ATOM_DENSE_SMALL_M_KERNEL=$kern python3 -m atomctl.main bench latency --model preset:DeepSeek-V2-Lite --load-format dummy --max-model-len 4096 --bs 1 --num-iters 2 --output-json "$OUT/lat_dsv2l_bs1_$kern.json"
     done ;;
+  dp-ep)  # issue 18 on nvidia-h200-x2: Qwen3-30B-A3B as two replicas sharing experts (DP attention + EP experts, lock-step, eager decode), nano workload, tokens moved by all-gather + reduce-scatter (default) vs all-to-all to the experts' owners (ATOM_EP_DISPATCH=alltoall): "measure which is faster"
+    a3b=(--model preset:Qwen3-30B-A3B --load-format dummy --max-model-len 4096)
+    for d in allgather alltoall; do
+      step off-a3b-dpep-$d 200 env ATOM_EP_DISPATCH=$d python3 -m atomctl.main bench offline "${a3b[@]}" -dp 2 --enable-expert-parallel --num-scheduler-steps 1 --output-json "$OUT/off_a3b_dpep_$d.json"
+    done ;;
   tp-70b)  # the rows of tp-bench that had not run (2026-11-26): Llama-3.1-70B TP=2 batch 1, Llama-3-8B DP=2 nano (bench offline -dp 2: two cores behind the serving balancer), Llama-3.1-70B TP=2 nano
     l70=(--model preset:Llama-3.1-70B --load-format dummy --max-model-len 4096 --gpu-memory-utilization 0.97)
     step lat-l70-tp2-bs1 120 python3 -m atomctl.main bench latency "${l70[@]}" -tp 2 --bs 1 --output-json "$OUT/lat_l70_tp2_bs1.json"
