@@ -38,7 +38,7 @@ ENV_VARS: dict[str, str] = {
                         "to the experts' ranks (all-gather + reduce-scatter, or all-to-all to the owners only; "
                         "distributed/moe_all_to_all.py)",
     "ATOM_ALL_REDUCE": "nccl (default), symm or auto: tensor-parallel all-reduces up to 16 MiB on CUDA through "
-                       "PyTorch symmetric memory (two-shot, distributed/symm_all_reduce.py) instead of NCCL; symm "
+                       "PyTorch symmetric memory (one-shot to 256 KiB, two-shot above; distributed/symm_all_reduce.py) instead of NCCL; symm "
                        "fails at start where it cannot run, auto falls back to NCCL",
 }
 DenseSmallMKernel = Literal["linear", "gemv"]

@@ -1,4 +1,4 @@
-"""Two-shot all-reduce through PyTorch symmetric memory, for the small all-reduces of decode.
+"""All-reduce through PyTorch symmetric memory (one-shot / two-shot), for the small all-reduces of decode.
 
 NCCL's all-reduce inside a CUDA graph costs ~13 us even for one token's 8 KB on two NVLinked
 H100s (tests/gpu/bench_allreduce.py): a protocol built for bandwidth. Tensor-parallel decode
@@ -9,7 +9,8 @@ ranks' rows and write it to every rank (reduce-scatter then all-gather, one kern
 one token, and faster than NCCL at every size measured up to 8,192 x 4,096 on two H100s
 (one-shot, every rank summing all rows, was between the two). Each rank's input is copied into
 its copy of the buffer first (a copy kernel), so the gain shrinks with size: tensors up to
-MAX_BYTES take this path, larger ones NCCL.
+MAX_BYTES take this path, larger ones NCCL; up to ONE_SHOT_MAX_BYTES the one-shot kernel that
+copies the input in itself runs instead (one launch, not two).
 
 ATOM_ALL_REDUCE picks it: `nccl` never, `symm` always on a CUDA tensor-parallel group (an error
 where this build or machine cannot), `auto` where it can (else NCCL, said in the log).
@@ -24,6 +25,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 MAX_BYTES = 16 << 20  # 1,024 tokens x 8,192 bf16 values: decode batches and most mixed steps
+# Up to here one-shot with the copy-in fused into its kernel (one launch) instead of copy + two-shot
+# (two): on two H100s the bare ops were 8.6-11.9 us (one-shot) vs 7.4-9.5 us (two-shot) from 1 to
+# 64 x 4,096 values, before two-shot's separate copy kernel.
+ONE_SHOT_MAX_BYTES = 256 << 10
 
 
 class SymmetricAllReduce:
@@ -41,15 +46,19 @@ class SymmetricAllReduce:
         self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
         symm_mem.rendezvous(self.buffer, device_group)  # collective: every rank of the group, same order
         self._two_shot_out = getattr(torch.ops.symm_mem, "two_shot_all_reduce_out", None)
+        self._one_shot_copy_out = getattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out", None)
 
     def fits(self, x: torch.Tensor) -> bool:
         nbytes = x.numel() * x.element_size()
         return x.is_cuda and nbytes <= self.buffer.numel() and nbytes % 4 == 0  # the kernel moves 4-byte words at least
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        staged = self.buffer[: x.numel() * x.element_size()].view(x.dtype).view(x.shape)
-        staged.copy_(x)
+        nbytes = x.numel() * x.element_size()
+        staged = self.buffer[:nbytes].view(x.dtype).view(x.shape)
         out = torch.empty_like(x)
+        if nbytes <= ONE_SHOT_MAX_BYTES and self._one_shot_copy_out is not None:
+            return self._one_shot_copy_out(staged, x, "sum", self.group_name, out)  # copies x in itself
+        staged.copy_(x)
         if self._two_shot_out is not None:
             return self._two_shot_out(staged, "sum", self.group_name, out)
         torch.ops.symm_mem.two_shot_all_reduce_(staged, "sum", self.group_name)  # torch without the _out form

@@ -1,6 +1,6 @@
-"""ATOM_ALL_REDUCE: NCCL or PyTorch symmetric-memory two-shot all-reduce for tensor parallelism.
+"""ATOM_ALL_REDUCE: NCCL or PyTorch symmetric-memory all-reduce for tensor parallelism.
 CPU: the option's parsing and errors, and auto falling back to the process group's all-reduce
-on gloo ranks. Two GPUs: the two-shot sum equals the definition eagerly and replayed in a CUDA
+on gloo ranks. Two GPUs: the sum (one-shot up to 256 KiB, two-shot above) equals the definition eagerly and replayed in a CUDA
 graph, over the sizes decode uses, with the larger ones left to NCCL."""
 import pytest
 import torch
