@@ -14,13 +14,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn, args, results, replica_experts: bool) -> None:
+def _entry(rank: int, world_size: int, port: int, fn, args, results, replica_experts: bool, device_type: str) -> None:
     from atom_core.distributed import destroy_distributed, init_distributed, init_replica_experts
 
     try:
         torch.set_num_threads(1)
+        device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         join = init_replica_experts if replica_experts else init_distributed
-        join(rank, world_size, f"tcp://127.0.0.1:{port}", torch.device("cpu"), timeout_s=60)
+        join(rank, world_size, f"tcp://127.0.0.1:{port}", device, timeout_s=60)
         results.put((rank, True, fn(*args)))
     except BaseException:  # noqa: BLE001 - reported to the test process
         results.put((rank, False, traceback.format_exc()))
@@ -28,14 +31,15 @@ def _entry(rank: int, world_size: int, port: int, fn, args, results, replica_exp
         destroy_distributed()
 
 
-def run_ranks(world_size: int, fn, *args, timeout: float = 120.0, replica_experts: bool = False) -> list:
-    """fn(*args) on each of `world_size` gloo ranks (one spawned process each); results by rank.
+def run_ranks(world_size: int, fn, *args, timeout: float = 120.0, replica_experts: bool = False,
+              device_type: str = "cpu") -> list:
+    """fn(*args) on each of `world_size` ranks (one spawned process each); results by rank.
     replica_experts: the ranks are data-parallel replicas sharing experts (init_replica_experts),
-    not one tensor-parallel group."""
+    not one tensor-parallel group. device_type "cuda": rank r on cuda:r over NCCL (else gloo)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, results, replica_experts), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, results, replica_experts, device_type), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -142,3 +146,40 @@ def replica_model_experts(path) -> dict:
 def replica_checks(path, weights: dict, inputs: list, counts: list) -> dict:
     """replica_model_experts and replica_moe_check in one rank process (spawning costs more)."""
     return {"model": replica_model_experts(path), "moe": replica_moe_check(weights, inputs, counts)}
+
+
+def symm_all_reduce_check(shapes: list[tuple[int, int]], max_bytes: int) -> dict:
+    """On CUDA ranks under ATOM_ALL_REDUCE=symm: all_reduce of the same inputs on every rank against
+    their float32 sum, eagerly and replayed in a CUDA graph, and which sizes took the symmetric path."""
+    from atom_core.distributed import all_reduce, get_tp_group
+    from atom_core.distributed.parallel_state import get_symmetric_all_reduce
+
+    group = get_tp_group()
+    device = torch.device("cuda", torch.cuda.current_device())
+    symm = get_symmetric_all_reduce("tp")
+    errors = []
+    for d, dtype in enumerate((torch.bfloat16, torch.float32)):
+        for s, shape in enumerate(shapes):
+            g = torch.Generator(device=device).manual_seed(100 * d + s)  # the same inputs on every rank
+            xs = [torch.randn(shape, generator=g, device=device).to(dtype) for _ in range(group.world_size)]
+            want = sum(x.float() for x in xs).to(dtype)
+            x = xs[group.rank_in_group].clone()
+            eager = all_reduce(x)
+            static_in = torch.zeros_like(x)
+            graph = torch.cuda.CUDAGraph()
+            all_reduce(static_in)  # warm-up outside capture
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph):
+                static_out = all_reduce(static_in)
+            for _ in range(2):
+                static_in.copy_(x)
+                graph.replay()
+            torch.cuda.synchronize()
+            for name, got in (("eager", eager), ("graph", static_out)):
+                if not torch.allclose(got.float(), want.float(), atol=1e-2 if dtype == torch.bfloat16 else 1e-5):
+                    errors.append(f"{name} {shape} {dtype}: max err {(got.float() - want.float()).abs().max()}")
+            used = symm is not None and symm.fits(x)
+            nbytes = x.numel() * x.element_size()
+            if used != (nbytes <= max_bytes and nbytes % 4 == 0):  # (1, 8193) bf16: an odd size goes to NCCL
+                errors.append(f"{shape} {dtype}: symmetric path used={used}")
+    return {"has_symm": symm is not None, "errors": errors}

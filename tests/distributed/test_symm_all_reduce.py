@@ -1,13 +1,14 @@
 """ATOM_ALL_REDUCE: NCCL or PyTorch symmetric-memory all-reduce for tensor parallelism.
 CPU: the option's parsing and errors, and auto falling back to the process group's all-reduce
-on gloo ranks. Two GPUs: the sum (one-shot up to 256 KiB, two-shot above) equals the definition eagerly and replayed in a CUDA
-graph, over the sizes decode uses, with the larger ones left to NCCL."""
+on gloo ranks. Two GPUs (ranks.symm_all_reduce_check): the sum (one-shot up to 256 KiB, two-shot
+above) equals the definition eagerly and replayed in a CUDA graph, over the sizes decode uses,
+with the larger ones left to NCCL."""
 import pytest
 import torch
 
 from atom_core.distributed.symm_all_reduce import MAX_BYTES, make_symmetric_all_reduce
 from atom_core.envs import read_envs
-from tests.distributed.ranks import collectives_check, free_port, run_ranks
+from tests.distributed.ranks import collectives_check, run_ranks, symm_all_reduce_check
 
 
 def test_option_values_and_default():
@@ -44,74 +45,12 @@ def test_symm_on_gloo_ranks_fails_at_join(monkeypatch):
 SHAPES = [(1, 4096), (3, 4096), (64, 8192), (1, 8193), (1024, 8192)]  # 1024 x 8192 bf16 = MAX_BYTES
 
 
-def _gpu_rank(rank: int, world: int, port: int, results) -> None:
-    import torch.distributed as dist
-
-    from atom_core.distributed import destroy_distributed, init_distributed
-    from atom_core.distributed.communication import all_reduce
-
-    try:
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-        init_distributed(rank, world, f"tcp://127.0.0.1:{port}", device, timeout_s=120)
-        from atom_core.distributed.parallel_state import get_symmetric_all_reduce
-
-        symm = get_symmetric_all_reduce("tp")
-        errors = []
-        for d, dtype in enumerate((torch.bfloat16, torch.float32)):
-            for s, shape in enumerate(SHAPES + [(1100, 8192)]):  # the last is past MAX_BYTES: NCCL
-                g = torch.Generator(device=device).manual_seed(100 * d + s)  # the same inputs on every rank
-                xs = [torch.randn(shape, generator=g, device=device).to(dtype) for _ in range(world)]
-                want = sum(x.float() for x in xs).to(dtype)
-                x = xs[rank].clone()
-                eager = all_reduce(x)
-                static_in = torch.zeros_like(x)
-                graph = torch.cuda.CUDAGraph()
-                all_reduce(static_in)  # warm-up outside capture
-                torch.cuda.synchronize()
-                with torch.cuda.graph(graph):
-                    static_out = all_reduce(static_in)
-                for _ in range(2):
-                    static_in.copy_(x)
-                    graph.replay()
-                torch.cuda.synchronize()
-                for name, got in (("eager", eager), ("graph", static_out)):
-                    if not torch.allclose(got.float(), want.float(), atol=1e-2 if dtype == torch.bfloat16 else 1e-5):
-                        errors.append(f"{name} {shape} {dtype}: max err {(got.float() - want.float()).abs().max()}")
-                used = symm is not None and symm.fits(x)
-                nbytes = x.numel() * x.element_size()
-                if used != (nbytes <= MAX_BYTES and nbytes % 4 == 0):  # (1, 8193) bf16: an odd size goes to NCCL
-                    errors.append(f"{shape} {dtype}: symmetric path used={used}")
-        dist.barrier()
-        results.put((rank, symm is not None, errors))
-    except BaseException:  # noqa: BLE001 - reported to the test process
-        import traceback
-
-        results.put((rank, None, traceback.format_exc()))
-    finally:
-        destroy_distributed()
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_two_shot_all_reduce_on_two_gpus(monkeypatch):
-    import torch.multiprocessing as mp
-
-    monkeypatch.setenv("ATOM_ALL_REDUCE", "symm")
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_gpu_rank, args=(r, 2, port, results), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        for _ in procs:
-            rank, has_symm, errors = results.get(timeout=240)
-            assert has_symm is not None, f"rank {rank} failed:\n{errors}"
-            assert has_symm, f"rank {rank}: ATOM_ALL_REDUCE=symm built no symmetric all-reduce"
-            assert not errors, f"rank {rank}: {errors}"
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+    monkeypatch.setenv("ATOM_ALL_REDUCE", "symm")  # the spawned ranks inherit it
+    shapes = SHAPES + [(1100, 8192)]  # the last is past MAX_BYTES: NCCL
+    for rank, result in enumerate(run_ranks(2, symm_all_reduce_check, shapes, MAX_BYTES, timeout=240,
+                                            device_type="cuda")):
+        assert result["has_symm"], f"rank {rank}: ATOM_ALL_REDUCE=symm built no symmetric all-reduce"
+        assert not result["errors"], f"rank {rank}: {result['errors']}"

@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from atom_core.kernels.triton.common import sm_count
+from atom_core.kernels.triton.common import check_same_device, sm_count
 from atom_core.kernels.triton.fp8_gemv import Fp8GemvConfig, _check_config, _launch, default_fp8_gemv_config
 
 MAX_TOKENS = 4  # rows of x (the kernel keeps an accumulator per row)
@@ -52,9 +52,7 @@ def _check(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
         raise ValueError(f"x and weight need contiguous rows, got strides {x2.stride()} and {weight.stride()}")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
-    devices = {t.device for t in (x2, weight, bias) if t is not None}
-    if len(devices) != 1:
-        raise ValueError(f"x, weight and bias must be on one device, got {sorted(map(str, devices))}")
+    check_same_device(x=x2, weight=weight, **({} if bias is None else {"bias": bias}))
 
 
 def default_dense_gemv_config(m: int, n: int, k: int, elem_bytes: int, num_sms: int) -> Fp8GemvConfig:

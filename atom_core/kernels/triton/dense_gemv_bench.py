@@ -15,11 +15,12 @@ import argparse
 
 import torch
 
+from atom_core.kernels.triton.fp8_bench import SHAPES as FP8_SHAPES
+
 # model -> projection -> (N, K) at TP=1; TP=2 halves N of the column-parallel ones (qkv, gate_up)
 # and K of the row-parallel ones (o, down)
 SHAPES = {
-    "llama-3-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
-                   "lm_head": (128256, 4096)},
+    "llama-3-8b": {**FP8_SHAPES["llama-3-8b"], "lm_head": (128256, 4096)},
     "llama-3.1-70b": {"qkv": (10240, 8192), "o": (8192, 8192), "gate_up": (57344, 8192), "down": (8192, 28672),
                       "lm_head": (128256, 8192)},
 }

@@ -326,6 +326,14 @@ def fp8_block_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torc
     return out.reshape(*shape[:-1], n)
 
 
+def channel_scales(weight_scale: torch.Tensor, n: int) -> tuple[torch.Tensor, tuple[int, int]]:
+    """Per-tensor or per-channel weight scales as a flat [1] / [N] tensor and the kernels' (row, group) strides."""
+    w_scale = weight_scale.reshape(-1)
+    if w_scale.numel() not in (1, n):
+        raise ValueError(f"weight_scale must hold 1 or N={n} values, got {tuple(weight_scale.shape)}")
+    return w_scale, (0 if w_scale.numel() == 1 else w_scale.stride(0), 0)
+
+
 def fp8_channel_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                      input_scale: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None, *,
                      config: Fp8GemmConfig | None = None) -> torch.Tensor:
@@ -334,10 +342,7 @@ def fp8_channel_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     shape, (n, k) = x.shape, weight.shape
     x2 = x.reshape(-1, shape[-1])
     _check(x2, weight, weight_scale, bias)
-    w_scale = weight_scale.reshape(-1)
-    if w_scale.numel() not in (1, n):
-        raise ValueError(f"weight_scale must hold 1 or N={n} values, got {tuple(weight_scale.shape)}")
-    stride_ws = (0 if w_scale.numel() == 1 else w_scale.stride(0), 0)
+    w_scale, stride_ws = channel_scales(weight_scale, n)
     cfg = config or default_fp8_gemm_config(x2.shape[0], n, k, None, sm_count(x.device))
     _check_tile(cfg, None)
     if input_scale is not None:

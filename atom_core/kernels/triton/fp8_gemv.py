@@ -54,7 +54,7 @@ import triton.language as tl
 
 from atom_core.kernels.triton.common import sm_count
 from atom_core.kernels.triton.fp8_gemm import _check as check_operands
-from atom_core.kernels.triton.fp8_gemm import split_k_target, sum_splits
+from atom_core.kernels.triton.fp8_gemm import channel_scales, split_k_target, sum_splits
 from atom_core.quant.fp8_ops import GEMV_MAX_TOKENS, dequantize_fp8_block
 
 MAX_SPLIT_K = 8
@@ -237,12 +237,9 @@ def fp8_channel_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     shape, (n, k) = x.shape, weight.shape
     x2 = x.reshape(-1, shape[-1])
     _check(x2, weight, weight_scale, bias)
-    w_scale = weight_scale.reshape(-1)
-    if w_scale.numel() not in (1, n):
-        raise ValueError(f"weight_scale must hold 1 or N={n} values, got {tuple(weight_scale.shape)}")
+    w_scale, stride_ws = channel_scales(weight_scale, n)
     cfg = config or default_fp8_gemv_config(x2.shape[0], n, k, x2.element_size(), None, sm_count(x.device))
     _check_config(cfg, None)
-    stride_ws = (0 if w_scale.numel() == 1 else w_scale.stride(0), 0)
     return _launch(x2, weight, w_scale, stride_ws, 1, None, bias, cfg).reshape(*shape[:-1], n)
 
 
