@@ -19,21 +19,23 @@ ENV_VARS: dict[str, str] = {
     "ATOM_PROFILER_DETAILED": "0/1: record shapes, Python stacks and memory in traces",
     "ATOM_MARK_TRACE": "0/1: wrap every model module in a named profiler range (eager mode only)",
     "ATOM_API_KEY": "default for `atomctl serve --api-key` (keeps the key out of the process list)",
-    "ATOM_FP8_SMALL_M_KERNEL": "scaled_mm (default), triton or gemv: the CUDA kernel of per-channel FP8 linears "
-                               "(fp8_linear) at M <= 16 tokens; triton = kernels/triton/fp8_gemm.py (to measure both); "
-                               "gemv = kernels/triton/fp8_gemv.py (weight-only, x not quantized) at M <= 4 for dynamic "
-                               "activations and block FP8 (not yet run on a GPU)",
+    "ATOM_FP8_SMALL_M_KERNEL": "auto (default), scaled_mm, triton or gemv: the CUDA kernel of FP8 linears at few "
+                               "tokens; auto = the weight-only GEMV (kernels/triton/fp8_gemv.py) for per-channel "
+                               "dynamic FP8 at 1 token, else scaled_mm (per-channel) and the Triton block GEMM (block "
+                               "FP8), the fastest on the H100 (docs/PERFORMANCE.md 2026-11-26, fourth session); "
+                               "scaled_mm / triton = that kernel at M <= 16 (kernels/triton/fp8_gemm.py); gemv = the "
+                               "GEMV at M <= 4 for dynamic per-channel and block FP8",
     "ATOM_MOE_DECODE_PATH": "gemv (default) or tiled: the unquantized fused MoE kernels on CUDA for decode batches "
                             "(<= 2 tokens, tokens x top_k <= 32); gemv = kernels/triton/moe_decode.py, faster there "
                             "on the H100 (docs/PERFORMANCE.md 2026-11-26)",
-    "ATOM_PREFILL_ATTENTION": "paged (default) or contiguous: on CUDA, sequences without cached context (a prompt's "
-                              "first chunk) attend over the step's own K/V rows (kernels/triton/prefill_attention.py) "
-                              "instead of the paged cache (to measure both)",
+    "ATOM_PREFILL_ATTENTION": "contiguous (default) or paged: on CUDA, sequences without cached context (a prompt's "
+                              "first chunk) attend over the step's own K/V rows (kernels/triton/prefill_attention.py; "
+                              "faster on the H100, docs/PERFORMANCE.md 2026-11-26) or over the paged cache",
     "ATOM_MTP_GRAPHS": "0/1 (default 0 until run on a GPU): with CUDA graphs, the MTP layer's catch-up and later "
                        "drafts replay graphs too (spec_decode/mtp_graphs.py) instead of running eagerly",
-    "ATOM_DENSE_SMALL_M_KERNEL": "linear (default) or gemv: unquantized linears on CUDA at <= 4 tokens run "
-                                 "F.linear (cuBLAS) or the Triton GEMV of kernels/triton/dense_gemv.py (not yet run "
-                                 "on a GPU)",
+    "ATOM_DENSE_SMALL_M_KERNEL": "auto (default), linear or gemv: unquantized linears on CUDA run F.linear (cuBLAS) "
+                                 "or the Triton GEMV of kernels/triton/dense_gemv.py; auto = the GEMV at 1 token (faster "
+                                 "on the H100, docs/PERFORMANCE.md 2026-11-26, fourth session), gemv = at <= 4 tokens",
     "ATOM_EP_DISPATCH": "allgather (default) or alltoall: how data-parallel replicas sharing experts move tokens "
                         "to the experts' ranks (all-gather + reduce-scatter, or all-to-all to the owners only; "
                         "distributed/moe_all_to_all.py)",
@@ -41,17 +43,17 @@ ENV_VARS: dict[str, str] = {
                        "PyTorch symmetric memory (one-shot to 256 KiB, two-shot above; distributed/symm_all_reduce.py) instead of NCCL; symm "
                        "fails at start where it cannot run, auto falls back to NCCL",
 }
-DenseSmallMKernel = Literal["linear", "gemv"]
+DenseSmallMKernel = Literal["auto", "linear", "gemv"]
 DENSE_SMALL_M_KERNELS: tuple[str, ...] = get_args(DenseSmallMKernel)
 EpDispatch = Literal["allgather", "alltoall"]
 EP_DISPATCHES: tuple[str, ...] = get_args(EpDispatch)
 AllReduceMode = Literal["nccl", "symm", "auto"]
 ALL_REDUCE_MODES: tuple[str, ...] = get_args(AllReduceMode)
-Fp8SmallMKernel = Literal["scaled_mm", "triton", "gemv"]
+Fp8SmallMKernel = Literal["auto", "scaled_mm", "triton", "gemv"]
 FP8_SMALL_M_KERNELS: tuple[str, ...] = get_args(Fp8SmallMKernel)
 MoeDecodePath = Literal["tiled", "gemv"]
 MOE_DECODE_PATHS: tuple[str, ...] = get_args(MoeDecodePath)
-PrefillAttentionMode = Literal["paged", "contiguous"]
+PrefillAttentionMode = Literal["contiguous", "paged"]
 PREFILL_ATTENTION_MODES: tuple[str, ...] = get_args(PrefillAttentionMode)
 
 _TRUE = ("1", "true", "yes", "on")
@@ -66,12 +68,12 @@ class AtomEnvs:
     profiler_detailed: bool = False
     mark_trace: bool = False
     api_key: str | None = field(default=None, repr=False)  # a secret: never in logs or tracebacks
-    fp8_small_m_kernel: Fp8SmallMKernel = "scaled_mm"  # read once by quant/fp8_ops when it is imported
+    fp8_small_m_kernel: Fp8SmallMKernel = "auto"  # read once by quant/fp8_ops when it is imported
     moe_decode_path: MoeDecodePath = "gemv"  # read once by kernels/triton/moe_decode when it is imported
-    prefill_attention: PrefillAttentionMode = "paged"  # read once by kernels/triton/prefill_attention on import
+    prefill_attention: PrefillAttentionMode = "contiguous"  # read once by kernels/triton/prefill_attention on import
     mtp_graphs: bool = False  # read by the model runner when it captures graphs
     all_reduce: AllReduceMode = "nccl"  # read by distributed.init_distributed
-    dense_small_m_kernel: DenseSmallMKernel = "linear"  # read once by quant/unquantized when it is imported
+    dense_small_m_kernel: DenseSmallMKernel = "auto"  # read once by quant/unquantized when it is imported
     ep_dispatch: EpDispatch = "allgather"  # read once by model_ops/moe when it is imported
 
 
@@ -83,12 +85,12 @@ def read_envs(environ: Mapping[str, str] | None = None) -> AtomEnvs:
         profiler_detailed=env_bool(env, "ATOM_PROFILER_DETAILED", False),
         mark_trace=env_bool(env, "ATOM_MARK_TRACE", False),
         api_key=env_str(env, "ATOM_API_KEY"),
-        fp8_small_m_kernel=env_choice(env, "ATOM_FP8_SMALL_M_KERNEL", FP8_SMALL_M_KERNELS, "scaled_mm"),
+        fp8_small_m_kernel=env_choice(env, "ATOM_FP8_SMALL_M_KERNEL", FP8_SMALL_M_KERNELS, "auto"),
         moe_decode_path=env_choice(env, "ATOM_MOE_DECODE_PATH", MOE_DECODE_PATHS, "gemv"),
-        prefill_attention=env_choice(env, "ATOM_PREFILL_ATTENTION", PREFILL_ATTENTION_MODES, "paged"),
+        prefill_attention=env_choice(env, "ATOM_PREFILL_ATTENTION", PREFILL_ATTENTION_MODES, "contiguous"),
         mtp_graphs=env_bool(env, "ATOM_MTP_GRAPHS", False),
         all_reduce=env_choice(env, "ATOM_ALL_REDUCE", ALL_REDUCE_MODES, "nccl"),
-        dense_small_m_kernel=env_choice(env, "ATOM_DENSE_SMALL_M_KERNEL", DENSE_SMALL_M_KERNELS, "linear"),
+        dense_small_m_kernel=env_choice(env, "ATOM_DENSE_SMALL_M_KERNEL", DENSE_SMALL_M_KERNELS, "auto"),
         ep_dispatch=env_choice(env, "ATOM_EP_DISPATCH", EP_DISPATCHES, "allgather"),
     )
 

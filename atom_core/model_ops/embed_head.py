@@ -49,7 +49,7 @@ class LMHead(VocabEmbedding):
     """logits = hidden @ W^T, computed only for the rows the runner asks for."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = unquantized_linear(hidden, self.weight)  # the decode GEMV under ATOM_DENSE_SMALL_M_KERNEL=gemv
+        logits = unquantized_linear(hidden, self.weight)  # the decode GEMV at 1 token (ATOM_DENSE_SMALL_M_KERNEL)
         if self.tp_size == 1:
             return logits
         logits = all_gather(logits, dim=-1)

@@ -28,19 +28,21 @@ Products (y [*, N] in x's dtype, x [*, K] in bf16/fp16/fp32):
   fp8_linear / fp8_block_linear: the same signatures as custom ops (`atom::fp8_linear`,
       `atom::fp8_block_linear`). Off NVIDIA SM89+ GPUs: the references (fp8_linear: also
       torch._scaled_mm on a ROCm device where the shape allows it). On NVIDIA SM89+
-      (`fp8_linear_kernel` decides; not yet run on a GPU, see kernels/triton/fp8_gemm.py):
-      - fp8_block_linear: the Triton block-FP8 GEMM (kernels/triton/fp8_gemm.py).
+      (`fp8_linear_kernel` / `fp8_block_linear_kernel` decide, per ATOM_FP8_SMALL_M_KERNEL, read
+      when this module is imported; `set_small_m_kernel` for benchmarks and tests):
+      - fp8_block_linear: the Triton block-FP8 GEMM (kernels/triton/fp8_gemm.py); the block GEMV
+        only under `gemv` (it lost to the GEMM on the large shapes, PERFORMANCE.md 2026-11-26).
       - fp8_linear: torch._scaled_mm (row-wise or per-tensor scales, dynamic activations
         quantized by one Triton launch, kernels/triton/fp8.py) where the shape allows it (K and N
-        multiples of 16, bf16/fp16 x), else the Triton GEMM. At M <= SMALL_M_MAX tokens the
-        Triton GEMM (activation quantization fused in, split-K) replaces _scaled_mm when
-        ATOM_FP8_SMALL_M_KERNEL=triton (atom_core/envs.py; read when this module is imported;
-        `set_small_m_kernel` for benchmarks and tests). The default stays scaled_mm until both
-        are measured on a GPU (`bash tests/gpu/suite.sh fp8-gemm`).
-      - ATOM_FP8_SMALL_M_KERNEL=gemv: at M <= GEMV_MAX_TOKENS both ops run the weight-only FP8 GEMV
-        (kernels/triton/fp8_gemv.py: x not quantized, so closer to the bf16 product than these
-        references); fp8_linear only for dynamic activations (a static input_scale is part of the
-        checkpoint's arithmetic and keeps its path). Not yet run on a GPU (`suite.sh fp8-gemv`).
+        multiples of 16, bf16/fp16 x), else the Triton GEMM. Few tokens:
+        - `auto` (default): the weight-only FP8 GEMV (kernels/triton/fp8_gemv.py: x not quantized,
+          so closer to the bf16 product than these references) at 1 token with dynamic
+          activations: Llama-3-8B fp8 batch-1 TPOT 5.71 -> 4.27 ms on the H100; at 4 tokens the
+          GEMV lost to _scaled_mm on gate_up, so it stays there above 1 token;
+        - `gemv`: the GEMV at M <= GEMV_MAX_TOKENS for both ops (a static input_scale is part of
+          the checkpoint's arithmetic and keeps its path);
+        - `triton`: the Triton GEMM (activation quantization fused in, split-K) at M <= SMALL_M_MAX;
+        - `scaled_mm`: _scaled_mm at every M.
 
 The references accumulate in float32 over the dequantized operands, which equals the sum over
 K-blocks of the fp8 partial products times their scales up to float32 rounding.
@@ -153,6 +155,7 @@ def fp8_block_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv
 
 SMALL_M_MAX = 16  # tokens up to which a linear is decode-shaped: a weight stream (ATOM_FP8_SMALL_M_KERNEL)
 GEMV_MAX_TOKENS = 4  # tokens the FP8 GEMV takes (it keeps an accumulator per token)
+AUTO_GEMV_MAX_TOKENS = 1  # tokens up to which `auto` takes the per-channel GEMV (measured faster there)
 FP8_LINEAR_KERNELS = ("reference", "scaled_mm", "triton", "gemv")
 _small_m_kernel: Fp8SmallMKernel = read_envs().fp8_small_m_kernel
 
@@ -192,7 +195,8 @@ def fp8_linear_kernel(num_tokens: int, scaled_mm_ok: bool, triton_ok: bool,
                       small_m: Fp8SmallMKernel | None = None, static_input: bool = False) -> str:
     """Which of FP8_LINEAR_KERNELS runs a per-channel/per-tensor fp8_linear of `num_tokens` rows."""
     small_m = small_m or _small_m_kernel
-    if triton_ok and small_m == "gemv" and num_tokens <= GEMV_MAX_TOKENS and not static_input:
+    gemv_max = {"gemv": GEMV_MAX_TOKENS, "auto": AUTO_GEMV_MAX_TOKENS}.get(small_m, 0)
+    if triton_ok and num_tokens <= gemv_max and not static_input:
         return "gemv"
     if triton_ok and (not scaled_mm_ok or (num_tokens <= SMALL_M_MAX and small_m == "triton")):
         return "triton"

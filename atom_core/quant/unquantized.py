@@ -1,9 +1,11 @@
 """The unquantized methods: plain weights in the model dtype, F.linear and the fused MoE kernel.
 
-ATOM_DENSE_SMALL_M_KERNEL=gemv sends linears on CUDA through `atom::dense_linear`, which runs the
-Triton GEMV (kernels/triton/dense_gemv.py) at <= 4 tokens and F.linear above; a custom op, so
-torch.compile keeps the token-count test inside it instead of specializing on it. Off (the
-default) the linears are plain F.linear, as before.
+Linears on CUDA go through `atom::dense_linear`, which runs the Triton GEMV
+(kernels/triton/dense_gemv.py) at few tokens and F.linear above; a custom op, so torch.compile
+keeps the token-count test inside it instead of specializing on it. ATOM_DENSE_SMALL_M_KERNEL:
+auto (default) takes the GEMV at 1 token, where it beat cuBLAS on the H100 (Llama-3-8B batch-1
+TPOT 6.45 -> 6.14 ms); at 2-4 tokens cuBLAS tied or won (docs/PERFORMANCE.md 2026-11-26, fourth
+session), so only gemv sends those to it; linear is plain F.linear everywhere.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atom_core.envs import DenseSmallMKernel, read_envs
+from atom_core.envs import DENSE_SMALL_M_KERNELS, DenseSmallMKernel, read_envs
 from atom_core.quant.base import QuantMethod, set_weight_attrs
 
 _small_m_kernel: DenseSmallMKernel = read_envs().dense_small_m_kernel
@@ -20,8 +22,8 @@ _small_m_kernel: DenseSmallMKernel = read_envs().dense_small_m_kernel
 def set_dense_small_m_kernel(kind: DenseSmallMKernel) -> None:
     """For benchmarks and tests: the kernel of linears built or run from now on."""
     global _small_m_kernel
-    if kind not in ("linear", "gemv"):
-        raise ValueError(f"unknown dense small-M kernel {kind!r}; expected linear or gemv")
+    if kind not in DENSE_SMALL_M_KERNELS:
+        raise ValueError(f"unknown dense small-M kernel {kind!r}; expected one of: {', '.join(DENSE_SMALL_M_KERNELS)}")
     _small_m_kernel = kind
 
 
@@ -29,11 +31,15 @@ def _gemv_ok(x: torch.Tensor) -> bool:
     return x.is_cuda
 
 
+AUTO_MAX_TOKENS = 1  # rows up to which `auto` takes the GEMV (measured faster there only)
+
+
 def dense_linear_kernel(num_tokens: int, gemv_ok: bool, kind: str | None = None) -> str:
     """Which kernel a linear of `num_tokens` rows runs: "gemv" or "linear"."""
     from atom_core.kernels.triton.dense_gemv import MAX_TOKENS
 
-    return "gemv" if (kind or _small_m_kernel) == "gemv" and gemv_ok and num_tokens <= MAX_TOKENS else "linear"
+    limit = {"gemv": MAX_TOKENS, "auto": AUTO_MAX_TOKENS}.get(kind or _small_m_kernel, 0)
+    return "gemv" if gemv_ok and num_tokens <= limit else "linear"
 
 
 @torch.library.custom_op("atom::dense_linear", mutates_args=())
@@ -51,8 +57,8 @@ def _(x, weight, bias=None):
 
 
 def unquantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T (+ b): F.linear, or `atom::dense_linear` on CUDA under ATOM_DENSE_SMALL_M_KERNEL=gemv."""
-    if _small_m_kernel == "gemv" and x.is_cuda:
+    """x W^T (+ b): F.linear, or `atom::dense_linear` on CUDA unless ATOM_DENSE_SMALL_M_KERNEL=linear."""
+    if _small_m_kernel != "linear" and x.is_cuda:
         return dense_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 

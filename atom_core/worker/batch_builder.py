@@ -82,8 +82,8 @@ def assemble_flat_batch(input_ids: list[int], positions: list[int], slot_mapping
 
 
 def _split_by_context() -> bool:
-    """Whether attention reads the fresh/paged split (ATOM_PREFILL_ATTENTION=contiguous); with the
-    paged default nothing does, so the builder skips its lists and host-to-device copies."""
+    """Whether attention reads the fresh/paged split (ATOM_PREFILL_ATTENTION=contiguous, the default);
+    under paged nothing does, so the builder skips its lists and host-to-device copies."""
     from atom_core.kernels.triton.prefill_attention import prefill_attention_mode
 
     return prefill_attention_mode() == "contiguous"

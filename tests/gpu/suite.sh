@@ -337,6 +337,16 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
       trace=$(ls -t /tmp/traces_$ar/rank_0/*.json.gz 2>/dev/null | grep -v capture | head -1)
       step parse-trace-$ar 90 python3 -m atomctl.main parse-trace "$trace" --layer 3 --top 25 --out-dir "$OUT/$ar"
     done ;;
+  tp-gemv)  # issue 18 after the 1-token dense GEMV became the default (2026-11-26, fourth session): the all-reduce micro-benchmark (symm_engine row), Llama-3-8B TP=1 and TP=2 batch 1 with NCCL and symm, Llama-3.1-70B TP=2 batch 1; then the symmetric all-reduce GPU test (now through run_ranks) and the DP+EP compiled case (now level 2)
+    l70=(--model preset:Llama-3.1-70B --load-format dummy --max-model-len 4096 --gpu-memory-utilization 0.97)
+    step allreduce-bench 60 python3 tests/gpu/bench_allreduce.py --gpus 2 --tokens 1,8,64,256
+    step lat-l8-tp1-bs1 70 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-json "$OUT/lat_l8_tp1_bs1.json"
+    for ar in nccl symm; do
+      step lat-l8-tp2-bs1-$ar 90 env ATOM_ALL_REDUCE=$ar python3 -m atomctl.main bench latency "${l8[@]}" -tp 2 --bs 1 --output-json "$OUT/lat_l8_tp2_bs1_$ar.json"
+    done
+    step lat-l70-tp2-bs1 150 python3 -m atomctl.main bench latency "${l70[@]}" -tp 2 --bs 1 --output-json "$OUT/lat_l70_tp2_bs1.json"
+    step symm-gpu-test 90 python3 -m pytest -q --tb=short -m gpu tests/distributed/test_symm_all_reduce.py -p no:cacheprovider
+    step tp-gpu-compiled 150 python3 -m pytest -v --tb=short -m gpu tests/distributed/test_tp_gpu.py -k compiled -p no:cacheprovider ;;
   dense-gemv)  # the unquantized decode GEMV (kernels/triton/dense_gemv.py, ATOM_DENSE_SMALL_M_KERNEL=gemv; written without a GPU): its GPU tests, the micro-benchmark against cuBLAS (TP=1 and TP=2 shapes of Llama-3-8B and 70B), then batch-1 TPOT of Llama-3-8B and Qwen3-0.6B with the switch off and on; the faster becomes the default
     step dense-gemv-tests 150 python3 -m pytest -q --tb=short -m gpu tests/kernels/test_dense_gemv.py -p no:cacheprovider
     step dense-gemv-bench 150 python3 -m atom_core.kernels.triton.dense_gemv_bench

@@ -113,10 +113,15 @@ class TestDispatch:
         assert dense_linear_kernel(1, False, "gemv") == "linear"  # not CUDA
         assert dense_linear_kernel(1, True, "linear") == "linear"
 
+    def test_auto_takes_the_gemv_at_one_token_only(self):
+        assert dense_linear_kernel(1, True, "auto") == "gemv"
+        assert dense_linear_kernel(2, True, "auto") == dense_linear_kernel(4, True, "auto") == "linear"
+        assert dense_linear_kernel(1, False, "auto") == "linear"  # not CUDA
+
     def test_env_var_and_setter(self):
-        assert read_envs({}).dense_small_m_kernel == "linear"
+        assert read_envs({}).dense_small_m_kernel == "auto"
         assert read_envs({"ATOM_DENSE_SMALL_M_KERNEL": "GEMV"}).dense_small_m_kernel == "gemv"
-        with pytest.raises(ValueError, match="invalid ATOM_DENSE_SMALL_M_KERNEL='cublas'; expected one of: linear, gemv"):
+        with pytest.raises(ValueError, match="invalid ATOM_DENSE_SMALL_M_KERNEL='cublas'; expected one of: auto, linear, gemv"):
             read_envs({"ATOM_DENSE_SMALL_M_KERNEL": "cublas"})
         with pytest.raises(ValueError, match="unknown dense small-M kernel"):
             unquantized.set_dense_small_m_kernel("cublas")

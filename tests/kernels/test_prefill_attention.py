@@ -343,7 +343,7 @@ class TestContextSplitMetadata:
             assert (fresh or []) == expect
             assert sorted((fresh or []) + (paged or [])) == (list(range(num_seqs)) if fresh else [])
         assert any(fresh and paged for _, (fresh, paged), _ in steps)
-        # The paged default reads no split: the builder leaves it out (no lists, no copies).
+        # The paged mode reads no split: the builder leaves it out (no lists, no copies).
         steps.clear()
         monkeypatch.setattr(pa, "_mode", "paged")
         engine.generate(prompts, params)
@@ -354,20 +354,20 @@ class TestSwitch:
     def test_env_var_parses(self):
         from atom_core.envs import read_envs
 
-        assert read_envs({}).prefill_attention == "paged"
-        assert read_envs({"ATOM_PREFILL_ATTENTION": " Contiguous "}).prefill_attention == "contiguous"
+        assert read_envs({}).prefill_attention == "contiguous"
+        assert read_envs({"ATOM_PREFILL_ATTENTION": " Paged "}).prefill_attention == "paged"
 
     def test_env_var_sets_the_mode_at_import_and_bad_values_fail_clearly(self):
         code = "from atom_core.kernels.triton import prefill_attention as p; print(p.prefill_attention_mode())"
         run = partial(run_with_env, code, "ATOM_PREFILL_ATTENTION")
-        assert run("contiguous").stdout.strip() == "contiguous"
-        assert run("").stdout.strip() == "paged"
+        assert run("paged").stdout.strip() == "paged"
+        assert run("").stdout.strip() == "contiguous"
         bad = run("flash")
         assert bad.returncode != 0
-        assert "invalid ATOM_PREFILL_ATTENTION='flash'; expected one of: paged, contiguous" in bad.stderr
+        assert "invalid ATOM_PREFILL_ATTENTION='flash'; expected one of: contiguous, paged" in bad.stderr
 
     def test_setter_refuses_unknown_modes(self):
-        with pytest.raises(ValueError, match="unknown prefill attention 'flash'; expected one of: paged, contiguous"):
+        with pytest.raises(ValueError, match="unknown prefill attention 'flash'; expected one of: contiguous, paged"):
             pa.set_prefill_attention_mode("flash")
 
 

@@ -230,8 +230,8 @@ def test_interpreter_e4m3_rounding_equals_torch_cast():
 
 class TestDispatch:
     def test_fp8_linear_kernel_choice(self):
-        """scaled_mm stays the default; triton takes M <= 16 when selected, and every shape
-        _scaled_mm refuses on a GPU that runs the Triton GEMM; the reference otherwise."""
+        """triton takes M <= 16 when selected, and every shape _scaled_mm refuses on a GPU that runs
+        the Triton GEMM; the reference otherwise (auto, the default: test_fp8_gemv.py)."""
         pick = fp8_linear_kernel
         assert pick(1, True, True, "scaled_mm") == "scaled_mm"
         assert pick(1, True, True, "triton") == "triton"
@@ -242,7 +242,7 @@ class TestDispatch:
         assert pick(1, False, False, "triton") == "reference"
 
     def test_switch_rejects_unknown_kernels(self):
-        with pytest.raises(ValueError, match="expected one of: scaled_mm, triton"):
+        with pytest.raises(ValueError, match="expected one of: auto, scaled_mm, triton"):
             fp8_ops.set_small_m_kernel("cublas")
 
     def test_env_var_sets_the_switch_at_import_and_bad_values_fail_clearly(self):
@@ -250,7 +250,7 @@ class TestDispatch:
         run = lambda value: subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,  # noqa: E731
                                            env={**_clean_env(), "ATOM_FP8_SMALL_M_KERNEL": value})
         assert run("triton").stdout.strip() == "triton"
-        assert run("").stdout.strip() == "scaled_mm"
+        assert run("").stdout.strip() == "auto"
         bad = run("cutlass")
         assert bad.returncode != 0 and "invalid ATOM_FP8_SMALL_M_KERNEL='cutlass'" in bad.stderr
 
@@ -260,11 +260,12 @@ class TestDispatch:
         x = torch.randn(3, 256, generator=gen)
         assert torch.equal(fp8_block_linear(x, w, s, block), fp8_block_linear_ref(x, w, s, block))
         wc, sc = channel_weight(gen, 64, 256)
+        before = fp8_ops.small_m_kernel()
         fp8_ops.set_small_m_kernel("triton")
         try:
             assert torch.equal(fp8_linear(x, wc, sc), fp8_linear_ref(x, wc, sc))
         finally:
-            fp8_ops.set_small_m_kernel("scaled_mm")
+            fp8_ops.set_small_m_kernel(before)
 
     def test_default_tiles(self):
         from atom_core.kernels.triton.fp8_gemm import default_fp8_gemm_config

@@ -192,6 +192,14 @@ class TestDispatch:
         assert pick(1, False, False, "gemv") == "reference"
         assert pick(1, True, True, "scaled_mm") == "scaled_mm" and pick(1, True, True, "triton") == "triton"
 
+    def test_auto_takes_the_channel_gemv_at_one_token_only(self):
+        pick = fp8_linear_kernel
+        assert pick(1, True, True, "auto") == "gemv"
+        assert pick(2, True, True, "auto") == pick(4, True, True, "auto") == "scaled_mm"  # gate_up lost at M=4
+        assert pick(1, True, True, "auto", static_input=True) == "scaled_mm"
+        assert pick(1, True, False, "auto") == "scaled_mm"
+        assert fp8_block_linear_kernel(1, True, "auto") == "triton"  # the block GEMM won on the large shapes
+
     def test_block_linear_takes_the_gemv_under_the_switch(self):
         pick = fp8_block_linear_kernel
         assert pick(4, True, "gemv") == "gemv"
@@ -202,15 +210,16 @@ class TestDispatch:
     def test_env_var_parses_gemv_and_bad_values_fail_clearly(self):
         assert read_envs({"ATOM_FP8_SMALL_M_KERNEL": " GEMV "}).fp8_small_m_kernel == "gemv"
         with pytest.raises(ValueError, match="invalid ATOM_FP8_SMALL_M_KERNEL='gemm'; expected one of: "
-                                             "scaled_mm, triton, gemv"):
+                                             "auto, scaled_mm, triton, gemv"):
             read_envs({"ATOM_FP8_SMALL_M_KERNEL": "gemm"})
         code = "from atom_core.quant import fp8_ops; print(fp8_ops.small_m_kernel())"
         env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("ATOM_")}
         run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              env={**env, "ATOM_FP8_SMALL_M_KERNEL": "gemv"})
         assert run.stdout.strip() == "gemv", run.stderr
+        before = fp8_ops.small_m_kernel()
         fp8_ops.set_small_m_kernel("gemv")
-        fp8_ops.set_small_m_kernel("scaled_mm")
+        fp8_ops.set_small_m_kernel(before)
 
     def test_custom_ops_stay_on_the_reference_on_cpu(self, monkeypatch):
         monkeypatch.setattr(fp8_ops, "_small_m_kernel", "gemv")
