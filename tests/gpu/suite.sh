@@ -476,8 +476,8 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
   piecewise-serve-2k)  # issue 19: the same serving run, default graphs vs piecewise buckets up to 2048 tokens (so steps with a prompt replay too)
     serve_l8_c64 full-decode-only
     serve_l8_c64 piecewise-2k --cudagraph-mode full_and_piecewise --piecewise-capture-sizes "1,2,4,$(seq -s, 8 8 248),$(seq -s, 256 16 512),$(seq -s, 576 64 2048)" ;;
-  prefill-attn-serve)  # issue 19: the c64 serving run with ATOM_PREFILL_ATTENTION=paged (default) and =contiguous (the server inherits the variable)
-    serve_l8_c64 paged
+  prefill-attn-serve)  # issue 19: the c64 serving run with ATOM_PREFILL_ATTENTION=paged and =contiguous (the default since 2026-11-26; the server inherits the variable)
+    ATOM_PREFILL_ATTENTION=paged serve_l8_c64 paged
     ATOM_PREFILL_ATTENTION=contiguous serve_l8_c64 contiguous ;;
   serve-profile)  # issue 19: where a loaded server's steps go: the c64 run (80 requests) under the torch profiler (/start_profile, /stop_profile by bench serve --profile), then parse-trace's per-phase breakdown (prefill, mixed, decode steps)
     python3 -m atomctl.main --log-level INFO serve "${l8[@]}" --torch-profiler-dir /tmp/serve_traces --port 8011 > /tmp/serve_profile.log 2>&1 &
