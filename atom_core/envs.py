@@ -39,15 +39,16 @@ ENV_VARS: dict[str, str] = {
     "ATOM_EP_DISPATCH": "allgather (default) or alltoall: how data-parallel replicas sharing experts move tokens "
                         "to the experts' ranks (all-gather + reduce-scatter, or all-to-all to the owners only; "
                         "distributed/moe_all_to_all.py)",
-    "ATOM_ALL_REDUCE": "nccl (default), symm or auto: tensor-parallel all-reduces up to 16 MiB on CUDA through "
-                       "PyTorch symmetric memory (one-shot to 256 KiB, two-shot above; distributed/symm_all_reduce.py) instead of NCCL; symm "
-                       "fails at start where it cannot run, auto falls back to NCCL",
+    "ATOM_ALL_REDUCE": "auto (default), nccl or symm: tensor-parallel all-reduces up to 16 MiB on CUDA through "
+                       "PyTorch symmetric memory (one-shot to 256 KiB, two-shot above; distributed/symm_all_reduce.py) "
+                       "instead of NCCL; auto where it can run (ranks on one host), else NCCL; symm fails at start "
+                       "where it cannot run",
 }
 DenseSmallMKernel = Literal["auto", "linear", "gemv"]
 DENSE_SMALL_M_KERNELS: tuple[str, ...] = get_args(DenseSmallMKernel)
 EpDispatch = Literal["allgather", "alltoall"]
 EP_DISPATCHES: tuple[str, ...] = get_args(EpDispatch)
-AllReduceMode = Literal["nccl", "symm", "auto"]
+AllReduceMode = Literal["auto", "nccl", "symm"]
 ALL_REDUCE_MODES: tuple[str, ...] = get_args(AllReduceMode)
 Fp8SmallMKernel = Literal["auto", "scaled_mm", "triton", "gemv"]
 FP8_SMALL_M_KERNELS: tuple[str, ...] = get_args(Fp8SmallMKernel)
@@ -72,7 +73,7 @@ class AtomEnvs:
     moe_decode_path: MoeDecodePath = "gemv"  # read once by kernels/triton/moe_decode when it is imported
     prefill_attention: PrefillAttentionMode = "contiguous"  # read once by kernels/triton/prefill_attention on import
     mtp_graphs: bool = False  # read by the model runner when it captures graphs
-    all_reduce: AllReduceMode = "nccl"  # read by distributed.init_distributed
+    all_reduce: AllReduceMode = "auto"  # read by distributed.init_distributed
     dense_small_m_kernel: DenseSmallMKernel = "auto"  # read once by quant/unquantized when it is imported
     ep_dispatch: EpDispatch = "allgather"  # read once by model_ops/moe when it is imported
 
@@ -89,7 +90,7 @@ def read_envs(environ: Mapping[str, str] | None = None) -> AtomEnvs:
         moe_decode_path=env_choice(env, "ATOM_MOE_DECODE_PATH", MOE_DECODE_PATHS, "gemv"),
         prefill_attention=env_choice(env, "ATOM_PREFILL_ATTENTION", PREFILL_ATTENTION_MODES, "contiguous"),
         mtp_graphs=env_bool(env, "ATOM_MTP_GRAPHS", False),
-        all_reduce=env_choice(env, "ATOM_ALL_REDUCE", ALL_REDUCE_MODES, "nccl"),
+        all_reduce=env_choice(env, "ATOM_ALL_REDUCE", ALL_REDUCE_MODES, "auto"),
         dense_small_m_kernel=env_choice(env, "ATOM_DENSE_SMALL_M_KERNEL", DENSE_SMALL_M_KERNELS, "auto"),
         ep_dispatch=env_choice(env, "ATOM_EP_DISPATCH", EP_DISPATCHES, "allgather"),
     )

@@ -124,7 +124,8 @@ def init_distributed(rank: int, world_size: int, init_method: str, device: torch
     from atom_core.envs import read_envs
 
     _GROUPS["tp"] = _join_world("tp", rank, world_size, init_method, device, timeout_s)
-    symm = make_symmetric_all_reduce(read_envs().all_reduce, _GROUPS["tp"].device_group, device)
+    tp = _GROUPS["tp"]
+    symm = make_symmetric_all_reduce(read_envs().all_reduce, tp.device_group, device, tp.cpu_group)
     if symm is not None:
         _SYMM_ALL_REDUCE["tp"] = symm
     return _GROUPS["tp"]

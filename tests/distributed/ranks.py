@@ -76,6 +76,15 @@ def tp_greedy_jobs(jobs: list[tuple]) -> list:
     return [tp_greedy(*job) for job in jobs]
 
 
+def share_host_check(hosts: list[str] | None) -> bool:
+    """ranks_share_a_host on the TP group's host-side group, this rank naming itself hosts[rank]."""
+    from atom_core.distributed import get_tp_group
+    from atom_core.distributed.symm_all_reduce import ranks_share_a_host
+
+    group = get_tp_group()
+    return ranks_share_a_host(group.cpu_group, None if hosts is None else hosts[group.rank_in_group])
+
+
 def collectives_check() -> dict:
     """Every collective against its definition, on this rank's values."""
     from atom_core.distributed import all_gather, all_reduce, all_to_all, get_tp_group, reduce_scatter

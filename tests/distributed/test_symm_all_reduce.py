@@ -6,13 +6,14 @@ with the larger ones left to NCCL."""
 import pytest
 import torch
 
+from atom_core.distributed import symm_all_reduce
 from atom_core.distributed.symm_all_reduce import MAX_BYTES, make_symmetric_all_reduce
 from atom_core.envs import read_envs
-from tests.distributed.ranks import collectives_check, run_ranks, symm_all_reduce_check
+from tests.distributed.ranks import collectives_check, run_ranks, share_host_check, symm_all_reduce_check
 
 
 def test_option_values_and_default():
-    assert read_envs({}).all_reduce == "nccl"
+    assert read_envs({}).all_reduce == "auto"
     for mode in ("nccl", "symm", "auto"):
         assert read_envs({"ATOM_ALL_REDUCE": mode.upper()}).all_reduce == mode
     with pytest.raises(ValueError, match="ATOM_ALL_REDUCE"):
@@ -24,6 +25,20 @@ def test_symm_on_cpu_ranks_is_a_clear_error_and_auto_or_nccl_use_the_group():
         make_symmetric_all_reduce("symm", None, torch.device("cpu"))
     assert make_symmetric_all_reduce("auto", None, torch.device("cpu")) is None
     assert make_symmetric_all_reduce("nccl", None, torch.device("cuda", 0)) is None
+
+
+def test_ranks_share_a_host_agrees_on_every_rank():
+    assert run_ranks(2, share_host_check, None) == [True, True]  # this machine's name on both
+    assert run_ranks(2, share_host_check, ["node-a", "node-a"]) == [True, True]
+    assert run_ranks(2, share_host_check, ["node-a", "node-b"]) == [False, False]
+
+
+def test_a_group_across_hosts_keeps_nccl_under_auto_and_refuses_symm(monkeypatch):
+    monkeypatch.setattr(symm_all_reduce, "ranks_share_a_host", lambda cpu_group: False)
+    cuda = torch.device("cuda", 0)  # never touched: the host check comes first
+    assert make_symmetric_all_reduce("auto", None, cuda, cpu_group=object()) is None
+    with pytest.raises(ValueError, match="needs every tensor-parallel rank on one host"):
+        make_symmetric_all_reduce("symm", None, cuda, cpu_group=object())
 
 
 def test_auto_on_gloo_ranks_keeps_the_collectives_right(monkeypatch):

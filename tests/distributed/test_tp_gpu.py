@@ -1,4 +1,5 @@
-"""Tensor parallelism on two GPUs (NCCL): TP=2 equals TP=1 in float32, eagerly and with CUDA
+"""Tensor parallelism on two GPUs (NCCL; all-reduces through symmetric memory unless a case says
+ATOM_ALL_REDUCE=nccl): TP=2 equals TP=1 in float32, eagerly and with CUDA
 graphs / torch.compile around the all-reduce; expert parallelism equals the TP=1 MoE; so do two
 data-parallel replicas sharing experts (DP attention + EP experts, lock-step)."""
 import pytest
@@ -35,9 +36,10 @@ def _reference(path) -> list:
     return _REFERENCES[str(path)]
 
 
-def test_tp2_with_symmetric_memory_all_reduce_equals_tp1(tiny_dist_models, monkeypatch):
-    """ATOM_ALL_REDUCE=symm: the decode all-reduces run the two-shot kernel inside the graphs."""
-    monkeypatch.setenv("ATOM_ALL_REDUCE", "symm")  # the spawned workers inherit it
+@pytest.mark.parametrize("mode", ["symm", "nccl"])
+def test_tp2_all_reduce_modes_equal_tp1(tiny_dist_models, monkeypatch, mode):
+    """ATOM_ALL_REDUCE=symm (what the default, auto, picks on one host) and nccl, inside the graphs."""
+    monkeypatch.setenv("ATOM_ALL_REDUCE", mode)  # the spawned workers inherit it
     path = tiny_dist_models("llama")
     assert _tokens(path, tensor_parallel_size=2, level=1) == _reference(path)
 
