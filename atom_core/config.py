@@ -395,17 +395,26 @@ class SpeculativeConfig:
 @dataclass(frozen=True)
 class ProfilerConfig:
     """torch profiler output; mark_trace adds a record_function range per module (and turns
-    compile off, which would drop them)."""
+    compile off, which would drop them). profiler_rank_dir: this engine core's subdirectory of
+    torch_profiler_dir (None: rank_0); the data-parallel engine sets dp{d}_tp0 on each replica,
+    whose traces would otherwise all land in rank_0."""
 
     torch_profiler_dir: str | None = None
     profiler_detailed: bool = False
     mark_trace: bool = False
+    profiler_rank_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        d = self.profiler_rank_dir
+        if d is not None and (not d or d in (".", "..") or "/" in d or "\\" in d):
+            _fail(self, "profiler_rank_dir", "must be one directory name (no path separators)")
 
 
 _PARTS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "compile": CompileConfig,
           "parallel": ParallelConfig, "speculative": SpeculativeConfig, "profiler": ProfilerConfig}
 _NULLABLE = {"max_model_len", "num_kv_blocks", "tokenizer", "torch_profiler_dir", "master_port", "method",
-             "num_speculative_tokens", "ngram_min", "ngram_max", "draft_model", "data_parallel_rank"}
+             "num_speculative_tokens", "ngram_min", "ngram_max", "draft_model", "data_parallel_rank",
+             "profiler_rank_dir"}
 
 
 @dataclass(frozen=True)

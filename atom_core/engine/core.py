@@ -109,7 +109,8 @@ class EngineCore:
     def _make_profiler(self):
         from atom_core.profiling.profiler import TorchProfiler
 
-        return TorchProfiler(self.config.profiler, self.files.path.name)
+        return TorchProfiler(self.config.profiler, self.files.path.name,
+                             rank_dir=self.config.profiler.profiler_rank_dir or "rank_0")
 
     def start_profile(self) -> None:
         """Start the torch profiler; ValueError when no profiler dir is configured."""

@@ -27,8 +27,10 @@ def replica_config(config: EngineConfig, index: int) -> EngineConfig:
     """Replica `index`'s config: its own GPUs; independent replicas are one replica each, with
     their own meeting port; replicas that share experts keep the data-parallel size, learn their
     rank and meet at the one port (config.master_port, which must be set)."""
+    from atom_core.profiling.profiler import rank_dir_name
+
     par = config.parallel
-    options: dict = {}
+    options: dict = {"profiler_rank_dir": rank_dir_name(0, index)}  # each replica's traces in its own dir
     model = config.model
     if model.torch_device.type == "cuda":
         options["device"] = f"cuda:{(model.torch_device.index or 0) + index * par.tensor_parallel_size}"

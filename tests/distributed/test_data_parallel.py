@@ -32,6 +32,30 @@ def test_replicas_get_their_own_gpus_and_ports():
     cfg = EngineConfig.from_kwargs("m", device="cuda", tensor_parallel_size=2, data_parallel_size=2, master_port=7000)
     second = replica_config(cfg, 1)
     assert (second.model.device, second.parallel.master_port, second.parallel.data_parallel_size) == ("cuda:2", 7001, 1)
+    assert [replica_config(cfg, i).profiler.profiler_rank_dir for i in (0, 1)] == ["dp0_tp0", "dp1_tp0"]
+
+
+def test_profiler_rank_dir_is_one_directory_name():
+    assert EngineConfig.from_kwargs("m", profiler_rank_dir="dp1_tp0").profiler.profiler_rank_dir == "dp1_tp0"
+    for bad in ("a/b", "..", ""):
+        with pytest.raises(ValueError, match="profiler_rank_dir.*one directory name"):
+            EngineConfig.from_kwargs("m", profiler_rank_dir=bad)
+
+
+def test_each_replica_profiles_into_its_own_directory(tiny_dist_models, tmp_path):
+    """Both replicas used to write to rank_0 (a trace of one could overwrite the other's)."""
+    traces = tmp_path / "traces"
+    srv = start_server(tiny_dist_models("llama"), tmp_path, "-dp", "2", "--torch-profiler-dir", str(traces))
+    try:
+        assert httpx.post(f"{srv.url}/start_profile", timeout=30).status_code == 200
+        body = {"model": srv.model_name, "prompt": PROMPTS[0], "max_tokens": 4}
+        assert httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60).status_code == 200
+        stopped = httpx.post(f"{srv.url}/stop_profile", timeout=60).json()
+    finally:
+        srv.stop()
+    dirs = sorted(os.path.relpath(os.path.dirname(p), traces) for p in stopped["traces"])
+    assert dirs == ["dp0_tp0", "dp1_tp0"], stopped
+    assert all(os.path.exists(p) for p in stopped["traces"])
 
 
 def test_balancer_spreads_requests_and_a_dead_replica_fails_health(tiny_dist_models, reference):

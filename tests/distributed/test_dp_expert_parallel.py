@@ -178,6 +178,7 @@ def test_replicas_share_one_meeting_port_and_know_their_rank():
     assert (second.model.device, par.master_port, par.data_parallel_size, par.data_parallel_rank) == (
         "cuda:1", 7000, 2, 1)
     assert par.experts_span_replicas and replica_config(config, 0).parallel.data_parallel_rank == 0
+    assert second.profiler.profiler_rank_dir == "dp1_tp0"
 
 
 class TestRefusedAtStart:

@@ -122,7 +122,7 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
   tune-dsv2l)  # issue 14: no tuned fused-MoE table exists for DeepSeek-V2-Lite's expert shape (E=64, N=1408, K=2048; only Qwen3-30B-A3B's and Mixtral's), so its prefill runs default tiles: tune it (the table comes back in $OUT: commit it under kernels/triton/moe_configs/), then the V2-Lite nano run and batch 32 with it
     dsl=(--model preset:DeepSeek-V2-Lite --load-format dummy --max-model-len 4096)
     step tune-moe-dsv2l 400 python3 -m atom_core.kernels.tune_moe --preset DeepSeek-V2-Lite
-    cp atom_core/kernels/triton/moe_configs/E=64,*.json "$OUT/" 2>/dev/null
+    tar czf "$OUT/moe_configs_dsv2l.tgz" atom_core/kernels/triton/moe_configs/E=64,*.json  # the device tool refuses names with = and ,
     step off-dsv2l 150 python3 -m atomctl.main bench offline "${dsl[@]}" --output-json "$OUT/off_dsv2l.json"
     step lat-dsv2l-bs32 100 python3 -m atomctl.main bench latency "${dsl[@]}" --bs 32 --output-json "$OUT/lat_dsv2l_bs32.json" ;;
   micro)  # kernel micro-benchmarks of the new kernels (no engine): FP8 GEMMs, block-FP8 / W4A16 / GEMV MoE, MLA prep and decode, prefill attention
@@ -361,6 +361,18 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
     for d in allgather alltoall; do
       step off-a3b-dpep-$d 200 env ATOM_EP_DISPATCH=$d python3 -m atomctl.main bench offline "${a3b[@]}" -dp 2 --enable-expert-parallel --num-scheduler-steps 1 --output-json "$OUT/off_a3b_dpep_$d.json"
     done ;;
+  dp-ep-profile)  # issue 18: why Qwen3-30B-A3B as two replicas sharing experts ran 1,092 tok/s (all-gather) against TP=2's 6,788 on the same pair (2026-11-26): nano with torch.compile off (level 0) for comparison, then a loaded DP-EP server under the torch profiler (replica 0's trace: kernels, and the gaps between them), its per-kernel breakdown
+    a3b=(--model preset:Qwen3-30B-A3B --load-format dummy --max-model-len 4096)
+    step off-a3b-dpep-level0 200 python3 -m atomctl.main bench offline "${a3b[@]}" -dp 2 --enable-expert-parallel --num-scheduler-steps 1 --level 0 --output-json "$OUT/off_a3b_dpep_level0.json"
+    python3 -m atomctl.main --log-level INFO serve "${a3b[@]}" -dp 2 --enable-expert-parallel --num-scheduler-steps 1 --torch-profiler-dir /tmp/dpep_traces --port 8012 > /tmp/serve_dpep.log 2>&1 &
+    spid=$!
+    for i in $(seq 1 300); do curl -sf http://127.0.0.1:8012/health >/dev/null && break; sleep 1; done
+    step bench-serve-dpep-profile 200 python3 -m atomctl.main bench serve --backend atom --base-url http://127.0.0.1:8012 \
+      --tokenizer preset:Qwen3-30B-A3B --dataset-name random --random-input-len 512 --random-output-len 64 \
+      --ignore-eos --num-prompts 64 --max-concurrency 64 --profile
+    kill $spid; wait $spid; grep -E "replica|expert" /tmp/serve_dpep.log | tail -n 5
+    trace=$(ls -t /tmp/dpep_traces/dp0_tp0/*.json.gz 2>/dev/null | head -1)
+    step parse-trace-dpep 120 python3 -m atomctl.main parse-trace "$trace" --top 25 --out-dir "$OUT" ;;
   tp-70b)  # the rows of tp-bench that had not run (2026-11-26): Llama-3.1-70B TP=2 batch 1, Llama-3-8B DP=2 nano (bench offline -dp 2: two cores behind the serving balancer), Llama-3.1-70B TP=2 nano
     l70=(--model preset:Llama-3.1-70B --load-format dummy --max-model-len 4096 --gpu-memory-utilization 0.97)
     step lat-l70-tp2-bs1 120 python3 -m atomctl.main bench latency "${l70[@]}" -tp 2 --bs 1 --output-json "$OUT/lat_l70_tp2_bs1.json"
