@@ -88,6 +88,11 @@ case $mode in
       "tests/quant/test_fp8_ops.py tests/quant/test_fp8_moe.py" "tests/quant/test_w4a16_moe.py tests/kernels/test_moe_decode.py" \
       "tests/kernels/test_fp8_kv.py tests/kernels/test_fp8_kv_per_token_head.py" "tests/kernels/test_prefill_attention.py" \
       "tests/kernels/test_triton_kernels.py" ;;
+  defaults-tests)  # the engine-level GPU tests (tiny models on CUDA against HF or the CPU) after the 2026-11-26 default flips: 1-token dense and FP8 GEMVs, contiguous prefill attention; symmetric all-reduce under TP is in tp-tests
+    parallel_tests 420 "tests/gpu/test_engine_gpu.py" "tests/gpu/test_piecewise_gpu.py" \
+      "tests/models/test_deepseek.py tests/models/test_gpt_oss.py" "tests/spec_decode/test_mtp.py" \
+      "tests/quant/test_fp8_ops.py tests/quant/test_fp8_gemv.py tests/engine/test_fp8_kv_per_token_head.py" \
+      "tests/quant/test_gptq_awq.py tests/quant/test_int_kernels.py" "tests/kernels/test_dense_gemv.py tests/kernels/test_prefill_attention.py" ;;
   fixes)  # the GPU tests that failed in new-tests on 2026-11-26, after their fixes (IEEE division in the references, test setup)
     parallel_tests 300 "tests/quant/test_fp8_gemm.py" "tests/quant/test_fp8_moe.py tests/quant/test_fp8_ops.py tests/quant/test_int_kernels.py" \
       "tests/kernels/test_fp8_kv.py tests/kernels/test_fp8_kv_per_token_head.py tests/engine/test_fp8_kv_per_token_head.py" \
