@@ -44,7 +44,8 @@ def dense_linear_kernel(num_tokens: int, gemv_ok: bool, kind: str | None = None)
 
 @torch.library.custom_op("atom::dense_linear", mutates_args=())
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if dense_linear_kernel(x.numel() // max(1, x.shape[-1]), _gemv_ok(x) and weight.dtype == x.dtype) == "gemv":
+    gemv_ok = _gemv_ok(x) and weight.dtype == x.dtype and weight.stride(-1) == 1  # the GEMV streams whole rows
+    if dense_linear_kernel(x.numel() // max(1, x.shape[-1]), gemv_ok) == "gemv":
         from atom_core.kernels.triton.dense_gemv import dense_gemv
 
         return dense_gemv(x, weight, bias)

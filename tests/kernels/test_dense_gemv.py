@@ -131,6 +131,17 @@ class TestDispatch:
                              env={**env, "ATOM_DENSE_SMALL_M_KERNEL": "gemv"})
         assert run.stdout.strip() == "gemv", run.stderr
 
+    def test_weights_without_contiguous_rows_take_f_linear(self, monkeypatch):
+        """A weight the GEMV cannot stream (a transposed view) goes to F.linear instead of failing the forward."""
+        calls = []
+        monkeypatch.setattr(unquantized, "_gemv_ok", lambda x: True)  # as on CUDA
+        monkeypatch.setattr(_gemv(), "dense_gemv", lambda *a, **k: calls.append(a) or F.linear(*a))
+        x, weight = torch.randn(1, 16), torch.randn(16, 8).t()
+        assert torch.equal(unquantized.dense_linear(x, weight), F.linear(x, weight))
+        assert not calls
+        unquantized.dense_linear(x, torch.randn(8, 16))  # and a plain one does reach the GEMV
+        assert len(calls) == 1
+
     def test_cpu_linears_stay_f_linear_under_the_switch(self, monkeypatch):
         monkeypatch.setattr(unquantized, "_small_m_kernel", "gemv")
         layer = torch.nn.Module()
