@@ -58,10 +58,16 @@ def _(x, weight, bias=None):
 
 
 def unquantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T (+ b): F.linear, or `atom::dense_linear` on CUDA unless ATOM_DENSE_SMALL_M_KERNEL=linear."""
-    if _small_m_kernel != "linear" and x.is_cuda:
-        return dense_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+    """x W^T (+ b): `atom::dense_linear` (the GEMV) where the token count is small enough on CUDA, else F.linear.
+
+    Larger batches never see the custom op: Inductor plans a plain F.linear, and eager steps skip
+    the op's dispatch. Under torch.compile the test on a symbolic token count becomes a guard, so
+    each side of the threshold gets its own graph (with `auto` the threshold is 1, a size Dynamo
+    specialises anyway)."""
+    if _small_m_kernel == "linear" or not _gemv_ok(x):
+        return F.linear(x, weight, bias)
+    rows = x.numel() // max(1, x.shape[-1])
+    return dense_linear(x, weight, bias) if dense_linear_kernel(rows, True) == "gemv" else F.linear(x, weight, bias)
 
 
 class UnquantizedLinearMethod(QuantMethod):

@@ -174,6 +174,55 @@ class TestDispatch:
         assert seen == [(8, 16)]
 
 
+def _routes(fn, *shapes, dynamic=False):
+    """Whether each call of fn(x, w) on x of these shapes went through atom::dense_linear, as a
+    compiled graph records it (a backend that only reads the traced graph, then runs it)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(any("dense_linear" in str(n.target) for n in gm.graph.nodes if n.op == "call_function"))
+        return gm
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=backend, dynamic=dynamic, fullgraph=True)
+    w = torch.randn(8, 16)
+    for shape in shapes:
+        compiled(torch.randn(*shape), w)
+    return graphs
+
+
+class TestRoutingByTokenCount:
+    """unquantized_linear decides on the token count: larger batches never see the custom op
+    (Inductor plans a plain F.linear); under torch.compile the test becomes a guard on the
+    symbolic count, one graph per side of the threshold."""
+
+    @pytest.fixture(autouse=True)
+    def as_on_cuda(self, monkeypatch):
+        monkeypatch.setattr(unquantized, "_gemv_ok", lambda x: True)
+        monkeypatch.setattr(_gemv(), "dense_gemv", lambda x, w, b=None, **k: F.linear(x, w, b))
+
+    def test_auto(self, monkeypatch):
+        monkeypatch.setattr(unquantized, "_small_m_kernel", "auto")
+        assert _routes(unquantized.unquantized_linear, (1, 16), (3, 16)) == [True, False]
+        assert _routes(unquantized.unquantized_linear, (1, 1, 16)) == [True]  # rows over leading dims
+        assert _routes(unquantized.unquantized_linear, (5, 16), (7, 16), dynamic=True) == [False]  # one symbolic graph
+        assert _routes(unquantized.unquantized_linear, (1, 16), dynamic=True) == [True]  # 1 is specialised
+
+    def test_gemv_and_linear(self, monkeypatch):
+        monkeypatch.setattr(unquantized, "_small_m_kernel", "gemv")
+        assert _routes(unquantized.unquantized_linear, (3, 16), (6, 16)) == [True, False]
+        assert _routes(unquantized.unquantized_linear, (2, 16), (3, 16), (6, 16), (9, 16), dynamic=True) == [True, False]
+        monkeypatch.setattr(unquantized, "_small_m_kernel", "linear")
+        assert _routes(unquantized.unquantized_linear, (1, 16)) == [False]
+
+    def test_results_equal_f_linear_either_way(self, monkeypatch):
+        monkeypatch.setattr(unquantized, "_small_m_kernel", "auto")
+        w, b = torch.randn(8, 16), torch.randn(8)
+        for rows in (1, 3):
+            x = torch.randn(rows, 16)
+            assert torch.equal(unquantized.unquantized_linear(x, w, b), F.linear(x, w, b))
+
+
 @pytest.mark.skipif(not INTERPRET, reason="runs the GEMV under the interpreter (TRITON_INTERPRET=1)")
 def test_the_op_runs_the_gemv_under_the_switch(monkeypatch):
     """With the switch on and the device taken for CUDA (interpreter), <= 4 tokens run the GEMV and
