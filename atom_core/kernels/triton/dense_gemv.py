@@ -18,7 +18,7 @@ loaded 16 bytes a thread (8 bf16: the same register layout as x's), under a unit
 
 Status: GPU tests pass on the H100 (2026-11-26, fourth session). At 1 token it streams the weights
 at 2.1-3.1 TB/s against cuBLAS's 1.7-2.9 (faster on most Llama shapes and the LM head, slower on a
-few: `python -m atom_core.kernels.triton.dense_gemv_bench`) and cut whole decode steps by 4-6%, so
+few: `python -m atom_core.kernels.triton.dense_gemv_bench`) and cut batch-1 steps by 3.8-6.1%, so
 ATOM_DENSE_SMALL_M_KERNEL=auto (the default, quant/unquantized.py) sends 1-token linears here.
 """
 from __future__ import annotations
