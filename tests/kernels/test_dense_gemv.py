@@ -223,6 +223,36 @@ class TestRoutingByTokenCount:
             assert torch.equal(unquantized.unquantized_linear(x, w, b), F.linear(x, w, b))
 
 
+class TestBenchSweep:
+    def test_sweep_tiles_are_valid_distinct_and_include_the_default(self):
+        from atom_core.kernels.triton.dense_gemv_bench import sweep_configs
+        from atom_core.kernels.triton.fp8_gemv import _check_config
+
+        base = _gemv().default_dense_gemv_config(1, 3072, 4096, 2, 132)
+        tiles = sweep_configs(base)
+        assert base in tiles and len(tiles) == len(set(tiles)) > 12
+        for cfg in tiles:
+            _check_config(cfg, None)
+        assert {c.block_k for c in tiles} == {128, 256, 512, 1024} and {c.split_k for c in tiles} >= {1, 2}
+
+    def test_token_counts_outside_the_gemv_are_a_clear_error(self):
+        run = subprocess.run([sys.executable, "-m", "atom_core.kernels.triton.dense_gemv_bench", "--m", "1,8", "--sweep"],
+                             capture_output=True, text=True)
+        assert run.returncode != 0 and "--m takes token counts from 1 to 4" in run.stderr
+
+
+@pytest.mark.skipif(not INTERPRET, reason="runs the GEMV under the interpreter (TRITON_INTERPRET=1)")
+def test_every_sweep_tile_computes_the_product():
+    """The sweep only times tiles; each must still be right (here on a small shape, M = 1 and 3)."""
+    from atom_core.kernels.triton.dense_gemv_bench import sweep_configs
+
+    gemv = _gemv()
+    for m in (1, 3):
+        x, w, b = _inputs(m, 24, 256, torch.float32, "cpu", seed=9, bias=True)
+        for cfg in sweep_configs(gemv.default_dense_gemv_config(m, 24, 256, 4, 8)):
+            assert rel_err(gemv.dense_gemv(x, w, b, config=cfg), gemv.dense_gemv_ref(x, w, b)) < F32_TOL, cfg
+
+
 @pytest.mark.skipif(not INTERPRET, reason="runs the GEMV under the interpreter (TRITON_INTERPRET=1)")
 def test_the_op_runs_the_gemv_under_the_switch(monkeypatch):
     """With the switch on and the device taken for CUDA (interpreter), <= 4 tokens run the GEMV and

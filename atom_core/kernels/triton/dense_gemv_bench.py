@@ -3,15 +3,19 @@ dense_gemv.py, at M = 1, 2, 4 tokens on Llama-3-8B and Llama-3.1-70B projection 
 and per rank at TP=2. CUDA-graph medians in us and the weight stream's TB/s (bf16 weights; x and
 the output are noise at these M), against the bytes floor at --floor-tbs.
 
-  python -m atom_core.kernels.triton.dense_gemv_bench [--m 1,2,4] [--floor-tbs 3.0]
+  python -m atom_core.kernels.triton.dense_gemv_bench [--m 1,2,4] [--floor-tbs 3.0] [--sweep]
 
 Weight values do not affect speed. Each timed call runs over enough weight copies (>= 160 MB
 together) that they cannot stay in the 50-60 MB L2 between replays; times are per copy.
-Not run on a GPU yet (written without one).
+`--sweep` times the GEMV's tiles around the default (BLOCK_K x weights a thread a step x split-K)
+per shape instead of the table: the default tiles came from the FP8 GEMV (1-byte weights) and
+were not swept on bf16; at 1 token the TP=2 qkv and o shapes ran at 1.3-1.4x their floor
+(docs/PERFORMANCE.md 2026-11-26, fourth session). The sweep has not run on a GPU yet.
 """
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 import torch
 
@@ -37,6 +41,45 @@ def shapes(tp: int) -> list[tuple[str, str, int, int]]:
     return out
 
 
+def sweep_configs(base):
+    """Tiles around `base` (a default_dense_gemv_config): BLOCK_K 128-1024 x 8-32 bf16 weights a
+    thread a step (16-64 bytes) x split-K {1, base, 2 x base}; duplicates dropped, order kept."""
+    out = []
+    for bk in (128, 256, 512, 1024):
+        for per_thread in (8, 16, 32):
+            bn = max(1, per_thread * 32 * base.num_warps // bk)
+            for split in (1, base.split_k, 2 * base.split_k):
+                cfg = replace(base, block_n=bn, block_k=bk, split_k=split)
+                if cfg not in out:
+                    out.append(cfg)
+    return out
+
+
+def _sweep(ms: list[int], floor_tbs: float) -> None:
+    from atom_core.kernels.bench_kernels import bench_ms
+    from atom_core.kernels.triton.common import sm_count
+    from atom_core.kernels.triton.dense_gemv import default_dense_gemv_config, dense_gemv, dense_gemv_ref
+
+    print(f"{'model':>14} {'proj':>8} {'tp':>3} {'M':>2} {'BK':>5} {'BN':>4} {'split':>5} {'us':>8} {'floor':>7} default")
+    print("(a tile whose result is off the float32 reference by more than bf16 rounding prints WRONG)")
+    for tp in (1, 2):
+        for model, name, n, k in shapes(tp):
+            copies = -(-COPIES_BYTES // (n * k * 2))
+            ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+            floor = n * k * 2 / (floor_tbs * 1e12) * 1e6
+            for m in ms:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                base = default_dense_gemv_config(m, n, k, 2, sm_count(x.device))
+                want = dense_gemv_ref(x, ws[0]).float()
+                for cfg in sweep_configs(base):
+                    got = dense_gemv(x, ws[0], config=cfg).float()
+                    wrong = ((got - want).norm() / want.norm()).item() > 1e-2
+                    us = bench_ms(lambda: [dense_gemv(x, w, config=cfg) for w in ws]) * 1000 / copies
+                    print(f"{model:>14} {name:>8} {tp:>3} {m:>2} {cfg.block_k:>5} {cfg.block_n:>4} {cfg.split_k:>5} "
+                          f"{us:>8.1f} {floor:>7.1f} {'*' if cfg == base else ''}{' WRONG' if wrong else ''}", flush=True)
+            del ws
+
+
 def main() -> None:
     from atom_core.kernels.bench_kernels import bench_ms
     from atom_core.kernels.triton.dense_gemv import dense_gemv
@@ -44,10 +87,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--m", default="1,2,4", help="tokens (rows of x), each <= 4")
     ap.add_argument("--floor-tbs", type=float, default=3.0, help="HBM read rate of the floor (H100 ~3.0, H200 ~4.8)")
+    ap.add_argument("--sweep", action="store_true", help="time the GEMV's tiles per shape instead of the table")
     args = ap.parse_args()
+    ms = [int(v) for v in args.m.split(",")]
+    if any(not 1 <= m <= 4 for m in ms):
+        raise SystemExit(f"--m takes token counts from 1 to 4 (the GEMV's rows), got {args.m}")
     if not torch.cuda.is_available():
         raise SystemExit("dense_gemv_bench needs a CUDA GPU")
-    ms = [int(v) for v in args.m.split(",")]
+    if args.sweep:
+        return _sweep(ms, args.floor_tbs)
     print(f"{torch.cuda.get_device_name()}: bf16 linears, median us per call in a CUDA graph; TB/s of the weights")
     print(f"{'model':>14} {'proj':>8} {'tp':>3} {'N':>7} {'K':>6} {'M':>2} {'linear':>8} {'gemv':>8} "
           f"{'lin TB/s':>8} {'gemv TB/s':>9} {'floor':>7}")
