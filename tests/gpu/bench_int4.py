@@ -4,7 +4,10 @@ shapes, timed in CUDA graphs (launch gaps excluded), each checked against its to
     python tests/gpu/bench_int4.py [--out FILE.json]
 
 Prints one row per (shape, M): microseconds of bf16 / W4A16 / W8A8 and, for W4A16, the weight
-bytes read per microsecond (GB/s; the H100's HBM reads ~3.0 TB/s).
+bytes read per microsecond (GB/s; the H100's HBM reads ~3.0 TB/s). `w4 split` is the W4A16 GEMV
+(M <= 8) with K split by `w4a16.gemv_split_k` (`sp`: the splits; the default path runs 1).
+Each timed call runs over enough weight copies (>= 160 MB together) that they cannot stay in the
+50-60 MB L2 between replays (the int4 qkv, o and down weights alone would); times are per copy.
 """
 from __future__ import annotations
 
@@ -15,12 +18,14 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
+from atom_core.kernels.triton.common import sm_count
 from atom_core.kernels.triton.int8 import int8_w8a8_gemm
-from atom_core.kernels.triton.w4a16 import w4a16_gemm
+from atom_core.kernels.triton.w4a16 import GEMV_MAX_M, gemv_split_k, gemv_split_step, w4a16_gemm
 from atom_core.quant.int_ops import int8_w8a8_gemm_ref, w4a16_gemm_ref
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 GROUP = 128
+COPIES_BYTES = 160 << 20
 
 
 def main() -> None:
@@ -30,27 +35,37 @@ def main() -> None:
     args = parser.parse_args()
     dev, rows = "cuda", []
     for name, (n, k) in SHAPES.items():
-        qweight = torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, device=dev)
-        scales = (torch.rand(n, k // GROUP, device=dev) * 0.01).to(torch.bfloat16)
-        w_bf16 = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
-        w_i8 = torch.randint(-128, 128, (n, k), dtype=torch.int8, device=dev)
+        copies = -(-COPIES_BYTES // (n * k // 2))  # by the int4 bytes: the bf16 and int8 copies exceed the L2 too
+        qweights = [torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, device=dev) for _ in range(copies)]
+        scales = [(torch.rand(n, k // GROUP, device=dev) * 0.01).to(torch.bfloat16) for _ in range(copies)]
+        w_bf16 = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        w_i8 = [torch.randint(-128, 128, (n, k), dtype=torch.int8, device=dev) for _ in range(copies)]
         w_i8_scale = torch.rand(n, 1, device=dev) * 0.01
+        split = gemv_split_k(n, k, gemv_split_step(torch.device(dev)), sm_count(torch.device(dev)))
+        per_copy = lambda fn: do_bench_cudagraph(lambda: [fn(i) for i in range(copies)]) * 1e3 / copies  # noqa: E731
         for m in map(int, args.m.split(",")):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            err4 = _rel(w4a16_gemm(x, qweight, scales, None, GROUP), w4a16_gemm_ref(x, qweight, scales, None, GROUP))
-            err8 = _rel(int8_w8a8_gemm(x, w_i8, w_i8_scale), int8_w8a8_gemm_ref(x, w_i8, w_i8_scale))
-            t_bf16 = do_bench_cudagraph(lambda: F.linear(x, w_bf16)) * 1e3
-            t_w4 = do_bench_cudagraph(lambda: w4a16_gemm(x, qweight, scales, None, GROUP)) * 1e3
-            t_w8 = do_bench_cudagraph(lambda: int8_w8a8_gemm(x, w_i8, w_i8_scale)) * 1e3
-            w4_bytes = n * k // 2 + scales.numel() * 2
-            rows.append(dict(shape=name, n=n, k=k, m=m, bf16_us=t_bf16, w4a16_us=t_w4, w8a8_us=t_w8,
-                             w4a16_gbps=w4_bytes / t_w4 / 1e3, bf16_gbps=n * k * 2 / t_bf16 / 1e3,
-                             w4a16_rel_err=err4, w8a8_rel_err=err8))
-    print(f"{'shape':8} {'M':>5} {'bf16 us':>8} {'w4a16 us':>9} {'w8a8 us':>8} {'w4 GB/s':>8} {'bf16 GB/s':>9} "
-          f"{'w4 err':>8} {'w8 err':>8}")
+            ref4 = w4a16_gemm_ref(x, qweights[0], scales[0], None, GROUP)
+            err4 = _rel(w4a16_gemm(x, qweights[0], scales[0], None, GROUP), ref4)
+            err4s = _rel(w4a16_gemm(x, qweights[0], scales[0], None, GROUP, gemv_split=split), ref4)
+            err8 = _rel(int8_w8a8_gemm(x, w_i8[0], w_i8_scale), int8_w8a8_gemm_ref(x, w_i8[0], w_i8_scale))
+            t_bf16 = per_copy(lambda i: F.linear(x, w_bf16[i]))
+            t_w4 = per_copy(lambda i: w4a16_gemm(x, qweights[i], scales[i], None, GROUP))
+            t_w4s = (per_copy(lambda i: w4a16_gemm(x, qweights[i], scales[i], None, GROUP, gemv_split=split))
+                     if m <= GEMV_MAX_M and split > 1 else t_w4)
+            t_w8 = per_copy(lambda i: int8_w8a8_gemm(x, w_i8[i], w_i8_scale))
+            w4_bytes = n * k // 2 + scales[0].numel() * 2
+            rows.append(dict(shape=name, n=n, k=k, m=m, bf16_us=t_bf16, w4a16_us=t_w4, w4a16_split_us=t_w4s,
+                             split=split if m <= GEMV_MAX_M else 1, w8a8_us=t_w8,
+                             w4a16_gbps=w4_bytes / t_w4 / 1e3, w4a16_split_gbps=w4_bytes / t_w4s / 1e3,
+                             bf16_gbps=n * k * 2 / t_bf16 / 1e3, w4a16_rel_err=max(err4, err4s), w8a8_rel_err=err8))
+        del qweights, scales, w_bf16, w_i8
+    print(f"{'shape':8} {'M':>5} {'bf16 us':>8} {'w4a16 us':>9} {'w4 split':>9} {'sp':>3} {'w8a8 us':>8} {'w4 GB/s':>8} "
+          f"{'split GB/s':>10} {'bf16 GB/s':>9} {'w4 err':>8} {'w8 err':>8}")
     for r in rows:
-        print(f"{r['shape']:8} {r['m']:5d} {r['bf16_us']:8.1f} {r['w4a16_us']:9.1f} {r['w8a8_us']:8.1f} "
-              f"{r['w4a16_gbps']:8.0f} {r['bf16_gbps']:9.0f} {r['w4a16_rel_err']:8.1e} {r['w8a8_rel_err']:8.1e}")
+        print(f"{r['shape']:8} {r['m']:5d} {r['bf16_us']:8.1f} {r['w4a16_us']:9.1f} {r['w4a16_split_us']:9.1f} "
+              f"{r['split']:3d} {r['w8a8_us']:8.1f} {r['w4a16_gbps']:8.0f} {r['w4a16_split_gbps']:10.0f} "
+              f"{r['bf16_gbps']:9.0f} {r['w4a16_rel_err']:8.1e} {r['w8a8_rel_err']:8.1e}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -113,6 +113,24 @@ class TestTritonKernels:
         out = w4a16_gemm(to(x), to(qweight), to(scales), to(zeros), group, to(bias))
         assert rel_err(out.cpu(), ref) < TOL[dtype]
 
+    @pytest.mark.parametrize("gemv_split", [2, 3, 8])
+    @pytest.mark.parametrize("m, n, k, group, asym", [
+        (1, 40, 512, 128, True), (3, 24, 192, 64, False), (2, 16, 1088, 64, True),  # K = 17 interpreter steps
+        (1, 16, 96, 96, True),  # per channel: one scale for the whole row, split or not
+    ])
+    def test_w4a16_gemv_split_k_matches_reference(self, device, m, n, k, group, asym, gemv_split):
+        """The GEMV over K splits (float32 partials, then the split sum adds the bias) equals the
+        reference; splits beyond the K steps run as many as there are."""
+        from atom_core.kernels.triton.w4a16 import w4a16_gemm
+
+        u, zeros, scales, qweight = _int4_case(n, k, group, asym, torch.float32, seed=gemv_split)
+        x = torch.randn(m, k)
+        bias = torch.randn(n) if asym else None
+        ref = w4a16_gemm_ref(x, qweight, scales, zeros, group, bias)
+        to = lambda t: None if t is None else t.to(device)  # noqa: E731
+        out = w4a16_gemm(to(x), to(qweight), to(scales), to(zeros), group, to(bias), gemv_split=gemv_split)
+        assert rel_err(out.cpu(), ref) < TOL[torch.float32]
+
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     @pytest.mark.parametrize("m, n, k", [(1, 24, 64), (5, 40, 100), (20, 16, 48)])
     def test_int8_matches_reference(self, device, dtype, m, n, k):
@@ -164,8 +182,28 @@ def test_kernels_compile_for_hopper():
           "N": "i32", "K": "i32", "stride_xm": "i32", "stride_qn": "i32", "stride_sn": "i32", "stride_zn": "i32",
           "stride_ym": "i32"}
     for factored in (True, False):
-        ptx(k4._w4a16_gemv_kernel, w4, {"GROUP": 128, "HAS_ZERO": True, "HAS_BIAS": False, "BLOCK_N": 8,
-                                        "BLOCK_K": 512, "FACTORED": factored})
+        for partial in (False, True):  # split-K writes float32 partials
+            gemv = {**w4, "y_ptr": "*fp32" if partial else "*bf16", "k_split": "i32", "stride_ys": "i32"}
+            ptx(k4._w4a16_gemv_kernel, gemv, {"GROUP": 128, "HAS_ZERO": True, "HAS_BIAS": False, "PARTIAL": partial,
+                                              "BLOCK_N": 8, "BLOCK_K": 512, "FACTORED": factored})
     ptx(k4._w4a16_mm_kernel, {**w4, "M": "i32"},
         {"GROUP": 128, "HAS_ZERO": False, "HAS_BIAS": True, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64,
          "DOT_PRECISION": None, "DOT_IN_FP32": False}, num_warps=4, num_stages=3)
+
+
+class TestGemvSplitRule:
+    def test_splits_keep_bytes_in_flight_and_runs_whole(self):
+        from atom_core.kernels.triton.w4a16 import gemv_split_k
+
+        assert gemv_split_k(4096, 4096, 512, 132) == 2  # 1 MB a step, under the 1.6 MB 132 SMs want
+        assert gemv_split_k(4096, 14336, 512, 132) == 2
+        assert gemv_split_k(28672, 4096, 512, 132) == 1  # gate_up: enough rows
+        assert gemv_split_k(512, 8192, 512, 132) == 8  # narrow: capped
+        assert gemv_split_k(512, 1024, 512, 132) == 2  # no more splits than K steps
+
+    def test_a_split_below_one_is_a_clear_error(self):
+        from atom_core.kernels.triton.w4a16 import w4a16_gemm
+
+        u, zeros, scales, qweight = _int4_case(16, 64, 32, False, torch.float32)
+        with pytest.raises(ValueError, match="gemv_split must be >= 1"):
+            w4a16_gemm(torch.randn(1, 64), qweight, scales, None, 32, gemv_split=0)

@@ -36,7 +36,8 @@ MAGIC = tl.constexpr(0x4B000000)  # float32 bits of 2**23: (u | MAGIC) reinterpr
 
 @triton.jit
 def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_qn, stride_sn, stride_zn,
-                       stride_ym, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       stride_ym, k_split, stride_ys, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FACTORED: tl.constexpr):
     # A K step covers NG whole groups of SUB columns (SUB = min(GROUP, BLOCK_K)), so scales and
     # zeros load once per group as [BLOCK_N, NG] and broadcast over the group's columns.
@@ -46,8 +47,12 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, K, stride_x
     # byte, not the bytes, is what limits a 4-bit GEMV).
     SUB: tl.constexpr = GROUP if GROUP < BLOCK_K else BLOCK_K
     NG: tl.constexpr = BLOCK_K // SUB
+    # Split-K (grid axis 2): program s walks K columns [s * k_split, (s + 1) * k_split), k_split a
+    # multiple of every BLOCK_K, and with PARTIAL stores float32 partials (fp8_gemm.sum_splits adds
+    # them and the bias) instead of the output.
     pid_n = tl.program_id(0)
     m = tl.program_id(1)
+    k_start = tl.program_id(2) * k_split
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_w = tl.arange(0, BLOCK_K // 8)
@@ -58,7 +63,7 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, K, stride_x
         acc = tl.zeros([BLOCK_N, NG], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_N, NG, SUB], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, tl.minimum(K, k_start + k_split), BLOCK_K):
         words = tl.load(qw_ptr + offs_n[:, None] * stride_qn + (k0 // 8 + offs_w)[None, :],
                         mask=mask_n[:, None] & ((k0 + offs_w * 8) < K)[None, :], other=0)
         nib = (words[:, :, None] >> shifts[None, None, :]) & 0xF  # [BLOCK_N, BLOCK_K/8, 8]
@@ -83,9 +88,12 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, K, stride_x
         out = tl.sum(acc, axis=1)
     else:
         out = tl.sum(tl.sum(acc, axis=2), axis=1)
-    if HAS_BIAS:
-        out += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    tl.store(y_ptr + m * stride_ym + offs_n, out.to(y_ptr.dtype.element_ty), mask=mask_n)
+    if PARTIAL:
+        tl.store(y_ptr + tl.program_id(2) * stride_ys + m * stride_ym + offs_n, out, mask=mask_n)
+    else:
+        if HAS_BIAS:
+            out += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        tl.store(y_ptr + m * stride_ym + offs_n, out.to(y_ptr.dtype.element_ty), mask=mask_n)
 
 
 _w4a16_gemv_tuned = triton.autotune(configs=_GEMV_CONFIGS, key=["N", "K", "GROUP"])(_w4a16_gemv_kernel)
@@ -143,9 +151,32 @@ def _mm_config(m: int, group: int) -> tuple[int, int, int, int, int]:
     return 128, 128, min(group, 64), 8, 3
 
 
+GEMV_MAX_SPLIT = 8
+IN_FLIGHT_BYTES_PER_SM = 12 * 1024  # as the FP8 GEMV (fp8_gemv.py): split K while the grid's one K step reads less
+
+
+def gemv_split_step(device: torch.device) -> int:
+    """K columns a split's run is a multiple of: the largest BLOCK_K the GEMV runs with here."""
+    if device.type != "cuda":
+        return _GEMV_INTERPRET["BLOCK_K"]
+    return max(c.kwargs["BLOCK_K"] for c in _GEMV_CONFIGS)
+
+
+def gemv_split_k(n: int, k: int, step: int, num_sms: int) -> int:
+    """Splits of K that keep ~IN_FLIGHT_BYTES_PER_SM of int4 weights in flight per SM (the FP8
+    GEMV's rule): N = 4096 rows read 1 MB per 512-column step, under the 1.6 MB an H100's 132
+    SMs want, so K splits in 2; gate_up's 28,672 rows do not split. Runs of whole steps, none empty."""
+    steps = triton.cdiv(k, step)
+    split = max(1, min(GEMV_MAX_SPLIT, steps, triton.cdiv(IN_FLIGHT_BYTES_PER_SM * num_sms, n * step // 2)))
+    return triton.cdiv(steps, triton.cdiv(steps, split))
+
+
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-               group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y [*, N] = x [*, K] @ W^T (+ bias); see quant.int_ops.w4a16_gemm_ref."""
+               group_size: int, bias: torch.Tensor | None = None, gemv_split: int = 1) -> torch.Tensor:
+    """y [*, N] = x [*, K] @ W^T (+ bias); see quant.int_ops.w4a16_gemm_ref.
+
+    gemv_split: K splits of the GEMV path (M <= GEMV_MAX_M; `gemv_split_k` suggests one). 1, the
+    default, until the split is measured on a GPU (tests/gpu/bench_int4.py times both)."""
     check_float("x", x)
     check_dim("qweight", qweight, 2)
     check_same_device(x=x, qweight=qweight, scales=scales)
@@ -177,12 +208,26 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     # One group (per channel): any power of two >= K indexes group 0 for every column.
     consts = dict(GROUP=next_pow2(k) if one_group else group_size, HAS_ZERO=zeros is not None, HAS_BIAS=bias is not None)
     if m <= GEMV_MAX_M:
+        if gemv_split < 1:
+            raise ValueError(f"gemv_split must be >= 1, got {gemv_split}")
+        step = gemv_split_step(x.device)
+        steps = triton.cdiv(k, step)
+        per_split = triton.cdiv(steps, min(gemv_split, steps)) * step
+        split = triton.cdiv(k, per_split)
+        target = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+        args = (x2, qweight, scales, z, b, target, n, k, x2.stride(0), qweight.stride(0), scales.stride(0), z.stride(0),
+                target.stride(-2), per_split, target.stride(0) if split > 1 else 0)
+        consts["PARTIAL"] = split > 1
         if x.device.type == "cuda":
-            grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), m)  # noqa: E731
+            grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), m, split)  # noqa: E731
             _w4a16_gemv_tuned[grid](*args, **consts)
         else:  # Triton's interpreter: one fixed tile
-            grid = (triton.cdiv(n, _GEMV_INTERPRET["BLOCK_N"]), m)
+            grid = (triton.cdiv(n, _GEMV_INTERPRET["BLOCK_N"]), m, split)
             _w4a16_gemv_kernel[grid](*args, **consts, **_GEMV_INTERPRET)
+        if split > 1:
+            from atom_core.kernels.triton.fp8_gemm import sum_splits
+
+            sum_splits(target, bias, y)
     else:
         bm, bn, bk, warps, stages = _mm_config(m, consts["GROUP"])
         if x.device.type != "cuda":
