@@ -14,7 +14,7 @@ tokens (default 1 and 32), CUDA-graph medians in us, against the bytes-read floo
 
 `--sweep` times a few small-M tiles (BLOCK_N x split-K x stages) per shape for both Triton kinds;
 `--sweep-gemv` the GEMV's (BLOCK_K x weights a thread x split-K) at M <= 4.
-Weight values do not affect speed (random e4m3). Not run on a GPU yet (written without one):
+Weight values do not affect speed (random e4m3). Results: docs/PERFORMANCE.md (H100, 2026-11-26).
 `python -m atom_core.kernels.triton.fp8_bench [--shapes llama-3-8b,deepseek-v3] [--m 1,32] [--sweep | --sweep-gemv]`.
 """
 from __future__ import annotations

@@ -39,9 +39,12 @@ Levers if the benchmark shows M = 1 far from the floor: tiles (fp8_bench --sweep
 split's second launch (a last-arriving-split sum would save it); at M = 4 the instruction issue
 (~10 a weight) and x's L1 traffic (2 bytes per weight and row) may bind before DRAM does.
 
-Status: written without a GPU; checked under the Triton interpreter and by offline sm_90 compiles
-(tests/quant/test_fp8_gemv.py). NOT yet run on a GPU, so fp8_ops dispatches here only under
-ATOM_FP8_SMALL_M_KERNEL=gemv; `kernels/triton/fp8_bench.py` times it (the gemv columns, --sweep-gemv).
+Status: GPU tests pass on the H100 (2026-11-26, fourth session). Per channel at 1 token it runs at
+1.04-1.32x the bytes floor on Llama-3-8B's shapes (`_scaled_mm` with its activation quantizer:
+1.3-3.0x), so fp8_ops
+dispatches 1-token per-channel linears here by default (ATOM_FP8_SMALL_M_KERNEL=auto; Llama-3-8B
+fp8 batch-1 TPOT 5.71 -> 4.27 ms); block FP8 only under `gemv` (the block GEMM won on large
+shapes). `kernels/triton/fp8_bench.py` times it (the gemv columns, --sweep-gemv).
 """
 from __future__ import annotations
 
@@ -174,8 +177,9 @@ def _pow2_divisor(n: int, cap: int) -> int:
 
 def default_fp8_gemv_config(m: int, n: int, k: int, x_bytes: int, group: int | None, num_sms: int,
                             w_bytes: int = 1) -> Fp8GemvConfig:
-    """Untuned (written without a GPU; offline sm_90 compiles: 94-142 registers, no spills, one
-    load a row and group for block scales): 16 bytes of x a thread load (VEC columns), BLOCK_K 512
+    """Chosen from offline sm_90 compiles (94-142 registers, no spills, one load a row and group
+    for block scales); the H100 sweep (PERFORMANCE.md 2026-11-26) found no tile better on every
+    shape: 16 bytes of x a thread load (VEC columns), BLOCK_K 512
     (256 for float32 x), 32 weights a thread a step at M <= 2 and 16 at M 3-4 (the accumulators
     grow with M), 4 warps; split-K per IN_FLIGHT_BYTES_PER_SM (w_bytes: a weight's size, 2 for
     the bf16 GEMV of dense_gemv.py)."""
