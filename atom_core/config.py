@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Literal, get_args
 
 import torch
 
+from atom_core.envs import read_envs
+
 if TYPE_CHECKING:
     from atom_core.loader.model_dir import ModelFiles
 
@@ -447,9 +449,12 @@ class EngineConfig:
 
     @property
     def use_cuda_graphs(self) -> bool:
-        # Replicas sharing experts run eagerly: their decode graphs would have to replay at one
-        # padded size agreed every step (the MoE all-gather's shape); not built.
-        return self.compile.use_cuda_graphs(self.torch_device) and not self.parallel.experts_span_replicas
+        # Replicas sharing experts replay decode graphs only under ATOM_DP_EP_GRAPHS=1 (not yet
+        # run on a GPU): at one padded size agreed every step (engine/lockstep.py), the MoE
+        # all-gather's shape; otherwise they run eagerly.
+        if self.parallel.experts_span_replicas and not read_envs().dp_ep_graphs:
+            return False
+        return self.compile.use_cuda_graphs(self.torch_device)
 
     @property
     def use_compile(self) -> bool:
@@ -479,15 +484,31 @@ class EngineConfig:
         options = {k: v for k, v in options.items() if v is not None or k in _NULLABLE}
         parts = _split_options({"model": os.fspath(model), **options})
         config = cls(**{name: _PARTS[name](**values) for name, values in parts.items()})
-        if config.parallel.experts_span_replicas:  # asked-for graphs would silently not happen (use_cuda_graphs)
-            asked = [f"--{k.replace('_', '-')}={options[k]}"
-                     for k in ("level", "cudagraph_capture_sizes", "cudagraph_mode", "piecewise_capture_sizes")
-                     if k in options and (k != "level" or options[k] in (1, 3))]
-            if asked:
-                raise ValueError(f"{' '.join(asked)}: data-parallel replicas sharing experts (enable_expert_parallel) "
-                                 f"run without CUDA graphs (their decode would replay one padded size agreed every "
-                                 f"step; not built); use --level 2 (torch.compile) or 0")
+        if config.parallel.experts_span_replicas:
+            _check_replica_graphs(config, options)
         return config
+
+
+def _check_replica_graphs(config: "EngineConfig", options: dict) -> None:
+    """Replicas sharing experts replay only full decode graphs, and only under ATOM_DP_EP_GRAPHS=1:
+    graphs asked for otherwise would silently not happen (use_cuda_graphs), so they fail here."""
+    envs = read_envs()
+    piecewise = [k for k in ("piecewise_capture_sizes",) if k in options]
+    if options.get("cudagraph_mode", "full_decode_only") != "full_decode_only":
+        piecewise.append("cudagraph_mode")
+    graphs = [k for k in ("level", "cudagraph_capture_sizes", "cudagraph_mode")
+              if k in options and k not in piecewise and (k != "level" or options[k] in (1, 3))]
+    flags = lambda keys: " ".join(f"--{k.replace('_', '-')}={options[k]}" for k in keys)  # noqa: E731
+    if piecewise:
+        raise ValueError(f"{flags(piecewise)}: data-parallel replicas sharing experts (enable_expert_parallel) replay "
+                         "full decode graphs only (mixed steps run eagerly); drop the option")
+    if graphs and not envs.dp_ep_graphs:
+        raise ValueError(f"{flags(graphs)}: data-parallel replicas sharing experts (enable_expert_parallel) run without "
+                         "CUDA graphs unless ATOM_DP_EP_GRAPHS=1 (decode replayed at one padded size agreed every "
+                         "step; not yet measured on a GPU); use --level 2 (torch.compile) or 0, or set it")
+    if envs.dp_ep_graphs and config.use_cuda_graphs and envs.ep_dispatch != "allgather":
+        raise ValueError("ATOM_DP_EP_GRAPHS=1 needs ATOM_EP_DISPATCH=allgather: the all-to-all exchange sizes its "
+                         "messages on the host every layer, which a CUDA graph cannot replay")
 
 
 def _split_options(options: dict) -> dict[str, dict]:

@@ -36,6 +36,9 @@ ENV_VARS: dict[str, str] = {
     "ATOM_DENSE_SMALL_M_KERNEL": "auto (default), linear or gemv: unquantized linears on CUDA run F.linear (cuBLAS) "
                                  "or the Triton GEMV of kernels/triton/dense_gemv.py; auto = the GEMV at 1 token (faster "
                                  "on the H100, docs/PERFORMANCE.md 2026-11-26, fourth session), gemv = at <= 4 tokens",
+    "ATOM_DP_EP_GRAPHS": "0/1 (default 0 until run on a GPU): data-parallel replicas sharing experts replay decode "
+                         "steps in CUDA graphs at one padded size they agree on each step (engine/lockstep.py) "
+                         "instead of running eagerly; needs ATOM_EP_DISPATCH=allgather",
     "ATOM_EP_DISPATCH": "allgather (default) or alltoall: how data-parallel replicas sharing experts move tokens "
                         "to the experts' ranks (all-gather + reduce-scatter, or all-to-all to the owners only; "
                         "distributed/moe_all_to_all.py)",
@@ -76,6 +79,7 @@ class AtomEnvs:
     all_reduce: AllReduceMode = "auto"  # read by distributed.init_distributed
     dense_small_m_kernel: DenseSmallMKernel = "auto"  # read once by quant/unquantized when it is imported
     ep_dispatch: EpDispatch = "allgather"  # read once by model_ops/moe when it is imported
+    dp_ep_graphs: bool = False  # read by EngineConfig (use_cuda_graphs) for replicas sharing experts
 
 
 def read_envs(environ: Mapping[str, str] | None = None) -> AtomEnvs:
@@ -93,6 +97,7 @@ def read_envs(environ: Mapping[str, str] | None = None) -> AtomEnvs:
         all_reduce=env_choice(env, "ATOM_ALL_REDUCE", ALL_REDUCE_MODES, "auto"),
         dense_small_m_kernel=env_choice(env, "ATOM_DENSE_SMALL_M_KERNEL", DENSE_SMALL_M_KERNELS, "auto"),
         ep_dispatch=env_choice(env, "ATOM_EP_DISPATCH", EP_DISPATCHES, "allgather"),
+        dp_ep_graphs=env_bool(env, "ATOM_DP_EP_GRAPHS", False),
     )
 
 

@@ -97,17 +97,26 @@ def all_to_all(x: torch.Tensor, group: GroupCoordinator | None = None) -> torch.
 # almost every token needs both (all 8 on one rank: ~2 * 0.5**8 < 1%), so the volumes match and the
 # all-gather needs no per-peer counts (a device-to-host sync, or a second exchange, per layer).
 _AGREED_COUNTS: list[tuple[int, ...] | None] = [None]
+_AGREED_GRAPH_SIZE: list[int | None] = [None]
 
 
 @contextmanager
-def agreed_token_counts(counts: Sequence[int]):
+def agreed_token_counts(counts: Sequence[int], graph_size: int | None = None):
     """Within: how many tokens each replica's forward holds (replica order), as the engine cores
-    agreed before the step (engine/lockstep.py), so MoE layers need not ask each other."""
-    previous, _AGREED_COUNTS[0] = _AGREED_COUNTS[0], tuple(int(c) for c in counts)
+    agreed before the step (engine/lockstep.py), so MoE layers need not ask each other.
+    graph_size: the decode graph every replica replays this step, padded to it (counts are then
+    all graph_size); None: the replicas run eagerly."""
+    previous = _AGREED_COUNTS[0], _AGREED_GRAPH_SIZE[0]
+    _AGREED_COUNTS[0], _AGREED_GRAPH_SIZE[0] = tuple(int(c) for c in counts), graph_size
     try:
         yield
     finally:
-        _AGREED_COUNTS[0] = previous
+        _AGREED_COUNTS[0], _AGREED_GRAPH_SIZE[0] = previous
+
+
+def agreed_graph_size() -> int | None:
+    """The decode graph size the replicas agreed on for the forward running now (None: eager)."""
+    return _AGREED_GRAPH_SIZE[0]
 
 
 def replica_token_counts(num_tokens: int, group: GroupCoordinator) -> tuple[int, ...]:

@@ -11,9 +11,14 @@ layers read the agreed counts to size their all-gather. If none has tokens no fo
 the core loop (engine/async_engine.py: _lockstep_core_loop) waits briefly for requests before the
 next agreement.
 
+CUDA graphs (ATOM_DP_EP_GRAPHS=1; otherwise config.py refuses or turns them off): the agreement
+also carries whether each replica's step could replay a decode graph (decode only, within the
+largest captured size, or no tokens). When all could, every replica replays the graph of the
+smallest captured size holding the largest batch (an idle one with padding rows only), so the
+MoE all-gathers inside the graphs meet at the size they were captured with; else all run eagerly.
+
 One rank per replica: no tensor parallelism inside, no multi-step windows or speculative
-decoding (they change the number of forwards per step), no CUDA graphs (config.py refuses or
-turns them off).
+decoding (they change the number of forwards per step).
 """
 from __future__ import annotations
 
@@ -26,8 +31,18 @@ import torch.distributed as dist
 from atom_core.config import EngineConfig
 from atom_core.distributed import agreed_token_counts, destroy_distributed, init_replica_experts
 from atom_core.engine.core import EngineCore
+from atom_core.worker.cuda_graph import padded_batch_size
 
 logger = logging.getLogger(__name__)
+
+
+def lockstep_graph_size(counts: list[int], graphable: list[bool], sizes: tuple[int, ...]) -> int | None:
+    """The decode graph every replica replays this step, or None (all run eagerly): each replica's
+    step must be graphable (decode only within the captured sizes, or no tokens), one must have
+    tokens, and `sizes` (sorted) must hold the largest batch."""
+    if not sizes or not all(graphable) or not any(counts):
+        return None
+    return padded_batch_size(sizes, max(counts))
 
 
 class ReplicaLostError(RuntimeError):
@@ -67,8 +82,8 @@ class LockstepEngineCore(EngineCore):
                                           f"tcp://{par.master_addr}:{par.master_port}", self.model.device)
         if par.data_parallel_rank == 0:
             logger.info("data parallel attention over %d replicas, experts split over them (expert parallel); "
-                        "lock-step with dummy forwards when idle; decode runs eagerly (no CUDA graphs)",
-                        par.data_parallel_size)
+                        "lock-step with dummy forwards when idle; decode %s", par.data_parallel_size,
+                        "in CUDA graphs at an agreed size" if self.config.use_cuda_graphs else "eagerly (no CUDA graphs)")
         try:
             return super()._make_executor()
         except BaseException:
@@ -77,6 +92,9 @@ class LockstepEngineCore(EngineCore):
 
     def shutdown(self) -> None:
         super().shutdown()
+        runner = getattr(self.executor, "runner", None)
+        if runner is not None:  # a live graph that captured NCCL kernels blocks the group's teardown
+            runner.release_graphs()
         destroy_distributed()
 
     def step(self):
@@ -95,22 +113,28 @@ class LockstepEngineCore(EngineCore):
 
     def _launch_next(self, previous):
         out = self.scheduler.schedule()
-        counts = self._agree(out.total_tokens)
+        graphs = getattr(self.executor.runner, "graphs", None)
+        graphable = not out.req_ids or (graphs is not None and out.is_decode_only and out.total_tokens == len(out)
+                                        and graphs.can_run(len(out)))
+        counts, all_graphable = self._agree(out.total_tokens, graphable)
         if self.stopped or self.all_idle:
             return None
-        counts = [c or 1 for c in counts]  # a replica without tokens brings one padding token
-        with agreed_token_counts(counts):
+        size = lockstep_graph_size(counts, all_graphable, graphs.sizes if graphs is not None else ())
+        # Every replica pads to the agreed graph; eagerly, a replica without tokens brings one padding token.
+        counts = [size] * len(counts) if size is not None else [c or 1 for c in counts]
+        with agreed_token_counts(counts, graph_size=size):
             if not out.req_ids:
                 self.executor.runner.run_dummy_forward()
                 return None
             return self._launch(out, previous)
 
-    def _agree(self, num_tokens: int) -> list[int]:
-        """Every replica's token count for this step (replica order); sets `stopped` and `all_idle`."""
-        mine = torch.tensor([num_tokens, int(self.stop_requested)], dtype=torch.int64)
-        gathered = [torch.empty(2, dtype=torch.int64) for _ in range(self.group.world_size)]
+    def _agree(self, num_tokens: int, graphable: bool = False) -> tuple[list[int], list[bool]]:
+        """Every replica's token count for this step and whether it could replay a decode graph
+        (replica order); sets `stopped` and `all_idle`."""
+        mine = torch.tensor([num_tokens, int(self.stop_requested), int(graphable)], dtype=torch.int64)
+        gathered = [torch.empty(3, dtype=torch.int64) for _ in range(self.group.world_size)]
         dist.all_gather(gathered, mine, group=self.group.cpu_group)
         counts = [int(g[0]) for g in gathered]
         self.stopped = any(int(g[1]) for g in gathered)
         self.all_idle = not any(counts)
-        return counts
+        return counts, [bool(g[2]) for g in gathered]

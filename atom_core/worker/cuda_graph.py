@@ -15,7 +15,8 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from typing import TYPE_CHECKING, Callable
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Callable, ContextManager
 
 import torch
 
@@ -43,8 +44,12 @@ class CUDAGraphRunner:
     """
 
     def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], sizes: tuple[int, ...],
-                 max_model_len: int, block_size: int, device: torch.device, profiler=None, query_len: int = 1):
+                 max_model_len: int, block_size: int, device: torch.device, profiler=None, query_len: int = 1,
+                 capture_context: Callable[[int], ContextManager] | None = None):
+        """capture_context(tokens): entered around each size's warm-up and capture (data-parallel
+        replicas sharing experts: the token counts their MoE collectives are captured with)."""
         self.forward = forward
+        self.capture_context = capture_context or (lambda tokens: nullcontext())
         self.profiler = profiler
         self.max_model_len = max_model_len
         self.query_len = q = query_len
@@ -88,7 +93,7 @@ class CUDAGraphRunner:
         for bs in reversed(self.sizes):  # largest first: later graphs reuse its pool memory
             meta = self._metadata(bs)
             tokens = bs * self.query_len
-            with set_attention_metadata(meta):
+            with set_attention_metadata(meta), self.capture_context(tokens):
                 model(self.input_ids[:tokens], self.positions[:tokens])  # warm-up (compiles, autotunes)
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
@@ -109,12 +114,15 @@ class CUDAGraphRunner:
         logger.info("captured %d CUDA graphs (bs %d..%d, %d tokens each) in %.1f s", len(self.sizes), self.sizes[0],
                     self.max_bs, self.query_len, self.capture_seconds)
 
-    def replay(self, flat: "FlatBatch", inputs_only: bool = False) -> torch.Tensor:
-        """inputs_only: keep the block tables and padding of the previous replay (same batch)."""
+    def replay(self, flat: "FlatBatch", inputs_only: bool = False, size: int | None = None) -> torch.Tensor:
+        """inputs_only: keep the block tables and padding of the previous replay (same batch).
+        size: replay this captured size (>= the batch; replicas sharing experts agree on one),
+        not the smallest that fits."""
         q = self.query_len
         tokens = flat.num_tokens
         bs = tokens // q
-        padded = self.padded_size(bs)
+        padded = size if size is not None else self.padded_size(bs)
+        assert padded in self.graphs and padded >= bs, f"no captured graph of {padded} for a batch of {bs}"
         meta = flat.attn
         self.input_ids[:tokens].copy_(flat.input_ids, non_blocking=True)
         self.positions[:tokens].copy_(flat.positions, non_blocking=True)
@@ -133,3 +141,12 @@ class CUDAGraphRunner:
                 self.seq_lens[bs:padded].fill_(q)
         self.graphs[padded].replay()
         return self.outputs[padded][:tokens]
+
+    def replay_padding(self, size: int) -> None:
+        """Replay the graph of `size` with padding rows only (slot -1: nothing stored; the output
+        is not read): an idle replica joins the MoE collectives of a step the others replay."""
+        q = self.query_len
+        self.seq_order[:size].copy_(self.row_ids[:size], non_blocking=True)
+        self.slot_mapping[: size * q].fill_(-1)
+        self.seq_lens[:size].fill_(q)
+        self.graphs[size].replay()

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from atom_core.config import EngineConfig, ResolvedModel, kv_cache_format
-from atom_core.distributed.communication import all_reduce_min_host
+from atom_core.distributed.communication import agreed_graph_size, agreed_token_counts, all_reduce_min_host
 from atom_core.kernels import kernel_ops
 from atom_core.loader import build_model
 from atom_core.model_ops.forward_context import AttentionMetadata, set_attention_metadata
@@ -112,6 +112,7 @@ class ModelRunner:
         self.profiler = profiler
         self.input_batch = InputBatch()
         self.graphs = None
+        self.spans_replicas = config.parallel.experts_span_replicas  # graphs replay at the size the replicas agree on
         self.verify_graphs = None  # speculative decoding: graphs of 1 + k tokens per request
         self.piecewise = None  # cudagraph_mode piecewise / full_and_piecewise: graphs split at attention
         self.compile_seconds = 0.0
@@ -132,14 +133,17 @@ class ModelRunner:
         if config.use_cuda_graphs and mode != "piecewise":
             from atom_core.worker.cuda_graph import CUDAGraphRunner
 
+            replicas = config.parallel.data_parallel_size
+            # Replicas sharing experts capture each size together, their MoE all-gathers sized for it.
+            context = (lambda tokens: agreed_token_counts([tokens] * replicas)) if self.spans_replicas else None
             self.graphs = CUDAGraphRunner(self.model, config.capture_sizes, self.max_model_len, self.block_size,
-                                          self.device, profiler)
+                                          self.device, profiler, capture_context=context)
             self.graphs.capture_all()
             if self.proposer is not None:
                 self._capture_verify_graphs(CUDAGraphRunner)
                 if hasattr(self.proposer, "capture_graphs") and read_envs().mtp_graphs:  # MTP's own forwards
                     self.proposer.capture_graphs(config.capture_sizes, self.graphs.pool)
-        if config.use_cuda_graphs and mode != "full_decode_only":
+        if config.use_cuda_graphs and mode != "full_decode_only" and not self.spans_replicas:
             from atom_core.worker.piecewise import CudaGraphKit
 
             self.capture_piecewise(CudaGraphKit(self.device, self.graphs.pool if self.graphs is not None else None))
@@ -455,7 +459,12 @@ class ModelRunner:
     def run_dummy_forward(self) -> None:
         """One padding token through the model, its KV written nowhere (slot -1) and its output
         dropped: an idle data-parallel replica joins the MoE collectives of a step the other
-        replicas run (engine/lockstep.py)."""
+        replicas run (engine/lockstep.py). When they agreed to replay a decode graph, this replica
+        replays it too, with padding rows only."""
+        size = agreed_graph_size()
+        if size is not None and self.graphs is not None:
+            self.graphs.replay_padding(size)
+            return
         one = torch.ones(1, dtype=torch.int32, device=self.device)
         attn = AttentionMetadata(query_start_loc=torch.arange(2, dtype=torch.int32, device=self.device),
                                  seq_lens=one, block_tables=torch.zeros(1, 1, dtype=torch.int32, device=self.device),
@@ -469,14 +478,18 @@ class ModelRunner:
         """The captured size a decode batch would replay with, or None when it runs eagerly."""
         if self.graphs is None or not out.is_decode_only or not self.graphs.can_run(len(out)):
             return None
-        return self.graphs.padded_size(len(out))
+        return agreed_graph_size() if self.spans_replicas else self.graphs.padded_size(len(out))
 
     def _forward(self, flat: FlatBatch, out: SchedulerOutput, inputs_only: bool = False) -> torch.Tensor:
         """inputs_only: the block tables are those of the last replay (later steps of a window)."""
         if flat.verify_query_len:
             return self.verify_graphs.replay(flat)
         if self.graphs is not None and out.is_decode_only and self.graphs.can_run(len(out)):
-            return self.graphs.replay(flat, inputs_only)
+            if not self.spans_replicas:
+                return self.graphs.replay(flat, inputs_only)
+            size = agreed_graph_size()  # None: another replica's step runs eagerly, so this one does too
+            if size is not None:
+                return self.graphs.replay(flat, inputs_only, size=size)
         if self.piecewise is not None and self.piecewise.can_run(flat.num_tokens):
             return self.piecewise.replay(flat)
         with set_attention_metadata(flat.attn):

@@ -192,3 +192,70 @@ def symm_all_reduce_check(shapes: list[tuple[int, int]], max_bytes: int) -> dict
             if used != (nbytes <= max_bytes and nbytes % 4 == 0):  # (1, 8193) bf16: an odd size goes to NCCL
                 errors.append(f"{shape} {dtype}: symmetric path used={used}")
     return {"has_symm": symm is not None, "errors": errors}
+
+
+def lockstep_decode(path: str, prompts_by_rank: list, max_tokens_by_rank: list[int], graphs: bool,
+                    steps: int = 30) -> dict:
+    """One lock-step replica (this rank of a replica_experts world) running its own prompts greedily
+    for a fixed number of steps (every replica the same number, as the core loop does). graphs:
+    decode 'replays' CUDAGraphRunner's graphs with eager stand-ins run under the counts lock-step
+    agreed (the capture is GPU-only; padding to the agreed size, idle replicas' padding replays and
+    the MoE all-gathers at that size run for real). Returns the tokens per prompt and the paths taken."""
+    from atom_core import SamplingParams
+    from atom_core.config import EngineConfig
+    from atom_core.distributed import get_ep_group
+    from atom_core.engine import lockstep
+    from atom_core.model_ops.forward_context import set_attention_metadata
+    from atom_core.worker.cuda_graph import CUDAGraphRunner
+
+    calls = {"replay": [], "padding": [], "eager_dummy": 0}
+
+    class EagerGraph:
+        def __init__(self, runner, bs):
+            self.runner, self.bs = runner, bs
+
+        def replay(self):  # under the step's agreed counts: a wrong agreement fails the MoE's check
+            r, tokens = self.runner, self.bs
+            with set_attention_metadata(r._metadata(self.bs)):
+                r.outputs[self.bs] = r.forward(r.input_ids[:tokens], r.positions[:tokens])
+
+    def capture_eagerly(runner):
+        runner.graphs = {bs: EagerGraph(runner, bs) for bs in runner.sizes}
+
+    group = get_ep_group()
+    real_replay, real_padding = CUDAGraphRunner.replay, CUDAGraphRunner.replay_padding
+    if graphs:
+        EngineConfig.use_cuda_graphs = property(lambda self: True)  # this spawned process only
+        CUDAGraphRunner.capture_all = capture_eagerly
+        CUDAGraphRunner.replay = lambda self, flat, inputs_only=False, size=None: (
+            calls["replay"].append((flat.num_tokens, size)) or real_replay(self, flat, inputs_only, size))
+        CUDAGraphRunner.replay_padding = lambda self, size: calls["padding"].append(size) or real_padding(self, size)
+    lockstep.init_replica_experts = lambda *args, **kwargs: group  # this world is already joined
+    lockstep.destroy_distributed = lambda: None  # the rank harness leaves it
+    config = EngineConfig.from_kwargs(path, device="cpu", dtype="float32", num_kv_blocks=64, data_parallel_size=2,
+                                      enable_expert_parallel=True, num_scheduler_steps=1, max_num_seqs=4,
+                                      data_parallel_rank=group.rank_in_group, master_port=1,
+                                      cudagraph_capture_sizes=(1, 2, 4) if graphs else None)
+    core = lockstep.LockstepEngineCore(config)
+    runner = core.executor.runner
+    real_dummy = runner.run_dummy_forward
+
+    def dummy():
+        from atom_core.distributed import agreed_graph_size
+
+        calls["eager_dummy"] += agreed_graph_size() is None
+        real_dummy()
+
+    runner.run_dummy_forward = dummy
+    prompts = prompts_by_rank[group.rank_in_group]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens_by_rank[group.rank_in_group], ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        core.add_request(f"r{i}", prompt, params)
+    tokens = {f"r{i}": [] for i in range(len(prompts))}
+    for _ in range(steps):
+        for o in core.step():
+            tokens[o.request_id] += o.new_token_ids
+    captured = runner.graphs is not None
+    core.shutdown()
+    assert runner.graphs is None  # released before the group's teardown
+    return {"tokens": [tokens[f"r{i}"] for i in range(len(prompts))], "graphs": captured, **calls}

@@ -18,7 +18,7 @@ from atom_core import LLMEngine, SamplingParams
 from atom_core.config import EngineConfig
 from tests.distributed.dead_engine import assert_engine_dead
 from tests.distributed.engines import ThreadedEngine
-from tests.distributed.ranks import replica_checks, run_ranks
+from tests.distributed.ranks import lockstep_decode, replica_checks, run_ranks
 from tests.models.harness import hf_greedy
 from tests.server.conftest import start_server
 
@@ -246,3 +246,54 @@ def test_served_then_a_dead_replica_fails_fast(moe_path, tmp_path):
         assert "a collective with the replicas that share its experts failed; another replica has died" in srv.log()
     finally:
         srv.stop()
+
+
+class TestDecodeGraphs:
+    """ATOM_DP_EP_GRAPHS=1: replicas replay decode graphs at one size agreed each step."""
+
+    def test_graph_size_rule(self):
+        from atom_core.engine.lockstep import lockstep_graph_size
+
+        sizes = (1, 2, 4, 8)
+        assert lockstep_graph_size([3, 1], [True, True], sizes) == 4  # the largest batch, padded
+        assert lockstep_graph_size([0, 2], [True, True], sizes) == 2  # an idle replica replays padding
+        assert lockstep_graph_size([3, 1], [True, False], sizes) is None  # one prefills: all eager
+        assert lockstep_graph_size([0, 0], [True, True], sizes) is None
+        assert lockstep_graph_size([9, 1], [True, True], sizes) is None  # past the largest graph
+        assert lockstep_graph_size([3, 1], [True, True], ()) is None  # no graphs captured
+
+    def test_options(self, monkeypatch):
+        cuda = dict(device="cuda", **DP_EP)
+        assert not EngineConfig.from_kwargs("m", **cuda).use_cuda_graphs
+        monkeypatch.setenv("ATOM_DP_EP_GRAPHS", "1")
+        assert EngineConfig.from_kwargs("m", **cuda).use_cuda_graphs
+        assert EngineConfig.from_kwargs("m", level=1, cudagraph_capture_sizes=[1, 2], **cuda).use_cuda_graphs
+        with pytest.raises(ValueError, match="replay full decode graphs only"):
+            EngineConfig.from_kwargs("m", cudagraph_mode="full_and_piecewise", **cuda)
+        monkeypatch.setenv("ATOM_EP_DISPATCH", "alltoall")
+        with pytest.raises(ValueError, match="ATOM_DP_EP_GRAPHS=1 needs ATOM_EP_DISPATCH=allgather"):
+            EngineConfig.from_kwargs("m", **cuda)
+        monkeypatch.delenv("ATOM_DP_EP_GRAPHS")
+        with pytest.raises(ValueError, match="unless ATOM_DP_EP_GRAPHS=1"):
+            EngineConfig.from_kwargs("m", level=3, **cuda)
+
+    def test_replicas_replaying_at_the_agreed_size_equal_eager_and_hf(self, moe_path, hf_tokens, monkeypatch):
+        """Replica 0 decodes 3 requests (graph of 4: one padding row), replica 1 one request that
+        ends early (then it replays padding only while replica 0 goes on): tokens equal the eager
+        lock-step run's and HF's."""
+        prompts = [PROMPTS[:3], PROMPTS[3:]]
+        max_tokens = [MAX_TOKENS, 3]
+        eager = run_ranks(2, lockstep_decode, str(moe_path), prompts, max_tokens, False, replica_experts=True,
+                          timeout=CALL_TIMEOUT_S)
+        monkeypatch.setenv("ATOM_DP_EP_GRAPHS", "1")  # the spawned ranks inherit it
+        graphs = run_ranks(2, lockstep_decode, str(moe_path), prompts, max_tokens, True, replica_experts=True,
+                           timeout=CALL_TIMEOUT_S)
+        for rank in (0, 1):
+            want = [hf_tokens[tuple(p)][: max_tokens[rank]] for p in prompts[rank]]
+            assert eager[rank]["tokens"] == want and graphs[rank]["tokens"] == want, rank
+            assert not eager[rank]["graphs"] and graphs[rank]["graphs"]
+        replays0, replays1 = graphs[0]["replay"], graphs[1]["replay"]
+        assert (3, 4) in replays0 and all(size is not None for _, size in replays0 + replays1)
+        assert (1, 4) in replays1  # replica 1's one request padded to replica 0's size
+        assert graphs[1]["padding"] and set(graphs[1]["padding"]) <= {2, 4}  # idle: padding rows only
+        assert graphs[0]["eager_dummy"] == graphs[1]["eager_dummy"] == 0

@@ -58,13 +58,20 @@ def test_tp2_equals_tp1_in_fp32(tiny_dist_models, arch, extra, compile_options):
     assert _tokens(path, tensor_parallel_size=2, **extra, **compile_options) == _reference(path)
 
 
-# Replicas sharing experts run without CUDA graphs (config refuses level 3): compiled is level 2.
-@pytest.mark.parametrize("compile_options", [{"enforce_eager": True}, {"level": 2}], ids=["eager", "compiled"])
-def test_dp2_sharing_experts_equals_one_gpu_in_fp32(tiny_dist_models, compile_options):
+# Replicas sharing experts run without CUDA graphs unless ATOM_DP_EP_GRAPHS=1 (config refuses
+# level 1/3 otherwise): compiled is level 2; the graphs cases replay decode at an agreed size.
+@pytest.mark.parametrize("compile_options, dp_ep_graphs", [
+    ({"enforce_eager": True}, False), ({"level": 2}, False), ({"level": 1}, True), ({"level": 3}, True),
+], ids=["eager", "compiled", "graphs", "compiled-graphs"])
+def test_dp2_sharing_experts_equals_one_gpu_in_fp32(tiny_dist_models, compile_options, dp_ep_graphs, monkeypatch):
     """Requests spread over the two replicas (uneven token counts per step, an idle replica's
-    dummy forwards at the end), MoE tokens moved over NCCL; compiled: the MoE op stays opaque."""
+    dummy forwards at the end), MoE tokens moved over NCCL; compiled: the MoE op stays opaque;
+    graphs: both replicas replay one padded size per decode step (an idle one, padding only)."""
     from atom_core.config import EngineConfig
     from tests.distributed.engines import ThreadedEngine
+
+    if dp_ep_graphs:
+        monkeypatch.setenv("ATOM_DP_EP_GRAPHS", "1")  # the replicas' processes inherit it
 
     path = tiny_dist_models("qwen3_moe")
     reference = _reference(path)

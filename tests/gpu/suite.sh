@@ -380,6 +380,10 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
     kill $spid; wait $spid; grep -E "replica|expert" /tmp/serve_dpep.log | tail -n 5
     trace=$(ls -t /tmp/dpep_traces/dp0_tp0/*.json.gz 2>/dev/null | head -1)
     step parse-trace-dpep 120 python3 -m atomctl.main parse-trace "$trace" --top 25 --out-dir "$OUT" ;;
+  dp-ep-graphs)  # issue 18: ATOM_DP_EP_GRAPHS=1 (engine/lockstep.py; written without a GPU): the DP-EP GPU parity cases (eager, compiled, graphs, compiled + graphs), then Qwen3-30B-A3B DP=2 + EP nano with decode graphs at the agreed size (1,092 tok/s eager on 2026-11-26; TP=2 6,788)
+    a3b=(--model preset:Qwen3-30B-A3B --load-format dummy --max-model-len 4096)
+    step dpep-gpu-tests 300 python3 -m pytest -v --tb=short -m gpu tests/distributed/test_tp_gpu.py -k dp2 -p no:cacheprovider
+    step off-a3b-dpep-graphs 200 env ATOM_DP_EP_GRAPHS=1 python3 -m atomctl.main bench offline "${a3b[@]}" -dp 2 --enable-expert-parallel --num-scheduler-steps 1 --output-json "$OUT/off_a3b_dpep_graphs.json" ;;
   tp-70b)  # the rows of tp-bench that had not run (2026-11-26): Llama-3.1-70B TP=2 batch 1, Llama-3-8B DP=2 nano (bench offline -dp 2: two cores behind the serving balancer), Llama-3.1-70B TP=2 nano
     l70=(--model preset:Llama-3.1-70B --load-format dummy --max-model-len 4096 --gpu-memory-utilization 0.97)
     step lat-l70-tp2-bs1 120 python3 -m atomctl.main bench latency "${l70[@]}" -tp 2 --bs 1 --output-json "$OUT/lat_l70_tp2_bs1.json"
