@@ -44,7 +44,7 @@ class TestConfig:
         assert cfg.piecewise_sizes == (64,)
 
     def test_replicas_sharing_experts_refuse_the_mode(self):
-        with pytest.raises(ValueError, match="--cudagraph-mode=piecewise.*without CUDA graphs"):
+        with pytest.raises(ValueError, match="--cudagraph-mode=piecewise: .*replay full decode graphs only"):
             EngineConfig.from_kwargs("m", data_parallel_size=2, enable_expert_parallel=True, num_scheduler_steps=1,
                                      cudagraph_mode="piecewise")
 
