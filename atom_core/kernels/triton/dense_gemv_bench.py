@@ -41,6 +41,16 @@ def shapes(tp: int) -> list[tuple[str, str, int, int]]:
     return out
 
 
+def weight_copies(floor_tbs: float):
+    """Per shape at TP=1 then 2: (model, proj, tp, N, K, bf16 weight copies past the L2, the floor in us)."""
+    for tp in (1, 2):
+        for model, name, n, k in shapes(tp):
+            copies = -(-COPIES_BYTES // (n * k * 2))
+            ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+            yield model, name, tp, n, k, ws, n * k * 2 / (floor_tbs * 1e12) * 1e6
+            del ws
+
+
 def sweep_configs(base):
     """Tiles around `base` (a default_dense_gemv_config): BLOCK_K 128-1024 x 8-32 bf16 weights a
     thread a step (16-64 bytes) x split-K {1, base, 2 x base}; duplicates dropped, order kept."""
@@ -62,22 +72,17 @@ def _sweep(ms: list[int], floor_tbs: float) -> None:
 
     print(f"{'model':>14} {'proj':>8} {'tp':>3} {'M':>2} {'BK':>5} {'BN':>4} {'split':>5} {'us':>8} {'floor':>7} default")
     print("(a tile whose result is off the float32 reference by more than bf16 rounding prints WRONG)")
-    for tp in (1, 2):
-        for model, name, n, k in shapes(tp):
-            copies = -(-COPIES_BYTES // (n * k * 2))
-            ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
-            floor = n * k * 2 / (floor_tbs * 1e12) * 1e6
-            for m in ms:
-                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                base = default_dense_gemv_config(m, n, k, 2, sm_count(x.device))
-                want = dense_gemv_ref(x, ws[0]).float()
-                for cfg in sweep_configs(base):
-                    got = dense_gemv(x, ws[0], config=cfg).float()
-                    wrong = ((got - want).norm() / want.norm()).item() > 1e-2
-                    us = bench_ms(lambda: [dense_gemv(x, w, config=cfg) for w in ws]) * 1000 / copies
-                    print(f"{model:>14} {name:>8} {tp:>3} {m:>2} {cfg.block_k:>5} {cfg.block_n:>4} {cfg.split_k:>5} "
-                          f"{us:>8.1f} {floor:>7.1f} {'*' if cfg == base else ''}{' WRONG' if wrong else ''}", flush=True)
-            del ws
+    for model, name, tp, n, k, ws, floor in weight_copies(floor_tbs):
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            base = default_dense_gemv_config(m, n, k, 2, sm_count(x.device))
+            want = dense_gemv_ref(x, ws[0]).float()
+            for cfg in sweep_configs(base):
+                got = dense_gemv(x, ws[0], config=cfg).float()
+                wrong = ((got - want).norm() / want.norm()).item() > 1e-2
+                us = bench_ms(lambda: [dense_gemv(x, w, config=cfg) for w in ws]) * 1000 / len(ws)
+                print(f"{model:>14} {name:>8} {tp:>3} {m:>2} {cfg.block_k:>5} {cfg.block_n:>4} {cfg.split_k:>5} "
+                      f"{us:>8.1f} {floor:>7.1f} {'*' if cfg == base else ''}{' WRONG' if wrong else ''}", flush=True)
 
 
 def main() -> None:
@@ -99,19 +104,14 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: bf16 linears, median us per call in a CUDA graph; TB/s of the weights")
     print(f"{'model':>14} {'proj':>8} {'tp':>3} {'N':>7} {'K':>6} {'M':>2} {'linear':>8} {'gemv':>8} "
           f"{'lin TB/s':>8} {'gemv TB/s':>9} {'floor':>7}")
-    for tp in (1, 2):
-        for model, name, n, k in shapes(tp):
-            copies = -(-COPIES_BYTES // (n * k * 2))
-            ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
-            floor = n * k * 2 / (args.floor_tbs * 1e12) * 1e6
-            for m in ms:
-                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                t_lin = bench_ms(lambda: [torch.nn.functional.linear(x, w) for w in ws]) * 1000 / copies
-                t_gemv = bench_ms(lambda: [dense_gemv(x, w) for w in ws]) * 1000 / copies
-                tbs = lambda us: n * k * 2 / (us * 1e-6) / 1e12  # noqa: E731
-                print(f"{model:>14} {name:>8} {tp:>3} {n:>7} {k:>6} {m:>2} {t_lin:>8.1f} {t_gemv:>8.1f} "
-                      f"{tbs(t_lin):>8.2f} {tbs(t_gemv):>9.2f} {floor:>7.1f}")
-            del ws
+    for model, name, tp, n, k, ws, floor in weight_copies(args.floor_tbs):
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            t_lin = bench_ms(lambda: [torch.nn.functional.linear(x, w) for w in ws]) * 1000 / len(ws)
+            t_gemv = bench_ms(lambda: [dense_gemv(x, w) for w in ws]) * 1000 / len(ws)
+            tbs = lambda us: n * k * 2 / (us * 1e-6) / 1e12  # noqa: E731
+            print(f"{model:>14} {name:>8} {tp:>3} {n:>7} {k:>6} {m:>2} {t_lin:>8.1f} {t_gemv:>8.1f} "
+                  f"{tbs(t_lin):>8.2f} {tbs(t_gemv):>9.2f} {floor:>7.1f}")
 
 
 if __name__ == "__main__":

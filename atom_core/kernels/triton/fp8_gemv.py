@@ -41,10 +41,9 @@ split's second launch (a last-arriving-split sum would save it); at M = 4 the in
 
 Status: GPU tests pass on the H100 (2026-11-26, fourth session). Per channel at 1 token it runs at
 1.04-1.32x the bytes floor on Llama-3-8B's shapes (`_scaled_mm` with its activation quantizer:
-1.3-3.0x), so fp8_ops
-dispatches 1-token per-channel linears here by default (ATOM_FP8_SMALL_M_KERNEL=auto; Llama-3-8B
-fp8 batch-1 TPOT 5.71 -> 4.27 ms); block FP8 only under `gemv` (the block GEMM won on large
-shapes). `kernels/triton/fp8_bench.py` times it (the gemv columns, --sweep-gemv).
+1.3-3.0x), so fp8_ops dispatches 1-token per-channel linears here by default
+(ATOM_FP8_SMALL_M_KERNEL=auto; Llama-3-8B fp8 batch-1 TPOT 5.71 -> 4.27 ms); block FP8 only under
+`gemv` (the block GEMM won on large shapes). `kernels/triton/fp8_bench.py` times it (the gemv columns, --sweep-gemv).
 """
 from __future__ import annotations
 
@@ -189,10 +188,15 @@ def default_fp8_gemv_config(m: int, n: int, k: int, x_bytes: int, group: int | N
     per_thread = 32 if m <= 2 else 16
     warps = 4
     bn = max(1, per_thread * 32 * warps // bk)
-    steps = triton.cdiv(k, bk)
-    split = max(1, min(MAX_SPLIT_K, steps, triton.cdiv(IN_FLIGHT_BYTES_PER_SM * num_sms, n * bk * w_bytes)))
-    split = triton.cdiv(steps, triton.cdiv(steps, split))  # runs of whole steps, none empty (the last may be short)
-    return Fp8GemvConfig(bn, bk, warps, split)
+    return Fp8GemvConfig(bn, bk, warps, split_for_bytes_in_flight(triton.cdiv(k, bk), n * bk * w_bytes, num_sms))
+
+
+def split_for_bytes_in_flight(steps: int, step_bytes: int, num_sms: int) -> int:
+    """K splits of a weight-streaming GEMV whose whole grid reads `step_bytes` per K step: enough
+    that IN_FLIGHT_BYTES_PER_SM per SM are in flight, at most MAX_SPLIT_K and the steps, as runs of
+    whole steps, none empty (the last may be short). Shared with the W4A16 GEMV (w4a16.py)."""
+    split = max(1, min(MAX_SPLIT_K, steps, triton.cdiv(IN_FLIGHT_BYTES_PER_SM * num_sms, step_bytes)))
+    return triton.cdiv(steps, triton.cdiv(steps, split))
 
 
 def block_gemv_supported(block_size: list[int] | tuple[int, int]) -> bool:

@@ -151,10 +151,6 @@ def _mm_config(m: int, group: int) -> tuple[int, int, int, int, int]:
     return 128, 128, min(group, 64), 8, 3
 
 
-GEMV_MAX_SPLIT = 8
-IN_FLIGHT_BYTES_PER_SM = 12 * 1024  # as the FP8 GEMV (fp8_gemv.py): split K while the grid's one K step reads less
-
-
 def gemv_split_step(device: torch.device) -> int:
     """K columns a split's run is a multiple of: the largest BLOCK_K the GEMV runs with here."""
     if device.type != "cuda":
@@ -163,12 +159,12 @@ def gemv_split_step(device: torch.device) -> int:
 
 
 def gemv_split_k(n: int, k: int, step: int, num_sms: int) -> int:
-    """Splits of K that keep ~IN_FLIGHT_BYTES_PER_SM of int4 weights in flight per SM (the FP8
-    GEMV's rule): N = 4096 rows read 1 MB per 512-column step, under the 1.6 MB an H100's 132
-    SMs want, so K splits in 2; gate_up's 28,672 rows do not split. Runs of whole steps, none empty."""
-    steps = triton.cdiv(k, step)
-    split = max(1, min(GEMV_MAX_SPLIT, steps, triton.cdiv(IN_FLIGHT_BYTES_PER_SM * num_sms, n * step // 2)))
-    return triton.cdiv(steps, triton.cdiv(steps, split))
+    """Splits of K by the FP8 GEMV's bytes-in-flight rule (fp8_gemv.split_for_bytes_in_flight) on
+    int4 weights: N = 4096 rows read 1 MB per 512-column step, under the 1.6 MB an H100's 132 SMs
+    want, so K splits in 2; gate_up's 28,672 rows do not split."""
+    from atom_core.kernels.triton.fp8_gemv import split_for_bytes_in_flight
+
+    return split_for_bytes_in_flight(triton.cdiv(k, step), n * step // 2, num_sms)
 
 
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -210,13 +206,12 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     if m <= GEMV_MAX_M:
         if gemv_split < 1:
             raise ValueError(f"gemv_split must be >= 1, got {gemv_split}")
+        from atom_core.kernels.triton.fp8_gemm import split_k_target, sum_splits
+
         step = gemv_split_step(x.device)
-        steps = triton.cdiv(k, step)
-        per_split = triton.cdiv(steps, min(gemv_split, steps)) * step
-        split = triton.cdiv(k, per_split)
-        target = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+        steps_per_split, split, target = split_k_target(y, k, step, gemv_split)
         args = (x2, qweight, scales, z, b, target, n, k, x2.stride(0), qweight.stride(0), scales.stride(0), z.stride(0),
-                target.stride(-2), per_split, target.stride(0) if split > 1 else 0)
+                target.stride(-2), steps_per_split * step, target.stride(0) if split > 1 else 0)
         consts["PARTIAL"] = split > 1
         if x.device.type == "cuda":
             grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), m, split)  # noqa: E731
@@ -225,8 +220,6 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
             grid = (triton.cdiv(n, _GEMV_INTERPRET["BLOCK_N"]), m, split)
             _w4a16_gemv_kernel[grid](*args, **consts, **_GEMV_INTERPRET)
         if split > 1:
-            from atom_core.kernels.triton.fp8_gemm import sum_splits
-
             sum_splits(target, bias, y)
     else:
         bm, bn, bk, warps, stages = _mm_config(m, consts["GROUP"])
