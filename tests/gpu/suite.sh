@@ -89,7 +89,7 @@ case $mode in
       "tests/kernels/test_fp8_kv.py tests/kernels/test_fp8_kv_per_token_head.py" "tests/kernels/test_prefill_attention.py" \
       "tests/kernels/test_triton_kernels.py" ;;
   defaults-tests)  # the engine-level GPU tests (tiny models on CUDA against HF or the CPU) after the 2026-11-26 default flips: 1-token dense and FP8 GEMVs, contiguous prefill attention; symmetric all-reduce under TP is in tp-tests
-    parallel_tests 420 "tests/gpu/test_engine_gpu.py" "tests/gpu/test_piecewise_gpu.py" \
+    parallel_tests "${PTEST_TIMEOUT_S:-420}" "tests/gpu/test_engine_gpu.py" "tests/gpu/test_piecewise_gpu.py" \
       "tests/models/test_deepseek.py tests/models/test_gpt_oss.py" "tests/spec_decode/test_mtp.py" \
       "tests/quant/test_fp8_ops.py tests/quant/test_fp8_gemv.py tests/engine/test_fp8_kv_per_token_head.py" \
       "tests/quant/test_gptq_awq.py tests/quant/test_int_kernels.py" "tests/kernels/test_dense_gemv.py tests/kernels/test_prefill_attention.py" ;;
@@ -257,6 +257,14 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
     step lat-l8w4-bs1 90 python3 -m atomctl.main bench latency --model preset:Llama-3-8B-W4A16 --load-format dummy --max-model-len 4096 --bs 1 --output-json "$OUT/lat_l8w4_bs1.json"
     step lat-l8-bs1 70 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-json "$OUT/lat_l8_bs1.json"
     step lat-l8w4-bs32 50 python3 -m atomctl.main bench latency --model preset:Llama-3-8B-W4A16 --load-format dummy --max-model-len 4096 --bs 32 --output-json "$OUT/lat_l8w4_bs32.json" ;;
+  dsv2l-profile)  # issue 14: where DeepSeek-V2-Lite's decode steps go at the current defaults: batch 1 (3.32 ms; target 2.4) and batch 128 at ~900 tokens of context (the nano workload's large-batch steps: 7,754 tok/s, target 13,100)
+    dsv2l=(--model preset:DeepSeek-V2-Lite --load-format dummy --max-model-len 4096)
+    for bs in 1 128; do
+      rm -rf /tmp/traces_dsv2l_$bs
+      step profile-dsv2l-bs$bs 150 python3 -m atomctl.main profile "${dsv2l[@]}" --mark-trace --random-input --bs $bs --input-length $([ $bs = 1 ] && echo 512 || echo 900) --output-length 6 --torch-profiler-dir /tmp/traces_dsv2l_$bs
+      trace=$(ls -t /tmp/traces_dsv2l_$bs/rank_0/*.json.gz 2>/dev/null | head -1)
+      step parse-trace-dsv2l-bs$bs 90 python3 -m atomctl.main parse-trace "$trace" --layer 3 --top 25 --out-dir "$OUT/dsv2l_bs$bs"
+    done ;;
   deepseek|deepseek-a)  # issue 14: MLA kernel GPU tests, MLA decode bandwidth (bs 64, ctx 2048) over a tile sweep, V2-Lite bs1/bs32/nano/start on one engine
     step mla-kernel-tests 90 python3 -m pytest -q --tb=short -m gpu tests/kernels/test_mla.py -p no:cacheprovider
     step mla-bw-sweep 70 python3 tests/gpu/bench_mla.py --bs 64 --ctx 2048 --sweep --out "$OUT/mla_sweep.json"
