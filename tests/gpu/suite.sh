@@ -44,15 +44,15 @@ kernel_tests() {  # in 4 processes: Triton compiles are CPU-bound
   for i in 0 1 2 3; do echo "--- kernel tests: ${k[$i]}"; grep -E "passed|failed|error|FAILED|Error" /tmp/kt$i.log | tail -n 8; done
   summary+=("$(printf '%-28s %9s %4ss' kernel-tests "" "$(( $(date +%s) - start ))")")
 }
-serve_l8_c64() {  # serve_l8_c64 NAME [ENGINE FLAGS...]: start the server, one bench serve run (the issue's table), stop it
-  local name=$1; shift
+serve_l8_c64() {  # serve_l8_c64 NAME [ENGINE FLAGS...]: start the server, one bench serve run (the issue's table: SERVE_CONC=64 by default, 5 requests a stream), stop it
+  local name=$1 conc=${SERVE_CONC:-64}; shift
   python3 -m atomctl.main --log-level INFO serve "${l8[@]}" "$@" --port 8011 > /tmp/serve_$name.log 2>&1 &
   local spid=$! start=$(date +%s) i
   for i in $(seq 1 300); do curl -sf http://127.0.0.1:8011/health >/dev/null && break; sleep 1; done
   echo "server ($name) ready after $(( $(date +%s) - start )) s"
-  step bench-serve-l8-$name 150 python3 -m atomctl.main bench serve --backend atom --base-url http://127.0.0.1:8011 \
+  step bench-serve-l8-c$conc-$name $(( 90 + conc / 4 )) python3 -m atomctl.main bench serve --backend atom --base-url http://127.0.0.1:8011 \
     --tokenizer preset:Llama-3-8B --dataset-name random --random-input-len 1024 --random-output-len 128 \
-    --ignore-eos --num-prompts 320 --max-concurrency 64 --save-result --result-dir "$OUT" --result-filename serve_l8_c64_$name.json
+    --ignore-eos --num-prompts $(( conc * 5 )) --max-concurrency $conc --save-result --result-dir "$OUT" --result-filename serve_l8_c${conc}_$name.json
   kill $spid; wait $spid; grep -E "captured" /tmp/serve_$name.log | tail -n 3
 }
 dense_targets() {  # the dense speed targets through the CLI at its defaults; Llama-3-8B offline twice (cold, then warm)
@@ -89,10 +89,15 @@ case $mode in
       "tests/kernels/test_fp8_kv.py tests/kernels/test_fp8_kv_per_token_head.py" "tests/kernels/test_prefill_attention.py" \
       "tests/kernels/test_triton_kernels.py" ;;
   defaults-tests)  # the engine-level GPU tests (tiny models on CUDA against HF or the CPU) after the 2026-11-26 default flips: 1-token dense and FP8 GEMVs, contiguous prefill attention; symmetric all-reduce under TP is in tp-tests
-    parallel_tests "${PTEST_TIMEOUT_S:-420}" "tests/gpu/test_engine_gpu.py" "tests/gpu/test_piecewise_gpu.py" \
+    # test_memory_sizing_fills_budget sizes KV from free memory: it needs the GPU to itself (it runs after the groups)
+    parallel_tests "${PTEST_TIMEOUT_S:-420}" "tests/gpu/test_engine_gpu.py --deselect tests/gpu/test_engine_gpu.py::test_memory_sizing_fills_budget" "tests/gpu/test_piecewise_gpu.py" \
       "tests/models/test_deepseek.py tests/models/test_gpt_oss.py" "tests/spec_decode/test_mtp.py" \
       "tests/quant/test_fp8_ops.py tests/quant/test_fp8_gemv.py tests/engine/test_fp8_kv_per_token_head.py" \
-      "tests/quant/test_gptq_awq.py tests/quant/test_int_kernels.py" "tests/kernels/test_dense_gemv.py tests/kernels/test_prefill_attention.py" ;;
+      "tests/quant/test_gptq_awq.py tests/quant/test_int_kernels.py" "tests/kernels/test_dense_gemv.py tests/kernels/test_prefill_attention.py"
+    step memory-sizing-test 90 python3 -m pytest -q --tb=short -m gpu tests/gpu/test_engine_gpu.py -k memory_sizing -p no:cacheprovider ;;
+  gpu-test-fixes)  # the two defaults-tests failures of 2026-11-26 (fifth session), after their fixes: the memory-sizing test alone on the GPU (it had shared it with six test processes), the _scaled_mm test pinned to _scaled_mm (auto sent its 1-token case to the weight-only GEMV)
+    step memory-sizing-test 90 python3 -m pytest -q --tb=short -m gpu tests/gpu/test_engine_gpu.py -k memory_sizing -p no:cacheprovider
+    step scaled-mm-test 90 python3 -m pytest -q --tb=short -m gpu tests/quant/test_fp8_ops.py -k scaled_mm_path -p no:cacheprovider ;;
   fixes)  # the GPU tests that failed in new-tests on 2026-11-26, after their fixes (IEEE division in the references, test setup)
     parallel_tests 300 "tests/quant/test_fp8_gemm.py" "tests/quant/test_fp8_moe.py tests/quant/test_fp8_ops.py tests/quant/test_int_kernels.py" \
       "tests/kernels/test_fp8_kv.py tests/kernels/test_fp8_kv_per_token_head.py tests/engine/test_fp8_kv_per_token_head.py" \
@@ -510,6 +515,16 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
   prefill-attn-serve)  # issue 19: the c64 serving run with ATOM_PREFILL_ATTENTION=paged and =contiguous (the default since 2026-11-26; the server inherits the variable)
     ATOM_PREFILL_ATTENTION=paged serve_l8_c64 paged
     ATOM_PREFILL_ATTENTION=contiguous serve_l8_c64 contiguous ;;
+  serve-budget)  # issue 19: the serving runs at the defaults (c64 and c256), and c64 with a 2,048-token step budget (the 2026-11-26 c64 profile: 8,192-token prefill steps of 190 ms stall every decode; a cost-model replay of the scheduler predicted +3% output tok/s and lower TTFT, higher TPOT)
+    serve_l8_c64 b8192
+    serve_l8_c64 b2048 --max-num-batched-tokens 2048
+    SERVE_CONC=256 serve_l8_c64 b8192 ;;
+  q06-nano-ab)  # Qwen3-0.6B nano, alternating the 1-token dense GEMV switch (auto = default, linear = cuBLAS everywhere): 16,999 tok/s on 2026-11-26 (fifth session) against 18,565-18,958 before the GEMV
+    for r in 1 2; do
+      for kern in linear auto; do
+        step off-q06-$kern-$r 90 env ATOM_DENSE_SMALL_M_KERNEL=$kern python3 -m atomctl.main bench offline "${q06[@]}" --output-json "$OUT/off_q06_${kern}_$r.json"
+      done
+    done ;;
   serve-profile)  # issue 19: where a loaded server's steps go: the c64 run (80 requests) under the torch profiler (/start_profile, /stop_profile by bench serve --profile), then parse-trace's per-phase breakdown (prefill, mixed, decode steps)
     python3 -m atomctl.main --log-level INFO serve "${l8[@]}" --torch-profiler-dir /tmp/serve_traces --port 8011 > /tmp/serve_profile.log 2>&1 &
     spid=$!
