@@ -355,6 +355,13 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
       trace=$(ls -t /tmp/traces_$ar/rank_0/*.json.gz 2>/dev/null | grep -v capture | head -1)
       step parse-trace-$ar 90 python3 -m atomctl.main parse-trace "$trace" --layer 3 --top 25 --out-dir "$OUT/$ar"
     done ;;
+  tp-profile-auto)  # issue 18: Llama-3-8B TP=1 and TP=2 batch 1 at the defaults (ATOM_ALL_REDUCE=auto: symmetric memory on one host; 1-token GEMVs), then where a TP=2 decode step's time goes (rank 0's kernels per module type, layer 3): 0.680x TP=1 on 2026-11-26, target 0.65x
+    step lat-l8-tp1-bs1 70 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-json "$OUT/lat_l8_tp1_bs1.json"
+    step lat-l8-tp2-bs1 90 python3 -m atomctl.main bench latency "${l8[@]}" -tp 2 --bs 1 --output-json "$OUT/lat_l8_tp2_bs1.json"
+    rm -rf /tmp/traces_tp2
+    step profile-l8-tp2 150 python3 -m atomctl.main profile "${l8[@]}" -tp 2 --bs 1 --input-length 128 --output-length 64 --torch-profiler-dir /tmp/traces_tp2
+    trace=$(ls -t /tmp/traces_tp2/rank_0/*.json.gz 2>/dev/null | grep -v capture | head -1)
+    step parse-trace-tp2 90 python3 -m atomctl.main parse-trace "$trace" --layer 3 --top 30 --out-dir "$OUT/tp2" ;;
   tp-gemv)  # issue 18 after the 1-token dense GEMV became the default (2026-11-26, fourth session): the all-reduce micro-benchmark (symm_engine row), Llama-3-8B TP=1 and TP=2 batch 1 with NCCL and symm, Llama-3.1-70B TP=2 batch 1; then the symmetric all-reduce GPU test (now through run_ranks) and the DP+EP compiled case (now level 2)
     l70=(--model preset:Llama-3.1-70B --load-format dummy --max-model-len 4096 --gpu-memory-utilization 0.97)
     step allreduce-bench 60 python3 tests/gpu/bench_allreduce.py --gpus 2 --tokens 1,8,64,256
