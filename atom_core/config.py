@@ -449,10 +449,9 @@ class EngineConfig:
 
     @property
     def use_cuda_graphs(self) -> bool:
-        # Replicas sharing experts replay decode graphs only under ATOM_DP_EP_GRAPHS=1 (not yet
-        # run on a GPU): at one padded size agreed every step (engine/lockstep.py), the MoE
-        # all-gather's shape; otherwise they run eagerly.
-        if self.parallel.experts_span_replicas and not read_envs().dp_ep_graphs:
+        # Replicas sharing experts replay decode graphs at one padded size agreed every step
+        # (engine/lockstep.py), the MoE all-gather's shape; without it they run eagerly.
+        if self.parallel.experts_span_replicas and not replica_graphs_allowed(read_envs()):
             return False
         return self.compile.use_cuda_graphs(self.torch_device)
 
@@ -489,9 +488,17 @@ class EngineConfig:
         return config
 
 
+def replica_graphs_allowed(envs) -> bool:
+    """Whether replicas sharing experts may replay decode graphs: ATOM_DP_EP_GRAPHS (on unless 0),
+    with the all-gather exchange only (the all-to-all sizes its messages on the host every layer,
+    which a graph cannot replay)."""
+    return envs.dp_ep_graphs is not False and envs.ep_dispatch == "allgather"
+
+
 def _check_replica_graphs(config: "EngineConfig", options: dict) -> None:
-    """Replicas sharing experts replay only full decode graphs, and only under ATOM_DP_EP_GRAPHS=1:
-    graphs asked for otherwise would silently not happen (use_cuda_graphs), so they fail here."""
+    """Replicas sharing experts replay only full decode graphs, and not with ATOM_DP_EP_GRAPHS=0 or
+    the all-to-all exchange: graphs asked for there would silently not happen (use_cuda_graphs),
+    so they fail here."""
     envs = read_envs()
     piecewise = [k for k in ("piecewise_capture_sizes",) if k in options]
     if options.get("cudagraph_mode", "full_decode_only") != "full_decode_only":
@@ -502,13 +509,14 @@ def _check_replica_graphs(config: "EngineConfig", options: dict) -> None:
     if piecewise:
         raise ValueError(f"{flags(piecewise)}: data-parallel replicas sharing experts (enable_expert_parallel) replay "
                          "full decode graphs only (mixed steps run eagerly); drop the option")
-    if graphs and not envs.dp_ep_graphs:
-        raise ValueError(f"{flags(graphs)}: data-parallel replicas sharing experts (enable_expert_parallel) run without "
-                         "CUDA graphs unless ATOM_DP_EP_GRAPHS=1 (decode replayed at one padded size agreed every "
-                         "step; not yet measured on a GPU); use --level 2 (torch.compile) or 0, or set it")
-    if envs.dp_ep_graphs and config.use_cuda_graphs and envs.ep_dispatch != "allgather":
+    wants_graphs = config.compile.use_cuda_graphs(config.torch_device)
+    if envs.dp_ep_graphs and wants_graphs and envs.ep_dispatch != "allgather":
         raise ValueError("ATOM_DP_EP_GRAPHS=1 needs ATOM_EP_DISPATCH=allgather: the all-to-all exchange sizes its "
                          "messages on the host every layer, which a CUDA graph cannot replay")
+    if graphs and not replica_graphs_allowed(envs):
+        why = "ATOM_DP_EP_GRAPHS=0" if envs.dp_ep_graphs is False else "ATOM_EP_DISPATCH=alltoall"
+        raise ValueError(f"{flags(graphs)}: data-parallel replicas sharing experts (enable_expert_parallel) run without "
+                         f"CUDA graphs under {why}; use --level 2 (torch.compile) or 0, or drop {why}")
 
 
 def _split_options(options: dict) -> dict[str, dict]:

@@ -36,9 +36,10 @@ ENV_VARS: dict[str, str] = {
     "ATOM_DENSE_SMALL_M_KERNEL": "auto (default), linear or gemv: unquantized linears on CUDA run F.linear (cuBLAS) "
                                  "or the Triton GEMV of kernels/triton/dense_gemv.py; auto = the GEMV at 1 token (faster "
                                  "on the H100, docs/PERFORMANCE.md 2026-11-26, fourth session), gemv = at <= 4 tokens",
-    "ATOM_DP_EP_GRAPHS": "0/1 (default 0 until run on a GPU): data-parallel replicas sharing experts replay decode "
-                         "steps in CUDA graphs at one padded size they agree on each step (engine/lockstep.py) "
-                         "instead of running eagerly; needs ATOM_EP_DISPATCH=allgather",
+    "ATOM_DP_EP_GRAPHS": "0/1 (default: on with ATOM_EP_DISPATCH=allgather): data-parallel replicas sharing experts "
+                         "replay decode steps in CUDA graphs at one padded size they agree on each step "
+                         "(engine/lockstep.py) instead of running eagerly (Qwen3-30B-A3B DP=2 nano on 2x H100: "
+                         "5,830 vs 1,092 tok/s); 1 with alltoall is refused",
     "ATOM_EP_DISPATCH": "allgather (default) or alltoall: how data-parallel replicas sharing experts move tokens "
                         "to the experts' ranks (all-gather + reduce-scatter, or all-to-all to the owners only; "
                         "distributed/moe_all_to_all.py)",
@@ -79,7 +80,7 @@ class AtomEnvs:
     all_reduce: AllReduceMode = "auto"  # read by distributed.init_distributed
     dense_small_m_kernel: DenseSmallMKernel = "auto"  # read once by quant/unquantized when it is imported
     ep_dispatch: EpDispatch = "allgather"  # read once by model_ops/moe when it is imported
-    dp_ep_graphs: bool = False  # read by EngineConfig (use_cuda_graphs) for replicas sharing experts
+    dp_ep_graphs: bool | None = None  # read by EngineConfig (use_cuda_graphs) for replicas sharing experts; None = unset
 
 
 def read_envs(environ: Mapping[str, str] | None = None) -> AtomEnvs:
@@ -97,7 +98,7 @@ def read_envs(environ: Mapping[str, str] | None = None) -> AtomEnvs:
         all_reduce=env_choice(env, "ATOM_ALL_REDUCE", ALL_REDUCE_MODES, "auto"),
         dense_small_m_kernel=env_choice(env, "ATOM_DENSE_SMALL_M_KERNEL", DENSE_SMALL_M_KERNELS, "auto"),
         ep_dispatch=env_choice(env, "ATOM_EP_DISPATCH", EP_DISPATCHES, "allgather"),
-        dp_ep_graphs=env_bool(env, "ATOM_DP_EP_GRAPHS", False),
+        dp_ep_graphs=env_bool(env, "ATOM_DP_EP_GRAPHS", None),
     )
 
 
@@ -127,7 +128,7 @@ def env_str(env: Mapping[str, str], name: str) -> str | None:
     return value or None
 
 
-def env_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+def env_bool(env: Mapping[str, str], name: str, default: bool | None) -> bool | None:
     value = env.get(name, "").strip().lower()
     if not value:
         return default

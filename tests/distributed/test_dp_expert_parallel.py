@@ -186,11 +186,19 @@ class TestRefusedAtStart:
         (dict(tensor_parallel_size=2), "tensor parallelism inside a replica is not supported"),
         (dict(num_scheduler_steps=8), "num_scheduler_steps=8.*use num_scheduler_steps=1"),
         (dict(method="ngram", num_speculative_tokens=2), "method='ngram'.*speculative decoding changes the number"),
-        (dict(level=1), r"--level=1: .*run without CUDA graphs.*use --level 2"),
+    ], ids=["tp2", "multi_step", "speculative"])
+    def test_combinations_that_change_forwards_per_step(self, options, match):
+        with pytest.raises(ValueError, match=match):
+            EngineConfig.from_kwargs("m", **{**DP_EP, **options})
+
+    @pytest.mark.parametrize("options, match", [
+        (dict(level=1), r"--level=1: .*run without CUDA graphs under ATOM_DP_EP_GRAPHS=0.*use --level 2"),
         (dict(level=3), r"--level=3: .*run without CUDA graphs"),
         (dict(cudagraph_capture_sizes=[1, 2]), r"--cudagraph-capture-sizes=\(1, 2\)"),
-    ], ids=["tp2", "multi_step", "speculative", "graphs_level1", "graphs_level3", "capture_sizes"])
-    def test_combinations_that_change_forwards_per_step(self, options, match):
+    ], ids=["graphs_level1", "graphs_level3", "capture_sizes"])
+    def test_graph_options_with_replica_graphs_off(self, options, match, monkeypatch):
+        EngineConfig.from_kwargs("m", **{**DP_EP, **options})  # accepted by default: decode graphs at an agreed size
+        monkeypatch.setenv("ATOM_DP_EP_GRAPHS", "0")
         with pytest.raises(ValueError, match=match):
             EngineConfig.from_kwargs("m", **{**DP_EP, **options})
 
@@ -221,8 +229,11 @@ class TestRefusedAtStart:
         with pytest.raises(ValueError, match="data-parallel replicas run behind `atomctl serve`"):
             LLMEngine(str(moe_path), device="cpu", **DP_EP)
 
-    def test_lockstep_turns_cuda_graphs_off(self):
+    def test_lockstep_cuda_graphs_follow_the_switch(self, monkeypatch):
+        monkeypatch.delenv("ATOM_DP_EP_GRAPHS", raising=False)
         assert EngineConfig.from_kwargs("m", device="cuda", tensor_parallel_size=2).use_cuda_graphs
+        assert EngineConfig.from_kwargs("m", device="cuda", **DP_EP).use_cuda_graphs
+        monkeypatch.setenv("ATOM_DP_EP_GRAPHS", "0")
         assert not EngineConfig.from_kwargs("m", device="cuda", **DP_EP).use_cuda_graphs
 
 
@@ -249,7 +260,7 @@ def test_served_then_a_dead_replica_fails_fast(moe_path, tmp_path):
 
 
 class TestDecodeGraphs:
-    """ATOM_DP_EP_GRAPHS=1: replicas replay decode graphs at one size agreed each step."""
+    """Replicas replay decode graphs at one size agreed each step (the default; ATOM_DP_EP_GRAPHS=0 turns it off)."""
 
     def test_graph_size_rule(self):
         from atom_core.engine.lockstep import lockstep_graph_size
@@ -264,17 +275,25 @@ class TestDecodeGraphs:
 
     def test_options(self, monkeypatch):
         cuda = dict(device="cuda", **DP_EP)
-        assert not EngineConfig.from_kwargs("m", **cuda).use_cuda_graphs
-        monkeypatch.setenv("ATOM_DP_EP_GRAPHS", "1")
-        assert EngineConfig.from_kwargs("m", **cuda).use_cuda_graphs
+        for name in ("ATOM_DP_EP_GRAPHS", "ATOM_EP_DISPATCH"):
+            monkeypatch.delenv(name, raising=False)
+        assert EngineConfig.from_kwargs("m", **cuda).use_cuda_graphs  # the default: graphs with the all-gather
         assert EngineConfig.from_kwargs("m", level=1, cudagraph_capture_sizes=[1, 2], **cuda).use_cuda_graphs
+        assert not EngineConfig.from_kwargs("m", level=2, **cuda).use_cuda_graphs
         with pytest.raises(ValueError, match="replay full decode graphs only"):
             EngineConfig.from_kwargs("m", cudagraph_mode="full_and_piecewise", **cuda)
-        monkeypatch.setenv("ATOM_EP_DISPATCH", "alltoall")
+        monkeypatch.setenv("ATOM_EP_DISPATCH", "alltoall")  # no graphs with it: off unless asked for
+        assert not EngineConfig.from_kwargs("m", **cuda).use_cuda_graphs
+        with pytest.raises(ValueError, match="without CUDA graphs under ATOM_EP_DISPATCH=alltoall"):
+            EngineConfig.from_kwargs("m", level=3, **cuda)
+        monkeypatch.setenv("ATOM_DP_EP_GRAPHS", "1")
         with pytest.raises(ValueError, match="ATOM_DP_EP_GRAPHS=1 needs ATOM_EP_DISPATCH=allgather"):
             EngineConfig.from_kwargs("m", **cuda)
-        monkeypatch.delenv("ATOM_DP_EP_GRAPHS")
-        with pytest.raises(ValueError, match="unless ATOM_DP_EP_GRAPHS=1"):
+        assert not EngineConfig.from_kwargs("m", level=2, **cuda).use_cuda_graphs  # nothing to refuse
+        monkeypatch.delenv("ATOM_EP_DISPATCH")
+        monkeypatch.setenv("ATOM_DP_EP_GRAPHS", "0")
+        assert not EngineConfig.from_kwargs("m", **cuda).use_cuda_graphs
+        with pytest.raises(ValueError, match="without CUDA graphs under ATOM_DP_EP_GRAPHS=0"):
             EngineConfig.from_kwargs("m", level=3, **cuda)
 
     def test_replicas_replaying_at_the_agreed_size_equal_eager_and_hf(self, moe_path, hf_tokens, monkeypatch):

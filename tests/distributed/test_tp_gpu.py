@@ -58,8 +58,8 @@ def test_tp2_equals_tp1_in_fp32(tiny_dist_models, arch, extra, compile_options):
     assert _tokens(path, tensor_parallel_size=2, **extra, **compile_options) == _reference(path)
 
 
-# Replicas sharing experts run without CUDA graphs unless ATOM_DP_EP_GRAPHS=1 (config refuses
-# level 1/3 otherwise): compiled is level 2; the graphs cases replay decode at an agreed size.
+# Replicas sharing experts replay decode graphs at an agreed size (the default; ATOM_DP_EP_GRAPHS
+# set explicitly here): eager and compiled (level 2) run without them.
 @pytest.mark.parametrize("compile_options, dp_ep_graphs", [
     ({"enforce_eager": True}, False), ({"level": 2}, False), ({"level": 1}, True), ({"level": 3}, True),
 ], ids=["eager", "compiled", "graphs", "compiled-graphs"])
