@@ -526,6 +526,8 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
     serve_l8_c64 b8192
     serve_l8_c64 b2048 --max-num-batched-tokens 2048
     SERVE_CONC=256 serve_l8_c64 b8192 ;;
+  serve-c256)  # issue 19: the c256 serving run at the defaults alone (1,280 requests), to check its run-to-run spread
+    SERVE_CONC=256 serve_l8_c64 defaults ;;
   q06-nano-ab)  # Qwen3-0.6B nano, alternating the 1-token dense GEMV switch (auto = default, linear = cuBLAS everywhere): 16,999 tok/s on 2026-11-26 (fifth session) against 18,565-18,958 before the GEMV
     for r in 1 2; do
       for kern in linear auto; do
