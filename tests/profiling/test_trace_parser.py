@@ -325,6 +325,12 @@ class TestConventions:
             (NO_MODULE, "aten::mm", "GEMMs"),
             ("embed_tokens", "indexSelectKernel", "other"),
             (GRAPH_MODULE, "some_kernel", "other"),
+            # Kernels replayed from CUDA graphs carry no module: the kernel name alone decides.
+            (GRAPH_MODULE, "_fp8_gemv_kernel", "GEMMs"),
+            (GRAPH_MODULE, "_moe_gemv1_kernel", "MLP/MoE"),
+            (GRAPH_MODULE, "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "norms"),
+            (GRAPH_MODULE, "triton_poi_fused_mul_silu_split_2", "MLP/MoE"),
+            (GRAPH_MODULE, "triton_per_fused_mean_3", "other"),  # a mean alone is not a norm
         ],
     )
     def test_module_types(self, module, kernel, expected):
