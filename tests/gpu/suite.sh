@@ -382,7 +382,8 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
       step lat-dsv2l-bs1-$kern 120 env ATOM_DENSE_SMALL_M_KERNEL=$kern python3 -m atomctl.main bench latency --model preset:DeepSeek-V2-Lite --load-format dummy --max-model-len 4096 --bs 1 --num-iters 2 --output-json "$OUT/lat_dsv2l_bs1_$kern.json"
     done ;;
   dense-gemv-sweep)  # the bf16 GEMV's tiles at 1 token (BLOCK_K x weights a thread x split-K) on Llama-3-8B / 70B shapes at TP=1 and 2: its defaults came from the FP8 GEMV; TP=2 qkv / o ran at 1.3-1.4x their floor (issue 18's TP=2 row)
-    step dense-gemv-sweep 540 python3 -m atom_core.kernels.triton.dense_gemv_bench --m 1 --sweep ;;
+    step dense-gemv-sweep-8b-tp2 300 python3 -m atom_core.kernels.triton.dense_gemv_bench --m 1 --sweep --model llama-3-8b --tp 2
+    step dense-gemv-sweep-8b-tp1 240 python3 -m atom_core.kernels.triton.dense_gemv_bench --m 1 --sweep --model llama-3-8b --tp 1 ;;
   dp-ep)  # issue 18 on nvidia-h200-x2: Qwen3-30B-A3B as two replicas sharing experts (DP attention + EP experts, lock-step, eager decode), nano workload, tokens moved by all-gather + reduce-scatter (default) vs all-to-all to the experts' owners (ATOM_EP_DISPATCH=alltoall): "measure which is faster"
     a3b=(--model preset:Qwen3-30B-A3B --load-format dummy --max-model-len 4096)
     for d in allgather alltoall; do

@@ -235,10 +235,23 @@ class TestBenchSweep:
             _check_config(cfg, None)
         assert {c.block_k for c in tiles} == {128, 256, 512, 1024} and {c.split_k for c in tiles} >= {1, 2}
 
-    def test_token_counts_outside_the_gemv_are_a_clear_error(self):
-        run = subprocess.run([sys.executable, "-m", "atom_core.kernels.triton.dense_gemv_bench", "--m", "1,8", "--sweep"],
+    @pytest.mark.parametrize("args, message", [
+        (["--m", "1,8"], "--m takes token counts from 1 to 4"),
+        (["--model", "llama-3-8b,gpt-2"], "--model: unknown gpt-2; known: llama-3-8b, llama-3.1-70b"),
+        (["--tp", "1,4"], "--tp takes 1 and/or 2, got 1,4"),
+    ])
+    def test_bad_arguments_are_a_clear_error(self, args, message):
+        run = subprocess.run([sys.executable, "-m", "atom_core.kernels.triton.dense_gemv_bench", *args, "--sweep"],
                              capture_output=True, text=True)
-        assert run.returncode != 0 and "--m takes token counts from 1 to 4" in run.stderr
+        assert run.returncode != 0 and message in run.stderr
+
+    def test_shapes_per_rank_and_the_model_filter(self):
+        from atom_core.kernels.triton.dense_gemv_bench import shapes
+
+        tp2 = {(model, name): (n, k) for model, name, n, k in shapes(2, ("llama-3-8b",))}
+        assert {model for model, _ in tp2} == {"llama-3-8b"}
+        assert tp2["llama-3-8b", "qkv"] == (3072, 4096) and tp2["llama-3-8b", "o"] == (4096, 2048)  # column / row split
+        assert len(shapes(1)) == len(shapes(1, ("llama-3-8b",))) + len(shapes(1, ("llama-3.1-70b",)))
 
 
 @pytest.mark.skipif(not INTERPRET, reason="runs the GEMV under the interpreter (TRITON_INTERPRET=1)")

@@ -4,6 +4,7 @@ and per rank at TP=2. CUDA-graph medians in us and the weight stream's TB/s (bf1
 the output are noise at these M), against the bytes floor at --floor-tbs.
 
   python -m atom_core.kernels.triton.dense_gemv_bench [--m 1,2,4] [--floor-tbs 3.0] [--sweep]
+      [--model llama-3-8b,llama-3.1-70b] [--tp 1,2]
 
 Weight values do not affect speed. Each timed call runs over enough weight copies (>= 160 MB
 together) that they cannot stay in the 50-60 MB L2 between replays; times are per copy.
@@ -32,19 +33,22 @@ ROW_PARALLEL = ("o", "down")
 COPIES_BYTES = 160 << 20  # more than twice the L2 of an H100 (50 MB) or H200 (60 MB)
 
 
-def shapes(tp: int) -> list[tuple[str, str, int, int]]:
+def shapes(tp: int, models: tuple[str, ...] | None = None) -> list[tuple[str, str, int, int]]:
+    """(model, projection, N, K) per rank at `tp`, for `models` (default: all of SHAPES)."""
     out = []
     for model, projections in SHAPES.items():
+        if models is not None and model not in models:
+            continue
         for name, (n, k) in projections.items():
             n_rank, k_rank = (n, k // tp) if name in ROW_PARALLEL else (n // tp, k)
             out.append((model, name, n_rank, k_rank))
     return out
 
 
-def weight_copies(floor_tbs: float):
-    """Per shape at TP=1 then 2: (model, proj, tp, N, K, bf16 weight copies past the L2, the floor in us)."""
-    for tp in (1, 2):
-        for model, name, n, k in shapes(tp):
+def weight_copies(floor_tbs: float, tps: tuple[int, ...] = (1, 2), models: tuple[str, ...] | None = None):
+    """Per shape at each of `tps`: (model, proj, tp, N, K, bf16 weight copies past the L2, the floor in us)."""
+    for tp in tps:
+        for model, name, n, k in shapes(tp, models):
             copies = -(-COPIES_BYTES // (n * k * 2))
             ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
             yield model, name, tp, n, k, ws, n * k * 2 / (floor_tbs * 1e12) * 1e6
@@ -65,14 +69,14 @@ def sweep_configs(base):
     return out
 
 
-def _sweep(ms: list[int], floor_tbs: float) -> None:
+def _sweep(ms: list[int], floor_tbs: float, tps: tuple[int, ...], models: tuple[str, ...] | None) -> None:
     from atom_core.kernels.bench_kernels import bench_ms
     from atom_core.kernels.triton.common import sm_count
     from atom_core.kernels.triton.dense_gemv import default_dense_gemv_config, dense_gemv, dense_gemv_ref
 
     print(f"{'model':>14} {'proj':>8} {'tp':>3} {'M':>2} {'BK':>5} {'BN':>4} {'split':>5} {'us':>8} {'floor':>7} default")
     print("(a tile whose result is off the float32 reference by more than bf16 rounding prints WRONG)")
-    for model, name, tp, n, k, ws, floor in weight_copies(floor_tbs):
+    for model, name, tp, n, k, ws, floor in weight_copies(floor_tbs, tps, models):
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             base = default_dense_gemv_config(m, n, k, 2, sm_count(x.device))
@@ -93,18 +97,26 @@ def main() -> None:
     ap.add_argument("--m", default="1,2,4", help="tokens (rows of x), each <= 4")
     ap.add_argument("--floor-tbs", type=float, default=3.0, help="HBM read rate of the floor (H100 ~3.0, H200 ~4.8)")
     ap.add_argument("--sweep", action="store_true", help="time the GEMV's tiles per shape instead of the table")
+    ap.add_argument("--model", default=",".join(SHAPES), help=f"models whose shapes run, of: {', '.join(SHAPES)}")
+    ap.add_argument("--tp", default="1,2", help="tensor-parallel sizes whose per-rank shapes run (1 and/or 2)")
     args = ap.parse_args()
     ms = [int(v) for v in args.m.split(",")]
     if any(not 1 <= m <= 4 for m in ms):
         raise SystemExit(f"--m takes token counts from 1 to 4 (the GEMV's rows), got {args.m}")
+    models = tuple(v.strip() for v in args.model.split(","))
+    if unknown := [v for v in models if v not in SHAPES]:
+        raise SystemExit(f"--model: unknown {', '.join(unknown)}; known: {', '.join(SHAPES)}")
+    tps = tuple(int(v) for v in args.tp.split(","))
+    if any(tp not in (1, 2) for tp in tps):
+        raise SystemExit(f"--tp takes 1 and/or 2, got {args.tp}")
     if not torch.cuda.is_available():
         raise SystemExit("dense_gemv_bench needs a CUDA GPU")
     if args.sweep:
-        return _sweep(ms, args.floor_tbs)
+        return _sweep(ms, args.floor_tbs, tps, models)
     print(f"{torch.cuda.get_device_name()}: bf16 linears, median us per call in a CUDA graph; TB/s of the weights")
     print(f"{'model':>14} {'proj':>8} {'tp':>3} {'N':>7} {'K':>6} {'M':>2} {'linear':>8} {'gemv':>8} "
           f"{'lin TB/s':>8} {'gemv TB/s':>9} {'floor':>7}")
-    for model, name, tp, n, k, ws, floor in weight_copies(args.floor_tbs):
+    for model, name, tp, n, k, ws, floor in weight_copies(args.floor_tbs, tps, models):
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             t_lin = bench_ms(lambda: [torch.nn.functional.linear(x, w) for w in ws]) * 1000 / len(ws)
