@@ -381,6 +381,11 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
       # DeepSeek-V2-Lite batch 1 (issue 14): its dense projections, shared experts and LM head were 31% of a step (1.13 ms)
       step lat-dsv2l-bs1-$kern 120 env ATOM_DENSE_SMALL_M_KERNEL=$kern python3 -m atomctl.main bench latency --model preset:DeepSeek-V2-Lite --load-format dummy --max-model-len 4096 --bs 1 --num-iters 2 --output-json "$OUT/lat_dsv2l_bs1_$kern.json"
     done ;;
+  gemv-tile)  # the bf16 GEMV's 1-token tile from the fifth session's sweep (BLOCK_K 1024, one row a program): its GPU tests, then batch-1 TPOT of Llama-3-8B, Qwen3-0.6B and DeepSeek-V2-Lite at the defaults (6.14, 1.36-1.40 and 3.32 ms with the old tile)
+    step dense-gemv-tests 150 python3 -m pytest -q --tb=short -m gpu tests/kernels/test_dense_gemv.py -p no:cacheprovider
+    step lat-l8-bs1 70 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-json "$OUT/lat_l8_bs1.json"
+    step lat-q06-bs1 60 python3 -m atomctl.main bench latency "${q06[@]}" --bs 1 --output-json "$OUT/lat_q06_bs1.json"
+    step lat-dsv2l-bs1 120 python3 -m atomctl.main bench latency --model preset:DeepSeek-V2-Lite --load-format dummy --max-model-len 4096 --bs 1 --num-iters 2 --output-json "$OUT/lat_dsv2l_bs1.json" ;;
   dense-gemv-sweep)  # the bf16 GEMV's tiles at 1 token (BLOCK_K x weights a thread x split-K) on Llama-3-8B / 70B shapes at TP=1 and 2: its defaults came from the FP8 GEMV; TP=2 qkv / o ran at 1.3-1.4x their floor (issue 18's TP=2 row)
     step dense-gemv-sweep-8b-tp2 300 python3 -m atom_core.kernels.triton.dense_gemv_bench --m 1 --sweep --model llama-3-8b --tp 2
     step dense-gemv-sweep-8b-tp1 240 python3 -m atom_core.kernels.triton.dense_gemv_bench --m 1 --sweep --model llama-3-8b --tp 1 ;;

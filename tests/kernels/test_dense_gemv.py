@@ -95,13 +95,18 @@ def test_bad_arguments_are_clear_errors():
 
 
 def test_default_tiles_count_two_byte_weights():
-    """H100 (132 SMs), bf16: Llama-3-8B's and 70B's projections (whole and TP=2 halves) stream in
-    512-column steps without split-K; a narrow N splits K into runs of whole steps."""
+    """H100 (132 SMs), bf16: at 1 token Llama-3-8B's and 70B's projections (whole and TP=2 halves)
+    stream one weight row a program in 1,024-column steps (8 weights a thread: one 16-byte load)
+    without split-K, the tile the H100 sweep found fastest; at 2-4 tokens, the FP8 GEMV's
+    512-column steps. A narrow N splits K into runs of whole steps."""
     config = _gemv().default_dense_gemv_config
     for n, k in ((6144, 4096), (3072, 4096), (4096, 2048), (14336, 4096), (4096, 7168), (5120, 8192),
                  (8192, 4096), (28672, 8192), (8192, 14336)):
-        cfg = config(1, n, k, 2, 132)
-        assert (cfg.block_k, cfg.split_k) == (512, 1), (n, k, cfg)
+        one, few = config(1, n, k, 2, 132), config(3, n, k, 2, 132)
+        assert (one.block_n, one.block_k, one.split_k) == (1, 1024, 1), (n, k, one)
+        assert (few.block_k, few.split_k) == (512, 1), (n, k, few)
+    assert config(1, 512, 300, 2, 132).block_k == 512  # a step no wider than K's power of two
+    assert config(1, 4096, 4096, 4, 132) == _gemv().default_fp8_gemv_config(1, 4096, 4096, 4, None, 132, w_bytes=4)
     narrow = config(1, 512, 8192, 2, 132)
     assert 1 < narrow.split_k <= 8
 

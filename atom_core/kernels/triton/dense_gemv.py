@@ -26,9 +26,12 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import triton
 
 from atom_core.kernels.triton.common import check_same_device, sm_count
-from atom_core.kernels.triton.fp8_gemv import Fp8GemvConfig, _check_config, _launch, default_fp8_gemv_config
+from atom_core.kernels.triton.fp8_gemv import (
+    Fp8GemvConfig, _check_config, _launch, default_fp8_gemv_config, split_for_bytes_in_flight,
+)
 
 MAX_TOKENS = 4  # rows of x (the kernel keeps an accumulator per row)
 _UNIT_SCALES: dict[torch.device, torch.Tensor] = {}
@@ -57,7 +60,17 @@ def _check(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 
 
 def default_dense_gemv_config(m: int, n: int, k: int, elem_bytes: int, num_sms: int) -> Fp8GemvConfig:
-    return default_fp8_gemv_config(m, n, k, elem_bytes, None, num_sms, w_bytes=elem_bytes)
+    """The FP8 GEMV's tiles, except one row of 2-byte weights: 8 weights (one 16-byte load) a
+    thread a step over BLOCK_K 1,024, one weight row a program with 4 warps. The H100 sweep
+    (`dense_gemv_bench --sweep`, docs/PERFORMANCE.md 2026-11-26, fifth session) found that tile
+    fastest on every Llama-3-8B shape at TP=1 and 2 (qkv 21.9 -> 18.5 us, down 44.4 -> 39.8, the LM
+    head 337.5 -> 329.9), where the FP8 GEMV's 32 weights a thread over BLOCK_K 512 had been used."""
+    cfg = default_fp8_gemv_config(m, n, k, elem_bytes, None, num_sms, w_bytes=elem_bytes)
+    if m != 1 or elem_bytes != 2:  # not swept: M 2-4 (only ATOM_DENSE_SMALL_M_KERNEL=gemv sends them here), fp32
+        return cfg
+    bk = max(16, min(1024, triton.next_power_of_2(k)))
+    bn = max(1, 8 * 32 * cfg.num_warps // bk)
+    return Fp8GemvConfig(bn, bk, cfg.num_warps, split_for_bytes_in_flight(triton.cdiv(k, bk), n * bk * elem_bytes, num_sms))
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
