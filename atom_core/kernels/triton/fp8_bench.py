@@ -124,7 +124,9 @@ def _sweep_gemv(names: list[str], ms: list[int]) -> None:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 for kind, group in SWEEP_KINDS[model]:
                     base = default_fp8_gemv_config(m, n, k, 2, group, sm_count(x.device))
-                    for bk in (256, 512, 1024):
+                    # 2048 with 16 a thread: one weight row a program in 16-byte loads, the tile the
+                    # bf16 GEMV's sweep found fastest (docs/PERFORMANCE.md 2026-11-26, fifth session)
+                    for bk in (256, 512, 1024, 2048):
                         for per_thread in (16, 32):
                             bn = max(1, per_thread * 32 * base.num_warps // bk)
                             for split in sorted({1, base.split_k, 2}):
