@@ -60,18 +60,30 @@ def _plot_series(pb: PhaseBreakdown, top: int) -> tuple[list[str], list[float], 
 
 
 def print_breakdown(breakdown: TraceBreakdown, console: Console | None = None, top: int = 20) -> None:
-    """The first `top` rows of each phase's layer sheet, and its summary."""
+    """The first `top` rows of each phase's layer sheet, and its summary. A trace without layer
+    ranges (graph replays not run with --mark-trace) gets the step's `top` kernels by total time
+    instead, so the terminal shows them even where no xlsx can be written."""
     console = console or Console()
     for phase, pb in breakdown.phases.items():
         table = pb.layer_table
-        title = (
-            f"{phase}: layer {pb.layer}, first {min(top, len(table))} of {len(table)} kernels "
-            f"({pb.num_steps_averaged} of {pb.num_steps} steps averaged)"
-        )
-        console.print(_rich_table(title, table.head(top)))
+        steps = f"({pb.num_steps_averaged} of {pb.num_steps} steps averaged)"
+        if table.empty:
+            kernels = kernels_by_name(pb.sheets["full_step"])
+            title = f"{phase}: whole step, top {min(top, len(kernels))} of {len(kernels)} kernel names {steps}"
+            console.print(_rich_table(title, kernels.head(top)))
+        else:
+            title = f"{phase}: layer {pb.layer}, first {min(top, len(table))} of {len(table)} kernels {steps}"
+            console.print(_rich_table(title, table.head(top)))
         console.print(_rich_table(f"{phase}: whole step per module type", pb.summary))
     for note in breakdown.notes:
         console.print(f"[yellow]note:[/yellow] {note}")
+
+
+def kernels_by_name(full_step: pd.DataFrame) -> pd.DataFrame:
+    """A step's kernels summed by name, largest total first: gpu_kernel, duration_us, launches."""
+    grouped = full_step.groupby("gpu_kernel", sort=False)["duration_us"].agg(["sum", "count"]).reset_index()
+    grouped.columns = ["gpu_kernel", "duration_us", "launches"]
+    return grouped.sort_values("duration_us", ascending=False, kind="stable").reset_index(drop=True)
 
 
 def _rich_table(title: str, frame: pd.DataFrame) -> Table:

@@ -124,6 +124,25 @@ class TestGraphCaptureFiles:
         assert decode.layer_table.empty
         assert set(decode.sheets["full_step"]["cpu_module"]) == {GRAPH_MODULE, NO_MODULE}
 
+    def test_without_layers_the_terminal_shows_the_step_kernels_by_name(self, lone_trace):
+        from rich.console import Console
+
+        from atom_core.profiling.report import kernels_by_name, print_breakdown
+
+        decode = parse_trace(lone_trace).phases["decode"]
+        full = decode.sheets["full_step"]
+        by_name = kernels_by_name(full)
+        assert by_name["duration_us"].sum() == pytest.approx(full["duration_us"].sum())  # nothing lost
+        assert by_name["launches"].sum() == len(full) and by_name["duration_us"].is_monotonic_decreasing
+        for name, group in full.groupby("gpu_kernel"):
+            row = by_name[by_name["gpu_kernel"] == name].iloc[0]
+            assert row["duration_us"] == pytest.approx(group["duration_us"].sum()) and row["launches"] == len(group)
+        console = Console(record=True, width=200)
+        print_breakdown(parse_trace(lone_trace), console=console, top=2)
+        text = console.export_text()
+        assert f"decode: whole step, top 2 of {len(by_name)} kernel names" in text
+        assert by_name["gpu_kernel"][0][:40] in text  # the largest is printed
+
     def test_explicit_capture_trace_is_used(self, lone_trace):
         result = parse_trace(lone_trace, capture_paths=[fx.FIXTURE_CAPTURE])
         assert result.notes == []
