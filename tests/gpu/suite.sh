@@ -44,7 +44,7 @@ kernel_tests() {  # in 4 processes: Triton compiles are CPU-bound
   for i in 0 1 2 3; do echo "--- kernel tests: ${k[$i]}"; grep -E "passed|failed|error|FAILED|Error" /tmp/kt$i.log | tail -n 8; done
   summary+=("$(printf '%-28s %9s %4ss' kernel-tests "" "$(( $(date +%s) - start ))")")
 }
-serve_l8_c64() {  # serve_l8_c64 NAME [ENGINE FLAGS...]: start the server, one bench serve run (the issue's table: SERVE_CONC=64 by default, 5 requests a stream), stop it
+serve_l8() {  # serve_l8 NAME [ENGINE FLAGS...]: start the server, one bench serve run (the issue's table: SERVE_CONC=64 by default, 5 requests a stream), stop it
   local name=$1 conc=${SERVE_CONC:-64}; shift
   python3 -m atomctl.main --log-level INFO serve "${l8[@]}" "$@" --port 8011 > /tmp/serve_$name.log 2>&1 &
   local spid=$! start=$(date +%s) i
@@ -54,6 +54,13 @@ serve_l8_c64() {  # serve_l8_c64 NAME [ENGINE FLAGS...]: start the server, one b
     --tokenizer preset:Llama-3-8B --dataset-name random --random-input-len 1024 --random-output-len 128 \
     --ignore-eos --num-prompts $(( conc * 5 )) --max-concurrency $conc --save-result --result-dir "$OUT" --result-filename serve_l8_c${conc}_$name.json
   kill $spid; wait $spid; grep -E "captured" /tmp/serve_$name.log | tail -n 3
+}
+profile_l8_tp2() {  # profile_l8_tp2 NAME [VAR=VALUE...]: a Llama-3-8B TP=2 batch-1 decode profile, then rank 0's breakdown in $OUT/NAME
+  local name=$1; shift
+  rm -rf /tmp/traces_$name
+  step profile-l8-tp2-$name 150 env "$@" python3 -m atomctl.main profile "${l8[@]}" -tp 2 --bs 1 --input-length 128 --output-length 64 --torch-profiler-dir /tmp/traces_$name
+  local trace=$(ls -t /tmp/traces_$name/rank_0/*.json.gz 2>/dev/null | grep -v capture | head -1)
+  step parse-trace-$name 90 python3 -m atomctl.main parse-trace "$trace" --layer 3 --top 30 --out-dir "$OUT/$name"
 }
 dense_targets() {  # the dense speed targets through the CLI at its defaults; Llama-3-8B offline twice (cold, then warm)
     step off-l8 120 python3 -m atomctl.main bench offline "${l8[@]}" --output-json "$OUT/off_l8.json"
@@ -350,18 +357,12 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
     step allreduce-bench 60 python3 tests/gpu/bench_allreduce.py --gpus 2 --tokens 1,8,64,256  # symm_engine: the engine's copy-in + two-shot path
     step lat-l8-tp2-bs1-gemv 90 env ATOM_DENSE_SMALL_M_KERNEL=gemv python3 -m atomctl.main bench latency "${l8[@]}" -tp 2 --bs 1 --output-json "$OUT/lat_l8_tp2_bs1_gemv.json"
     for ar in nccl symm; do
-      rm -rf /tmp/traces_$ar
-      step profile-l8-tp2-$ar 150 env ATOM_ALL_REDUCE=$ar python3 -m atomctl.main profile "${l8[@]}" -tp 2 --bs 1 --input-length 128 --output-length 64 --torch-profiler-dir /tmp/traces_$ar
-      trace=$(ls -t /tmp/traces_$ar/rank_0/*.json.gz 2>/dev/null | grep -v capture | head -1)
-      step parse-trace-$ar 90 python3 -m atomctl.main parse-trace "$trace" --layer 3 --top 25 --out-dir "$OUT/$ar"
+      profile_l8_tp2 $ar ATOM_ALL_REDUCE=$ar
     done ;;
   tp-profile-auto)  # issue 18: Llama-3-8B TP=1 and TP=2 batch 1 at the defaults (ATOM_ALL_REDUCE=auto: symmetric memory on one host; 1-token GEMVs), then where a TP=2 decode step's time goes (rank 0's kernels per module type, layer 3): 0.680x TP=1 on 2026-11-26, target 0.65x
     step lat-l8-tp1-bs1 70 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-json "$OUT/lat_l8_tp1_bs1.json"
     step lat-l8-tp2-bs1 90 python3 -m atomctl.main bench latency "${l8[@]}" -tp 2 --bs 1 --output-json "$OUT/lat_l8_tp2_bs1.json"
-    rm -rf /tmp/traces_tp2
-    step profile-l8-tp2 150 python3 -m atomctl.main profile "${l8[@]}" -tp 2 --bs 1 --input-length 128 --output-length 64 --torch-profiler-dir /tmp/traces_tp2
-    trace=$(ls -t /tmp/traces_tp2/rank_0/*.json.gz 2>/dev/null | grep -v capture | head -1)
-    step parse-trace-tp2 90 python3 -m atomctl.main parse-trace "$trace" --layer 3 --top 30 --out-dir "$OUT/tp2" ;;
+    profile_l8_tp2 tp2 ;;
   tp-gemv)  # issue 18 after the 1-token dense GEMV became the default (2026-11-26, fourth session): the all-reduce micro-benchmark (symm_engine row), Llama-3-8B TP=1 and TP=2 batch 1 with NCCL and symm, Llama-3.1-70B TP=2 batch 1; then the symmetric all-reduce GPU test (now through run_ranks) and the DP+EP compiled case (now level 2)
     l70=(--model preset:Llama-3.1-70B --load-format dummy --max-model-len 4096 --gpu-memory-utilization 0.97)
     step allreduce-bench 60 python3 tests/gpu/bench_allreduce.py --gpus 2 --tokens 1,8,64,256
@@ -520,20 +521,20 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
     step off-l8-full-decode 120 python3 -m atomctl.main bench offline "${l8[@]}" --output-json "$OUT/off_l8_full_decode.json"
     step off-l8-piecewise 150 python3 -m atomctl.main bench offline "${l8[@]}" --cudagraph-mode full_and_piecewise --output-json "$OUT/off_l8_piecewise.json" ;;
   piecewise-serve)  # issue 19: the issue's serving run (Llama-3-8B dummy, random 1024 in / 128 out, concurrency 64), default graphs vs full_and_piecewise (buckets to 512: steps that hold a whole 1024-token prompt still run eagerly)
-    serve_l8_c64 full-decode-only
-    serve_l8_c64 full-and-piecewise --cudagraph-mode full_and_piecewise ;;
+    serve_l8 full-decode-only
+    serve_l8 full-and-piecewise --cudagraph-mode full_and_piecewise ;;
   piecewise-serve-2k)  # issue 19: the same serving run, default graphs vs piecewise buckets up to 2048 tokens (so steps with a prompt replay too)
-    serve_l8_c64 full-decode-only
-    serve_l8_c64 piecewise-2k --cudagraph-mode full_and_piecewise --piecewise-capture-sizes "1,2,4,$(seq -s, 8 8 248),$(seq -s, 256 16 512),$(seq -s, 576 64 2048)" ;;
+    serve_l8 full-decode-only
+    serve_l8 piecewise-2k --cudagraph-mode full_and_piecewise --piecewise-capture-sizes "1,2,4,$(seq -s, 8 8 248),$(seq -s, 256 16 512),$(seq -s, 576 64 2048)" ;;
   prefill-attn-serve)  # issue 19: the c64 serving run with ATOM_PREFILL_ATTENTION=paged and =contiguous (the default since 2026-11-26; the server inherits the variable)
-    ATOM_PREFILL_ATTENTION=paged serve_l8_c64 paged
-    ATOM_PREFILL_ATTENTION=contiguous serve_l8_c64 contiguous ;;
+    ATOM_PREFILL_ATTENTION=paged serve_l8 paged
+    ATOM_PREFILL_ATTENTION=contiguous serve_l8 contiguous ;;
   serve-budget)  # issue 19: the serving runs at the defaults (c64 and c256), and c64 with a 2,048-token step budget (the 2026-11-26 c64 profile: 8,192-token prefill steps of 190 ms stall every decode; a cost-model replay of the scheduler predicted +3% output tok/s and lower TTFT, higher TPOT)
-    serve_l8_c64 b8192
-    serve_l8_c64 b2048 --max-num-batched-tokens 2048
-    SERVE_CONC=256 serve_l8_c64 b8192 ;;
+    serve_l8 b8192
+    serve_l8 b2048 --max-num-batched-tokens 2048
+    SERVE_CONC=256 serve_l8 b8192 ;;
   serve-c256)  # issue 19: the c256 serving run at the defaults alone (1,280 requests), to check its run-to-run spread
-    SERVE_CONC=256 serve_l8_c64 defaults ;;
+    SERVE_CONC=256 serve_l8 defaults ;;
   q06-nano-ab)  # Qwen3-0.6B nano, alternating the 1-token dense GEMV switch (auto = default, linear = cuBLAS everywhere): 16,999 tok/s on 2026-11-26 (fifth session) against 18,565-18,958 before the GEMV
     for r in 1 2; do
       for kern in linear auto; do

@@ -25,6 +25,7 @@ The fifth session's tile sweep moved 1-token bf16 to one row a program in 1,024-
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -61,6 +62,7 @@ def _check(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     check_same_device(x=x2, weight=weight, **({} if bias is None else {"bias": bias}))
 
 
+@functools.lru_cache(maxsize=None)  # dense_gemv asks on every eager call; a few shapes per model
 def default_dense_gemv_config(m: int, n: int, k: int, elem_bytes: int, num_sms: int) -> Fp8GemvConfig:
     """The FP8 GEMV's tiles, except one row of 2-byte weights: 8 weights (one 16-byte load) a
     thread a step over BLOCK_K 1,024, one weight row a program with 4 warps. The H100 sweep
