@@ -187,13 +187,21 @@ def kv_cache_format(name: str, model_dtype: torch.dtype) -> KVCacheFormat:
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous batching. num_scheduler_steps > 1: decode windows of that many steps while
-    no request waits (one host round trip per window)."""
+    no request waits (one host round trip per window).
+
+    prefill_pacing_steps K > 0: while sequences decode, a step's prompt tokens are capped at
+    max(prefill_pacing_min_tokens, outstanding prompt tokens / K). A burst of prompts (a closed-
+    loop client's whole wave) is then spread over about K decode steps instead of being admitted
+    in a few full-budget steps that stall every decode and end in lock-step; later steps carry
+    their share of prompt tokens while the decodes ride along. 0 = off (the full budget)."""
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     enable_chunked_prefill: bool = True
     async_scheduling: bool = True
     num_scheduler_steps: int = 8
+    prefill_pacing_steps: int = 0
+    prefill_pacing_min_tokens: int = 512
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -202,6 +210,12 @@ class SchedulerConfig:
             _fail(self, "max_num_batched_tokens", "must be >= 1")
         if not 1 <= self.num_scheduler_steps <= 64:
             _fail(self, "num_scheduler_steps", "must be between 1 and 64")
+        if self.prefill_pacing_steps < 0:
+            _fail(self, "prefill_pacing_steps", "must be >= 0 (0 = off)")
+        if self.prefill_pacing_min_tokens < 1:
+            _fail(self, "prefill_pacing_min_tokens", "must be >= 1")
+        if self.prefill_pacing_steps and not self.enable_chunked_prefill:
+            _fail(self, "prefill_pacing_steps", "needs chunked prefill (a paced prompt is admitted a chunk at a time)")
 
 
 @dataclass(frozen=True)

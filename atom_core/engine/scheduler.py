@@ -34,6 +34,8 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.enable_chunked_prefill = config.enable_chunked_prefill
         self.num_scheduler_steps = config.num_scheduler_steps
+        self.prefill_pacing_steps = config.prefill_pacing_steps
+        self.prefill_pacing_min_tokens = config.prefill_pacing_min_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
@@ -67,6 +69,7 @@ class Scheduler:
         out = SchedulerOutput()
         scheduled: list[Sequence] = []
         budget = self.max_num_batched_tokens
+        prompt_budget = self._prompt_budget()
         preempted = False
         i = 0
         block_size = self.kv.block_size
@@ -77,6 +80,12 @@ class Scheduler:
                 i += 1
                 continue
             n = min(num_tokens - seq.num_computed_tokens, budget)
+            if n > 1:  # a prompt chunk (or a preempted sequence's recompute): paced
+                n = min(n, prompt_budget)
+                if n == 0:
+                    i += 1
+                    continue
+                prompt_budget -= n
             if seq.num_computed_tokens + n > len(seq.block_table) * block_size:  # needs a block
                 while not self.kv.can_append_slots(seq, seq.num_computed_tokens + n):
                     victim = self.running.pop()
@@ -95,7 +104,7 @@ class Scheduler:
                 budget -= self._schedule_drafts(seq, out, n, budget)
             i += 1
         if not preempted:
-            self._schedule_waiting(out, scheduled, budget)
+            self._schedule_waiting(out, scheduled, min(budget, prompt_budget))
         out.is_decode_only = _is_decode_only(out, scheduled) and not out.has_drafts
         if out.is_decode_only and self.num_scheduler_steps > 1 and not self.waiting and not self.num_speculative_tokens:
             self._plan_window(out, scheduled)
@@ -103,6 +112,23 @@ class Scheduler:
         if scheduled:  # an empty step is not run: its news waits for the next one
             out.finished_req_ids, self._finished_ids = self._finished_ids, []
         return out
+
+    def _prompt_budget(self) -> int:
+        """Prompt tokens this step may carry: the whole budget, or while sequences decode and
+        pacing is on, max(min tokens, outstanding prompt tokens / pacing steps) (SchedulerConfig)."""
+        if not self.prefill_pacing_steps:
+            return self.max_num_batched_tokens
+        outstanding, decoding = 0, False
+        for seq in self.running:
+            pending = len(seq.token_ids) - seq.num_computed_tokens
+            if pending > 1:
+                outstanding += pending
+            elif pending == 1 and len(seq.token_ids) < seq.token_limit:
+                decoding = True
+        if not decoding:
+            return self.max_num_batched_tokens
+        outstanding += sum(seq.num_tokens - seq.num_computed_tokens for seq in self.waiting)
+        return max(self.prefill_pacing_min_tokens, -(-outstanding // self.prefill_pacing_steps))
 
     def _plan_window(self, out: SchedulerOutput, seqs: list[Sequence]) -> None:
         """Turn a decode-only batch into a multi-step window when every sequence allows it:

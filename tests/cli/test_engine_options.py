@@ -56,3 +56,33 @@ def test_offline_commands_default_to_windows_of_8():
 
     assert "num_scheduler_steps" not in engine_kwargs(_defaults(model="/m"))
     assert EngineConfig.from_kwargs("/m").scheduler.num_scheduler_steps == 8
+
+
+def _serve_config(monkeypatch, args):
+    from typer.testing import CliRunner
+    import typer
+
+    import atom_core.server.app as server_app
+    from atomctl.serve import register
+
+    seen = {}
+    monkeypatch.setattr(server_app, "run_server", lambda config, *a, **k: seen.update(config=config))
+    app = typer.Typer()
+    register(app)
+    app.callback()(lambda: None)
+    result = CliRunner().invoke(app, ["serve", "--model", "/m", *args])
+    return result, seen.get("config")
+
+
+def test_prefill_pacing_flags_reach_the_scheduler(monkeypatch):
+    result, config = _serve_config(monkeypatch, ["--prefill-pacing-steps", "16", "--prefill-pacing-min-tokens", "256"])
+    assert result.exit_code == 0, result.output
+    assert (config.scheduler.prefill_pacing_steps, config.scheduler.prefill_pacing_min_tokens) == (16, 256)
+
+
+@pytest.mark.parametrize("args,flag", [(["--prefill-pacing-steps", "-2"], "--prefill-pacing-steps"),
+                                       (["--prefill-pacing-min-tokens", "0"], "--prefill-pacing-min-tokens")])
+def test_bad_prefill_pacing_flags_are_refused(monkeypatch, args, flag):
+    result, config = _serve_config(monkeypatch, args)
+    assert result.exit_code != 0 and config is None
+    assert flag in result.output

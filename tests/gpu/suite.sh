@@ -533,6 +533,11 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
     serve_l8 b8192
     serve_l8 b2048 --max-num-batched-tokens 2048
     SERVE_CONC=256 serve_l8 b8192 ;;
+  serve-pacing)  # issue 19: prefill pacing (--prefill-pacing-steps K, min 512 tokens) against the waves of the c64 run (64 streams admitted in 8 full-budget steps that stall every decode, then ~120 decode-only steps, all ending together): c64 at K 0 / 32 / 64, then c256 at K 32 (a cost-model replay predicted +16-18% c64 output tok/s, lower TTFT p50, c256 unchanged)
+    serve_l8 k0
+    serve_l8 k32 --prefill-pacing-steps 32
+    serve_l8 k64 --prefill-pacing-steps 64
+    SERVE_CONC=256 serve_l8 k32 --prefill-pacing-steps 32 ;;
   serve-c256)  # issue 19: the c256 serving run at the defaults alone (1,280 requests), to check its run-to-run spread
     SERVE_CONC=256 serve_l8 defaults ;;
   q06-nano-ab)  # Qwen3-0.6B nano, alternating the 1-token dense GEMV switch (auto = default, linear = cuBLAS everywhere): 16,999 tok/s on 2026-11-26 (fifth session) against 18,565-18,958 before the GEMV
