@@ -69,6 +69,9 @@ def offline_cmd(
     temperature: float = typer.Option(0.6),
     workload_seed: int = typer.Option(0, help="random.seed of the workload (nano-vllm: 0)."),
     output_json: Optional[Path] = typer.Option(None, help="Write the result as JSON."),
+    step_timeline: bool = typer.Option(False, "--step-timeline/--no-step-timeline",
+                                       help="Also report where the time went: steps with prompt tokens vs "
+                                            "decode-only steps, and decode-only steps by batch size."),
     engine_args: dict = None,
 ):
     """Offline throughput: nano-vllm's workload by default (256 requests, lengths in [100, 1024])."""
@@ -77,9 +80,12 @@ def offline_cmd(
     workload = ThroughputWorkload(num_prompts, min_input_len, max_input_len, min_output_len, max_output_len,
                                   temperature, workload_seed)
     if engine_args.get("data_parallel_size", 1) > 1:
+        if step_timeline:  # each replica's core runs in its own process, out of this one's reach
+            raise ValueError(f"--step-timeline records one engine core's steps; it does not support "
+                             f"--data-parallel-size {engine_args['data_parallel_size']} (run it with -dp 1)")
         return _offline_replicas(workload, engine_args, output_json)
     engine, startup = _start_engine(engine_args)
-    result = run_throughput(engine, workload, startup)
+    result = run_throughput(engine, workload, startup, step_timeline)
     phases = _startup_phases(engine, startup)
     _show("atomctl bench offline", [
         *_throughput_rows(result),
@@ -89,6 +95,36 @@ def offline_cmd(
         *_model_rows(engine),
     ], output_json, {"workload": as_json(workload), **as_json(result), "engine_args": engine_kwargs(engine_args),
                      "startup_breakdown_s": phases, "model": engine.core.executor.runner.model_summary})
+    if result.step_timeline is not None:
+        _show_step_timeline(result.step_timeline, result.elapsed_s)
+
+
+def _show_step_timeline(summary: dict, elapsed_s: float) -> None:
+    """Steps with prompt tokens vs decode-only steps, then decode-only steps by batch size; each
+    with its share of the timed run (the total falls short of 100% by what followed the last step)."""
+    columns = ("steps", "seconds", "share of run", "ms per step", "mean batch")
+    decode = summary["decode_only"]  # multi-step windows: a decode-only step runs several forwards
+    windows = f"decode windows: {decode['forwards']:,} forwards in {decode['steps']:,} decode-only steps"
+    kinds = Table(title="step timeline", caption=windows if decode["forwards"] != decode["steps"] else None)
+    by_batch = Table(title="decode-only steps by batch size")
+    for table, first in ((kinds, "kind"), (by_batch, "batch")):
+        table.add_column(first)
+        for name in columns:
+            table.add_column(name, justify="right")
+    kinds.add_column("prompt tokens", justify="right")
+    by_batch.add_column("forwards", justify="right")
+
+    def cells(row: dict) -> list[str]:
+        return [f"{row['steps']:,}", f"{row['seconds']:.2f}", f"{row['seconds'] / elapsed_s:.1%}",
+                f"{row['mean_ms_per_step']:.2f}", f"{row['mean_decodes_per_step']:.1f}"]
+
+    for kind in ("with_prompt", "decode_only", "total"):
+        kinds.add_row(kind.replace("_", " "), *cells(summary[kind]), f"{summary[kind]['prompt_tokens']:,}")
+    for row in summary["decode_only_by_batch"]:
+        if row["steps"]:
+            by_batch.add_row(row["batch"], *cells(row), f"{row['forwards']:,}")
+    Console().print(kinds)
+    Console().print(by_batch)
 
 
 def _throughput_rows(result) -> list[tuple[str, str]]:

@@ -8,6 +8,8 @@ Workloads reproduce the reference runs exactly (see ANCHORS in the docs):
   max_tokens=1 run; TPOT = (median T(output_len) - TTFT) / (output_len - 1). prompt_period P:
   each prompt repeats a random P-token motif instead (a repetitive workload for n-gram drafts).
 With speculative decoding, each result carries the timed runs' acceptance counters (`spec_decode`).
+With step_timeline, the throughput result carries the timed run's per-step summary
+(engine/step_timeline.py): how many steps carried prompt tokens, how many only decoded, and their time.
 """
 from __future__ import annotations
 
@@ -59,9 +61,11 @@ class ThroughputResult:
     total_throughput: float
     request_throughput: float
     spec_decode: dict | None = None  # acceptance over the timed run (speculative decoding)
+    step_timeline: dict | None = None  # StepTimeline.summary() of the timed run, when asked for
 
 
-def run_throughput(engine, workload: ThroughputWorkload, startup_s: float = 0.0) -> ThroughputResult:
+def run_throughput(engine, workload: ThroughputWorkload, startup_s: float = 0.0,
+                   step_timeline: bool = False) -> ThroughputResult:
     # Token ids stay below the vocab (only tiny test models have fewer than 10,001 tokens).
     workload = replace(workload, max_token_id=min(workload.max_token_id, engine.core.vocab_size - 1))
     prompts, params = workload.build()
@@ -71,12 +75,15 @@ def run_throughput(engine, workload: ThroughputWorkload, startup_s: float = 0.0)
     engine.reset_prefix_cache()
     before = engine.spec_decode_stats()
     start = time.perf_counter()
+    if step_timeline:  # started inside the timed span, so its steps add up to at most `elapsed`
+        engine.core.start_step_timeline()
     outputs = engine.generate(prompts, params)
     elapsed = time.perf_counter() - start
+    timeline = engine.core.stop_step_timeline() if step_timeline else None
     n_in = sum(len(p) for p in prompts)
     n_out = sum(o["num_tokens_output"] for o in outputs)
     return ThroughputResult(len(prompts), n_in, n_out, elapsed, startup_s, n_out / elapsed,
-                            (n_in + n_out) / elapsed, len(prompts) / elapsed, _spec_delta(engine, before))
+                            (n_in + n_out) / elapsed, len(prompts) / elapsed, _spec_delta(engine, before), timeline)
 
 
 def _spec_delta(engine, before: dict) -> dict | None:

@@ -14,6 +14,7 @@ from atom_core.engine.kv_cache import KVCacheManager
 from atom_core.engine.output_processor import CoreOutput
 from atom_core.engine.scheduler import Scheduler
 from atom_core.engine.sequence import FinishReason, Sequence
+from atom_core.engine.step_timeline import StepTimeline
 from atom_core.loader import resolve_model_files
 from atom_core.sampling_params import SamplingParams
 from atom_core.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -85,6 +86,7 @@ class EngineCore:
                                    config.speculative.num_draft_tokens)
         self.pending = None  # the launched step not yet resolved (async scheduling)
         self.grammars = None  # GrammarManager, built at the first structured-output request
+        self.step_timeline: StepTimeline | None = None  # per-step wall times while one is recorded
         self.startup_seconds = time.perf_counter() - start
         logger.info("engine core ready in %.1f s", self.startup_seconds)
 
@@ -118,6 +120,18 @@ class EngineCore:
 
     def stop_profile(self) -> list[str]:
         return self.profiler.stop()
+
+    def start_step_timeline(self) -> None:
+        """Record every step resolved from now on (engine/step_timeline.py); restarts a running one."""
+        self.step_timeline = StepTimeline()
+        self.step_timeline.start({rid: s.num_prompt_tokens for rid, s in self.scheduler.requests.items()})
+
+    def stop_step_timeline(self) -> dict:
+        """The timeline's summary (StepTimeline.summary); ValueError when none is running."""
+        if self.step_timeline is None:
+            raise ValueError("no step timeline is running; call start_step_timeline() first")
+        summary, self.step_timeline = self.step_timeline.summary(), None
+        return summary
 
     # ---- requests -------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -187,6 +201,8 @@ class EngineCore:
     def _resolve(self, pending) -> list[CoreOutput]:
         out, handle = pending
         result = self.executor.resolve(handle)
+        if self.step_timeline is not None:
+            self.step_timeline.record(out)
         requests = self.scheduler.requests
         seqs = [requests.get(rid) for rid in out.req_ids]  # None: ended while the step ran
         for i, entries in result.prompt_logprobs.items():

@@ -45,6 +45,49 @@ class TestNanoWorkload:
             ThroughputWorkload(**kw)
 
 
+class TestStepTimeline:
+    @pytest.mark.parametrize("num_scheduler_steps", [1, 4])
+    def test_counts_add_up_to_the_workload(self, tiny_llama, num_scheduler_steps):
+        """A 64-token budget chunks prompts and mixes them with decodes; with windows a decode-only
+        step runs several forwards and each decode several tokens."""
+        from atom_core import LLMEngine
+        from atom_core.bench.offline import run_throughput
+
+        engine = LLMEngine(str(tiny_llama), num_kv_blocks=256, max_num_batched_tokens=64,
+                           num_scheduler_steps=num_scheduler_steps)
+        engine.core.kv.reset_counters()
+        workload = ThroughputWorkload(num_prompts=8, min_input_len=20, max_input_len=90, min_output_len=3,
+                                      max_output_len=20)
+        result = run_throughput(engine, workload, step_timeline=True)
+        t = result.step_timeline
+        assert engine.core.scheduler.num_preemptions == 0  # else recomputed outputs add prompt tokens
+        assert t["with_prompt"]["prompt_tokens"] == result.input_tokens - engine.core.kv.num_hit_tokens
+        assert t["decode_only"]["prompt_tokens"] == 0
+        # a request's first token comes from the step that completes its prompt; every other from a decode
+        assert t["total"]["decode_tokens"] == result.output_tokens - result.num_requests
+        assert t["with_prompt"]["steps"] >= -(-result.input_tokens // 64) and t["decode_only"]["steps"] > 0
+        assert t["with_prompt"]["decodes"] > 0  # some steps mix prompt chunks and decodes
+        for field in ("steps", "forwards", "prompt_tokens", "decodes", "decode_tokens"):
+            assert t["with_prompt"][field] + t["decode_only"][field] == t["total"][field]
+            assert sum(row[field] for row in t["decode_only_by_batch"]) == t["decode_only"][field]
+        assert t["with_prompt"]["seconds"] + t["decode_only"]["seconds"] == pytest.approx(t["total"]["seconds"])
+        assert 0 < t["total"]["seconds"] <= result.elapsed_s
+        if num_scheduler_steps == 1:
+            assert t["total"]["decode_tokens"] == t["total"]["decodes"] and t["total"]["forwards"] == t["total"]["steps"]
+        else:
+            assert t["decode_only"]["forwards"] > t["decode_only"]["steps"]
+        assert engine.core.step_timeline is None
+
+    def test_off_by_default(self, tiny_llama):
+        from atom_core import LLMEngine
+        from atom_core.bench.offline import run_throughput
+
+        engine = LLMEngine(str(tiny_llama), num_kv_blocks=256)
+        result = run_throughput(engine, ThroughputWorkload(num_prompts=2, min_input_len=5, max_input_len=9,
+                                                           min_output_len=2, max_output_len=3))
+        assert result.step_timeline is None and engine.core.step_timeline is None
+
+
 class TestCommands:
     def test_offline_runs_and_writes_json(self, tiny_llama, tmp_path):
         out = tmp_path / "off.json"
@@ -56,6 +99,7 @@ class TestCommands:
         assert data["num_requests"] == 6 and data["output_throughput"] > 0
         assert 6 * 4 <= data["output_tokens"] <= 6 * 12
         assert "output tok/s" in res.output
+        assert data["step_timeline"] is None and "step timeline" not in res.output  # off by default
         assert set(data["startup_breakdown_s"]) == {"load", "compile_setup", "kv_sizing", "kernel_warm_up",
                                                     "graph_capture", "other"}
         assert sum(data["startup_breakdown_s"].values()) == pytest.approx(data["startup_s"])
@@ -79,6 +123,30 @@ class TestCommands:
         assert data["num_requests"] == 6 and data["output_tokens"] == 6 * 5 and data["output_throughput"] > 0
         assert sum(data["requests_per_replica"]) == 6 and min(data["requests_per_replica"]) >= 1
         assert "requests per replica" in res.output and "3 / 3" in res.output  # least outstanding: an even split
+
+    def test_offline_step_timeline_prints_tables_and_writes_json(self, tiny_llama, tmp_path):
+        out = tmp_path / "off.json"
+        res = runner.invoke(app, ["bench", "offline", "--model", str(tiny_llama), "--device", "cpu", "--num-prompts", "6",
+                                  "--min-input-len", "10", "--max-input-len", "40", "--min-output-len", "4", "--max-output-len", "12",
+                                  "--step-timeline", "--output-json", str(out)])
+        assert res.exit_code == 0, res.output
+        data = json.loads(out.read_text())
+        timeline = data["step_timeline"]
+        assert timeline["total"]["prompt_tokens"] == data["input_tokens"]  # random prompts: no prefix hits
+        assert timeline["total"]["decode_tokens"] == data["output_tokens"] - 6
+        assert "step timeline" in res.output and "decode-only steps by batch size" in res.output
+        assert f"{data['input_tokens']:,}" in res.output  # the prompt tokens of the with-prompt and total rows
+        for label in ("with", "decode", "total", "1-8"):
+            assert label in res.output
+        windows = timeline["decode_only"]["forwards"] != timeline["decode_only"]["steps"]  # default: 8-step windows
+        assert windows and "decode windows:" in res.output
+
+    def test_offline_step_timeline_with_data_parallel_replicas_is_a_clear_error(self, tiny_llama):
+        res = runner.invoke(app, ["bench", "offline", "--model", str(tiny_llama), "--device", "cpu", "-dp", "2",
+                                  "--step-timeline"])
+        assert res.exit_code == 1
+        assert res.output.strip().startswith("error: --step-timeline") and "--data-parallel-size 2" in res.output
+        assert len(res.output.strip().splitlines()) == 1
 
     def test_latency_with_data_parallel_replicas_is_a_clear_error(self, tiny_llama):
         res = runner.invoke(app, ["bench", "latency", "--model", str(tiny_llama), "--device", "cpu", "-dp", "2"])

@@ -538,6 +538,8 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
     serve_l8 k32 --prefill-pacing-steps 32
     serve_l8 k64 --prefill-pacing-steps 64
     SERVE_CONC=256 serve_l8 k32 --prefill-pacing-steps 32 ;;
+  serve-pacing-2)  # issue 19: serve-pacing made c64 slower (2,871 -> 1,673 / 1,956 tok/s at K 32 / 64: mixed steps of ~600-1,800 tokens took 20-45 ms, ITL p50 32 ms): the same K 64 run with piecewise graphs up to 2,048 tokens (mixed steps replay), then run SERVE_FLAGS="--prefill-pacing-steps 64" serve-profile (the paced server's mixed steps: kernels vs wall)
+    serve_l8 k64-pw2k --prefill-pacing-steps 64 --cudagraph-mode full_and_piecewise --piecewise-capture-sizes "1,2,4,$(seq -s, 8 8 248),$(seq -s, 256 16 512),$(seq -s, 576 64 2048)" ;;
   serve-c256)  # issue 19: the c256 serving run at the defaults alone (1,280 requests), to check its run-to-run spread
     SERVE_CONC=256 serve_l8 defaults ;;
   q06-nano-ab)  # Qwen3-0.6B nano, alternating the 1-token dense GEMV switch (auto = default, linear = cuBLAS everywhere): 16,999 tok/s on 2026-11-26 (fifth session) against 18,565-18,958 before the GEMV
@@ -546,8 +548,8 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
         step off-q06-$kern-$r 90 env ATOM_DENSE_SMALL_M_KERNEL=$kern python3 -m atomctl.main bench offline "${q06[@]}" --output-json "$OUT/off_q06_${kern}_$r.json"
       done
     done ;;
-  serve-profile)  # issue 19: where a loaded server's steps go: the c64 run (80 requests) under the torch profiler (/start_profile, /stop_profile by bench serve --profile), then parse-trace's per-phase breakdown (prefill, mixed, decode steps)
-    python3 -m atomctl.main --log-level INFO serve "${l8[@]}" --torch-profiler-dir /tmp/serve_traces --port 8011 > /tmp/serve_profile.log 2>&1 &
+  serve-profile)  # issue 19: where a loaded server's steps go: the c64 run (80 requests) under the torch profiler (/start_profile, /stop_profile by bench serve --profile), then parse-trace's per-phase breakdown (prefill, mixed, decode steps); SERVE_FLAGS: extra server flags
+    python3 -m atomctl.main --log-level INFO serve "${l8[@]}" ${SERVE_FLAGS:-} --torch-profiler-dir /tmp/serve_traces --port 8011 > /tmp/serve_profile.log 2>&1 &
     spid=$!
     for i in $(seq 1 300); do curl -sf http://127.0.0.1:8011/health >/dev/null && break; sleep 1; done
     step bench-serve-profile 200 python3 -m atomctl.main bench serve --backend atom --base-url http://127.0.0.1:8011 \
