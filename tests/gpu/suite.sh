@@ -416,6 +416,12 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
     step lat-l70-tp2-bs1 120 python3 -m atomctl.main bench latency "${l70[@]}" -tp 2 --bs 1 --output-json "$OUT/lat_l70_tp2_bs1.json"
     step off-l8-dp2 100 python3 -m atomctl.main bench offline "${l8[@]}" -dp 2 --output-json "$OUT/off_l8_dp2.json"
     step off-l70-tp2 200 python3 -m atomctl.main bench offline "${l70[@]}" -tp 2 --output-json "$OUT/off_l70_tp2.json" ;;
+  tp-70b-timeline)  # issue 18 on two H200s: Llama-3-8B TP=1 and TP=2 batch 1 on the same machine (the 0.65x row, with the fifth session's 1-token GEMV tile), Llama-3.1-70B TP=2 batch 1, then its nano run with --step-timeline (53 s on H200s in the third session against ~35 s counted: which steps take the time)
+    l70=(--model preset:Llama-3.1-70B --load-format dummy --max-model-len 4096 --gpu-memory-utilization 0.97)
+    step lat-l8-tp1-bs1 70 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-json "$OUT/lat_l8_tp1_bs1.json"
+    step lat-l8-tp2-bs1 90 python3 -m atomctl.main bench latency "${l8[@]}" -tp 2 --bs 1 --output-json "$OUT/lat_l8_tp2_bs1.json"
+    step lat-l70-tp2-bs1 150 python3 -m atomctl.main bench latency "${l70[@]}" -tp 2 --bs 1 --output-json "$OUT/lat_l70_tp2_bs1.json"
+    step off-l70-tp2-timeline 230 python3 -m atomctl.main bench offline "${l70[@]}" -tp 2 --step-timeline --output-json "$OUT/off_l70_tp2_timeline.json" ;;
   tp|tp-bench)  # issue 18's speed rows (dummy weights, the default all-reduce): Llama-3.1-70B TP=2 batch 1, Qwen3-30B-A3B TP=2 vs EP=2 nano, Llama-3-8B DP=2 nano, Llama-3.1-70B TP=2 nano, Llama-3-8B DP=1 nano
     # 70.7 GiB of weights per rank: on 2x H100 (79.2 GiB) the default 0.9 leaves no KV cache
     l70=(--model preset:Llama-3.1-70B --load-format dummy --max-model-len 4096 --gpu-memory-utilization 0.97)
