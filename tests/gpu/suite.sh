@@ -474,6 +474,9 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
   fp8-gemv-sweep)  # the FP8 GEMV's tiles (BLOCK_K x weights a thread x split-K) at M=1 then 4, Llama-3-8B shapes (a compile per tile and shape): sets fp8_gemv.default_fp8_gemv_config
     step fp8-gemv-sweep-m1 280 python3 -m atom_core.kernels.triton.fp8_bench --sweep-gemv --m 1 --shapes llama-3-8b
     step fp8-gemv-sweep-m4 280 python3 -m atom_core.kernels.triton.fp8_bench --sweep-gemv --m 4 --shapes llama-3-8b ;;
+  fp8-gemv-sweep-m1)  # the FP8 GEMV's 1-token tiles (now with BLOCK_K 2,048 x 16 e4m3 a thread, one weight row a program), then Llama-3-8B --quantization fp8 batch-1 TPOT at the defaults (4.27 ms on 2026-11-26; target 3.4)
+    step fp8-gemv-sweep-m1 300 python3 -m atom_core.kernels.triton.fp8_bench --sweep-gemv --m 1 --shapes llama-3-8b
+    step lat-l8fp8-bs1 100 python3 -m atomctl.main bench latency "${l8[@]}" --quantization fp8 --bs 1 --output-json "$OUT/lat_l8fp8_bs1.json" ;;
   fp8kv|fp8kv-8b)  # issue 16 FP8 KV cache, per layer (fp8) and per token and head (fp8_per_token_head): the kernel + engine GPU tests, then the nano offline workload with bf16, fp8 and fp8_per_token_head KV (Qwen3-0.6B here; Llama-3-8B in fp8kv-8b, to stay under 600 s a call); not yet run
     kvs=(auto fp8 fp8_per_token_head) ;;&
   fp8kv)
