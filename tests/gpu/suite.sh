@@ -52,7 +52,7 @@ serve_l8() {  # serve_l8 NAME [ENGINE FLAGS...]: start the server, one bench ser
   echo "server ($name) ready after $(( $(date +%s) - start )) s"
   step bench-serve-l8-c$conc-$name $(( 90 + conc / 4 )) python3 -m atomctl.main bench serve --backend atom --base-url http://127.0.0.1:8011 \
     --tokenizer preset:Llama-3-8B --dataset-name random --random-input-len 1024 --random-output-len 128 \
-    --ignore-eos --num-prompts $(( conc * 5 )) --max-concurrency $conc --save-result --result-dir "$OUT" --result-filename serve_l8_c${conc}_$name.json
+    --ignore-eos --num-prompts $(( conc * 5 )) --max-concurrency $conc ${SERVE_EXTRA:-} --save-result --result-dir "$OUT" --result-filename serve_l8_c${conc}_$name.json
   kill $spid; wait $spid; grep -E "captured" /tmp/serve_$name.log | tail -n 3
 }
 profile_l8_tp2() {  # profile_l8_tp2 NAME [VAR=VALUE...]: a Llama-3-8B TP=2 batch-1 decode profile, then rank 0's breakdown in $OUT/NAME
@@ -549,6 +549,13 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
     SERVE_CONC=256 serve_l8 k32 --prefill-pacing-steps 32 ;;
   serve-pacing-2)  # issue 19: serve-pacing made c64 slower (2,871 -> 1,673 / 1,956 tok/s at K 32 / 64: mixed steps of ~600-1,800 tokens took 20-45 ms, ITL p50 32 ms): the same K 64 run with piecewise graphs up to 2,048 tokens (mixed steps replay), then run SERVE_FLAGS="--prefill-pacing-steps 64" serve-profile (the paced server's mixed steps: kernels vs wall)
     serve_l8 k64-pw2k --prefill-pacing-steps 64 --cudagraph-mode full_and_piecewise --piecewise-capture-sizes "1,2,4,$(seq -s, 8 8 248),$(seq -s, 256 16 512),$(seq -s, 576 64 2048)" ;;
+  serve-mixed)  # issue 19: mixed steps' attention with the decodes launched apart (ATOM_MIXED_ATTENTION=split, the default) vs one launch (single): GPU tests, then the paced c64 run with piecewise graphs to 2,048 tokens both ways (2,924 tok/s single in the sixth session's call 2); then c64 with random lengths (--random-range-ratio 0.5, the waves break up by themselves) at full_decode_only vs full_and_piecewise to 2,048 tokens
+    step mixed-attn-gpu-tests 150 python3 -m pytest -q --tb=short -m gpu tests/kernels/test_mixed_attention.py tests/kernels/test_prefill_attention.py -p no:cacheprovider
+    pw2k=(--cudagraph-mode full_and_piecewise --piecewise-capture-sizes "1,2,4,$(seq -s, 8 8 248),$(seq -s, 256 16 512),$(seq -s, 576 64 2048)")
+    ATOM_MIXED_ATTENTION=split serve_l8 k64-pw2k-split --prefill-pacing-steps 64 "${pw2k[@]}"
+    ATOM_MIXED_ATTENTION=single serve_l8 k64-pw2k-single --prefill-pacing-steps 64 "${pw2k[@]}"
+    SERVE_EXTRA="--random-range-ratio 0.5" serve_l8 rr05-default
+    SERVE_EXTRA="--random-range-ratio 0.5" serve_l8 rr05-pw2k "${pw2k[@]}" ;;
   serve-c256)  # issue 19: the c256 serving run at the defaults alone (1,280 requests), to check its run-to-run spread
     SERVE_CONC=256 serve_l8 defaults ;;
   q06-nano-ab)  # Qwen3-0.6B nano, alternating the 1-token dense GEMV switch (auto = default, linear = cuBLAS everywhere): 16,999 tok/s on 2026-11-26 (fifth session) against 18,565-18,958 before the GEMV
