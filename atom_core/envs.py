@@ -31,6 +31,9 @@ ENV_VARS: dict[str, str] = {
     "ATOM_PREFILL_ATTENTION": "contiguous (default) or paged: on CUDA, sequences without cached context (a prompt's "
                               "first chunk) attend over the step's own K/V rows (kernels/triton/prefill_attention.py; "
                               "faster on the H100, docs/PERFORMANCE.md 2026-11-26) or over the paged cache",
+    "ATOM_MIXED_ATTENTION": "split (default) or single: on CUDA, a step with both decodes and chunks with cached "
+                            "context runs them in two paged-attention launches (decode tile, split-KV; chunk tile) "
+                            "or in one launch sized by the longest query (kernels/triton/attention.py)",
     "ATOM_MTP_GRAPHS": "0/1 (default 0 until run on a GPU): with CUDA graphs, the MTP layer's catch-up and later "
                        "drafts replay graphs too (spec_decode/mtp_graphs.py) instead of running eagerly",
     "ATOM_DENSE_SMALL_M_KERNEL": "auto (default), linear or gemv: unquantized linears on CUDA run F.linear (cuBLAS) "
@@ -60,6 +63,8 @@ MoeDecodePath = Literal["tiled", "gemv"]
 MOE_DECODE_PATHS: tuple[str, ...] = get_args(MoeDecodePath)
 PrefillAttentionMode = Literal["contiguous", "paged"]
 PREFILL_ATTENTION_MODES: tuple[str, ...] = get_args(PrefillAttentionMode)
+MixedAttentionMode = Literal["split", "single"]
+MIXED_ATTENTION_MODES: tuple[str, ...] = get_args(MixedAttentionMode)
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -76,6 +81,7 @@ class AtomEnvs:
     fp8_small_m_kernel: Fp8SmallMKernel = "auto"  # read once by quant/fp8_ops when it is imported
     moe_decode_path: MoeDecodePath = "gemv"  # read once by kernels/triton/moe_decode when it is imported
     prefill_attention: PrefillAttentionMode = "contiguous"  # read once by kernels/triton/prefill_attention on import
+    mixed_attention: MixedAttentionMode = "split"  # read once by kernels/triton/attention on import
     mtp_graphs: bool = False  # read by the model runner when it captures graphs
     all_reduce: AllReduceMode = "auto"  # read by distributed.init_distributed
     dense_small_m_kernel: DenseSmallMKernel = "auto"  # read once by quant/unquantized when it is imported
@@ -94,6 +100,7 @@ def read_envs(environ: Mapping[str, str] | None = None) -> AtomEnvs:
         fp8_small_m_kernel=env_choice(env, "ATOM_FP8_SMALL_M_KERNEL", FP8_SMALL_M_KERNELS, "auto"),
         moe_decode_path=env_choice(env, "ATOM_MOE_DECODE_PATH", MOE_DECODE_PATHS, "gemv"),
         prefill_attention=env_choice(env, "ATOM_PREFILL_ATTENTION", PREFILL_ATTENTION_MODES, "contiguous"),
+        mixed_attention=env_choice(env, "ATOM_MIXED_ATTENTION", MIXED_ATTENTION_MODES, "split"),
         mtp_graphs=env_bool(env, "ATOM_MTP_GRAPHS", False),
         all_reduce=env_choice(env, "ATOM_ALL_REDUCE", ALL_REDUCE_MODES, "auto"),
         dense_small_m_kernel=env_choice(env, "ATOM_DENSE_SMALL_M_KERNEL", DENSE_SMALL_M_KERNELS, "auto"),

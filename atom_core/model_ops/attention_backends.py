@@ -8,6 +8,7 @@ calls it passes only tensors and the layer key, and a new family adds no op argu
 from __future__ import annotations
 
 import importlib
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -63,10 +64,39 @@ class PagedMHABackend(AttentionBackend):
         if prefill is not None:
             out = self._split_by_context(prefill, layer, meta, qkv, positions, q, k_norm)
             return out.view(-1, layer.num_heads * layer.head_dim)
-        out = self.ops.paged_attention(q, layer.k_cache, layer.v_cache, meta.block_tables, meta.query_start_loc,
-                                       meta.seq_lens, layer.scale, meta.max_query_len, meta.max_seq_len,
-                                       seq_order=meta.seq_order, **self._layer_args(layer), **scales)
+        out = self._paged_attention(layer, meta, q, None, scales, with_fresh=True)
         return out.view(-1, layer.num_heads * layer.head_dim)
+
+    def _paged_launches(self, meta: AttentionMetadata, with_fresh: bool) -> list[tuple[int, torch.Tensor | None]]:
+        """(max_query_len, seq_order) of each paged kernel launch over every sequence (with_fresh) or
+        over those with cached context. A step holding decodes and chunks gives the decodes their
+        own launch (ATOM_MIXED_ATTENTION=split), so they get the decode tile, heads-inner order and
+        split-KV instead of riding in the chunk's tile; the launches write disjoint rows of `out`."""
+        if self._splits_mixed(meta):
+            launches = [(1, meta.decode_seq_ids), (meta.chunk_max_query_len, meta.chunk_seq_ids)]
+            if with_fresh and meta.fresh_seq_ids is not None:  # fresh ones not on the contiguous path (FP8)
+                launches.append((meta.fresh_max_query_len, meta.fresh_seq_ids))
+            return launches
+        if with_fresh:
+            return [(meta.max_query_len, meta.seq_order)]
+        return [] if meta.paged_seq_ids is None else [(meta.paged_max_query_len, meta.paged_seq_ids)]
+
+    def _paged_attention(self, layer: "Attention", meta: AttentionMetadata, q: torch.Tensor,
+                         out: torch.Tensor | None, scales: dict, with_fresh: bool) -> torch.Tensor | None:
+        for max_query_len, seq_order in self._paged_launches(meta, with_fresh):
+            out = self.ops.paged_attention(q, layer.k_cache, layer.v_cache, meta.block_tables, meta.query_start_loc,
+                                           meta.seq_lens, layer.scale, max_query_len, meta.max_seq_len, out,
+                                           seq_order=seq_order, **self._layer_args(layer), **scales)
+        return out
+
+    def _splits_mixed(self, meta: AttentionMetadata) -> bool:
+        """Whether decodes and chunks get separate launches: only on the Triton provider (the CPU
+        reference computes every row alike) and only when the batch builder listed both kinds."""
+        if self.device_type != "cuda" or meta.decode_seq_ids is None or meta.chunk_seq_ids is None:
+            return False
+        from atom_core.kernels.triton import attention
+
+        return attention.mixed_attention_mode() == "split"
 
     def _contiguous_prefill(self):
         """The contiguous prefill kernels' module when ATOM_PREFILL_ATTENTION=contiguous on CUDA, else None
@@ -80,15 +110,12 @@ class PagedMHABackend(AttentionBackend):
     def _split_by_context(self, prefill, layer: "Attention", meta, qkv: torch.Tensor, positions: torch.Tensor,
                           q: torch.Tensor, k_norm) -> torch.Tensor:
         """Sequences without cached context attend over this step's own K/V rows; the rest (chunks
-        with context, decodes) through the paged kernel, run first: under split-KV its merge writes
-        junk into the fresh rows, which the prefill kernel then overwrites. Only for caches in the
+        with context, decodes) through the paged kernel. Each launch writes only its own
+        sequences' rows of `out` (split-KV too), so their order is free. Only for caches in the
         model dtype (FP8 caches hold codes, which the reference attends over)."""
         out = torch.empty_like(q)
         args = self._layer_args(layer)
-        if meta.paged_seq_ids is not None:
-            self.ops.paged_attention(q, layer.k_cache, layer.v_cache, meta.block_tables, meta.query_start_loc,
-                                     meta.seq_lens, layer.scale, meta.paged_max_query_len, meta.max_seq_len, out,
-                                     seq_order=meta.paged_seq_ids, **args)
+        self._paged_attention(layer, meta, q, out, {}, with_fresh=False)
         num_kv_heads, head_dim = layer.k_cache.shape[2], layer.head_dim
         k_norm_args = (k_norm.weight, k_norm.eps) if k_norm is not None else (None, 1e-6)
         k = prefill.rope_k_rows(qkv, positions, layer.qk.rotary.cos_sin_cache, layer.num_heads, num_kv_heads,
@@ -122,7 +149,7 @@ class PagedMHABackend(AttentionBackend):
     def warm_up(self, layers: list["Attention"], max_tokens: int, threads: int) -> int:
         if self.device_type != "cuda":
             return 0
-        from atom_core.kernels.triton.attention import warm_up_variants
+        from atom_core.kernels.triton.attention import mixed_attention_mode, warm_up_variants
 
         count, seen = 0, set()
         for layer in layers:  # variants depend on the head layout, dtype, window / sinks and per-token scales
@@ -131,19 +158,22 @@ class PagedMHABackend(AttentionBackend):
                    tuple(sorted(args)), layer.kv_spec.per_token_head_scales)
             if key not in seen:
                 seen.add(key)
-                count += warm_up_variants(layer.k_cache, layer.v_cache, layer.num_heads, layer.dtype,
-                                          max_tokens, threads=threads, **args, **self._kv_scales(layer))
-                if self._contiguous_prefill() is not None and not self._kv_scales(layer):
-                    count += self._warm_up_split_by_context(layer, max_tokens, threads)
+                scales = self._kv_scales(layer)
+                variants = partial(warm_up_variants, layer.k_cache, layer.v_cache, layer.num_heads, layer.dtype,
+                                   max_tokens, threads=threads, **args, **scales)
+                count += variants()
+                # The batch builder lists sequences by kind only in the contiguous mode; then the
+                # paged kernel runs with a seq_order subset for the paged part (no FP8) and for
+                # each kind of a mixed step (FP8 too).
+                if self._contiguous_prefill() is not None:
+                    if not scales or mixed_attention_mode() == "split":
+                        count += variants(ordered_prefill=True)
+                    if not scales:
+                        count += self._warm_up_split_by_context(layer)
         return count
 
-    def _warm_up_split_by_context(self, layer: "Attention", max_tokens: int, threads: int) -> int:
-        """The split path's kernels: paged prefill tiles with a seq_order, K rows, contiguous attention."""
-        from atom_core.kernels.triton.attention import warm_up_variants
-
-        args = self._layer_args(layer)
-        count = warm_up_variants(layer.k_cache, layer.v_cache, layer.num_heads, layer.dtype, max_tokens,
-                                 threads=threads, ordered_prefill=True, **args)
+    def _warm_up_split_by_context(self, layer: "Attention") -> int:
+        """The split path's own kernels: K rows and contiguous attention (a fresh-only step)."""
         num_kv_heads, dev = layer.k_cache.shape[2], layer.k_cache.device
         qkv = torch.zeros(2, (layer.num_heads + 2 * num_kv_heads) * layer.head_dim, dtype=layer.dtype, device=dev)
         positions = torch.zeros(2, dtype=torch.int64, device=dev)
@@ -159,7 +189,7 @@ class PagedMHABackend(AttentionBackend):
             slot_mapping=slots, max_query_len=2, max_seq_len=2,
             fresh_seq_ids=torch.zeros(1, dtype=torch.int32, device=dev), fresh_max_query_len=2)
         self._split_by_context(self._contiguous_prefill(), layer, meta, qkv, positions, q, k_norm)
-        return count + 2
+        return 2
 
 
 # (kind, device type) -> (module, class); imported on first use.

@@ -23,6 +23,10 @@ class AttentionMetadata:
     fresh_seq_ids [F] int32 (optional, set when F > 0 in a batch with prefill rows): the sequences
     with no cached context (all their keys are this step's rows), with fresh_max_query_len; the
     others, longest first, are paged_seq_ids [S - F] with paged_max_query_len (None when F == S).
+    decode_seq_ids [D] / chunk_seq_ids [C] int32 (optional, set together when the sequences with
+    cached context include both kinds, whether or not any is fresh): those with q_len == 1 and
+    those with q_len > 1, each longest first, with chunk_max_query_len; with fresh_seq_ids (when
+    set) they list every sequence once, so attention can give decodes their own launch.
     Built on the host with the batch, so a backend can split the step without a sync.
     """
 
@@ -37,6 +41,9 @@ class AttentionMetadata:
     fresh_max_query_len: int = 0
     paged_seq_ids: torch.Tensor | None = None
     paged_max_query_len: int = 0
+    decode_seq_ids: torch.Tensor | None = None
+    chunk_seq_ids: torch.Tensor | None = None
+    chunk_max_query_len: int = 0
 
 
 _current: AttentionMetadata | None = None

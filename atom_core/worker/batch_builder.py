@@ -83,7 +83,8 @@ def assemble_flat_batch(input_ids: list[int], positions: list[int], slot_mapping
 
 def _split_by_context() -> bool:
     """Whether attention reads the fresh/paged split (ATOM_PREFILL_ATTENTION=contiguous, the default);
-    under paged nothing does, so the builder skips its lists and host-to-device copies."""
+    under paged nothing does, so the builder skips its lists and host-to-device copies (the
+    decode/chunk lists too: attention then keeps one paged launch for a mixed step)."""
     from atom_core.kernels.triton.prefill_attention import prefill_attention_mode
 
     return prefill_attention_mode() == "contiguous"
@@ -91,15 +92,23 @@ def _split_by_context() -> bool:
 
 def context_split(query_lens: list[int], seq_lens: list[int], device: torch.device) -> dict:
     """AttentionMetadata's fresh/paged fields: which sequences have no cached context (every key
-    is one of this step's rows) and which do, each with its longest query; {} when none is fresh."""
+    is one of this step's rows) and which do, each with its longest query (none when none is
+    fresh); and its decode/chunk fields: the ones with context by q_len 1 or more, when both occur."""
+    paged = [i for i, (q, s) in enumerate(zip(query_lens, seq_lens)) if q != s]
+    paged.sort(key=lambda i: -seq_lens[i])  # longest first, as decode batches' seq_order
+    out = {}
+    decodes = [i for i in paged if query_lens[i] == 1]
+    chunks = [i for i in paged if query_lens[i] > 1]
+    if decodes and chunks:  # two tensors: a slice of one may lose the 16-byte alignment Triton specialises on
+        out["decode_seq_ids"] = _to_device(np.array(decodes, dtype=np.int32), device)
+        out["chunk_seq_ids"] = _to_device(np.array(chunks, dtype=np.int32), device)
+        out["chunk_max_query_len"] = max(query_lens[i] for i in chunks)
     fresh = [i for i, (q, s) in enumerate(zip(query_lens, seq_lens)) if q == s]
     if not fresh:
-        return {}
-    out = {"fresh_seq_ids": _to_device(np.array(fresh, dtype=np.int32), device),
-           "fresh_max_query_len": max(query_lens[i] for i in fresh)}
-    paged = [i for i, (q, s) in enumerate(zip(query_lens, seq_lens)) if q != s]
+        return out
+    out["fresh_seq_ids"] = _to_device(np.array(fresh, dtype=np.int32), device)
+    out["fresh_max_query_len"] = max(query_lens[i] for i in fresh)
     if paged:
-        paged.sort(key=lambda i: -seq_lens[i])  # longest first, as decode batches' seq_order
         out["paged_seq_ids"] = _to_device(np.array(paged, dtype=np.int32), device)
         out["paged_max_query_len"] = max(query_lens[i] for i in paged)
     return out

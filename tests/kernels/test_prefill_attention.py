@@ -191,25 +191,33 @@ def mixed_step(layer, ctx_lens, q_lens, block_size=16, seed=6):
 
 
 @pytest.mark.parametrize("splits", [1, 2])
-def test_paged_kernel_attends_only_a_listed_subset(device, splits):
-    """launch_paged_attention with a seq_order listing a subset: those rows equal the reference;
-    unsplit, the other rows are left untouched (split, the merge may write them: the caller's)."""
+@pytest.mark.parametrize("listed_ids,max_query_len", [([3, 0, 2], None), ([3, 4], 12)])
+def test_paged_kernel_attends_only_a_listed_subset(device, splits, listed_ids, max_query_len):
+    """launch_paged_attention with a seq_order listing a subset: those rows equal the reference and
+    the other rows are left untouched, split-KV too (its merge writes only the listed rows), so
+    several launches can fill one output. The second case lists only multi-token sequences, with
+    their own longest query as max_query_len (as the backend launches a step's chunks)."""
     from tests.kernels.test_triton_kernels import make_paged_batch, ref_paged_attention
 
-    batch = make_paged_batch([1, 30, 1, 12], [40, 0, 9, 20], 4, 2, 64, 16, torch.float32, device, seed=8)
-    order = torch.tensor([3, 0, 2], dtype=torch.int32, device=device)
+    q_lens = [1, 30, 1, 12, 7]
+    batch = make_paged_batch(q_lens, [40, 0, 9, 20, 3], 4, 2, 64, 16, torch.float32, device, seed=8)
+    if max_query_len is not None:
+        batch.max_query_len = max_query_len
+    order = torch.tensor(listed_ids, dtype=torch.int32, device=device)
     out = torch.full_like(batch.query, float("nan"))
     launch_paged_attention(*batch.args(), out=out, num_kv_splits=splits, seq_order=order)
     want = ref_paged_attention(*batch.args())
-    listed = torch.tensor([0, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43], device=device)
-    assert rel_err(out[listed], want[listed]) < 1e-5
-    if splits == 1:
-        assert out[1:31].isnan().all()
+    starts = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
+    owned = torch.zeros(len(out), dtype=torch.bool, device=device)
+    for s in listed_ids:
+        owned[starts[s]:starts[s + 1]] = True
+    assert rel_err(out[owned], want[owned]) < 1e-5
+    assert out[~owned].isnan().all()
 
 
 def split_and_paged_only(layer, meta, qkv, positions):
     """(output, caches) of one step through the Triton backend with the split path on, then the
-    output of the same step with the paged kernel alone, from the same starting caches."""
+    output of the same step with the paged kernel alone (one launch), from the same starting caches."""
     import dataclasses
 
     from atom_core.model_ops.attention_backends import PagedMHABackend
@@ -225,7 +233,9 @@ def split_and_paged_only(layer, meta, qkv, positions):
         pa.set_prefill_attention_mode("paged")
     split_caches = layer.k_cache, layer.v_cache
     layer.k_cache, layer.v_cache = caches
-    with set_attention_metadata(dataclasses.replace(meta, fresh_seq_ids=None, paged_seq_ids=None)):
+    single = dataclasses.replace(meta, fresh_seq_ids=None, paged_seq_ids=None, decode_seq_ids=None,
+                                 chunk_seq_ids=None)
+    with set_attention_metadata(single):
         paged = backend.forward(layer, qkv, positions)
     return split, split_caches, paged
 
@@ -235,9 +245,9 @@ def split_and_paged_only(layer, meta, qkv, positions):
                                                ({"window": 9, "sinks": True}, 3)])
 def test_mixed_step_through_the_backend_equals_the_paged_only_path(monkeypatch, options, kv_splits):
     """One fresh prompt, a chunk with cached context, two decodes and a one-token fresh prompt: the
-    split path (paged kernel on a seq_order subset + contiguous kernel) equals the paged kernel
-    alone, and stores the same cache. kv_splits forces split-KV (its merge writes the fresh rows
-    first; the contiguous kernel must overwrite them all)."""
+    split path (paged kernel on seq_order subsets, decodes and chunk apart, + contiguous kernel)
+    equals the paged kernel alone, and stores the same cache. kv_splits forces split-KV (its merge
+    must leave the fresh rows, the contiguous kernel's, alone)."""
     from atom_core.kernels.triton import attention
 
     if kv_splits:
@@ -313,10 +323,12 @@ class TestContextSplitMetadata:
         assert split["paged_seq_ids"].tolist() == [1, 2] and split["paged_max_query_len"] == 3  # longest first
         assert split["fresh_seq_ids"].dtype == torch.int32
 
-    def test_no_fresh_sequence_keeps_todays_metadata(self):
+    def test_no_fresh_sequence_sets_no_fresh_or_paged_fields(self):
         from atom_core.worker.batch_builder import context_split
 
-        assert context_split([3, 1], [10, 4], torch.device("cpu")) == {}
+        assert context_split([3, 2], [10, 4], torch.device("cpu")) == {}
+        assert set(context_split([3, 1], [10, 4], torch.device("cpu"))) == {  # only a mixed step's kinds
+            "decode_seq_ids", "chunk_seq_ids", "chunk_max_query_len"}
         assert "paged_seq_ids" not in context_split([3, 2], [3, 2], torch.device("cpu"))
 
     def test_the_batch_builder_fills_them(self, tiny_llama, monkeypatch):

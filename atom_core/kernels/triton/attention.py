@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from atom_core.envs import MIXED_ATTENTION_MODES, MixedAttentionMode, read_envs
 from atom_core.kernels.torch_ref import FP8_KV_DTYPES
 from atom_core.kernels.triton.common import (
     check_dim, check_float, check_int, check_last_dim_contiguous, check_same_device, next_pow2,
@@ -44,6 +45,26 @@ SPLIT_TARGET_PROGRAMS_PER_SM = 2
 MAX_KV_SPLITS = 32
 # Scratch for split partials is fp32 [splits, T, H, D]; beyond this, use fewer splits.
 MAX_SPLIT_SCRATCH_BYTES = 256 << 20
+
+# The switch (ATOM_MIXED_ATTENTION, read when this module is imported). With one launch for a
+# step holding a long chunk and decodes, the decode rows run in the chunk's tile (BLOCK_M 64 of
+# which GROUP rows are used, no split-KV) over a grid mostly of programs that exit at once.
+_mixed_mode: MixedAttentionMode = read_envs().mixed_attention
+
+
+def mixed_attention_mode() -> MixedAttentionMode:
+    """'split' (default): a step's decodes and chunks with cached context go to two launches, each
+    with its own tile and split-KV choice; 'single': one launch sized by the longest query."""
+    return _mixed_mode
+
+
+def set_mixed_attention_mode(mode: MixedAttentionMode) -> None:
+    """Process-wide choice (benchmarks, tests; an engine takes ATOM_MIXED_ATTENTION).
+    Read by the attention backend at every forward."""
+    global _mixed_mode
+    if mode not in MIXED_ATTENTION_MODES:
+        raise ValueError(f"unknown mixed attention {mode!r}; expected one of: {', '.join(MIXED_ATTENTION_MODES)}")
+    _mixed_mode = mode
 
 
 @triton.jit
@@ -227,18 +248,25 @@ def _paged_attention_kernel(
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_splits"])
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_splits", "max_query_len"])
 def _merge_splits_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, query_start_loc_ptr,
-    num_seqs, num_tokens, num_splits, stride_ot, stride_oh,
+    part_out_ptr, part_lse_ptr, out_ptr, query_start_loc_ptr, seq_order_ptr,
+    num_seqs, num_tokens, num_splits, max_query_len, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_P: tl.constexpr,
-    sinks_ptr=None, HAS_SINKS: tl.constexpr = False,
+    HAS_ORDER: tl.constexpr, sinks_ptr=None, HAS_SINKS: tl.constexpr = False,
 ):
-    token = tl.program_id(0)
     head = tl.program_id(1)
-    # Rows past the last sequence (CUDA-graph padding) own no partials; leave them untouched
-    # like the unsplit path does.
-    if token >= tl.load(query_start_loc_ptr + num_seqs):
+    # Only rows that have partials are merged, as the unsplit path writes only those: with
+    # seq_order the listed sequences' rows (program = listed seq x query row; the others may be
+    # another launch's), else every row up to the last sequence's (not CUDA-graph padding).
+    if HAS_ORDER:
+        seq = tl.load(seq_order_ptr + tl.program_id(0) // max_query_len)
+        token = tl.load(query_start_loc_ptr + seq) + tl.program_id(0) % max_query_len
+        end = tl.load(query_start_loc_ptr + seq + 1)
+    else:
+        token = tl.program_id(0)
+        end = tl.load(query_start_loc_ptr + num_seqs)
+    if token >= end:
         return
     offs_s = tl.arange(0, SPLITS_P)
     offs_d = tl.arange(0, BLOCK_D)
@@ -402,11 +430,12 @@ def launch_paged_attention(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if is_split:
-        _merge_splits_kernel[(num_tokens, num_heads)](
-            part_out, part_lse, out, query_start_loc,
-            num_seqs, num_tokens, num_kv_splits, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=cfg.block_d,
-            SPLITS_P=max(2, next_pow2(num_kv_splits)), sinks_ptr=sinks, HAS_SINKS=sinks is not None, num_warps=4,
+        merge_rows = num_listed * max_query_len if seq_order is not None else num_tokens
+        _merge_splits_kernel[(merge_rows, num_heads)](
+            part_out, part_lse, out, query_start_loc, seq_order if seq_order is not None else query_start_loc,
+            num_seqs, num_tokens, num_kv_splits, max_query_len, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=cfg.block_d, SPLITS_P=max(2, next_pow2(num_kv_splits)),
+            HAS_ORDER=seq_order is not None, sinks_ptr=sinks, HAS_SINKS=sinks is not None, num_warps=4,
         )
     return out
 
@@ -434,8 +463,8 @@ def paged_attention(
     max_query_len must bound every q_len (it sizes the grid; longer rows would be skipped);
     max_seq_len only steers the split-KV heuristic. Rows of `out` owned by no sequence
     (T beyond query_start_loc[S]) are left untouched, as in the reference. A seq_order that
-    lists a subset attends only those sequences (the others' rows are the caller's to write:
-    unsplit they are left untouched, split the merge overwrites them with junk).
+    lists a subset attends only those sequences and writes only their rows, split or not (the
+    others' rows are left untouched, so several launches can fill one `out`).
     """
     return launch_paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
                                   scale, max_query_len, max_seq_len, out, seq_order=seq_order,
