@@ -249,7 +249,7 @@ def test_warm_up_compiles_the_per_token_variants(device):
     from atom_core.kernels.triton.attention import warm_up_variants
 
     args, scales = _case(device, [(0, 3)], torch.float32)
-    assert warm_up_variants(args[1], args[2], 4, torch.float32, 2, **scales) == 4  # decode, q=2; split or not
+    assert warm_up_variants(args[1], args[2], 4, torch.float32, 2, **scales) == 5  # decode, q=2; split or not; decode split on a subset
 
 
 class TestScaleArgumentErrors:

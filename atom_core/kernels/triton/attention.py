@@ -430,12 +430,15 @@ def launch_paged_attention(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if is_split:
-        merge_rows = num_listed * max_query_len if seq_order is not None else num_tokens
+        # A seq_order listing every sequence (a decode batch's launch order) merges every row as
+        # before; only a subset (a mixed step's launches) merges by listed sequence.
+        subset = seq_order is not None and num_listed < num_seqs
+        merge_rows = num_listed * max_query_len if subset else num_tokens
         _merge_splits_kernel[(merge_rows, num_heads)](
-            part_out, part_lse, out, query_start_loc, seq_order if seq_order is not None else query_start_loc,
+            part_out, part_lse, out, query_start_loc, seq_order if subset else query_start_loc,
             num_seqs, num_tokens, num_kv_splits, max_query_len, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=cfg.block_d, SPLITS_P=max(2, next_pow2(num_kv_splits)),
-            HAS_ORDER=seq_order is not None, sinks_ptr=sinks, HAS_SINKS=sinks is not None, num_warps=4,
+            HAS_ORDER=subset, sinks_ptr=sinks, HAS_SINKS=sinks is not None, num_warps=4,
         )
     return out
 
@@ -495,19 +498,23 @@ def warm_up_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: in
             break  # taller queries share this tile height
         q *= 2
 
-    def launch(variant: tuple[int, int]) -> None:
-        q_len, splits = variant
-        query = torch.zeros(q_len, num_heads, head_dim, dtype=dtype, device=device)
-        qsl = torch.tensor([0, q_len], dtype=torch.int32, device=device)
+    def launch(variant: tuple[int, int, bool]) -> None:
+        q_len, splits, subset = variant
+        num_seqs = 2 if subset else 1  # subset: the order lists one of two (a mixed step's launches)
+        query = torch.zeros(q_len * num_seqs, num_heads, head_dim, dtype=dtype, device=device)
+        qsl = torch.arange(num_seqs + 1, dtype=torch.int32, device=device) * q_len
         seq_len = q_len + 512  # cached context too, so both splits get tiles
-        lens = torch.tensor([seq_len], dtype=torch.int32, device=device)
-        tables = torch.zeros(1, triton.cdiv(seq_len, k_cache.shape[1]), dtype=torch.int32, device=device)
+        lens = torch.full((num_seqs,), seq_len, dtype=torch.int32, device=device)
+        tables = torch.zeros(num_seqs, triton.cdiv(seq_len, k_cache.shape[1]), dtype=torch.int32, device=device)
         order = qsl[:1] if q_len == 1 or ordered_prefill else None  # decode batches carry a sequence order
         launch_paged_attention(query, k_cache, v_cache, tables, qsl, lens, 1.0, q_len, seq_len, num_kv_splits=splits,
                                seq_order=order, sliding_window=sliding_window, sinks=sinks,
                                k_scale=k_scale, v_scale=v_scale)
 
-    variants = [(q_len, splits) for q_len in lengths for splits in (1, 2)]
+    # The merge of a subset launch is its own variant (HAS_ORDER): decode and, with ordered_prefill,
+    # the prefill tiles.
+    variants = [(q_len, splits, False) for q_len in lengths for splits in (1, 2)]
+    variants += [(q_len, 2, True) for q_len in lengths if q_len == 1 or ordered_prefill]
     if threads > 1:
         from concurrent.futures import ThreadPoolExecutor
 
