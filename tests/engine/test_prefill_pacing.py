@@ -4,6 +4,7 @@ or pacing off, prompts get the whole budget. Outputs never change, only which st
 from __future__ import annotations
 
 import pytest
+import torch
 
 from atom_core.config import EngineConfig, SchedulerConfig
 from atom_core.engine.kv_cache import KVCacheManager
@@ -120,3 +121,38 @@ def test_pacing_lets_decodes_ride_along_prompt_chunks():
 def test_bad_pacing_options_fail_with_the_flag_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig.from_kwargs("/m", **kwargs)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_paced_engine_equals_hf_greedy(tiny_llama, async_scheduling):
+    """Through the real engine (a tiny random Llama on the CPU): prompts arriving while others
+    decode are paced into small chunks that share steps with the decodes; greedy tokens are HF's."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from atom_core import LLMEngine, SamplingParams
+    from tests.models.harness import hf_greedy
+
+    vocab = json.loads((tiny_llama / "config.json").read_text())["vocab_size"]
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (5, 40, 90, 33, 120, 7)]
+    want = hf_greedy(AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval(), prompts, 12)
+    engine = LLMEngine(str(tiny_llama), device="cpu", dtype="float32", num_kv_blocks=256, max_num_batched_tokens=64,
+                       prefill_pacing_steps=8, prefill_pacing_min_tokens=8, async_scheduling=async_scheduling)
+    sched = engine.core.scheduler
+    steps = []
+    schedule = sched.schedule
+    sched.schedule = lambda: steps.append(schedule()) or steps[-1]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ids = engine.add_request(prompts[0], params)  # decoding before the others arrive
+    states = {}
+    for _ in range(2):
+        states.update((st.request_id, st) for st in engine.step())
+    ids += engine.add_request(prompts[1:], params)
+    while not engine.is_finished():
+        states.update((st.request_id, st) for st in engine.step())
+    assert [states[rid].token_ids for rid in ids] == want
+    arrival = next(out for out in steps if any(r.req_id in ids[1:] for r in out.new_requests))
+    # "first" decodes; the 290 prompt tokens that arrived are paced at ceil(290 / 8) a step, not 63
+    assert scheduled(arrival)[ids[0]] == 1 and prompt_tokens(arrival) == 37
