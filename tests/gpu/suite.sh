@@ -44,7 +44,7 @@ kernel_tests() {  # in 4 processes: Triton compiles are CPU-bound
   for i in 0 1 2 3; do echo "--- kernel tests: ${k[$i]}"; grep -E "passed|failed|error|FAILED|Error" /tmp/kt$i.log | tail -n 8; done
   summary+=("$(printf '%-28s %9s %4ss' kernel-tests "" "$(( $(date +%s) - start ))")")
 }
-serve_l8() {  # serve_l8 NAME [ENGINE FLAGS...]: start the server, one bench serve run (the issue's table: SERVE_CONC=64 by default, 5 requests a stream), stop it
+serve_l8() {  # serve_l8 NAME [ENGINE FLAGS...]: start the server, one bench serve run (the issue's table: SERVE_CONC=64 by default, 5 requests a stream; SERVE_EXTRA: more client flags), stop it
   local name=$1 conc=${SERVE_CONC:-64}; shift
   python3 -m atomctl.main --log-level INFO serve "${l8[@]}" "$@" --port 8011 > /tmp/serve_$name.log 2>&1 &
   local spid=$! start=$(date +%s) i
