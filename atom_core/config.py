@@ -184,6 +184,9 @@ def kv_cache_format(name: str, model_dtype: torch.dtype) -> KVCacheFormat:
 
 
 
+PREFILL_PACING_MIN_TOKENS = 512
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous batching. num_scheduler_steps > 1: decode windows of that many steps while
@@ -201,7 +204,7 @@ class SchedulerConfig:
     async_scheduling: bool = True
     num_scheduler_steps: int = 8
     prefill_pacing_steps: int = 0
-    prefill_pacing_min_tokens: int = 512
+    prefill_pacing_min_tokens: int = PREFILL_PACING_MIN_TOKENS
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -216,6 +219,8 @@ class SchedulerConfig:
             _fail(self, "prefill_pacing_min_tokens", "must be >= 1")
         if self.prefill_pacing_steps and not self.enable_chunked_prefill:
             _fail(self, "prefill_pacing_steps", "needs chunked prefill (a paced prompt is admitted a chunk at a time)")
+        if not self.prefill_pacing_steps and self.prefill_pacing_min_tokens != PREFILL_PACING_MIN_TOKENS:
+            _fail(self, "prefill_pacing_min_tokens", "applies only with prefill pacing: set prefill_pacing_steps too")
 
 
 @dataclass(frozen=True)

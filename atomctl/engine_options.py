@@ -23,7 +23,7 @@ ENGINE_OPTIONS = {
     "max_num_seqs": (int, typer.Option(256, help="Max sequences per step.")),
     "max_num_batched_tokens": (int, typer.Option(8192, help="Token budget per step.")),
     "prefill_pacing_steps": (Optional[int], typer.Option(None, help="While sequences decode, cap a step's prompt tokens at max(--prefill-pacing-min-tokens, outstanding prompt tokens / N): a burst of prompts is spread over about N decode steps, which the decodes ride along, instead of a few full-budget steps that stall them. 0 = off (default).")),
-    "prefill_pacing_min_tokens": (int, typer.Option(512, help="The smallest prompt-token cap of a paced step (--prefill-pacing-steps).")),
+    "prefill_pacing_min_tokens": (int, typer.Option(512, help="The smallest prompt-token cap of a paced step; only with --prefill-pacing-steps (refused without it).")),
     "block_size": (int, typer.Option(16, help="KV cache block size in tokens.")),
     "num_kv_blocks": (Optional[int], typer.Option(None, help="Fix the KV cache size in blocks.")),
     "gpu_memory_utilization": (float, typer.Option(0.9, help="Fraction of GPU memory the engine may use.")),

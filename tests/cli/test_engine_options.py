@@ -81,7 +81,8 @@ def test_prefill_pacing_flags_reach_the_scheduler(monkeypatch):
 
 
 @pytest.mark.parametrize("args,flag", [(["--prefill-pacing-steps", "-2"], "--prefill-pacing-steps"),
-                                       (["--prefill-pacing-min-tokens", "0"], "--prefill-pacing-min-tokens")])
+                                       (["--prefill-pacing-min-tokens", "0"], "--prefill-pacing-min-tokens"),
+                                       (["--prefill-pacing-min-tokens", "256"], "--prefill-pacing-min-tokens")])
 def test_bad_prefill_pacing_flags_are_refused(monkeypatch, args, flag):
     result, config = _serve_config(monkeypatch, args)
     assert result.exit_code != 0 and config is None

@@ -15,8 +15,8 @@ from tests.engine.test_scheduler import BS, EOS, fake_token_at, make_seq, run_to
 
 def paced(steps: int, min_tokens: int, budget: int = 64, max_num_seqs: int = 16, num_blocks: int = 256) -> Scheduler:
     kv = KVCacheManager(num_blocks, BS, enable_prefix_caching=False)
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, num_scheduler_steps=1,
-                             prefill_pacing_steps=steps, prefill_pacing_min_tokens=min_tokens)
+    pacing = {"prefill_pacing_steps": steps, "prefill_pacing_min_tokens": min_tokens} if steps else {}  # off: no minimum
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, num_scheduler_steps=1, **pacing)
     return Scheduler(config, kv, 512, {EOS})
 
 
@@ -117,6 +117,7 @@ def test_pacing_lets_decodes_ride_along_prompt_chunks():
     ({"prefill_pacing_steps": -1}, "prefill_pacing_steps"),
     ({"prefill_pacing_min_tokens": 0}, "prefill_pacing_min_tokens"),
     ({"prefill_pacing_steps": 4, "enable_chunked_prefill": False}, "needs chunked prefill"),
+    ({"prefill_pacing_min_tokens": 256}, "applies only with prefill pacing"),  # not accepted and ignored
 ])
 def test_bad_pacing_options_fail_with_the_flag_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
