@@ -94,16 +94,17 @@ def context_split(query_lens: list[int], seq_lens: list[int], device: torch.devi
     """AttentionMetadata's fresh/paged fields: which sequences have no cached context (every key
     is one of this step's rows) and which do, each with its longest query (none when none is
     fresh); and its decode/chunk fields: the ones with context by q_len 1 or more, when both occur."""
-    paged = [i for i, (q, s) in enumerate(zip(query_lens, seq_lens)) if q != s]
+    fresh, paged = [], []
+    for i, (q, s) in enumerate(zip(query_lens, seq_lens)):
+        (fresh if q == s else paged).append(i)
     paged.sort(key=lambda i: -seq_lens[i])  # longest first, as decode batches' seq_order
     out = {}
     decodes = [i for i in paged if query_lens[i] == 1]
-    chunks = [i for i in paged if query_lens[i] > 1]
-    if decodes and chunks:  # two tensors: a slice of one may lose the 16-byte alignment Triton specialises on
+    if decodes and len(decodes) < len(paged):  # both kinds; two tensors: a slice of one may lose
+        chunks = [i for i in paged if query_lens[i] > 1]  # the 16-byte alignment Triton specialises on
         out["decode_seq_ids"] = _to_device(np.array(decodes, dtype=np.int32), device)
         out["chunk_seq_ids"] = _to_device(np.array(chunks, dtype=np.int32), device)
         out["chunk_max_query_len"] = max(query_lens[i] for i in chunks)
-    fresh = [i for i, (q, s) in enumerate(zip(query_lens, seq_lens)) if q == s]
     if not fresh:
         return out
     out["fresh_seq_ids"] = _to_device(np.array(fresh, dtype=np.int32), device)
