@@ -3,7 +3,8 @@
 Each checkpoint format (compressed-tensors pack-quantized, GPTQ, AWQ) registers its own
 tensors under their checkpoint names and layouts, and after loading repacks them into the one
 canonical layout of `quant/int_ops.py` (w4_qweight [N, K/8], w4_scales [N, G], w4_zeros [N, G]
-or None), which `apply` hands to the W4A16 GEMM.
+or None), stores w4_qweight in the kernel layout (`int_ops.interleave_int4`; w4_interleave says
+which) and `apply` hands them to the W4A16 GEMM.
 
 Tensor parallelism: the methods take the per-rank sizes the layer passes. A column-parallel
 layer splits N (packed-along-N tensors split in units of 8 columns); a row-parallel one splits K
@@ -16,7 +17,7 @@ from torch import nn
 
 from atom_core.model_ops.linear import copy_weight
 from atom_core.quant.base import QuantMethod, set_weight_attrs
-from atom_core.quant.int_ops import INT4_PER_INT32, pack_int4, unpack_int4, w4a16_gemm
+from atom_core.quant.int_ops import INT4_PER_INT32, interleave_for, interleave_int4, pack_int4, unpack_int4, w4a16_gemm
 
 # AWQ's GEMM layout packs 8 output columns per word in this order: nibble i holds column AWQ_ORDER[i].
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
@@ -88,12 +89,14 @@ class W4A16LinearMethod(QuantMethod):
         for name in self.checkpoint_params:
             if hasattr(layer, name):
                 delattr(layer, name)
-        layer.w4_qweight = nn.Parameter(qweight.contiguous(), requires_grad=False)
+        layer.w4_interleave = interleave_for(qweight.shape[1] * INT4_PER_INT32)  # the GEMV's layout where K allows
+        layer.w4_qweight = nn.Parameter(interleave_int4(qweight.contiguous(), layer.w4_interleave), requires_grad=False)
         layer.w4_scales = nn.Parameter(scales.to(dtype).contiguous(), requires_grad=False)
         layer.w4_zeros = None if zeros is None else nn.Parameter(zeros.contiguous(), requires_grad=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return w4a16_gemm(x, layer.w4_qweight, layer.w4_scales, layer.w4_zeros, layer.w4_group_size, bias)
+        return w4a16_gemm(x, layer.w4_qweight, layer.w4_scales, layer.w4_zeros, layer.w4_group_size, bias,
+                          layer.w4_interleave)
 
 
 class CompressedTensorsW4A16Method(W4A16LinearMethod):

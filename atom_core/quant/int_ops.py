@@ -8,6 +8,10 @@ kernels read), for a weight W [N, K] split into groups of `group_size` columns:
   scales  [N, K/group_size] in the activation dtype;
   zeros   uint8 [N, K/group_size] unsigned zero points, or None for symmetric weights (zero 8).
   W[n, k] = (u[n, k] - zero[n, k // group_size]) * scale[n, k // group_size]
+The int4 linear methods store qweight in the kernel layout (`interleave_int4`, INT4_INTERLEAVE
+words a chunk) where K allows: the same words with their nibbles reordered inside each chunk, so
+the GEMV meets contiguous activations per nibble (kernels/triton/w4a16.py). `interleave` = 1 names
+the canonical layout everywhere below.
 
 INT8 W8A8: weight int8 [N, K] with a float32 scale per output channel; activations quantized
 on the fly per token, symmetric, by compressed-tensors' rule (scale = absmax / 127.5, values
@@ -22,6 +26,7 @@ import torch
 from atom_core.kernels.torch_ref import ieee_div
 
 INT4_PER_INT32 = 8
+INT4_INTERLEAVE = 4  # words a chunk of the kernel layout: 4 words (16 bytes) a GEMV thread loads
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)  # nibble i sits at bits 4i
 
 
@@ -54,11 +59,42 @@ def pack_int4(values: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return v.sum(-1, dtype=torch.int32).movedim(-1, dim).contiguous()  # disjoint bits: sum == or
 
 
+def interleave_for(k: int) -> int:
+    """The layout the int4 linears store for input size K: the kernel layout where whole chunks
+    tile K (K a multiple of 8 * INT4_INTERLEAVE), else the canonical one."""
+    return INT4_INTERLEAVE if k % (INT4_PER_INT32 * INT4_INTERLEAVE) == 0 else 1
+
+
+def check_interleave(interleave: int, k: int) -> None:
+    if interleave not in (1, INT4_INTERLEAVE) or k % (INT4_PER_INT32 * interleave):
+        raise ValueError(f"int4 interleave {interleave} with K={k}: expected 1 (canonical) or {INT4_INTERLEAVE} "
+                         f"with K a multiple of {INT4_PER_INT32 * INT4_INTERLEAVE}")
+
+
+def interleave_int4(qweight: torch.Tensor, interleave: int = INT4_INTERLEAVE) -> torch.Tensor:
+    """Canonical qweight [N, K/8] -> the kernel layout: inside each chunk of `interleave` words
+    (8 * interleave columns), nibble j of word i holds column j * interleave + i."""
+    n, words = qweight.shape
+    check_interleave(interleave, words * INT4_PER_INT32)
+    u = unpack_int4(qweight, 1).view(n, -1, INT4_PER_INT32, interleave)  # [N, chunk, j, i]: column j*V + i
+    return pack_int4(u.transpose(-1, -2).reshape(n, -1), 1)  # word i's nibble j
+
+
+def deinterleave_int4(qweight: torch.Tensor, interleave: int) -> torch.Tensor:
+    """The inverse of `interleave_int4`: back to the canonical layout."""
+    n, words = qweight.shape
+    check_interleave(interleave, words * INT4_PER_INT32)
+    if interleave == 1:
+        return qweight
+    u = unpack_int4(qweight, 1).view(n, -1, interleave, INT4_PER_INT32)  # [N, chunk, i, j]
+    return pack_int4(u.transpose(-1, -2).reshape(n, -1), 1)
+
+
 def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                    group_size: int) -> torch.Tensor:
-    """The canonical int4 layout -> W [N, K] in the scales' dtype."""
+                    group_size: int, interleave: int = 1) -> torch.Tensor:
+    """qweight (canonical, or the kernel layout with `interleave` > 1) -> W [N, K] in the scales' dtype."""
     num_groups = scales.shape[1]
-    u = unpack_int4(qweight, 1, num_groups * group_size).to(scales.dtype)
+    u = unpack_int4(deinterleave_int4(qweight, interleave), 1, num_groups * group_size).to(scales.dtype)
     z = 8 if zeros is None else zeros.to(scales.dtype).repeat_interleave(group_size, 1)
     return (u - z) * scales.repeat_interleave(group_size, 1)
 
@@ -68,9 +104,9 @@ def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
 
 
 def w4a16_gemm_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                   group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y [*, N] = x [*, K] @ W^T (+ bias), W the canonical int4 weight dequantized to x's dtype."""
-    w = dequantize_int4(qweight, scales.to(x.dtype), zeros, group_size)
+                   group_size: int, bias: torch.Tensor | None = None, interleave: int = 1) -> torch.Tensor:
+    """y [*, N] = x [*, K] @ W^T (+ bias), W the int4 weight (layout per `interleave`) dequantized to x's dtype."""
+    w = dequantize_int4(qweight, scales.to(x.dtype), zeros, group_size, interleave)
     return torch.nn.functional.linear(x, w, bias)
 
 
@@ -110,16 +146,16 @@ def int8_w8a8_gemm_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
 
 @torch.library.custom_op("atom::w4a16_gemm", mutates_args=())
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
-               group_size: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+               group_size: int, bias: Optional[torch.Tensor] = None, interleave: int = 1) -> torch.Tensor:
     if x.device.type == "cuda":
         from atom_core.kernels.triton.w4a16 import w4a16_gemm as kernel
 
-        return kernel(x, qweight, scales, zeros, group_size, bias)
-    return w4a16_gemm_ref(x, qweight, scales, zeros, group_size, bias)
+        return kernel(x, qweight, scales, zeros, group_size, bias, interleave=interleave)
+    return w4a16_gemm_ref(x, qweight, scales, zeros, group_size, bias, interleave)
 
 
 @w4a16_gemm.register_fake
-def _(x, qweight, scales, zeros, group_size, bias=None):
+def _(x, qweight, scales, zeros, group_size, bias=None, interleave=1):
     return x.new_empty(*x.shape[:-1], qweight.shape[0])
 
 

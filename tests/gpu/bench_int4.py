@@ -6,6 +6,8 @@ shapes, timed in CUDA graphs (launch gaps excluded), each checked against its to
 Prints one row per (shape, M): microseconds of bf16 / W4A16 / W8A8 and, for W4A16, the weight
 bytes read per microsecond (GB/s; the H100's HBM reads ~3.0 TB/s). `w4 split` is the W4A16 GEMV
 (M <= 8) with K split by `w4a16.gemv_split_k` (`sp`: the splits; the default path runs 1).
+The int4 weights are random words read in the kernel layout (INT4_INTERLEAVE), as the engine's
+int4 linears store them.
 Each timed call runs over enough weight copies (>= 160 MB together) that they cannot stay in the
 50-60 MB L2 between replays (the int4 qkv, o and down weights alone would); times are per copy.
 """
@@ -21,7 +23,7 @@ from triton.testing import do_bench_cudagraph
 from atom_core.kernels.triton.common import sm_count
 from atom_core.kernels.triton.int8 import int8_w8a8_gemm
 from atom_core.kernels.triton.w4a16 import GEMV_MAX_M, gemv_split_k, gemv_split_step, w4a16_gemm
-from atom_core.quant.int_ops import int8_w8a8_gemm_ref, w4a16_gemm_ref
+from atom_core.quant.int_ops import INT4_INTERLEAVE, int8_w8a8_gemm_ref, w4a16_gemm_ref
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 GROUP = 128
@@ -45,13 +47,14 @@ def main() -> None:
         per_copy = lambda fn: do_bench_cudagraph(lambda: [fn(i) for i in range(copies)]) * 1e3 / copies  # noqa: E731
         for m in map(int, args.m.split(",")):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            ref4 = w4a16_gemm_ref(x, qweights[0], scales[0], None, GROUP)
-            err4 = _rel(w4a16_gemm(x, qweights[0], scales[0], None, GROUP), ref4)
-            err4s = _rel(w4a16_gemm(x, qweights[0], scales[0], None, GROUP, gemv_split=split), ref4)
+            w4 = lambda i, **kw: w4a16_gemm(x, qweights[i], scales[i], None, GROUP, interleave=INT4_INTERLEAVE, **kw)  # noqa: E731
+            ref4 = w4a16_gemm_ref(x, qweights[0], scales[0], None, GROUP, interleave=INT4_INTERLEAVE)
+            err4 = _rel(w4(0), ref4)
+            err4s = _rel(w4(0, gemv_split=split), ref4)
             err8 = _rel(int8_w8a8_gemm(x, w_i8[0], w_i8_scale), int8_w8a8_gemm_ref(x, w_i8[0], w_i8_scale))
             t_bf16 = per_copy(lambda i: F.linear(x, w_bf16[i]))
-            t_w4 = per_copy(lambda i: w4a16_gemm(x, qweights[i], scales[i], None, GROUP))
-            t_w4s = (per_copy(lambda i: w4a16_gemm(x, qweights[i], scales[i], None, GROUP, gemv_split=split))
+            t_w4 = per_copy(lambda i: w4(i))
+            t_w4s = (per_copy(lambda i: w4(i, gemv_split=split))
                      if m <= GEMV_MAX_M and split > 1 else t_w4)
             t_w8 = per_copy(lambda i: int8_w8a8_gemm(x, w_i8[i], w_i8_scale))
             w4_bytes = n * k // 2 + scales[0].numel() * 2

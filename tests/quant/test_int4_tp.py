@@ -60,7 +60,7 @@ def _load(layer, tensors, shard_id=None):
 
 def _dequant(layer):
     layer.quant_method.process_weights_after_loading(layer)
-    return dequantize_int4(layer.w4_qweight, layer.w4_scales, layer.w4_zeros, layer.w4_group_size)
+    return dequantize_int4(layer.w4_qweight, layer.w4_scales, layer.w4_zeros, layer.w4_group_size, layer.w4_interleave)
 
 
 @pytest.mark.parametrize("fmt", ["gptq", "awq", "ct"])

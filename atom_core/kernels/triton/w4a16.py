@@ -1,17 +1,23 @@
-"""W4A16 GEMM (Triton): y = x @ W^T with W int4 in the canonical layout of `quant/int_ops.py`
-(qweight int32 [N, K/8], scales [N, K/G], zeros uint8 [N, K/G] or None: zero 8), dequantized
-in the inner loop (Marlin-style: the weight crosses HBM as 4 bits, never as bf16).
-Same signature and contract as `quant.int_ops.w4a16_gemm_ref`.
+"""W4A16 GEMM (Triton): y = x @ W^T with W int4 in the layout of `quant/int_ops.py` (qweight int32
+[N, K/8], canonical or the kernel layout of `int_ops.interleave_int4`; scales [N, K/G], zeros uint8
+[N, K/G] or None: zero 8), dequantized in the inner loop (the weight crosses HBM as 4 bits, never
+as bf16). Same signature and contract as `quant.int_ops.w4a16_gemm_ref`.
 
 Two programs:
-  * GEMV (M <= GEMV_MAX_M, decode): a program owns BLOCK_N output columns of one row of x and
-    walks K in BLOCK_K steps: load BLOCK_N x BLOCK_K/8 words, unpack them to nibbles in
-    registers, scale, multiply by x and accumulate in float32; one reduction at the end. Small
-    BLOCK_N keeps hundreds of programs in flight (batch-1 decode is a pure weight stream). On a
-    GPU the tile is autotuned per (N, K) on first use (a warm-up before any CUDA-graph capture).
+  * GEMV (M <= GEMV_MAX_M, decode): a program streams BLOCK_N rows of words once for up to 4 rows
+    of x (`_w4a16_gemv_kernel`: the arithmetic, why the kernel layout, the instruction count). On a
+    GPU the tile is autotuned per shape on first use (a warm-up before any CUDA-graph capture).
   * GEMM (larger M, prefill): BLOCK_M x BLOCK_N tiles, the dequantized BLOCK_K x BLOCK_N weight
     tile fed to tl.dot in the activation dtype. BLOCK_K divides the group size, so a K step
     reads one scale (and zero) per column.
+
+Why this GEMV (2026-11-26, seventh session): the previous one unpacked words into a [BN, BK/8, 8]
+tensor and reshaped it, which Triton lowered to per-step cross-thread shuffles and shared-memory
+layout conversions: 14-26 SASS instructions a weight (offline sm_90 compile) and 0.8-1.3 TB/s on
+the H100 (PERFORMANCE.md, fifth session). This one never reshapes: nibble J of a word tile is a
+tile of the same layout, and so are its x values in the kernel layout, so a weight costs an AND,
+two FFMAs and its share of the x conversion: ~5 instructions a weight at the default tiles
+(bf16, M = 1, offline sm_90 SASS), no barrier or shared memory in the loop.
 """
 from __future__ import annotations
 
@@ -24,84 +30,161 @@ from atom_core.kernels.triton.common import (
 )
 
 GEMV_MAX_M = 8
+GEMV_ROWS = 4  # x rows a GEMV launch holds (an accumulator each); M 5-8 runs two launches
 
+# (BLOCK_N, BLOCK_KW words a step, warps); the autotuner picks per (N, K, group) on first use
 _GEMV_CONFIGS = [
-    triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "FACTORED": f}, num_warps=w, num_stages=2)
-    for bn, bk, w, f in [(8, 256, 4, True), (8, 512, 4, True), (16, 256, 4, True), (16, 512, 8, True),
-                         (4, 512, 4, True), (8, 512, 4, False), (16, 256, 4, False)]
+    triton.Config({"BLOCK_N": bn, "BLOCK_KW": bkw}, num_warps=w, num_stages=1)
+    for bn, bkw, w in [(16, 64, 4), (32, 64, 4), (8, 64, 4), (16, 32, 4), (32, 32, 4), (16, 128, 4)]
 ]
-_GEMV_INTERPRET = {"BLOCK_N": 8, "BLOCK_K": 64, "FACTORED": True}  # the tile off the GPU (tests flip FACTORED)
+_GEMV_INTERPRET = {"BLOCK_N": 8, "BLOCK_KW": 8}  # the tile off the GPU
+ONE = tl.constexpr(0x3F800000)  # float32 bits of 1.0
 MAGIC = tl.constexpr(0x4B000000)  # float32 bits of 2**23: (u | MAGIC) reinterpreted is 2**23 + u exactly (no int->float convert)
 
 
+
+
 @triton.jit
-def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_qn, stride_sn, stride_zn,
-                       stride_ym, k_split, stride_ys, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FACTORED: tl.constexpr):
-    # A K step covers NG whole groups of SUB columns (SUB = min(GROUP, BLOCK_K)), so scales and
-    # zeros load once per group as [BLOCK_N, NG] and broadcast over the group's columns.
-    # FACTORED: per group, scale * (sum_k u_k x_k - zero * sum_k x_k), so the per-element work is
-    # unpack + one fma (the scale and zero move out of the inner product); otherwise every element
-    # is dequantized, (u - zero) * scale * x. The autotuner picks per shape (the ALU work per
-    # byte, not the bytes, is what limits a 4-bit GEMV).
-    SUB: tl.constexpr = GROUP if GROUP < BLOCK_K else BLOCK_K
-    NG: tl.constexpr = BLOCK_K // SUB
-    # Split-K (grid axis 2): program s walks K columns [s * k_split, (s + 1) * k_split), k_split a
-    # multiple of every BLOCK_K, and with PARTIAL stores float32 partials (fp8_gemm.sum_splits adds
-    # them and the bias) instead of the output.
-    pid_n = tl.program_id(0)
-    m = tl.program_id(1)
-    k_start = tl.program_id(2) * k_split
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    offs_w = tl.arange(0, BLOCK_K // 8)
-    shifts = tl.arange(0, 8) * 4
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_g = tl.arange(0, NG) * SUB
-    if FACTORED:
-        acc = tl.zeros([BLOCK_N, NG], dtype=tl.float32)
+def _nibble(lo, hi, J: tl.constexpr):
+    """Nibble J of each word as float32 1 + u * 2**(P - 23). lo = words | ONE holds nibbles 0-4 at
+    bits 4J (P = 4J), hi = (words >> 12) | ONE nibbles 5-7 at bits 4J - 12: both already carry the
+    exponent of 1.0 in bits 23-29, so one AND with an immediate (mask | ONE) makes the float (no
+    int->float convert, no mask register)."""
+    if J < 5:
+        return (lo & ((15 << (4 * J)) | 0x3F800000)).to(tl.float32, bitcast=True)
     else:
-        acc = tl.zeros([BLOCK_N, NG, SUB], dtype=tl.float32)
-    for k0 in range(k_start, tl.minimum(K, k_start + k_split), BLOCK_K):
-        words = tl.load(qw_ptr + offs_n[:, None] * stride_qn + (k0 // 8 + offs_w)[None, :],
-                        mask=mask_n[:, None] & ((k0 + offs_w * 8) < K)[None, :], other=0)
-        nib = (words[:, :, None] >> shifts[None, None, :]) & 0xF  # [BLOCK_N, BLOCK_K/8, 8]
-        if FACTORED:
-            w = tl.reshape(nib | MAGIC, (BLOCK_N, NG, SUB)).to(tl.float32, bitcast=True) - 8388608.0
+        return (hi & ((15 << (4 * J - 12)) | 0x3F800000)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pow2(J: tl.constexpr):
+    """2**(23 - P) for nibble J: (1 + u * 2**(P - 23)) * 2**(23 - P) = 2**(23 - P) + u, exactly."""
+    if J < 5:
+        return 2.0 ** (23 - 4 * J)
+    else:
+        return 2.0 ** (35 - 4 * J)
+
+
+@triton.jit
+def _row_step(acc, lo, hi, x_ptrs, k_ok, zero, scale, MASK_K: tl.constexpr, HAS_ZERO: tl.constexpr,
+              V: tl.constexpr):
+    """acc [BN, BKW] += scale * sum_J (u_J - zero) * x_J for one x row; x_J, the columns nibble J of
+    the words hold, is loaded in the words' layout (V contiguous columns a thread). v * 2**(23 - P)
+    - (2**(23 - P) + 8) is one FFMA whose exact result u - 8 is what it rounds to, so a weight costs
+    AND + FFMA + FFMA. Asymmetric: the FFMA gives u, and the zero comes out as zero * sum_J x_J, a
+    sum per x value, not per weight."""
+    part = tl.zeros(acc.shape, dtype=tl.float32)
+    xsum = tl.zeros(acc.shape, dtype=tl.float32)
+    for J in tl.static_range(8):
+        if MASK_K:
+            x = tl.load(x_ptrs + J * V, mask=k_ok, other=0.0).to(tl.float32)
         else:
-            w = tl.reshape(nib, (BLOCK_N, NG, SUB)).to(tl.float32)
-        g = (k0 + offs_g) // GROUP
-        mask_g = mask_n[:, None] & ((k0 + offs_g) < K)[None, :]
-        scale = tl.load(s_ptr + offs_n[:, None] * stride_sn + g[None, :], mask=mask_g, other=0.0).to(tl.float32)
+            x = tl.load(x_ptrs + J * V).to(tl.float32)
         if HAS_ZERO:
-            zero = tl.load(z_ptr + offs_n[:, None] * stride_zn + g[None, :], mask=mask_g, other=0).to(tl.float32)
+            part += (_nibble(lo, hi, J) * _pow2(J) - _pow2(J)) * x
+            xsum += x
         else:
-            zero = tl.full([BLOCK_N, NG], 8.0, tl.float32)
-        k = k0 + offs_k
-        xv = tl.reshape(tl.load(x_ptr + m * stride_xm + k, mask=k < K, other=0.0).to(tl.float32), (1, NG, SUB))
-        if FACTORED:
-            acc += scale * (tl.sum(w * xv, axis=2) - zero * tl.sum(xv, axis=2))
-        else:
-            acc += (w - zero[:, :, None]) * scale[:, :, None] * xv
-    if FACTORED:
-        out = tl.sum(acc, axis=1)
+            part += (_nibble(lo, hi, J) * _pow2(J) - (_pow2(J) + 8.0)) * x
+    if HAS_ZERO:
+        part -= zero * xsum
+    return acc + part * scale
+
+
+@triton.jit(do_not_specialize=["k_split"])
+def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, k_split, stride_xm, stride_qn,
+                       stride_sn, stride_zn, stride_ym, stride_ys, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+                       GROUP: tl.constexpr, V: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       PARTIAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr):
+    """y[m, cols] for BLOCK_N output columns, all M (<= 4) rows of x, one K split.
+
+    A program streams BLOCK_N rows of packed words once for all its x rows: a [BLOCK_N, BLOCK_KW]
+    word tile a step (the next step's tile loads before this one is used: a register double
+    buffer) and an accumulator of the same shape per x row; one cross-thread sum at the end. No
+    reshape: nibble J of the tile is a tile of the same layout, and so are the x values it meets,
+    because the kernel layout (V = 4, `int_ops.interleave_int4`) puts column chunk * 8V + J * V + i
+    in nibble J of word i of a V-word chunk: a thread's V words meet V contiguous x values per
+    nibble (one vector load). V = 1 is the canonical layout (stride-8 x loads; K not a multiple
+    of 32). Scales: a step's words lie in one group (BLOCK_K <= GROUP: one load a row) or each
+    word does (8V <= GROUP): a load per word, equal along a thread's V words. Rows past N are
+    clamped onto row N - 1 and never stored; columns past K are masked.
+    Split-K (grid axis 1): PARTIAL stores float32 partials; fp8_gemm.sum_splits adds them."""
+    BLOCK_K: tl.constexpr = BLOCK_KW * 8
+    MASK_K: tl.constexpr = K % BLOCK_K != 0
+    ONE_GROUP_A_STEP: tl.constexpr = BLOCK_K <= GROUP
+    split = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(cols, N - 1)
+    offs_w = tl.arange(0, BLOCK_KW)
+    xcol = (offs_w // V) * (8 * V) + offs_w % V  # nibble 0's column of each word
+    k_start = split * (k_split // BLOCK_K) * BLOCK_K  # k_split is a multiple of BLOCK_K: written so, the loads vectorize
+    k_end = tl.minimum(k_start + k_split, K)
+    w_ptrs = qw_ptr + rows.to(tl.int64)[:, None] * stride_qn + (k_start // 8 + offs_w)[None, :]
+    x_ptrs = x_ptr + (k_start + xcol)[None, :] + rows[:, None] * 0  # x in the words' layout (repeats: L1)
+    acc0 = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
+    w_ok = offs_w[None, :] < (K - k_start) // 8
+    if MASK_K:
+        words = tl.load(w_ptrs, mask=w_ok, other=0)
     else:
-        out = tl.sum(tl.sum(acc, axis=2), axis=1)
+        words = tl.load(w_ptrs)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        step = tl.where(k0 + BLOCK_K < k_end, BLOCK_KW, 0)  # the last step re-reads its own tile
+        if MASK_K:
+            words_next = tl.load(w_ptrs + step, mask=offs_w[None, :] < (K - k0) // 8 - step, other=0)
+        else:
+            words_next = tl.load(w_ptrs + step)
+        lo = words | ONE
+        hi = (words >> 12) | ONE
+        if ONE_GROUP_A_STEP:
+            g = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.int32) + k0 // GROUP
+        else:
+            g = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.int32) + ((k0 + xcol) // GROUP)[None, :]
+        scale = tl.load(s_ptr + rows[:, None] * stride_sn + g).to(tl.float32)
+        if HAS_ZERO:
+            zero = tl.load(z_ptr + rows[:, None] * stride_zn + g).to(tl.float32)
+        else:
+            zero = scale  # unused
+        k_ok = (k0 + xcol)[None, :] < K
+        acc0 = _row_step(acc0, lo, hi, x_ptrs, k_ok, zero, scale, MASK_K, HAS_ZERO, V)
+        if M > 1:
+            acc1 = _row_step(acc1, lo, hi, x_ptrs + stride_xm, k_ok, zero, scale, MASK_K, HAS_ZERO, V)
+        if M > 2:
+            acc2 = _row_step(acc2, lo, hi, x_ptrs + 2 * stride_xm, k_ok, zero, scale, MASK_K, HAS_ZERO, V)
+        if M > 3:
+            acc3 = _row_step(acc3, lo, hi, x_ptrs + 3 * stride_xm, k_ok, zero, scale, MASK_K, HAS_ZERO, V)
+        words = words_next
+        w_ptrs += step
+        x_ptrs += BLOCK_K
+    out_ptrs = y_ptr + split * stride_ys + cols
+    col_ok = cols < N
+    _store_row(acc0, b_ptr, out_ptrs, rows, col_ok, HAS_BIAS, PARTIAL)
+    if M > 1:
+        _store_row(acc1, b_ptr, out_ptrs + stride_ym, rows, col_ok, HAS_BIAS, PARTIAL)
+    if M > 2:
+        _store_row(acc2, b_ptr, out_ptrs + 2 * stride_ym, rows, col_ok, HAS_BIAS, PARTIAL)
+    if M > 3:
+        _store_row(acc3, b_ptr, out_ptrs + 3 * stride_ym, rows, col_ok, HAS_BIAS, PARTIAL)
+
+
+@triton.jit
+def _store_row(acc, b_ptr, out_ptrs, rows, col_ok, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
+    y = tl.sum(acc, axis=1)
     if PARTIAL:
-        tl.store(y_ptr + tl.program_id(2) * stride_ys + m * stride_ym + offs_n, out, mask=mask_n)
+        tl.store(out_ptrs, y, mask=col_ok)
     else:
         if HAS_BIAS:
-            out += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        tl.store(y_ptr + m * stride_ym + offs_n, out.to(y_ptr.dtype.element_ty), mask=mask_n)
+            y += tl.load(b_ptr + rows).to(tl.float32)
+        tl.store(out_ptrs, y.to(out_ptrs.dtype.element_ty), mask=col_ok)
 
 
-_w4a16_gemv_tuned = triton.autotune(configs=_GEMV_CONFIGS, key=["N", "K", "GROUP"])(_w4a16_gemv_kernel)
+_w4a16_gemv_tuned = triton.autotune(configs=_GEMV_CONFIGS, key=["M", "N", "K", "GROUP", "V", "HAS_ZERO"])(_w4a16_gemv_kernel)
 
 
 @triton.jit
 def _w4a16_mm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride_sn, stride_zn,
-                     stride_ym, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     stride_ym, GROUP: tl.constexpr, V: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -119,7 +202,10 @@ def _w4a16_mm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_
         a = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         words = tl.load(qw_ptr + offs_n[:, None] * stride_qn + (k0 // 8 + offs_w)[None, :],
                         mask=mask_n[:, None] & ((k0 + offs_w * 8) < K)[None, :], other=0)
-        nib = (words[:, :, None] >> shifts[None, None, :]) & 0xF
+        # [BN, chunks, 8 nibbles, V words] in column order: the kernel layout (V = 4) puts column
+        # chunk * 8V + J * V + i in nibble J of the chunk's word i; V = 1 is the canonical layout
+        words = tl.reshape(words, (BLOCK_N, BLOCK_K // (8 * V), V))
+        nib = (words[:, :, None, :] >> shifts[None, None, :, None]) & 0xF
         w = tl.trans(tl.reshape(nib | MAGIC, (BLOCK_N, BLOCK_K))).to(tl.float32, bitcast=True)  # 2**23 + u
         g = k0 // GROUP  # BLOCK_K divides GROUP: one group per step
         scale = tl.load(s_ptr + offs_n * stride_sn + g, mask=mask_n, other=0.0).to(tl.float32)
@@ -154,8 +240,8 @@ def _mm_config(m: int, group: int) -> tuple[int, int, int, int, int]:
 def gemv_split_step(device: torch.device) -> int:
     """K columns a split's run is a multiple of: the largest BLOCK_K the GEMV runs with here."""
     if device.type != "cuda":
-        return _GEMV_INTERPRET["BLOCK_K"]
-    return max(c.kwargs["BLOCK_K"] for c in _GEMV_CONFIGS)
+        return _GEMV_INTERPRET["BLOCK_KW"] * 8
+    return max(c.kwargs["BLOCK_KW"] for c in _GEMV_CONFIGS) * 8
 
 
 def gemv_split_k(n: int, k: int, step: int, num_sms: int) -> int:
@@ -168,11 +254,15 @@ def gemv_split_k(n: int, k: int, step: int, num_sms: int) -> int:
 
 
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-               group_size: int, bias: torch.Tensor | None = None, gemv_split: int = 1) -> torch.Tensor:
+               group_size: int, bias: torch.Tensor | None = None, gemv_split: int = 1,
+               interleave: int = 1) -> torch.Tensor:
     """y [*, N] = x [*, K] @ W^T (+ bias); see quant.int_ops.w4a16_gemm_ref.
 
-    gemv_split: K splits of the GEMV path (M <= GEMV_MAX_M; `gemv_split_k` suggests one). 1, the
-    default, until the split is measured on a GPU (tests/gpu/bench_int4.py times both)."""
+    interleave: 1, qweight in the canonical layout; int_ops.INT4_INTERLEAVE, in the kernel layout
+    of `int_ops.interleave_int4` (what the int4 linear methods store when K allows).
+    gemv_split: K splits of the GEMV path (M <= GEMV_MAX_M; `gemv_split_k` suggests one)."""
+    from atom_core.quant.int_ops import check_interleave
+
     check_float("x", x)
     check_dim("qweight", qweight, 2)
     check_same_device(x=x, qweight=qweight, scales=scales)
@@ -185,6 +275,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         raise ValueError(f"x has K={k}, qweight {tuple(qweight.shape)}, group size {group_size}: the kernel needs "
                          f"qweight [N, K/8] and a group size that divides K and is a power of two >= 32, or is K "
                          f"(per channel)")
+    check_interleave(interleave, k)
     if scales.shape != (n, k // group_size):
         raise ValueError(f"scales shape {tuple(scales.shape)} != ({n}, {k // group_size})")
     if zeros is not None and (zeros.shape != scales.shape or zeros.dtype != torch.uint8):
@@ -199,34 +290,45 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         return y.reshape(*x.shape[:-1], n)
     z = zeros if zeros is not None else scales  # a dummy pointer when HAS_ZERO is false
     b = bias if bias is not None else scales
-    args = (x2, qweight, scales, z, b, y, *((m,) if m > GEMV_MAX_M else ()), n, k, x2.stride(0), qweight.stride(0),
-            scales.stride(0), z.stride(0), y.stride(0))
     # One group (per channel): any power of two >= K indexes group 0 for every column.
-    consts = dict(GROUP=next_pow2(k) if one_group else group_size, HAS_ZERO=zeros is not None, HAS_BIAS=bias is not None)
+    consts = dict(GROUP=next_pow2(k) if one_group else group_size, V=interleave, HAS_ZERO=zeros is not None,
+                  HAS_BIAS=bias is not None)
     if m <= GEMV_MAX_M:
-        if gemv_split < 1:
-            raise ValueError(f"gemv_split must be >= 1, got {gemv_split}")
-        from atom_core.kernels.triton.fp8_gemm import split_k_target, sum_splits
-
-        step = gemv_split_step(x.device)
-        steps_per_split, split, target = split_k_target(y, k, step, gemv_split)
-        args = (x2, qweight, scales, z, b, target, n, k, x2.stride(0), qweight.stride(0), scales.stride(0), z.stride(0),
-                target.stride(-2), steps_per_split * step, target.stride(0) if split > 1 else 0)
-        consts["PARTIAL"] = split > 1
-        if x.device.type == "cuda":
-            grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), m, split)  # noqa: E731
-            _w4a16_gemv_tuned[grid](*args, **consts)
-        else:  # Triton's interpreter: one fixed tile
-            grid = (triton.cdiv(n, _GEMV_INTERPRET["BLOCK_N"]), m, split)
-            _w4a16_gemv_kernel[grid](*args, **consts, **_GEMV_INTERPRET)
-        if split > 1:
-            sum_splits(target, bias, y)
+        _gemv(x2, qweight, scales, z, b, bias, y, gemv_split, consts)
     else:
         bm, bn, bk, warps, stages = _mm_config(m, consts["GROUP"])
         if x.device.type != "cuda":
             bm, bn = 16, 16
         grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-        _w4a16_mm_kernel[grid](*args, **consts, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+        _w4a16_mm_kernel[grid](x2, qweight, scales, z, b, y, m, n, k, x2.stride(0), qweight.stride(0),
+                               scales.stride(0), z.stride(0), y.stride(0), **consts, BLOCK_M=bm, BLOCK_N=bn,
+                               BLOCK_K=bk, num_warps=warps, num_stages=stages,
                                DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
                                DOT_IN_FP32=x.device.type != "cuda" and x.dtype == torch.bfloat16)
     return y.reshape(*x.shape[:-1], n)
+
+
+def _gemv(x2, qweight, scales, z, b, bias, y, gemv_split, consts) -> None:
+    """The GEMV launches: x rows in blocks of GEMV_ROWS (one launch each), K in `gemv_split` runs."""
+    from atom_core.kernels.triton.fp8_gemm import split_k_target, sum_splits
+
+    if gemv_split < 1:
+        raise ValueError(f"gemv_split must be >= 1, got {gemv_split}")
+    (m, k), n = x2.shape, qweight.shape[0]
+    step = gemv_split_step(x2.device)
+    for m0 in range(0, m, GEMV_ROWS):
+        rows = min(GEMV_ROWS, m - m0)
+        xb, yb = x2[m0:m0 + rows], y[m0:m0 + rows]
+        steps_per_split, split, target = split_k_target(yb, k, step, gemv_split)
+        args = (xb, qweight, scales, z, b, target, steps_per_split * step,
+                xb.stride(0), qweight.stride(0), scales.stride(0), z.stride(0), target.stride(-2),
+                target.stride(0) if split > 1 else 0)
+        consts_b = dict(consts, M=rows, N=n, K=k, PARTIAL=split > 1)
+        if x2.device.type == "cuda":
+            grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split)  # noqa: E731
+            _w4a16_gemv_tuned[grid](*args, **consts_b)
+        else:  # Triton's interpreter: one fixed tile
+            grid = (triton.cdiv(n, _GEMV_INTERPRET["BLOCK_N"]), split)
+            _w4a16_gemv_kernel[grid](*args, **consts_b, **_GEMV_INTERPRET)
+        if split > 1:
+            sum_splits(target, bias, yb)
