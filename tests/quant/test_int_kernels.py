@@ -214,10 +214,9 @@ def test_kernels_compile_for_hopper():
           "N": "i32", "K": "i32", "stride_xm": "i32", "stride_qn": "i32", "stride_sn": "i32", "stride_zn": "i32",
           "stride_ym": "i32"}
     for partial in (False, True):  # split-K writes float32 partials (the kernel layout's tiles: the test below)
-        gemv = {k: v for k, v in w4.items() if k not in ("N", "K")}
-        gemv = {**gemv, "y_ptr": "*fp32" if partial else "*bf16", "k_split": "i32", "stride_ys": "i32"}
-        ptx(k4._w4a16_gemv_kernel, gemv, {"M": 2, "N": 300, "K": 200, "GROUP": 200, "V": 1, "HAS_ZERO": True,
-                                          "HAS_BIAS": True, "PARTIAL": partial, "BLOCK_N": 8, "BLOCK_KW": 16})
+        gemv = {**w4, "y_ptr": "*fp32" if partial else "*bf16", "k_split": "i32", "stride_ys": "i32"}
+        ptx(k4._w4a16_gemv_kernel, gemv, {"M": 2, "GROUP": 256, "V": 1, "HAS_ZERO": True, "HAS_BIAS": True,
+                                          "PARTIAL": partial, "MASK_K": True, "BLOCK_N": 8, "BLOCK_KW": 16})
     ptx(k4._w4a16_mm_kernel, {**w4, "M": "i32"},
         {"GROUP": 128, "V": 4, "HAS_ZERO": False, "HAS_BIAS": True, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64,
          "DOT_PRECISION": None, "DOT_IN_FP32": False}, num_warps=4, num_stages=3)
@@ -262,11 +261,11 @@ def test_w4a16_gemv_compiles_for_hopper_without_spills_or_layout_conversions(m, 
     fn = w4a16._w4a16_gemv_kernel
     sig = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8", "b_ptr": "*bf16", "y_ptr": "*bf16",
            "k_split": "i32", **{s: "i32" for s in ("stride_xm", "stride_qn", "stride_sn", "stride_zn", "stride_ym",
-                                                    "stride_ys")}}
+                                                    "stride_ys", "N", "K")}}
     aligned = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items()
-               if t.startswith("*") or a.startswith("stride")}
+               if t.startswith("*") or a.startswith("stride") or a in ("N", "K")}  # as Triton specializes 4096
     for config in w4a16._GEMV_CONFIGS:
-        consts = dict(M=m, N=4096, K=4096, GROUP=128, V=4, HAS_ZERO=has_zero, HAS_BIAS=False, PARTIAL=False,
+        consts = dict(M=m, GROUP=128, V=4, HAS_ZERO=has_zero, HAS_BIAS=False, PARTIAL=False, MASK_K=False,
                       **config.kwargs)
         src = ASTSource(fn=fn, signature={**sig, **{c: "constexpr" for c in consts}}, constexprs=consts, attrs=aligned)
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": config.num_warps})

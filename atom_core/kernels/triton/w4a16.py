@@ -35,8 +35,9 @@ GEMV_ROWS = 4  # x rows a GEMV launch holds (an accumulator each); M 5-8 runs tw
 # (BLOCK_N, BLOCK_KW words a step, warps); the autotuner picks per (N, K, group) on first use
 _GEMV_CONFIGS = [
     triton.Config({"BLOCK_N": bn, "BLOCK_KW": bkw}, num_warps=w, num_stages=1)
-    for bn, bkw, w in [(16, 64, 4), (32, 64, 4), (8, 64, 4), (16, 32, 4), (32, 32, 4), (16, 128, 4)]
+    for bn, bkw, w in [(16, 64, 4), (32, 64, 4), (16, 128, 4), (8, 128, 4)]
 ]
+MAX_BLOCK_K = max(c.kwargs["BLOCK_KW"] for c in _GEMV_CONFIGS) * 8  # K a multiple of it: no config masks
 _GEMV_INTERPRET = {"BLOCK_N": 8, "BLOCK_KW": 8}  # the tile off the GPU
 ONE = tl.constexpr(0x3F800000)  # float32 bits of 1.0
 MAGIC = tl.constexpr(0x4B000000)  # float32 bits of 2**23: (u | MAGIC) reinterpreted is 2**23 + u exactly (no int->float convert)
@@ -92,9 +93,9 @@ def _row_step(acc, lo, hi, x_ptrs, k_ok, zero, scale, MASK_K: tl.constexpr, HAS_
 
 @triton.jit(do_not_specialize=["k_split"])
 def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, k_split, stride_xm, stride_qn,
-                       stride_sn, stride_zn, stride_ym, stride_ys, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
-                       GROUP: tl.constexpr, V: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       PARTIAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr):
+                       stride_sn, stride_zn, stride_ym, stride_ys, N, K, M: tl.constexpr, GROUP: tl.constexpr,
+                       V: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+                       MASK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr):
     """y[m, cols] for BLOCK_N output columns, all M (<= 4) rows of x, one K split.
 
     A program streams BLOCK_N rows of packed words once for all its x rows: a [BLOCK_N, BLOCK_KW]
@@ -109,7 +110,6 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, k_split, strid
     clamped onto row N - 1 and never stored; columns past K are masked.
     Split-K (grid axis 1): PARTIAL stores float32 partials; fp8_gemm.sum_splits adds them."""
     BLOCK_K: tl.constexpr = BLOCK_KW * 8
-    MASK_K: tl.constexpr = K % BLOCK_K != 0
     ONE_GROUP_A_STEP: tl.constexpr = BLOCK_K <= GROUP
     split = tl.program_id(1)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -179,6 +179,7 @@ def _store_row(acc, b_ptr, out_ptrs, rows, col_ok, HAS_BIAS: tl.constexpr, PARTI
         tl.store(out_ptrs, y.to(out_ptrs.dtype.element_ty), mask=col_ok)
 
 
+# N and K are runtime values (one compile a config, not a shape: start-up time), autotuning keys
 _w4a16_gemv_tuned = triton.autotune(configs=_GEMV_CONFIGS, key=["M", "N", "K", "GROUP", "V", "HAS_ZERO"])(_w4a16_gemv_kernel)
 
 
@@ -241,7 +242,7 @@ def gemv_split_step(device: torch.device) -> int:
     """K columns a split's run is a multiple of: the largest BLOCK_K the GEMV runs with here."""
     if device.type != "cuda":
         return _GEMV_INTERPRET["BLOCK_KW"] * 8
-    return max(c.kwargs["BLOCK_KW"] for c in _GEMV_CONFIGS) * 8
+    return MAX_BLOCK_K
 
 
 def gemv_split_k(n: int, k: int, step: int, num_sms: int) -> int:
@@ -322,8 +323,8 @@ def _gemv(x2, qweight, scales, z, b, bias, y, gemv_split, consts) -> None:
         steps_per_split, split, target = split_k_target(yb, k, step, gemv_split)
         args = (xb, qweight, scales, z, b, target, steps_per_split * step,
                 xb.stride(0), qweight.stride(0), scales.stride(0), z.stride(0), target.stride(-2),
-                target.stride(0) if split > 1 else 0)
-        consts_b = dict(consts, M=rows, N=n, K=k, PARTIAL=split > 1)
+                target.stride(0) if split > 1 else 0, n, k)
+        consts_b = dict(consts, M=rows, PARTIAL=split > 1, MASK_K=k % step != 0)
         if x2.device.type == "cuda":
             grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split)  # noqa: E731
             _w4a16_gemv_tuned[grid](*args, **consts_b)
