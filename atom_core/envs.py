@@ -20,9 +20,9 @@ ENV_VARS: dict[str, str] = {
     "ATOM_MARK_TRACE": "0/1: wrap every model module in a named profiler range (eager mode only)",
     "ATOM_API_KEY": "default for `atomctl serve --api-key` (keeps the key out of the process list)",
     "ATOM_FP8_SMALL_M_KERNEL": "auto (default), scaled_mm, triton or gemv: the CUDA kernel of FP8 linears at few "
-                               "tokens; auto = the weight-only GEMV (kernels/triton/fp8_gemv.py) for per-channel "
-                               "dynamic FP8 at 1 token, else scaled_mm (per-channel) and the Triton block GEMM (block "
-                               "FP8), the fastest on the H100 (docs/PERFORMANCE.md 2026-11-26, fourth session); "
+                               "tokens; auto = the weight-only GEMV (kernels/triton/fp8_gemv.py) for dynamic per-channel "
+                               "and block FP8 at 1 token, else scaled_mm (per-channel) and the Triton block GEMM (block "
+                               "FP8), the fastest on the H100 (docs/PERFORMANCE.md 2026-11-26, fourth and seventh sessions); "
                                "scaled_mm / triton = that kernel at M <= 16 (kernels/triton/fp8_gemm.py); gemv = the "
                                "GEMV at M <= 4 for dynamic per-channel and block FP8",
     "ATOM_MOE_DECODE_PATH": "gemv (default) or tiled: the unquantized fused MoE kernels on CUDA for decode batches "

@@ -31,7 +31,7 @@ Products (y [*, N] in x's dtype, x [*, K] in bf16/fp16/fp32):
       (`fp8_linear_kernel` / `fp8_block_linear_kernel` decide, per ATOM_FP8_SMALL_M_KERNEL, read
       when this module is imported; `set_small_m_kernel` for benchmarks and tests):
       - fp8_block_linear: the Triton block-FP8 GEMM (kernels/triton/fp8_gemm.py); the block GEMV
-        only under `gemv` (it lost to the GEMM on the large shapes, PERFORMANCE.md 2026-11-26).
+        (kernels/triton/fp8_gemv.py) at 1 token under `auto` and up to 4 tokens under `gemv`.
       - fp8_linear: torch._scaled_mm (row-wise or per-tensor scales, dynamic activations
         quantized by one Triton launch, kernels/triton/fp8.py) where the shape allows it (K and N
         multiples of 16, bf16/fp16 x), else the Triton GEMM. Few tokens:
@@ -244,11 +244,14 @@ def _(x, weight, weight_scale, input_scale=None, bias=None):
 
 
 def fp8_block_linear_kernel(num_tokens: int, triton_ok: bool, small_m: Fp8SmallMKernel | None = None) -> str:
-    """Which kernel runs a block-FP8 fp8_block_linear: "gemv" (M <= GEMV_MAX_TOKENS under the gemv
-    switch), "triton" (the block GEMM where it supports the block, else the reference) or "reference"."""
+    """Which kernel runs a block-FP8 fp8_block_linear: "gemv" (1 token under `auto`, M <= GEMV_MAX_TOKENS
+    under `gemv`), "triton" (the block GEMM where it supports the block, else the reference) or "reference".
+    `auto` takes the block GEMV at 1 token since it beat the block GEMM on 10 of 11 measured shapes
+    (Qwen3-30B-A3B, Llama-3-8B, DeepSeek-V3; PERFORMANCE.md 2026-11-26, seventh session)."""
     if not triton_ok:
         return "reference"
-    return "gemv" if num_tokens <= GEMV_MAX_TOKENS and (small_m or _small_m_kernel) == "gemv" else "triton"
+    gemv_max = {"gemv": GEMV_MAX_TOKENS, "auto": AUTO_GEMV_MAX_TOKENS}.get(small_m or _small_m_kernel, 0)
+    return "gemv" if num_tokens <= gemv_max else "triton"
 
 
 @torch.library.custom_op("atom::fp8_block_linear", mutates_args=())

@@ -341,10 +341,10 @@ def test_default_tiles_compile_for_hopper_without_spills(m, n, k):
     if cuobjdump_path() is None:
         pytest.skip("Triton ships no cuobjdump here")
     cfg = _gemv().default_dense_gemv_config(m, n, k, 2, 132)
-    strides = ("stride_xm", "stride_wn", "stride_wsn", "stride_wsk", "stride_om", "stride_os")
+    strides = ("stride_xm", "stride_wn", "stride_wsn", "stride_om", "stride_os")
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "ws_ptr": "*fp32", "bias_ptr": "*bf16",
            "out_ptr": "*fp32" if cfg.split_k > 1 else "*bf16", "steps_per_split": "i32", **{s: "i32" for s in strides}}
-    consts = dict(M=m, N=n, K=k, SCALE_BN=1, GROUP=k, PER_GROUP=False, HAS_BIAS=False, IS_SPLIT=cfg.split_k > 1,
+    consts = dict(M=m, N=n, K=k, HAS_BIAS=False, IS_SPLIT=cfg.split_k > 1,
                   BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, VEC=8)
     aligned = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items()
                if t.startswith("*") or a in ("stride_xm", "stride_wn", "stride_om", "stride_os")}

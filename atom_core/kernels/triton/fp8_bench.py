@@ -15,7 +15,9 @@ tokens (default 1 and 32), CUDA-graph medians in us, against the bytes-read floo
 `--sweep` times a few small-M tiles (BLOCK_N x split-K x stages) per shape for both Triton kinds;
 `--sweep-gemv` the GEMV's (BLOCK_K x weights a thread x split-K) at M <= 4.
 Weight values do not affect speed (random e4m3). Results: docs/PERFORMANCE.md (H100, 2026-11-26).
-`python -m atom_core.kernels.triton.fp8_bench [--shapes llama-3-8b,deepseek-v3] [--m 1,32] [--sweep | --sweep-gemv]`.
+`python -m atom_core.kernels.triton.fp8_bench [--shapes llama-3-8b,deepseek-v3,qwen3-30b-a3b] [--m 1,32]
+[--sweep | --sweep-gemv]`. Issue 16 (Qwen3-30B-A3B-FP8 batch 1): `--shapes qwen3-30b-a3b --m 1,2`, where
+tr-block is the old block path, gemv blk the block GEMV (ATOM_FP8_SMALL_M_KERNEL=gemv), bf16 the baseline.
 """
 from __future__ import annotations
 
@@ -31,9 +33,12 @@ SHAPES = {
     # the first three layers
     "deepseek-v3": {"q_a": (1536, 7168), "kv_a": (576, 7168), "q_b": (24576, 1536), "o": (7168, 16384),
                     "gate_up": (36864, 7168), "down": (7168, 18432)},
+    # attention of Qwen3-30B-A3B (32 q + 4 kv heads of 128, hidden 2048); its experts: fp8_moe_bench
+    "qwen3-30b-a3b": {"qkv": (5120, 2048), "o": (2048, 4096)},
 }
 # the scale layouts each model's checkpoints come in (DeepSeek-V3 ships block FP8 only); the group is bk
-SWEEP_KINDS = {"llama-3-8b": (("channel", None), ("block", 128)), "deepseek-v3": (("block", 128),)}
+SWEEP_KINDS = {"llama-3-8b": (("channel", None), ("block", 128)), "deepseek-v3": (("block", 128),),
+               "qwen3-30b-a3b": (("block", 128),)}
 FLOOR_BYTES_PER_S = 3.0e12
 
 

@@ -25,10 +25,18 @@ cross-thread sum at the end). Weights load VEC = 16 / x's element size at a time
 x): with 16-byte weight loads Triton gave the weights another layout than x's 8-a-thread and moved
 every tile through shared memory (offline TTGIR). The next step's weights load before the current
 ones are used (a register double buffer; the last step re-reads its own tile, so no mask). Rows past
-N are clamped onto row N - 1 and never stored; columns past K are masked. Block scales: a step
-covers whole groups or lies in one, so column k0 + c is in group k0 // GROUP + c // GROUP and a
-thread's VEC columns share one scale (ptxas keeps one load). Offline sm_90 SASS (bf16 x, M = 1,
-block): ~7.8 instructions a weight (unpack, f16 -> f32, the scale multiply, the FMA), 96 registers.
+N are clamped onto row N - 1 and never stored; columns past K are masked.
+
+Block scales (`_fp8_block_gemv_kernel`, a sibling with the same grid, split-K and epilogue): the tile
+is [BLOCK_N, C, VEC], a thread's VEC columns (a chunk) lie in one scale group, so a step sums w * x
+over the chunk in registers and multiplies the sum by the chunk's scale, and the next step's scales
+load with its weights. Offline sm_90 SASS (bf16 x, 1 token, Qwen3-30B-A3B's qkv and o, default
+tiles, instructions in the K loop per weight): per channel 5.94; block before 7.19 (a float32
+multiply per weight, and its 4 scale loads a step consumed in the step that issued them: a memory
+round trip in every step, where the weights' double buffer hides it; the likely cause of the
+measured ~2x), after 6.91 (12 float ops per 8 weights instead of 16, scales one step ahead, 72
+registers, no spills). Both paths spend ~3 instructions a weight unpacking e4m3 (the loop carries
+the prefetched bytes one a register and re-pairs them for the e4m3x2 conversion): the next lever.
 
 Split-K (grid axis 1) when the grid's bytes in flight are too few to hide DRAM latency: a step of
 the whole grid reads N * BLOCK_K bytes, split when that is under IN_FLIGHT_BYTES_PER_SM per SM. Each
@@ -39,11 +47,14 @@ Levers if the benchmark shows M = 1 far from the floor: tiles (fp8_bench --sweep
 split's second launch (a last-arriving-split sum would save it); at M = 4 the instruction issue
 (~10 a weight) and x's L1 traffic (2 bytes per weight and row) may bind before DRAM does.
 
-Status: GPU tests pass on the H100 (2026-11-26, fourth session). Per channel at 1 token it runs at
-1.04-1.32x the bytes floor on Llama-3-8B's shapes (`_scaled_mm` with its activation quantizer:
-1.3-3.0x), so fp8_ops dispatches 1-token per-channel linears here by default
-(ATOM_FP8_SMALL_M_KERNEL=auto; Llama-3-8B fp8 batch-1 TPOT 5.71 -> 4.27 ms); block FP8 only under
-`gemv` (the block GEMM won on large shapes). `kernels/triton/fp8_bench.py` times it (the gemv columns, --sweep-gemv).
+Status: the per-channel kernel's GPU tests pass on the H100 (2026-11-26, fourth session); at 1 token
+it runs at 1.04-1.32x the bytes floor on Llama-3-8B's shapes (`_scaled_mm` with its activation
+quantizer: 1.3-3.0x), so fp8_ops dispatches 1-token per-channel linears here by default
+(ATOM_FP8_SMALL_M_KERNEL=auto; Llama-3-8B fp8 batch-1 TPOT 5.71 -> 4.27 ms). The block kernel as
+rewritten here (chunk scales, prefetched; 2026-11-26, seventh session) passes its GPU tests and at 1
+token beats the Triton block GEMM on 10 of 11 measured shapes (Qwen3-30B-A3B qkv 7.0 vs 11.7 us,
+DeepSeek-V3 o 73.4 vs 86.3; it loses Llama-3-8B's down, K = 14,336: 52.3 vs 42.8), at 1.3-4.5x
+its bytes floor: `auto` takes it at 1 token (Qwen3-30B-A3B-FP8 batch-1 TPOT 4.31 -> 4.0 ms).
 """
 from __future__ import annotations
 
@@ -90,13 +101,12 @@ def _load_w(w_ptrs, k_ok, MASK_K: tl.constexpr):
 @triton.jit(do_not_specialize=["steps_per_split"])
 def _fp8_gemv_kernel(
     x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, steps_per_split,
-    stride_xm, stride_wn, stride_wsn, stride_wsk, stride_om, stride_os,
-    M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, SCALE_BN: tl.constexpr, GROUP: tl.constexpr,
-    PER_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, VEC: tl.constexpr,
+    stride_xm, stride_wn, stride_wsn, stride_om, stride_os,
+    M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
 ):
     """out[m, cols] (or split partials) for BLOCK_N columns, all M (<= 4) rows of x, one split's K steps.
-    Weight scales of row r: ws_ptr + (r // SCALE_BN) * stride_wsn (+ (k // GROUP) * stride_wsk if PER_GROUP)."""
+    Per-tensor / per-channel weights: the scale of row r is ws_ptr + r * stride_wsn (stride 0: one scale)."""
     split = tl.program_id(1)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(cols, N - 1)  # weight rows; past N: never stored
@@ -108,8 +118,6 @@ def _fp8_gemv_kernel(
     # loads (16 e4m3) the compiler moved every weight tile through shared memory to x's 8 a thread
     w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + (k_start + tl.max_contiguous(offs_k, [1, VEC]))
     x_ptrs = x_ptr + (k_start + offs_k + rows[:, None] * 0)  # x rows in the weights' layout (repeats: L1)
-    # k0 is a multiple of GROUP or BLOCK_K divides it: column k0 + c is in group k0 // GROUP + c // GROUP
-    ws_ptrs = ws_ptr + (rows // SCALE_BN).to(tl.int64)[:, None] * stride_wsn + (offs_k // GROUP) * stride_wsk
     acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -120,8 +128,6 @@ def _fp8_gemv_kernel(
         step = tl.where(k0 + BLOCK_K < k_end, BLOCK_K, 0)
         w_next = _load_w(w_ptrs + step, offs_k < K - k0 - step, MASK_K)
         wf = w.to(tl.float32)
-        if PER_GROUP:  # a scale per element, equal addresses along a thread's VEC columns: one load
-            wf = wf * tl.load(ws_ptrs + (k0 // GROUP) * stride_wsk)
         k_ok = offs_k < K - k0
         acc0 = _fma_row(acc0, wf, x_ptrs, k_ok, MASK_K)
         if M > 1:
@@ -133,32 +139,113 @@ def _fp8_gemv_kernel(
         w = w_next
         w_ptrs += step
         x_ptrs += BLOCK_K
-    w_scale = tl.load(ws_ptr + (rows // SCALE_BN) * stride_wsn)  # per channel / tensor: times the row sums
+    w_scale = tl.load(ws_ptr + rows * stride_wsn)  # per channel / tensor: times the row sums
     out_ptrs = out_ptr + split * stride_os + cols
     col_ok = cols < N
-    _store_row(acc0, w_scale, bias_ptr, out_ptrs, rows, col_ok, PER_GROUP, HAS_BIAS, IS_SPLIT)
+    _store_row(tl.sum(acc0, axis=1) * w_scale, bias_ptr, out_ptrs, rows, col_ok, HAS_BIAS, IS_SPLIT)
     if M > 1:
-        _store_row(acc1, w_scale, bias_ptr, out_ptrs + stride_om, rows, col_ok, PER_GROUP, HAS_BIAS, IS_SPLIT)
+        _store_row(tl.sum(acc1, axis=1) * w_scale, bias_ptr, out_ptrs + stride_om, rows, col_ok, HAS_BIAS,
+                   IS_SPLIT)
     if M > 2:
-        _store_row(acc2, w_scale, bias_ptr, out_ptrs + 2 * stride_om, rows, col_ok, PER_GROUP, HAS_BIAS, IS_SPLIT)
+        _store_row(tl.sum(acc2, axis=1) * w_scale, bias_ptr, out_ptrs + 2 * stride_om, rows, col_ok, HAS_BIAS,
+                   IS_SPLIT)
     if M > 3:
-        _store_row(acc3, w_scale, bias_ptr, out_ptrs + 3 * stride_om, rows, col_ok, PER_GROUP, HAS_BIAS, IS_SPLIT)
+        _store_row(tl.sum(acc3, axis=1) * w_scale, bias_ptr, out_ptrs + 3 * stride_om, rows, col_ok, HAS_BIAS,
+                   IS_SPLIT)
 
 
 @triton.jit
-def _store_row(acc, w_scale, bias_ptr, out_ptrs, rows, col_ok, PER_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-               IS_SPLIT: tl.constexpr):
-    """One x row's BLOCK_N outputs: the K sum (times the per-channel scale). A split stores float32
-    partials (the sum kernel adds the bias); otherwise the bias is added and the sum rounded once."""
-    y = tl.sum(acc, axis=1)
-    if not PER_GROUP:
-        y = y * w_scale
+def _store_row(y, bias_ptr, out_ptrs, rows, col_ok, HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr):
+    """One x row's BLOCK_N float32 sums. A split stores float32 partials (the sum kernel adds the
+    bias); otherwise the bias is added and the sum rounded once."""
     if IS_SPLIT:
         tl.store(out_ptrs, y, mask=col_ok)
     else:
         if HAS_BIAS:
             y += tl.load(bias_ptr + rows).to(tl.float32)
         tl.store(out_ptrs, y.to(out_ptrs.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _chunk_sums(w, x_ptrs, k_ok, MASK_K: tl.constexpr):
+    """[BN, C] float32: per weight row and VEC-column chunk, sum(w * x) over the chunk. A chunk is
+    one thread's VEC columns, so the sum stays in registers (no shuffle)."""
+    if MASK_K:
+        x = tl.load(x_ptrs, mask=k_ok, other=0.0)
+    else:
+        x = tl.load(x_ptrs)
+    return tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=2)
+
+
+@triton.jit
+def _group_scales(s_ptrs, k0, chunk_k, stride_wsk, GROUP: tl.constexpr, LAST_GROUP: tl.constexpr):
+    """[BN, C] block scales of the chunks starting at columns k0 + chunk_k; chunks past K take the
+    last group's (finite) scale and multiply zeros."""
+    return tl.load(s_ptrs + tl.minimum((k0 + chunk_k) // GROUP, LAST_GROUP) * stride_wsk)
+
+
+@triton.jit(do_not_specialize=["steps_per_split"])
+def _fp8_block_gemv_kernel(
+    x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, steps_per_split,
+    stride_xm, stride_wn, stride_wsn, stride_wsk, stride_om, stride_os,
+    M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, SCALE_BN: tl.constexpr, GROUP: tl.constexpr,
+    HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    VEC: tl.constexpr, WIDE_ROWS: tl.constexpr,
+):
+    """The block-FP8 sibling of _fp8_gemv_kernel (same grid, split-K and epilogue). The tile is
+    [BLOCK_N, C, VEC] (C = BLOCK_K / VEC chunks, one chunk a thread, VEC dividing GROUP): each chunk
+    lies in one scale group, so a step sums w * x over a chunk in registers and multiplies that sum
+    by the chunk's scale, a scale per VEC weights instead of one per weight. Scales of row r, group
+    g: ws_ptr + (r // SCALE_BN) * stride_wsn + g * stride_wsk. The next step's scales load with its
+    weights: a scale loaded and used in the same step put a memory round trip in every step (the
+    first version ran at ~2x the per-channel kernel's time)."""
+    split = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(cols, N - 1)  # weight rows; past N: never stored
+    CHUNKS: tl.constexpr = BLOCK_K // VEC
+    chunk_k = tl.arange(0, CHUNKS)[None, :] * VEC  # [1, C]: a chunk's first column within the step
+    offs_k = chunk_k[:, :, None] + tl.arange(0, VEC)[None, None, :]  # [1, C, VEC]
+    MASK_K: tl.constexpr = K % BLOCK_K != 0
+    LAST_GROUP: tl.constexpr = (K - 1) // GROUP
+    k_start = split * steps_per_split * BLOCK_K
+    k_end = tl.minimum(k_start + steps_per_split * BLOCK_K, K)
+    rows3 = rows[:, None, None]
+    if WIDE_ROWS:  # int32 offsets save registers (a spill at 1 token otherwise); int64 past 2^31 bytes
+        rows3 = rows3.to(tl.int64)
+    w_ptrs = w_ptr + rows3 * stride_wn + (k_start + tl.max_contiguous(offs_k, [1, 1, VEC]))
+    x_ptrs = x_ptr + (k_start + offs_k + rows3 * 0)  # x rows in the weights' layout (repeats: L1)
+    s_ptrs = ws_ptr + (rows // SCALE_BN)[:, None] * stride_wsn  # [BN, 1]
+    acc0 = tl.zeros([BLOCK_N, CHUNKS], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_N, CHUNKS], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_N, CHUNKS], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_N, CHUNKS], dtype=tl.float32)
+    w = _load_w(w_ptrs, offs_k < K - k_start, MASK_K)
+    s = _group_scales(s_ptrs, k_start, chunk_k, stride_wsk, GROUP, LAST_GROUP)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        step = tl.where(k0 + BLOCK_K < k_end, BLOCK_K, 0)  # the last step re-reads its own tile (no mask)
+        w_next = _load_w(w_ptrs + step, offs_k < K - k0 - step, MASK_K)
+        s_next = _group_scales(s_ptrs, k0 + step, chunk_k, stride_wsk, GROUP, LAST_GROUP)
+        k_ok = offs_k < K - k0
+        acc0 += _chunk_sums(w, x_ptrs, k_ok, MASK_K) * s
+        if M > 1:
+            acc1 += _chunk_sums(w, x_ptrs + stride_xm, k_ok, MASK_K) * s
+        if M > 2:
+            acc2 += _chunk_sums(w, x_ptrs + 2 * stride_xm, k_ok, MASK_K) * s
+        if M > 3:
+            acc3 += _chunk_sums(w, x_ptrs + 3 * stride_xm, k_ok, MASK_K) * s
+        w = w_next
+        s = s_next
+        w_ptrs += step
+        x_ptrs += BLOCK_K
+    out_ptrs = out_ptr + split * stride_os + cols
+    col_ok = cols < N
+    _store_row(tl.sum(acc0, axis=1), bias_ptr, out_ptrs, rows, col_ok, HAS_BIAS, IS_SPLIT)
+    if M > 1:
+        _store_row(tl.sum(acc1, axis=1), bias_ptr, out_ptrs + stride_om, rows, col_ok, HAS_BIAS, IS_SPLIT)
+    if M > 2:
+        _store_row(tl.sum(acc2, axis=1), bias_ptr, out_ptrs + 2 * stride_om, rows, col_ok, HAS_BIAS, IS_SPLIT)
+    if M > 3:
+        _store_row(tl.sum(acc3, axis=1), bias_ptr, out_ptrs + 3 * stride_om, rows, col_ok, HAS_BIAS, IS_SPLIT)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,15 +263,13 @@ def _pow2_divisor(n: int, cap: int) -> int:
 
 def default_fp8_gemv_config(m: int, n: int, k: int, x_bytes: int, group: int | None, num_sms: int,
                             w_bytes: int = 1) -> Fp8GemvConfig:
-    """Chosen from offline sm_90 compiles (94-142 registers, no spills, one load a row and group
-    for block scales); the H100 sweep (PERFORMANCE.md 2026-11-26) found no tile better on every
+    """Chosen from offline sm_90 compiles (72-142 registers, no spills); `group` (the block scales'
+    bk, None per channel) no longer changes the tile: any step suits any group. The H100 sweep (PERFORMANCE.md 2026-11-26) found no tile better on every
     shape: 16 bytes of x a thread load (VEC columns), BLOCK_K 512
     (256 for float32 x), 32 weights a thread a step at M <= 2 and 16 at M 3-4 (the accumulators
     grow with M), 4 warps; split-K per IN_FLIGHT_BYTES_PER_SM (w_bytes: a weight's size, 2 for
     the bf16 GEMV of dense_gemv.py)."""
     bk = max(16, min(256 if x_bytes == 4 else 512, triton.next_power_of_2(k)))
-    if group is not None and bk % group and group % bk:  # a step must cover whole groups or lie in one
-        bk = _pow2_divisor(group, bk)
     per_thread = 32 if m <= 2 else 16
     warps = 4
     bn = max(1, per_thread * 32 * warps // bk)
@@ -199,8 +284,14 @@ def split_for_bytes_in_flight(steps: int, step_bytes: int, num_sms: int) -> int:
     return triton.cdiv(steps, triton.cdiv(steps, split))
 
 
+def block_vec(vec: int, group: int) -> int:
+    """Columns a thread takes a step in the block kernel: at most `vec` and a divisor of the scale
+    group, so that each thread's chunk lies in one group (8 for bf16 x and 128-column groups)."""
+    return min(vec, _pow2_divisor(group, vec))
+
+
 def block_gemv_supported(block_size: list[int] | tuple[int, int]) -> bool:
-    """Any [bn, bk] >= 1 (a step covers whole scale groups or lies in one; an odd bk narrows the step)."""
+    """Any [bn, bk] >= 1 (a thread's chunk of columns narrows to a divisor of bk)."""
     return len(block_size) == 2 and min(int(b) for b in block_size) >= 1
 
 
@@ -210,12 +301,11 @@ def _check(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: to
         raise ValueError(f"the FP8 GEMV takes at most {GEMV_MAX_TOKENS} rows of x, got {x2.shape[0]}")
 
 
-def _check_config(cfg: Fp8GemvConfig, group: int | None) -> None:
+def _check_config(cfg: Fp8GemvConfig, group: int | None = None) -> None:
+    """Tiles any kernel here takes (`group` is accepted for the callers; any step suits any group)."""
     bk, bn = cfg.block_k, cfg.block_n
     if bk < 1 or bk & (bk - 1) or bn < 1 or bn & (bn - 1) or cfg.split_k < 1:
         raise ValueError(f"FP8 GEMV tiles need power-of-two block_n and block_k and split_k >= 1, got {cfg}")
-    if group is not None and bk % group and group % bk:
-        raise ValueError(f"FP8 GEMV block_k {bk} must divide the scale group {group} or be a multiple of it")
 
 
 def _launch(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, stride_ws: tuple[int, int], scale_bn: int,
@@ -226,13 +316,17 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, stride_
     if m == 0:
         return out
     per_split, split, target = split_k_target(out, k, cfg.block_k, cfg.split_k)
-    _fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
-        x2, weight, scale, bias if bias is not None else scale, target, per_split,
-        x2.stride(0), weight.stride(0), *stride_ws, target.stride(-2), target.stride(0) if split > 1 else 0,
-        M=m, N=n, K=k, SCALE_BN=scale_bn, GROUP=group or k, PER_GROUP=group is not None, HAS_BIAS=bias is not None,
-        IS_SPLIT=split > 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, VEC=min(cfg.block_k, 16 // x2.element_size()),
-        num_warps=cfg.num_warps, num_stages=1,
-    )
+    grid = (triton.cdiv(n, cfg.block_n), split)
+    common = (x2, weight, scale, bias if bias is not None else scale, target, per_split, x2.stride(0), weight.stride(0))
+    out_strides = (target.stride(-2), target.stride(0) if split > 1 else 0)
+    shared = dict(M=m, N=n, K=k, HAS_BIAS=bias is not None, IS_SPLIT=split > 1, BLOCK_N=cfg.block_n,
+                  BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=1)
+    vec = min(cfg.block_k, 16 // x2.element_size())  # 16 bytes of x a thread
+    if group is None:
+        _fp8_gemv_kernel[grid](*common, stride_ws[0], *out_strides, VEC=vec, **shared)
+    else:
+        _fp8_block_gemv_kernel[grid](*common, *stride_ws, *out_strides, SCALE_BN=scale_bn, GROUP=group,
+                                     VEC=block_vec(vec, group), WIDE_ROWS=n * weight.stride(0) >= 2 ** 31, **shared)
     if split > 1:
         sum_splits(target, bias, out)
     return out
