@@ -279,6 +279,9 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
   w4-gemv-2)  # the W4A16 GEMV with runtime N/K (one compile a tile) and 4 tiles: micro-benchmark (split or not), batch-1 TPOT and its start-up
     step int4-kernel-bench 100 python3 tests/gpu/bench_int4.py --m 1,4 --out "$OUT/int4_kernels.json"
     step lat-l8w4-bs1 120 python3 -m atomctl.main bench latency --model preset:Llama-3-8B-W4A16 --load-format dummy --max-model-len 4096 --bs 1 --output-json "$OUT/lat_l8w4_bs1.json" ;;
+  gpu-tests7)  # seventh session's GPU tests: W4A16 kernels + GPTQ/AWQ engines, the FP8 GEMVs, the attention kernels (prefill, paged incl. the mixed-step split of 680de18)
+    parallel_tests 420 "tests/quant/test_int_kernels.py tests/quant/test_gptq_awq.py" "tests/quant/test_fp8_gemv.py tests/quant/test_fp8_ops.py" \
+      "tests/kernels/test_prefill_attention.py" "tests/kernels/test_triton_kernels.py" ;;
   final7)  # seventh session: the dense targets at the final tree (off-l8, off-q06, batch 1 and 32), the block-FP8 GEMV vs the block GEMM at 1 token on the large shapes (whether `auto` may take it), Qwen3-30B-A3B-FP8 batch 1 with the block GEMV and the tiled MoE
     step off-l8 130 python3 -m atomctl.main bench offline "${l8[@]}" --output-json "$OUT/off_l8.json"
     step off-q06 90 python3 -m atomctl.main bench offline "${q06[@]}" --output-json "$OUT/off_q06.json"
@@ -623,13 +626,13 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
       step off-l8-prefill-$p 150 env ATOM_PREFILL_ATTENTION=$p python3 -m atomctl.main bench offline "${l8[@]}" --output-json "$OUT/off_l8_prefill_$p.json"
       step lat-l8-4k-prefill-$p 100 env ATOM_PREFILL_ATTENTION=$p python3 -m atomctl.main bench latency "${l8[@]}" --bs 2 --input-len 4000 --output-len 1 --output-json "$OUT/lat_l8_4k_prefill_$p.json"
     done ;;
-  a3b-fp8)  # issue 16: Qwen3-30B-A3B-FP8 batch 1 with the block-FP8 GEMV (scales per 8-weight chunk, prefetched) and the block-FP8 MoE decode GEMVs (both written without a GPU): their GPU tests, the micro-benchmarks at M 1-2 (old block GEMM / tiled MoE vs the GEMVs vs bf16 vs the 3.0 TB/s floor), then TPOT: new (ATOM_FP8_SMALL_M_KERNEL=gemv + MoE GEMVs), old (auto + ATOM_MOE_DECODE_PATH=tiled), the bf16 baseline last (4.57 ms before; skipped first under DEADLINE_S)
+  a3b-fp8)  # issue 16: Qwen3-30B-A3B-FP8 batch 1 with the rewritten block-FP8 GEMV: its GPU tests, the micro-benchmark at M 1-2 (block GEMM vs GEMV vs bf16 vs the 3.0 TB/s floor), the MoE at M 1-2, then TPOT with the GEMV (gemv), the old default (auto before b01642c = the block GEMM; now the GEMV), the bf16 baseline
     a3bf=(--model preset:Qwen3-30B-A3B-FP8 --load-format dummy --max-model-len 4096 --bs 1)
-    step a3b-fp8-gpu-tests 60 python3 -m pytest -q --tb=short -m gpu tests/quant/test_fp8_moe_decode.py tests/quant/test_fp8_gemv.py -k "not llama and not deepseek-v3-" -p no:cacheprovider
+    step a3b-fp8-gpu-tests 60 python3 -m pytest -q --tb=short -m gpu tests/quant/test_fp8_gemv.py -k "not llama and not deepseek-v3-" -p no:cacheprovider
     step a3b-fp8-gemv-bench 45 python3 -m atom_core.kernels.triton.fp8_bench --shapes qwen3-30b-a3b --m 1,2
-    step a3b-fp8-moe-bench 60 python3 -m atom_core.kernels.triton.fp8_moe_bench --shapes qwen3-30b-a3b --m 1,2
+    step a3b-fp8-moe-bench 60 python3 -m atom_core.kernels.triton.fp8_moe_bench --shapes qwen3-30b-a3b
     step lat-a3bfp8-bs1-new 100 env ATOM_FP8_SMALL_M_KERNEL=gemv python3 -m atomctl.main bench latency "${a3bf[@]}" --output-json "$OUT/lat_a3bfp8_bs1_new.json"
-    step lat-a3bfp8-bs1-old 100 env ATOM_FP8_SMALL_M_KERNEL=auto ATOM_MOE_DECODE_PATH=tiled python3 -m atomctl.main bench latency "${a3bf[@]}" --output-json "$OUT/lat_a3bfp8_bs1_old.json"
+    step lat-a3bfp8-bs1-old 100 env ATOM_FP8_SMALL_M_KERNEL=auto python3 -m atomctl.main bench latency "${a3bf[@]}" --output-json "$OUT/lat_a3bfp8_bs1_old.json"
     step lat-a3b-bf16-bs1 90 python3 -m atomctl.main bench latency --model preset:Qwen3-30B-A3B --load-format dummy --max-model-len 4096 --bs 1 --output-json "$OUT/lat_a3b_bf16_bs1.json" ;;
   *) echo "unknown mode $mode" ;;
 esac
