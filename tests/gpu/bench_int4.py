@@ -34,6 +34,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
     parser.add_argument("--m", default="1,4,16,128,1024")
+    parser.add_argument("--splits", default="", help="also time the GEMV at these K splits (M <= 8), e.g. 2,4")
+    parser.add_argument("--tiles", default="", help="also time the GEMV at each of these tiles, BLOCK_N x BLOCK_KW "
+                                                     "(4 warps; sN: N pipeline stages), instead of the autotuner's pick, e.g. 16x128,16x64s3")
     args = parser.parse_args()
     dev, rows = "cuda", []
     for name, (n, k) in SHAPES.items():
@@ -58,6 +61,13 @@ def main() -> None:
                      if m <= GEMV_MAX_M and split > 1 else t_w4)
             t_w8 = per_copy(lambda i: int8_w8a8_gemm(x, w_i8[i], w_i8_scale))
             w4_bytes = n * k // 2 + scales[0].numel() * 2
+            forced = {sp: per_copy(lambda i, sp=sp: w4(i, gemv_split=sp)) for sp in map(int, filter(None, args.splits.split(",")))
+                      if m <= GEMV_MAX_M}
+            if forced:
+                print(f"{name} M={m} forced splits: " + ", ".join(f"{sp}: {t:.1f} us" for sp, t in forced.items()), flush=True)
+            if args.tiles and m <= GEMV_MAX_M:
+                print(f"{name} M={m} tiles: " + ", ".join(f"{t}: {_time_tile(t, per_copy, w4):.1f} us"
+                                                         for t in args.tiles.split(",")), flush=True)
             rows.append(dict(shape=name, n=n, k=k, m=m, bf16_us=t_bf16, w4a16_us=t_w4, w4a16_split_us=t_w4s,
                              split=split if m <= GEMV_MAX_M else 1, w8a8_us=t_w8,
                              w4a16_gbps=w4_bytes / t_w4 / 1e3, w4a16_split_gbps=w4_bytes / t_w4s / 1e3,
@@ -72,6 +82,24 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
+
+
+def _time_tile(tile: str, per_copy, w4) -> float:
+    """The GEMV at one tile: the autotuner given only that config (its cache cleared before and after)."""
+    import triton
+
+    from atom_core.kernels.triton import w4a16
+
+    tuner = w4a16._w4a16_gemv_tuned
+    saved = tuner.configs
+    shape, _, stages = tile.partition("s")  # "16x128" or "16x128s3" (software-pipelined loads)
+    bn, bkw = map(int, shape.split("x"))
+    config = triton.Config({"BLOCK_N": bn, "BLOCK_KW": bkw}, num_warps=4, num_stages=int(stages or 1))
+    tuner.configs, tuner.cache = [config], {}
+    try:
+        return per_copy(lambda i: w4(i))
+    finally:
+        tuner.configs, tuner.cache = saved, {}
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
