@@ -282,6 +282,11 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
   gpu-tests7)  # seventh session's GPU tests: W4A16 kernels + GPTQ/AWQ engines, the FP8 GEMVs, the attention kernels (prefill, paged incl. the mixed-step split of 680de18)
     parallel_tests 420 "tests/quant/test_int_kernels.py tests/quant/test_gptq_awq.py" "tests/quant/test_fp8_gemv.py tests/quant/test_fp8_ops.py" \
       "tests/kernels/test_prefill_attention.py" "tests/kernels/test_triton_kernels.py" ;;
+  fp8-rows7)  # issue 16's FP8 rows at this tree's defaults: Llama-3-8B --quantization fp8 nano, batch 1 and 32; Qwen3-30B-A3B-FP8 batch 1 (auto = the block GEMV at 1 token since b01642c)
+    step off-l8fp8 130 python3 -m atomctl.main bench offline "${l8[@]}" --quantization fp8 --output-json "$OUT/off_l8fp8.json"
+    step lat-l8fp8-bs1 70 python3 -m atomctl.main bench latency "${l8[@]}" --quantization fp8 --bs 1 --output-json "$OUT/lat_l8fp8_bs1.json"
+    step lat-l8fp8-bs32 70 python3 -m atomctl.main bench latency "${l8[@]}" --quantization fp8 --bs 32 --output-json "$OUT/lat_l8fp8_bs32.json"
+    step lat-a3bfp8-bs1 90 python3 -m atomctl.main bench latency --model preset:Qwen3-30B-A3B-FP8 --load-format dummy --max-model-len 4096 --bs 1 --output-json "$OUT/lat_a3bfp8_bs1.json" ;;
   final7)  # seventh session: the dense targets at the final tree (off-l8, off-q06, batch 1 and 32), the block-FP8 GEMV vs the block GEMM at 1 token on the large shapes (whether `auto` may take it), Qwen3-30B-A3B-FP8 batch 1 with the block GEMV and the tiled MoE
     step off-l8 130 python3 -m atomctl.main bench offline "${l8[@]}" --output-json "$OUT/off_l8.json"
     step off-q06 90 python3 -m atomctl.main bench offline "${q06[@]}" --output-json "$OUT/off_q06.json"
