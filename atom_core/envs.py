@@ -24,7 +24,8 @@ ENV_VARS: dict[str, str] = {
                                "and block FP8 at 1 token, else scaled_mm (per-channel) and the Triton block GEMM (block "
                                "FP8), the fastest on the H100 (docs/PERFORMANCE.md 2026-11-26, fourth and seventh sessions); "
                                "scaled_mm / triton = that kernel at M <= 16 (kernels/triton/fp8_gemm.py); gemv = the "
-                               "GEMV at M <= 4 for dynamic per-channel and block FP8",
+                               "GEMV at M <= 4 for dynamic per-channel and block FP8; w8a16 = the 1-token GEMV, then "
+                               "the weight-only GEMM of kernels/triton/fp8_w8a16.py at 2-64 tokens (dynamic per-channel)",
     "ATOM_MOE_DECODE_PATH": "gemv (default) or tiled: the unquantized fused MoE kernels on CUDA for decode batches "
                             "(<= 2 tokens, tokens x top_k <= 32); gemv = kernels/triton/moe_decode.py, faster there "
                             "on the H100 (docs/PERFORMANCE.md 2026-11-26)",
@@ -57,7 +58,7 @@ EpDispatch = Literal["allgather", "alltoall"]
 EP_DISPATCHES: tuple[str, ...] = get_args(EpDispatch)
 AllReduceMode = Literal["auto", "nccl", "symm"]
 ALL_REDUCE_MODES: tuple[str, ...] = get_args(AllReduceMode)
-Fp8SmallMKernel = Literal["auto", "scaled_mm", "triton", "gemv"]
+Fp8SmallMKernel = Literal["auto", "scaled_mm", "triton", "gemv", "w8a16"]
 FP8_SMALL_M_KERNELS: tuple[str, ...] = get_args(Fp8SmallMKernel)
 MoeDecodePath = Literal["tiled", "gemv"]
 MOE_DECODE_PATHS: tuple[str, ...] = get_args(MoeDecodePath)

@@ -37,12 +37,15 @@ Products (y [*, N] in x's dtype, x [*, K] in bf16/fp16/fp32):
         multiples of 16, bf16/fp16 x), else the Triton GEMM. Few tokens:
         - `auto` (default): the weight-only FP8 GEMV (kernels/triton/fp8_gemv.py: x not quantized,
           so closer to the bf16 product than these references) at 1 token with dynamic
-          activations: Llama-3-8B fp8 batch-1 TPOT 5.71 -> 4.27 ms on the H100; at 4 tokens the
-          GEMV lost to _scaled_mm on gate_up, so it stays there above 1 token;
+          activations: Llama-3-8B fp8 batch-1 TPOT 5.71 -> 4.27 ms on the H100; at 2-32 tokens the
+          weight-only GEMM (kernels/triton/fp8_w8a16.py) for outputs of at most 8,192 columns,
+          _scaled_mm for wider ones and above;
         - `gemv`: the GEMV at M <= GEMV_MAX_TOKENS for both ops (a static input_scale is part of
           the checkpoint's arithmetic and keeps its path);
         - `triton`: the Triton GEMM (activation quantization fused in, split-K) at M <= SMALL_M_MAX;
-        - `scaled_mm`: _scaled_mm at every M.
+        - `scaled_mm`: _scaled_mm at every M;
+        - `w8a16`: the GEMV at 1 token, then the weight-only GEMM (kernels/triton/fp8_w8a16.py: x
+          not quantized, no quantizer launch) at 2-64 tokens, for dynamic per-channel FP8.
 
 The references accumulate in float32 over the dequantized operands, which equals the sum over
 K-blocks of the fp8 partial products times their scales up to float32 rounding.
@@ -156,7 +159,12 @@ def fp8_block_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv
 SMALL_M_MAX = 16  # tokens up to which a linear is decode-shaped: a weight stream (ATOM_FP8_SMALL_M_KERNEL)
 GEMV_MAX_TOKENS = 4  # tokens the FP8 GEMV takes (it keeps an accumulator per token)
 AUTO_GEMV_MAX_TOKENS = 1  # tokens up to which `auto` takes the per-channel GEMV (measured faster there)
-FP8_LINEAR_KERNELS = ("reference", "scaled_mm", "triton", "gemv")
+FP8_LINEAR_KERNELS = ("reference", "scaled_mm", "triton", "gemv", "w8a16")
+W8A16_MAX_TOKENS = 64  # tokens up to which `w8a16` takes the weight-only GEMM (kernels/triton/fp8_w8a16.py)
+# `auto` takes it at 2-32 tokens for outputs of at most 8,192 columns: it beat _scaled_mm + quantizer
+# there on Llama-3-8B's qkv, o and down and lost on gate_up (N 28,672) and at 64 tokens (H100,
+# docs/PERFORMANCE.md 2026-11-26, seventh session)
+W8A16_AUTO_MAX_TOKENS, W8A16_AUTO_MAX_N = 32, 8192
 _small_m_kernel: Fp8SmallMKernel = read_envs().fp8_small_m_kernel
 
 
@@ -192,12 +200,19 @@ def _scaled_mm_ok(x2: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def fp8_linear_kernel(num_tokens: int, scaled_mm_ok: bool, triton_ok: bool,
-                      small_m: Fp8SmallMKernel | None = None, static_input: bool = False) -> str:
-    """Which of FP8_LINEAR_KERNELS runs a per-channel/per-tensor fp8_linear of `num_tokens` rows."""
+                      small_m: Fp8SmallMKernel | None = None, static_input: bool = False,
+                      out_features: int | None = None) -> str:
+    """Which of FP8_LINEAR_KERNELS runs a per-channel/per-tensor fp8_linear of `num_tokens` rows and
+    `out_features` output columns (None: any)."""
     small_m = small_m or _small_m_kernel
-    gemv_max = {"gemv": GEMV_MAX_TOKENS, "auto": AUTO_GEMV_MAX_TOKENS}.get(small_m, 0)
+    gemv_max = {"gemv": GEMV_MAX_TOKENS, "auto": AUTO_GEMV_MAX_TOKENS, "w8a16": AUTO_GEMV_MAX_TOKENS}.get(small_m, 0)
     if triton_ok and num_tokens <= gemv_max and not static_input:
         return "gemv"
+    narrow = out_features is None or out_features <= W8A16_AUTO_MAX_N
+    if triton_ok and not static_input and (
+            (small_m == "w8a16" and num_tokens <= W8A16_MAX_TOKENS)
+            or (small_m == "auto" and num_tokens <= W8A16_AUTO_MAX_TOKENS and narrow)):
+        return "w8a16"
     if triton_ok and (not scaled_mm_ok or (num_tokens <= SMALL_M_MAX and small_m == "triton")):
         return "triton"
     return "scaled_mm" if scaled_mm_ok else "reference"
@@ -209,13 +224,17 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     shape, n = x.shape, weight.shape[0]
     x2 = x.reshape(-1, shape[-1])
     kernel = fp8_linear_kernel(x2.shape[0], _scaled_mm_ok(x2, weight), _triton_fp8_ok(x2),
-                               static_input=input_scale is not None)
+                               static_input=input_scale is not None, out_features=n)
     if kernel == "reference":
         return fp8_linear_ref(x, weight, weight_scale, input_scale, bias)
     if kernel == "gemv":
         from atom_core.kernels.triton.fp8_gemv import fp8_channel_gemv
 
         return fp8_channel_gemv(x2.contiguous(), weight, weight_scale.float(), bias).reshape(*shape[:-1], n)
+    if kernel == "w8a16":
+        from atom_core.kernels.triton.fp8_w8a16 import fp8_w8a16_gemm
+
+        return fp8_w8a16_gemm(x2, weight, weight_scale, bias).reshape(*shape[:-1], n)
     if kernel == "triton":
         from atom_core.kernels.triton.fp8_gemm import fp8_channel_gemm
 
@@ -250,7 +269,8 @@ def fp8_block_linear_kernel(num_tokens: int, triton_ok: bool, small_m: Fp8SmallM
     (Qwen3-30B-A3B, Llama-3-8B, DeepSeek-V3; PERFORMANCE.md 2026-11-26, seventh session)."""
     if not triton_ok:
         return "reference"
-    gemv_max = {"gemv": GEMV_MAX_TOKENS, "auto": AUTO_GEMV_MAX_TOKENS}.get(small_m or _small_m_kernel, 0)
+    gemv_max = {"gemv": GEMV_MAX_TOKENS, "auto": AUTO_GEMV_MAX_TOKENS, "w8a16": AUTO_GEMV_MAX_TOKENS}.get(
+        small_m or _small_m_kernel, 0)
     return "gemv" if num_tokens <= gemv_max else "triton"
 
 

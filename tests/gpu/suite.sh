@@ -287,6 +287,13 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
     step lat-l8fp8-bs1 70 python3 -m atomctl.main bench latency "${l8[@]}" --quantization fp8 --bs 1 --output-json "$OUT/lat_l8fp8_bs1.json"
     step lat-l8fp8-bs32 70 python3 -m atomctl.main bench latency "${l8[@]}" --quantization fp8 --bs 32 --output-json "$OUT/lat_l8fp8_bs32.json"
     step lat-a3bfp8-bs1 90 python3 -m atomctl.main bench latency --model preset:Qwen3-30B-A3B-FP8 --load-format dummy --max-model-len 4096 --bs 1 --output-json "$OUT/lat_a3bfp8_bs1.json" ;;
+  w8a16)  # issue 16: the weight-only FP8 GEMM at 2-64 tokens (kernels/triton/fp8_w8a16.py, written without a GPU): its GPU tests, the per-linear bench at M 2-64 (vs scaled_mm + quantizer, bf16, floor), Llama-3-8B fp8 batch-32 / batch-8 TPOT and the nano workload with ATOM_FP8_SMALL_M_KERNEL=w8a16 (auto: 5.92 ms, 9,304 tok/s in fp8-rows7)
+    step w8a16-gpu-tests 90 python3 -m pytest -q --tb=short -m gpu tests/quant/test_fp8_w8a16.py -p no:cacheprovider
+    step w8a16-bench 60 python3 -m atom_core.kernels.triton.fp8_bench --shapes llama-3-8b --m 2,8,32,64
+    step lat-l8fp8-bs32-w8a16 70 env ATOM_FP8_SMALL_M_KERNEL=w8a16 python3 -m atomctl.main bench latency "${l8[@]}" --quantization fp8 --bs 32 --output-json "$OUT/lat_l8fp8_bs32_w8a16.json"
+    step lat-l8fp8-bs8-w8a16 70 env ATOM_FP8_SMALL_M_KERNEL=w8a16 python3 -m atomctl.main bench latency "${l8[@]}" --quantization fp8 --bs 8 --output-json "$OUT/lat_l8fp8_bs8_w8a16.json"
+    step lat-l8fp8-bs8-auto 70 python3 -m atomctl.main bench latency "${l8[@]}" --quantization fp8 --bs 8 --output-json "$OUT/lat_l8fp8_bs8_auto.json"
+    step off-l8fp8-w8a16 130 env ATOM_FP8_SMALL_M_KERNEL=w8a16 python3 -m atomctl.main bench offline "${l8[@]}" --quantization fp8 --output-json "$OUT/off_l8fp8_w8a16.json" ;;
   final7)  # seventh session: the dense targets at the final tree (off-l8, off-q06, batch 1 and 32), the block-FP8 GEMV vs the block GEMM at 1 token on the large shapes (whether `auto` may take it), Qwen3-30B-A3B-FP8 batch 1 with the block GEMV and the tiled MoE
     step off-l8 130 python3 -m atomctl.main bench offline "${l8[@]}" --output-json "$OUT/off_l8.json"
     step off-q06 90 python3 -m atomctl.main bench offline "${q06[@]}" --output-json "$OUT/off_q06.json"

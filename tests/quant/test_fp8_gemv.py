@@ -207,7 +207,12 @@ class TestDispatch:
     def test_auto_takes_the_channel_gemv_at_one_token_only(self):
         pick = fp8_linear_kernel
         assert pick(1, True, True, "auto") == "gemv"
-        assert pick(2, True, True, "auto") == pick(4, True, True, "auto") == "scaled_mm"  # gate_up lost at M=4
+        # 2-32 tokens: the weight-only GEMM (fp8_w8a16.py) on outputs of <= 8,192 columns, _scaled_mm on wider
+        assert pick(2, True, True, "auto", out_features=28672) == pick(4, True, True, "auto", out_features=28672) \
+            == "scaled_mm"  # the GEMV lost on gate_up at M=4, and so did the weight-only GEMM
+        assert pick(2, True, True, "auto", out_features=4096) == pick(32, True, True, "auto", out_features=8192) \
+            == "w8a16"
+        assert pick(33, True, True, "auto", out_features=4096) == "scaled_mm"
         assert pick(1, True, True, "auto", static_input=True) == "scaled_mm"
         assert pick(1, True, False, "auto") == "scaled_mm"
         assert fp8_block_linear_kernel(1, True, "auto") == "gemv"  # the block GEMV won 10 of 11 shapes at 1 token
@@ -223,7 +228,7 @@ class TestDispatch:
     def test_env_var_parses_gemv_and_bad_values_fail_clearly(self):
         assert read_envs({"ATOM_FP8_SMALL_M_KERNEL": " GEMV "}).fp8_small_m_kernel == "gemv"
         with pytest.raises(ValueError, match="invalid ATOM_FP8_SMALL_M_KERNEL='gemm'; expected one of: "
-                                             "auto, scaled_mm, triton, gemv"):
+                                             "auto, scaled_mm, triton, gemv, w8a16"):
             read_envs({"ATOM_FP8_SMALL_M_KERNEL": "gemm"})
         code = "from atom_core.quant import fp8_ops; print(fp8_ops.small_m_kernel())"
         env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("ATOM_")}

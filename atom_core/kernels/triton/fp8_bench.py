@@ -11,6 +11,8 @@ tokens (default 1 and 32), CUDA-graph medians in us, against the bytes-read floo
   quant        the per-token quantizer alone (the launch the Triton small-M path fuses away)
   gemv ch/blk  the weight-only FP8 GEMV (kernels/triton/fp8_gemv.py, x not quantized), per-channel
                and row-expanded block scales; M <= 4 only (blank above): ATOM_FP8_SMALL_M_KERNEL=gemv
+  w8a16        the weight-only FP8 GEMM (kernels/triton/fp8_w8a16.py), per-channel, 2 <= M <= 64
+               (blank elsewhere): ATOM_FP8_SMALL_M_KERNEL=w8a16
 
 `--sweep` times a few small-M tiles (BLOCK_N x split-K x stages) per shape for both Triton kinds;
 `--sweep-gemv` the GEMV's (BLOCK_K x weights a thread x split-K) at M <= 4.
@@ -64,10 +66,12 @@ def _table(names: list[str], ms: list[int]) -> None:
     from atom_core.kernels.triton.fp8 import quantize_fp8_per_token
     from atom_core.kernels.triton.fp8_gemm import fp8_block_gemm, fp8_channel_gemm
     from atom_core.kernels.triton.fp8_gemv import fp8_block_gemv, fp8_channel_gemv
+    from atom_core.kernels.triton.fp8_w8a16 import W8A16_MAX_TOKENS, fp8_w8a16_gemm
     from atom_core.quant.fp8_ops import GEMV_MAX_TOKENS, fp8_linear, set_small_m_kernel
 
     set_small_m_kernel("scaled_mm")
-    cols = ("bf16", "scaled_mm", "tr-channel", "tr-block", "quant", "gemv ch", "gemv blk", "floor ch", "floor blk")
+    cols = ("bf16", "scaled_mm", "tr-channel", "tr-block", "quant", "gemv ch", "gemv blk", "w8a16", "floor ch",
+            "floor blk")
     print(f"{'model':>12} {'shape':>8} {'M':>4} " + " ".join(f"{c:>10}" for c in cols))
     for model in names:
         for name, (n, k) in SHAPES[model].items():
@@ -85,6 +89,7 @@ def _table(names: list[str], ms: list[int]) -> None:
                               _time_us(lambda: fp8_block_gemv(x, w, s_block, [1, 128]))]
                 else:
                     times += [None, None]
+                times += [_time_us(lambda: fp8_w8a16_gemm(x, w, s_channel)) if 2 <= m <= W8A16_MAX_TOKENS else None]
                 times += [floor_us(n, k, False), floor_us(n, k, True)]
                 print(f"{model:>12} {name:>8} {m:>4} " + " ".join(" " * 10 if t is None else f"{t:10.1f}" for t in times),
                       flush=True)

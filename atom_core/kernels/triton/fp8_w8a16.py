@@ -1,0 +1,131 @@
+"""Weight-only FP8 GEMM for small batches (Triton): y [M, N] = x [M, K] @ dequant(W)^T (+ bias) for
+2 <= M <= W8A16_MAX_TOKENS, W e4m3 [N, K] with a per-tensor or per-channel scale, x bf16/fp16/fp32
+and NOT quantized (W8A16, the GEMM sibling of fp8_gemv.py's GEMV):
+
+  fp8_w8a16_gemm(x, weight, weight_scale, bias, split_k=None)   ~ fp8_gemv_ref(x, weight, weight_scale)
+
+Why: at 2-64 tokens a linear still streams its weights once, but `_scaled_mm` ran at 2.1-2.4x the
+bytes floor on Llama-3-8B's N = 4,096 shapes at 32 tokens (docs/PERFORMANCE.md 2026-11-24) and
+needs a quantizer launch per linear (2.5-7.4 us). Here each program owns BLOCK_N output columns and
+one K split: per step it loads a BLOCK_M x BLOCK_K tile of x (all rows: L2-resident) and a
+BLOCK_N x BLOCK_K tile of e4m3 weights, widens the weights to x's dtype in registers (e4m3 values
+are exact in bf16, fp16 and fp32) and runs one tensor-core dot into float32; Triton's software
+pipeline keeps num_stages tiles in flight. The per-channel scale multiplies the float32 sums once.
+
+Split-K (grid axis 1) until the grid has about PROGRAMS_PER_SM programs per SM: N = 4,096 gives 64
+column tiles, too few to stream an H100's HBM, so K splits in 4; partials [SPLIT, M, N] (scaled,
+float32) are added by fp8_gemm.sum_splits in split order (deterministic), with the bias, rounded
+once. Precision: more accurate than fp8_linear_ref (x is not quantized); bf16/fp16 x meets the
+weights in its own dtype on the tensor cores (float32 accumulation), float32 x in IEEE float32.
+
+Status (H100, 2026-11-26, seventh session; docs/PERFORMANCE.md): GPU tests pass. Against
+_scaled_mm with its quantizer at 2 / 8 / 32 tokens it wins on Llama-3-8B's qkv (15.1 / 15.2 / 17.5
+vs 21.3 / 20.6 / 19.3 us), o and down (29.0 / 29.1 / 33.5 vs 51.2 / 50.1 / 48.2), and loses on
+gate_up (N 28,672: 58.5 / 58.7 / 56.4 vs 50.7 / 50.6 / 51.0) and everywhere at 64 tokens, so
+fp8_ops' `auto` takes it at 2-32 tokens for outputs of at most 8,192 columns: Llama-3-8B fp8
+batch-8 TPOT 5.70 -> 4.80 ms, batch 32 5.92 -> 5.31 ms. Untuned beyond `default_tiles` (at 32
+tokens it runs 1.7-2.1x the bytes floor on the narrow shapes).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from atom_core.kernels.triton.common import check_float, sm_count
+from atom_core.kernels.triton.fp8_gemm import _check as check_operands
+from atom_core.kernels.triton.fp8_gemm import channel_scales, split_k_target, sum_splits
+
+W8A16_MAX_TOKENS = 64  # tokens the kernel takes (BLOCK_M up to 64: one M tile)
+PROGRAMS_PER_SM = 2
+MAX_SPLIT_K = 8
+
+
+@triton.jit(do_not_specialize=["M", "steps_per_split"])
+def _w8a16_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, steps_per_split, stride_xm, stride_wn, stride_ws,
+                  stride_om, stride_os, HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr, MASK_K: tl.constexpr,
+                  IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    split = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1)  # weight rows past N: clamped, never stored
+    offs_k = tl.arange(0, BLOCK_K)
+    k_start = split * steps_per_split * BLOCK_K
+    k_end = tl.minimum(k_start + steps_per_split * BLOCK_K, K)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
+    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + (k_start + offs_k)[None, :]
+    m_ok = offs_m[:, None] < M
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if MASK_K:
+            k_ok = (k0 + offs_k)[None, :] < K
+            a = tl.load(x_ptrs, mask=m_ok & k_ok, other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok, other=0.0)
+        else:
+            a = tl.load(x_ptrs, mask=m_ok, other=0.0)
+            w = tl.load(w_ptrs)
+        if IEEE:  # float32 x, and the interpreter (whose bf16 dot is wrong): the same products in float32
+            acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc)  # e4m3 -> x's dtype: exact
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    acc = acc * tl.load(ws_ptr + rows * stride_ws)[None, :]
+    out_ptrs = out_ptr + split * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
+    out_ok = m_ok & (offs_n[None, :] < N)
+    if IS_SPLIT:
+        tl.store(out_ptrs, acc, mask=out_ok)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rows).to(tl.float32)[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
+
+
+def default_tiles(m: int, n: int, k: int, num_sms: int, x_bytes: int) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, split_k, num_warps, num_stages): one M tile (the MMA's minimum 16
+    rows up to 64), 64 columns and 128 K a step (256 for 2-byte x at M <= 16: more bytes a load),
+    split-K to about PROGRAMS_PER_SM programs an SM."""
+    block_m = max(16, triton.next_power_of_2(m))
+    block_k = 256 if (x_bytes == 2 and block_m <= 16) else 128
+    block_k = max(16, min(block_k, triton.next_power_of_2(k)))
+    block_n = 64
+    tiles = triton.cdiv(n, block_n)
+    split = max(1, min(MAX_SPLIT_K, triton.cdiv(k, block_k), triton.cdiv(PROGRAMS_PER_SM * num_sms, tiles)))
+    return block_m, block_n, block_k, split, 4, 4 if block_m <= 32 else 3
+
+
+def fp8_w8a16_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                   bias: Optional[torch.Tensor] = None, split_k: int | None = None) -> torch.Tensor:
+    """y [*, N] = x [*, K] @ (weight * weight_scale)^T (+ bias) for at most W8A16_MAX_TOKENS rows of x;
+    weight e4m3 [N, K], weight_scale float32 with 1 or N values. split_k: K splits (None: by the grid)."""
+    shape, (n, k) = x.shape, weight.shape
+    check_float("x", x)
+    x2 = x.reshape(-1, shape[-1]).contiguous()
+    weight_scale = weight_scale.float()
+    check_operands(x2, weight, weight_scale, bias)
+    m = x2.shape[0]
+    if m > W8A16_MAX_TOKENS:
+        raise ValueError(f"fp8_w8a16_gemm takes at most {W8A16_MAX_TOKENS} rows of x, got {m}")
+    if split_k is not None and split_k < 1:
+        raise ValueError(f"split_k must be >= 1, got {split_k}")
+    w_scale, (stride_ws, _) = channel_scales(weight_scale.float(), n)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.reshape(*shape[:-1], n)
+    interpret = x.device.type != "cuda"
+    bm, bn, bk, split, warps, stages = default_tiles(m, n, k, 4 if interpret else sm_count(x.device),
+                                                     x.element_size())
+    if interpret:
+        bn, bk = 16, 32
+        split = min(split, triton.cdiv(k, bk))
+    steps_per_split, split, target = split_k_target(out, k, bk, split if split_k is None else split_k)
+    _w8a16_kernel[(triton.cdiv(n, bn), split)](
+        x2, weight, w_scale, bias if bias is not None else w_scale, target, m, n, k, steps_per_split, x2.stride(0),
+        weight.stride(0), stride_ws, target.stride(-2), target.stride(0) if split > 1 else 0,
+        HAS_BIAS=bias is not None, IS_SPLIT=split > 1, MASK_K=k % bk != 0, IEEE=x.dtype == torch.float32 or interpret,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    if split > 1:
+        sum_splits(target, bias, out)
+    return out.reshape(*shape[:-1], n)
