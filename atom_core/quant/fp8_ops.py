@@ -37,9 +37,9 @@ Products (y [*, N] in x's dtype, x [*, K] in bf16/fp16/fp32):
         multiples of 16, bf16/fp16 x), else the Triton GEMM. Few tokens:
         - `auto` (default): the weight-only FP8 GEMV (kernels/triton/fp8_gemv.py: x not quantized,
           so closer to the bf16 product than these references) at 1 token with dynamic
-          activations: Llama-3-8B fp8 batch-1 TPOT 5.71 -> 4.27 ms on the H100; at 2-32 tokens the
-          weight-only GEMM (kernels/triton/fp8_w8a16.py) for outputs of at most 8,192 columns,
-          _scaled_mm for wider ones and above;
+          activations: Llama-3-8B fp8 batch-1 TPOT 5.71 -> 4.27 ms on the H100; at 2-16 tokens the
+          weight-only GEMM (kernels/triton/fp8_w8a16.py), at 17-32 that GEMM for outputs of at
+          most 8,192 columns and _scaled_mm for wider ones, _scaled_mm above;
         - `gemv`: the GEMV at M <= GEMV_MAX_TOKENS for both ops (a static input_scale is part of
           the checkpoint's arithmetic and keeps its path);
         - `triton`: the Triton GEMM (activation quantization fused in, split-K) at M <= SMALL_M_MAX;
@@ -161,10 +161,10 @@ GEMV_MAX_TOKENS = 4  # tokens the FP8 GEMV takes (it keeps an accumulator per to
 AUTO_GEMV_MAX_TOKENS = 1  # tokens up to which `auto` takes the per-channel GEMV (measured faster there)
 FP8_LINEAR_KERNELS = ("reference", "scaled_mm", "triton", "gemv", "w8a16")
 W8A16_MAX_TOKENS = 64  # tokens up to which `w8a16` takes the weight-only GEMM (kernels/triton/fp8_w8a16.py)
-# `auto` takes it at 2-32 tokens for outputs of at most 8,192 columns: it beat _scaled_mm + quantizer
-# there on Llama-3-8B's qkv, o and down and lost on gate_up (N 28,672) and at 64 tokens (H100,
-# docs/PERFORMANCE.md 2026-11-26, seventh session)
-W8A16_AUTO_MAX_TOKENS, W8A16_AUTO_MAX_N = 32, 8192
+# `auto` takes it at 2-16 tokens, and at 17-32 for outputs of at most 8,192 columns: it beat
+# _scaled_mm + quantizer there on Llama-3-8B's shapes and lost on gate_up (N 28,672) at 32 tokens and
+# everywhere at 64 (H100, docs/PERFORMANCE.md 2026-11-26, seventh session)
+W8A16_AUTO_ALL_N_TOKENS, W8A16_AUTO_MAX_TOKENS, W8A16_AUTO_MAX_N = 16, 32, 8192
 _small_m_kernel: Fp8SmallMKernel = read_envs().fp8_small_m_kernel
 
 
@@ -208,7 +208,7 @@ def fp8_linear_kernel(num_tokens: int, scaled_mm_ok: bool, triton_ok: bool,
     gemv_max = {"gemv": GEMV_MAX_TOKENS, "auto": AUTO_GEMV_MAX_TOKENS, "w8a16": AUTO_GEMV_MAX_TOKENS}.get(small_m, 0)
     if triton_ok and num_tokens <= gemv_max and not static_input:
         return "gemv"
-    narrow = out_features is None or out_features <= W8A16_AUTO_MAX_N
+    narrow = num_tokens <= W8A16_AUTO_ALL_N_TOKENS or out_features is None or out_features <= W8A16_AUTO_MAX_N
     if triton_ok and not static_input and (
             (small_m == "w8a16" and num_tokens <= W8A16_MAX_TOKENS)
             or (small_m == "auto" and num_tokens <= W8A16_AUTO_MAX_TOKENS and narrow)):

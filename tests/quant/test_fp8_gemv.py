@@ -207,9 +207,10 @@ class TestDispatch:
     def test_auto_takes_the_channel_gemv_at_one_token_only(self):
         pick = fp8_linear_kernel
         assert pick(1, True, True, "auto") == "gemv"
-        # 2-32 tokens: the weight-only GEMM (fp8_w8a16.py) on outputs of <= 8,192 columns, _scaled_mm on wider
-        assert pick(2, True, True, "auto", out_features=28672) == pick(4, True, True, "auto", out_features=28672) \
-            == "scaled_mm"  # the GEMV lost on gate_up at M=4, and so did the weight-only GEMM
+        # 2-16 tokens: the weight-only GEMM (fp8_w8a16.py); 17-32: it on outputs of <= 8,192 columns only
+        assert pick(2, True, True, "auto", out_features=28672) == pick(16, True, True, "auto", out_features=28672) \
+            == "w8a16"
+        assert pick(17, True, True, "auto", out_features=28672) == "scaled_mm"  # gate_up lost at 32 tokens
         assert pick(2, True, True, "auto", out_features=4096) == pick(32, True, True, "auto", out_features=8192) \
             == "w8a16"
         assert pick(33, True, True, "auto", out_features=4096) == "scaled_mm"

@@ -56,6 +56,17 @@ def test_forced_splits_equal_the_reference(device, split_k):
     assert rel_err(out.cpu(), fp8_gemv_ref(x, w, s, None, bias)) < F32_TOL
 
 
+def test_tiles_override_keeps_the_result(device):
+    """The benchmark's sweep passes tiles (BLOCK_N, BLOCK_K, warps, stages); the split follows the grid."""
+    from atom_core.kernels.triton.fp8_w8a16 import fp8_w8a16_gemm
+
+    gen = seeded("w8a16-tiles")
+    w, s = channel_weight(gen, 80, 192)
+    x = torch.randn(4, 192, generator=gen)
+    out = fp8_w8a16_gemm(x.to(device), w.to(device), s.to(device), tiles=(32, 64, 4, 3))
+    assert rel_err(out.cpu(), fp8_gemv_ref(x, w, s)) < F32_TOL
+
+
 def test_bad_input_fails_clearly():
     w, s = channel_weight(seeded("bad"), 16, 32)
     with pytest.raises(ValueError, match="at most 64 rows of x, got 65"):
@@ -75,7 +86,8 @@ def test_dispatch_takes_it_between_2_and_64_tokens_under_the_switch():
     assert pick(65, True, True, "w8a16") == "scaled_mm"
     assert pick(32, True, True, "w8a16", static_input=True) == "scaled_mm"  # a static scale keeps its arithmetic
     assert pick(32, False, False, "w8a16") == "reference"
-    assert pick(32, True, True, "auto", out_features=28672) == "scaled_mm"  # auto: only narrow outputs
+    assert pick(32, True, True, "auto", out_features=28672) == "scaled_mm"  # auto above 16 tokens: narrow outputs
+    assert pick(16, True, True, "auto", out_features=28672) == "w8a16"
     assert pick(32, True, True, "auto", out_features=4096) == "w8a16"
 
 
@@ -92,6 +104,7 @@ def test_default_tiles_compile_for_hopper_without_spills(m):
     if cuobjdump_path() is None:
         pytest.skip("Triton ships no cuobjdump here")
     bm, bn, bk, split, warps, stages = k8.default_tiles(m, 4096, 14336, 132, 2)
+    assert (bn, bk) == ((32, 256) if m <= 16 else (64, 128))
     fn = k8._w8a16_kernel
     sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "b_ptr": "*fp32", "out_ptr": "*fp32",
            **{a: "i32" for a in ("M", "N", "K", "steps_per_split", "stride_xm", "stride_wn", "stride_ws",
@@ -101,7 +114,7 @@ def test_default_tiles_compile_for_hopper_without_spills(m):
     consts = dict(HAS_BIAS=False, IS_SPLIT=True, MASK_K=False, IEEE=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
     src = ASTSource(fn=fn, signature={**sig, **{c: "constexpr" for c in consts}}, constexprs=consts, attrs=aligned)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
-    assert split == 5  # N = 4096: 64 column tiles, split to >= 2 programs an SM (264 wanted)
+    assert split == (3 if m <= 16 else 5)  # N = 4096: 128 / 64 column tiles, split to >= 2 programs an SM
     assert stack_bytes(kernel) == 0
 
 

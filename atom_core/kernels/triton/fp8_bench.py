@@ -15,6 +15,7 @@ tokens (default 1 and 32), CUDA-graph medians in us, against the bytes-read floo
                (blank elsewhere): ATOM_FP8_SMALL_M_KERNEL=w8a16
 
 `--sweep` times a few small-M tiles (BLOCK_N x split-K x stages) per shape for both Triton kinds;
+`--sweep-w8a16` the weight-only GEMM's (BLOCK_N x BLOCK_K x stages, split by the grid) at 2 <= M <= 64;
 `--sweep-gemv` the GEMV's (BLOCK_K x weights a thread x split-K) at M <= 4.
 Weight values do not affect speed (random e4m3). Results: docs/PERFORMANCE.md (H100, 2026-11-26).
 `python -m atom_core.kernels.triton.fp8_bench [--shapes llama-3-8b,deepseek-v3,qwen3-30b-a3b] [--m 1,32]
@@ -149,15 +150,42 @@ def _sweep_gemv(names: list[str], ms: list[int]) -> None:
                                       f"{t:8.1f} {floor_us(n, k, kind == 'block'):8.1f}", flush=True)
 
 
+def _sweep_w8a16(names: list[str], ms: list[int]) -> None:
+    """The weight-only GEMM's tiles per (shape, 2 <= M <= 64): BLOCK_N x BLOCK_K x stages, 4 warps."""
+    import triton
+
+    from atom_core.kernels.triton.fp8_w8a16 import W8A16_MAX_TOKENS, default_tiles, fp8_w8a16_gemm
+
+    print(f"{'model':>12} {'shape':>8} {'M':>4} {'BN':>4} {'BK':>4} {'stages':>6} {'us':>8} {'floor':>8} default")
+    for model in names:
+        for name, (n, k) in SHAPES[model].items():
+            w, s_channel, _ = _weights(n, k)
+            for m in (m for m in ms if 2 <= m <= W8A16_MAX_TOKENS):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                _, dbn, dbk, _, _, dstages = default_tiles(m, n, k, 132, 2)
+                for bn in (32, 64, 128):
+                    for bk in (64, 128, 256):
+                        for stages in (3, 4, 6):
+                            try:
+                                t = _time_us(lambda: fp8_w8a16_gemm(x, w, s_channel, tiles=(bn, bk, 4, stages)))
+                            except triton.runtime.errors.OutOfResources:  # shared memory: this tile cannot run
+                                continue
+                            mark = "*" if (bn, bk, stages) == (dbn, dbk, dstages) else ""
+                            print(f"{model:>12} {name:>8} {m:>4} {bn:>4} {bk:>4} {stages:>6} {t:8.1f} "
+                                  f"{floor_us(n, k, False):8.1f} {mark}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, from: {', '.join(SHAPES)}")
     parser.add_argument("--m", default="1,32", help="comma-separated token counts")
     parser.add_argument("--sweep", action="store_true", help="time small-M tiles (M <= 16) instead of the table")
     parser.add_argument("--sweep-gemv", action="store_true", help="time the FP8 GEMV's tiles (M <= 4) instead")
+    parser.add_argument("--sweep-w8a16", action="store_true",
+                        help="time the weight-only FP8 GEMM's tiles (2 <= M <= 64) instead")
     args = parser.parse_args()
-    if args.sweep and args.sweep_gemv:
-        raise SystemExit("--sweep and --sweep-gemv are separate runs; pass one")
+    if args.sweep + args.sweep_gemv + args.sweep_w8a16 > 1:
+        raise SystemExit("--sweep, --sweep-gemv and --sweep-w8a16 are separate runs; pass one")
     names = [s for s in args.shapes.split(",") if s]
     unknown = [s for s in names if s not in SHAPES]
     if unknown:
@@ -170,7 +198,8 @@ def main() -> None:
         raise SystemExit(f"--m takes comma-separated positive integers, got {args.m!r}")
     if not torch.cuda.is_available():
         raise SystemExit("fp8_bench needs a CUDA GPU")
-    (_sweep if args.sweep else _sweep_gemv if args.sweep_gemv else _table)(names, ms)
+    run = _sweep if args.sweep else _sweep_gemv if args.sweep_gemv else _sweep_w8a16 if args.sweep_w8a16 else _table
+    run(names, ms)
 
 
 if __name__ == "__main__":

@@ -18,13 +18,13 @@ float32) are added by fp8_gemm.sum_splits in split order (deterministic), with t
 once. Precision: more accurate than fp8_linear_ref (x is not quantized); bf16/fp16 x meets the
 weights in its own dtype on the tensor cores (float32 accumulation), float32 x in IEEE float32.
 
-Status (H100, 2026-11-26, seventh session; docs/PERFORMANCE.md): GPU tests pass. Against
-_scaled_mm with its quantizer at 2 / 8 / 32 tokens it wins on Llama-3-8B's qkv (15.1 / 15.2 / 17.5
-vs 21.3 / 20.6 / 19.3 us), o and down (29.0 / 29.1 / 33.5 vs 51.2 / 50.1 / 48.2), and loses on
-gate_up (N 28,672: 58.5 / 58.7 / 56.4 vs 50.7 / 50.6 / 51.0) and everywhere at 64 tokens, so
-fp8_ops' `auto` takes it at 2-32 tokens for outputs of at most 8,192 columns: Llama-3-8B fp8
-batch-8 TPOT 5.70 -> 4.80 ms, batch 32 5.92 -> 5.31 ms. Untuned beyond `default_tiles` (at 32
-tokens it runs 1.7-2.1x the bytes floor on the narrow shapes).
+Status (H100, 2026-11-26, seventh session; docs/PERFORMANCE.md): GPU tests pass. With the swept
+tiles (`default_tiles`) at 8 tokens it runs Llama-3-8B's qkv / o / gate_up / down in 12.1 / 9.0 /
+45.6 / 26.4 us against _scaled_mm + quantizer's 20.6 / 15.2 / 50.6 / 50.1; at 32 tokens it still
+wins on the narrow shapes (17.0 / 11.4 / 32.8 vs 19.3 / 14.9 / 48.2) but loses on gate_up (55.7 vs
+51.0), and at 64 tokens everywhere. fp8_ops' `auto` takes it at 2-16 tokens, and at 17-32 for
+outputs of at most 8,192 columns: Llama-3-8B fp8 TPOT at batch 8 5.70 -> 4.38 ms, batch 32 5.92 ->
+5.33 ms. Narrow shapes still run at 1.3-2.0x their bytes floor.
 """
 from __future__ import annotations
 
@@ -85,21 +85,27 @@ def _w8a16_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, steps_per_split
 
 def default_tiles(m: int, n: int, k: int, num_sms: int, x_bytes: int) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, split_k, num_warps, num_stages): one M tile (the MMA's minimum 16
-    rows up to 64), 64 columns and 128 K a step (256 for 2-byte x at M <= 16: more bytes a load),
-    split-K to about PROGRAMS_PER_SM programs an SM."""
+    rows up to 64), split-K to about PROGRAMS_PER_SM programs an SM, 3 stages. From the H100 sweep
+    (`fp8_bench --sweep-w8a16`, Llama-3-8B shapes at 8 and 32 tokens): up to 16 tokens 32 columns a
+    program and 256 K a step (128 for outputs wider than 8,192: gate_up 45.6 vs 58.5 us), above 64
+    columns and 128 K."""
     block_m = max(16, triton.next_power_of_2(m))
-    block_k = 256 if (x_bytes == 2 and block_m <= 16) else 128
+    if block_m <= 16:
+        block_n, block_k = 32, (256 if n <= 8192 and x_bytes == 2 else 128)
+    else:
+        block_n, block_k = 64, 128
     block_k = max(16, min(block_k, triton.next_power_of_2(k)))
-    block_n = 64
     tiles = triton.cdiv(n, block_n)
     split = max(1, min(MAX_SPLIT_K, triton.cdiv(k, block_k), triton.cdiv(PROGRAMS_PER_SM * num_sms, tiles)))
-    return block_m, block_n, block_k, split, 4, 4 if block_m <= 32 else 3
+    return block_m, block_n, block_k, split, 4, 3
 
 
 def fp8_w8a16_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                   bias: Optional[torch.Tensor] = None, split_k: int | None = None) -> torch.Tensor:
+                   bias: Optional[torch.Tensor] = None, split_k: int | None = None,
+                   tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """y [*, N] = x [*, K] @ (weight * weight_scale)^T (+ bias) for at most W8A16_MAX_TOKENS rows of x;
-    weight e4m3 [N, K], weight_scale float32 with 1 or N values. split_k: K splits (None: by the grid)."""
+    weight e4m3 [N, K], weight_scale float32 with 1 or N values. split_k: K splits (None: by the grid);
+    tiles: (BLOCK_N, BLOCK_K, num_warps, num_stages) instead of `default_tiles`' (the benchmark's sweep)."""
     shape, (n, k) = x.shape, weight.shape
     check_float("x", x)
     x2 = x.reshape(-1, shape[-1]).contiguous()
@@ -115,8 +121,11 @@ def fp8_w8a16_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     if m == 0:
         return out.reshape(*shape[:-1], n)
     interpret = x.device.type != "cuda"
-    bm, bn, bk, split, warps, stages = default_tiles(m, n, k, 4 if interpret else sm_count(x.device),
-                                                     x.element_size())
+    num_sms = 4 if interpret else sm_count(x.device)
+    bm, bn, bk, split, warps, stages = default_tiles(m, n, k, num_sms, x.element_size())
+    if tiles is not None:
+        bn, bk, warps, stages = tiles
+        split = max(1, min(MAX_SPLIT_K, triton.cdiv(k, bk), triton.cdiv(PROGRAMS_PER_SM * num_sms, triton.cdiv(n, bn))))
     if interpret:
         bn, bk = 16, 32
         split = min(split, triton.cdiv(k, bk))
