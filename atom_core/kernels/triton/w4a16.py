@@ -247,8 +247,9 @@ def gemv_split_step(device: torch.device) -> int:
 
 def gemv_split_k(n: int, k: int, step: int, num_sms: int) -> int:
     """Splits of K by the FP8 GEMV's bytes-in-flight rule (fp8_gemv.split_for_bytes_in_flight) on
-    int4 weights: N = 4096 rows read 1 MB per 512-column step, under the 1.6 MB an H100's 132 SMs
-    want, so K splits in 2; gate_up's 28,672 rows do not split."""
+    int4 weights, in runs of `step` columns (gemv_split_step: 1,024 on a GPU, where N = 4096 reads
+    2 MB a step and does not split). The engine runs 1 split: forced splits measured slower on
+    Llama-3-8B's shapes except down (PERFORMANCE.md 2026-11-26, seventh session)."""
     from atom_core.kernels.triton.fp8_gemv import split_for_bytes_in_flight
 
     return split_for_bytes_in_flight(triton.cdiv(k, step), n * step // 2, num_sms)
