@@ -294,6 +294,9 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
     step lat-l8fp8-bs8-w8a16 70 env ATOM_FP8_SMALL_M_KERNEL=w8a16 python3 -m atomctl.main bench latency "${l8[@]}" --quantization fp8 --bs 8 --output-json "$OUT/lat_l8fp8_bs8_w8a16.json"
     step lat-l8fp8-bs8-auto 70 python3 -m atomctl.main bench latency "${l8[@]}" --quantization fp8 --bs 8 --output-json "$OUT/lat_l8fp8_bs8_auto.json"
     step off-l8fp8-w8a16 130 env ATOM_FP8_SMALL_M_KERNEL=w8a16 python3 -m atomctl.main bench offline "${l8[@]}" --quantization fp8 --output-json "$OUT/off_l8fp8_w8a16.json" ;;
+  fp8-nano-timeline)  # issue 16's unexplained row: Llama-3-8B --quantization fp8 nano (9,371 tok/s, target 10,600, vLLM 9,620) against bf16 (8,118), each with --step-timeline (prompt steps vs decode forwards by batch size, against their FLOP and byte floors)
+    step off-l8fp8-timeline 140 python3 -m atomctl.main bench offline "${l8[@]}" --quantization fp8 --step-timeline --output-json "$OUT/off_l8fp8_timeline.json"
+    step off-l8-timeline 120 python3 -m atomctl.main bench offline "${l8[@]}" --step-timeline --output-json "$OUT/off_l8_timeline.json" ;;
   final7)  # seventh session: the dense targets at the final tree (off-l8, off-q06, batch 1 and 32), the block-FP8 GEMV vs the block GEMM at 1 token on the large shapes (whether `auto` may take it), Qwen3-30B-A3B-FP8 batch 1 with the block GEMV and the tiled MoE
     step off-l8 130 python3 -m atomctl.main bench offline "${l8[@]}" --output-json "$OUT/off_l8.json"
     step off-q06 90 python3 -m atomctl.main bench offline "${q06[@]}" --output-json "$OUT/off_q06.json"
