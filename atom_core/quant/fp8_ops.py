@@ -168,6 +168,11 @@ W8A16_AUTO_ALL_N_TOKENS, W8A16_AUTO_MAX_TOKENS, W8A16_AUTO_MAX_N = 16, 32, 8192
 _small_m_kernel: Fp8SmallMKernel = read_envs().fp8_small_m_kernel
 
 
+def _gemv_max_tokens(small_m: Fp8SmallMKernel) -> int:
+    """Tokens up to which the switch takes the FP8 GEMV (per-channel and block alike)."""
+    return {"gemv": GEMV_MAX_TOKENS, "auto": AUTO_GEMV_MAX_TOKENS, "w8a16": AUTO_GEMV_MAX_TOKENS}.get(small_m, 0)
+
+
 def set_small_m_kernel(kind: Fp8SmallMKernel) -> None:
     """Process-wide choice for per-channel fp8_linear at M <= SMALL_M_MAX on CUDA (benchmarks, tests;
     an engine takes ATOM_FP8_SMALL_M_KERNEL). Not for use while a CUDA graph is captured or replayed:
@@ -205,8 +210,7 @@ def fp8_linear_kernel(num_tokens: int, scaled_mm_ok: bool, triton_ok: bool,
     """Which of FP8_LINEAR_KERNELS runs a per-channel/per-tensor fp8_linear of `num_tokens` rows and
     `out_features` output columns (None: any)."""
     small_m = small_m or _small_m_kernel
-    gemv_max = {"gemv": GEMV_MAX_TOKENS, "auto": AUTO_GEMV_MAX_TOKENS, "w8a16": AUTO_GEMV_MAX_TOKENS}.get(small_m, 0)
-    if triton_ok and num_tokens <= gemv_max and not static_input:
+    if triton_ok and num_tokens <= _gemv_max_tokens(small_m) and not static_input:
         return "gemv"
     narrow = num_tokens <= W8A16_AUTO_ALL_N_TOKENS or out_features is None or out_features <= W8A16_AUTO_MAX_N
     if triton_ok and not static_input and (
@@ -269,9 +273,7 @@ def fp8_block_linear_kernel(num_tokens: int, triton_ok: bool, small_m: Fp8SmallM
     (Qwen3-30B-A3B, Llama-3-8B, DeepSeek-V3; PERFORMANCE.md 2026-11-26, seventh session)."""
     if not triton_ok:
         return "reference"
-    gemv_max = {"gemv": GEMV_MAX_TOKENS, "auto": AUTO_GEMV_MAX_TOKENS, "w8a16": AUTO_GEMV_MAX_TOKENS}.get(
-        small_m or _small_m_kernel, 0)
-    return "gemv" if num_tokens <= gemv_max else "triton"
+    return "gemv" if num_tokens <= _gemv_max_tokens(small_m or _small_m_kernel) else "triton"
 
 
 @torch.library.custom_op("atom::fp8_block_linear", mutates_args=())

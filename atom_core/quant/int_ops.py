@@ -71,23 +71,25 @@ def check_interleave(interleave: int, k: int) -> None:
                          f"with K a multiple of {INT4_PER_INT32 * INT4_INTERLEAVE}")
 
 
-def interleave_int4(qweight: torch.Tensor, interleave: int = INT4_INTERLEAVE) -> torch.Tensor:
-    """Canonical qweight [N, K/8] -> the kernel layout: inside each chunk of `interleave` words
-    (8 * interleave columns), nibble j of word i holds column j * interleave + i."""
-    n, words = qweight.shape
-    check_interleave(interleave, words * INT4_PER_INT32)
-    u = unpack_int4(qweight, 1).view(n, -1, INT4_PER_INT32, interleave)  # [N, chunk, j, i]: column j*V + i
-    return pack_int4(u.transpose(-1, -2).reshape(n, -1), 1)  # word i's nibble j
-
-
-def deinterleave_int4(qweight: torch.Tensor, interleave: int) -> torch.Tensor:
-    """The inverse of `interleave_int4`: back to the canonical layout."""
+def _swap_chunk_axes(qweight: torch.Tensor, interleave: int, inner: tuple[int, int]) -> torch.Tensor:
+    """Unpack, view each chunk of `interleave` words as `inner`, transpose it and repack."""
     n, words = qweight.shape
     check_interleave(interleave, words * INT4_PER_INT32)
     if interleave == 1:
         return qweight
-    u = unpack_int4(qweight, 1).view(n, -1, interleave, INT4_PER_INT32)  # [N, chunk, i, j]
+    u = unpack_int4(qweight, 1).view(n, -1, *inner)
     return pack_int4(u.transpose(-1, -2).reshape(n, -1), 1)
+
+
+def interleave_int4(qweight: torch.Tensor, interleave: int = INT4_INTERLEAVE) -> torch.Tensor:
+    """Canonical qweight [N, K/8] -> the kernel layout: inside each chunk of `interleave` words
+    (8 * interleave columns), nibble j of word i holds column j * interleave + i."""
+    return _swap_chunk_axes(qweight, interleave, (INT4_PER_INT32, interleave))  # [j, i] -> word i's nibble j
+
+
+def deinterleave_int4(qweight: torch.Tensor, interleave: int) -> torch.Tensor:
+    """The inverse of `interleave_int4`: back to the canonical layout."""
+    return _swap_chunk_axes(qweight, interleave, (interleave, INT4_PER_INT32))
 
 
 def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,

@@ -28,6 +28,7 @@ import triton.language as tl
 from atom_core.kernels.triton.common import (
     check_dim, check_float, check_last_dim_contiguous, check_same_device, next_pow2,
 )
+from atom_core.quant.int_ops import check_interleave
 
 GEMV_MAX_M = 8
 GEMV_ROWS = 4  # x rows a GEMV launch holds (an accumulator each); M 5-8 runs two launches
@@ -263,8 +264,6 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     interleave: 1, qweight in the canonical layout; int_ops.INT4_INTERLEAVE, in the kernel layout
     of `int_ops.interleave_int4` (what the int4 linear methods store when K allows).
     gemv_split: K splits of the GEMV path (M <= GEMV_MAX_M; `gemv_split_k` suggests one)."""
-    from atom_core.quant.int_ops import check_interleave
-
     check_float("x", x)
     check_dim("qweight", qweight, 2)
     check_same_device(x=x, qweight=qweight, scales=scales)
