@@ -507,6 +507,31 @@ class EngineConfig:
         return config
 
 
+# serve's piecewise buckets: steps that carry a whole 1,024-token prompt chunk replay too (the
+# default ladder to 512, then every 64 tokens to 2,048). H100, c64 with random lengths: +3.0%
+# output tok/s over full_decode_only (docs/PERFORMANCE.md, 2026-11-26, sixth session).
+SERVE_PIECEWISE_SIZES = DEFAULT_PIECEWISE_SIZES + tuple(range(576, 2049, 64))
+
+
+def serving_config(**options) -> EngineConfig:
+    """serve's engine: from_kwargs, with full_and_piecewise graphs to 2,048 tokens (SERVE_PIECEWISE_SIZES)
+    so the mixed prefill + decode steps of a loaded server replay graphs too; not where the options
+    chose a mode, the engine captures no graphs (CPU, eager, level 0 / 2) or its replicas share
+    experts (they replay full decode graphs only). --piecewise-capture-sizes alone sets the buckets;
+    where no piecewise graphs are made it fails as it does everywhere."""
+    if "cudagraph_mode" in options:
+        return EngineConfig.from_kwargs(**options)
+    base = EngineConfig.from_kwargs(**{k: v for k, v in options.items() if k != "piecewise_capture_sizes"})
+    if not base.use_cuda_graphs or base.parallel.experts_span_replicas:
+        return base if "piecewise_capture_sizes" not in options else EngineConfig.from_kwargs(**options)
+    sizes = options.get("piecewise_capture_sizes")
+    if not sizes:  # as the default ladder: a budget below 2,048 is the largest bucket (a full step replays)
+        budget = base.scheduler.max_num_batched_tokens
+        sizes = tuple(s for s in SERVE_PIECEWISE_SIZES if s < budget) + (min(budget, SERVE_PIECEWISE_SIZES[-1]),)
+    return EngineConfig.from_kwargs(**{**options, "cudagraph_mode": "full_and_piecewise",
+                                       "piecewise_capture_sizes": sizes})
+
+
 def replica_graphs_allowed(envs) -> bool:
     """Whether replicas sharing experts may replay decode graphs: ATOM_DP_EP_GRAPHS (on unless 0),
     with the all-gather exchange only (the all-to-all sizes its messages on the host every layer,

@@ -33,7 +33,7 @@ def serve_cmd(
     engine_args: dict = None,
 ):
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models) plus /health and /metrics."""
-    from atom_core.config import EngineConfig
+    from atom_core.config import serving_config
     from atom_core.envs import read_envs
     from atom_core.server.app import ServerOptions, run_server
     from atom_core.server.chat_output import ChatOptions
@@ -44,7 +44,8 @@ def serve_cmd(
     # Streaming clients want every token as it comes: windows would deliver them in bursts
     # (H100, c64: median ITL 81 ms with windows of 8 vs 10 ms without, same throughput).
     kwargs.setdefault("num_scheduler_steps", 1)
-    config = EngineConfig.from_kwargs(**kwargs)
+    # A loaded server mixes prompt chunks into most decode steps: they replay piecewise graphs.
+    config = serving_config(**kwargs)
     if reasoning_parser is None:  # e.g. GPT-OSS: Harmony's analysis channel is reasoning_content
         chat_options = ChatOptions(tool_call_parser, enable_auto_tool_choice, _implied_reasoning_parser(config))
     if config.parallel.node_rank > 0:  # a node other than 0 runs only its tensor-parallel ranks

@@ -88,3 +88,61 @@ class TestImpliedReasoningParser:
 
     def test_unreadable_model_leaves_it_to_the_engine(self, serve_calls_for):
         assert self._parser(serve_calls_for, "/no/such/model") is None
+
+
+class TestServingGraphs:
+    """serve's default graphs: full_and_piecewise up to 2,048 tokens where the engine captures graphs
+    (mixed prefill + decode steps replay too); an explicit mode or bucket list wins; elsewhere the
+    engine's default, and bucket sizes that no piecewise graph would use are refused."""
+
+    @pytest.fixture
+    def served(self, monkeypatch):
+        import atom_core.server.app as server_app
+        from atomctl.serve import register
+
+        seen = {}
+        monkeypatch.setattr(server_app, "run_server", lambda config, *a, **k: seen.update(config=config))
+        app = typer.Typer()
+        register(app)
+        app.callback()(lambda: None)
+
+        def invoke(*args):
+            seen.clear()
+            result = CliRunner().invoke(app, ["serve", "--model", "/m", *args])
+            return result, seen.get("config")
+
+        return invoke
+
+    def _graphs(self, served, *args):
+        result, config = served(*args)
+        assert result.exit_code == 0, result.output
+        return config.compile.cudagraph_mode, config.piecewise_sizes
+
+    def test_a_gpu_server_replays_mixed_steps_up_to_2048_tokens(self, served):
+        from atom_core.config import SERVE_PIECEWISE_SIZES
+
+        assert self._graphs(served, "--device", "cuda") == ("full_and_piecewise", SERVE_PIECEWISE_SIZES)
+
+    def test_a_smaller_budget_is_the_largest_bucket(self, served):
+        mode, sizes = self._graphs(served, "--device", "cuda", "--max-num-batched-tokens", "1000")
+        assert mode == "full_and_piecewise" and sizes[-2:] == (960, 1000)
+
+    def test_an_explicit_mode_wins(self, served):
+        assert self._graphs(served, "--device", "cuda", "--cudagraph-mode", "full_decode_only")[0] == "full_decode_only"
+        assert self._graphs(served, "--device", "cuda", "--cudagraph-mode", "piecewise")[1][-1] == 512
+
+    def test_sizes_alone_are_the_buckets(self, served):
+        assert self._graphs(served, "--device", "cuda", "--piecewise-capture-sizes", "8,16") == (
+            "full_and_piecewise", (8, 16))
+
+    @pytest.mark.parametrize("args", [["--device", "cpu"], ["--device", "cuda", "--enforce-eager"],
+                                      ["--device", "cuda", "--level", "2"],
+                                      ["--device", "cuda", "-dp", "2", "--enable-expert-parallel"]],
+                             ids=["cpu", "eager", "level2", "dp-ep"])
+    def test_no_graphs_or_replicas_sharing_experts_keep_the_engine_default(self, served, args):
+        assert self._graphs(served, *args)[0] == "full_decode_only"
+
+    def test_sizes_where_no_piecewise_graph_is_made_are_an_error(self, served):
+        result, config = served("--device", "cpu", "--piecewise-capture-sizes", "8,16")
+        assert result.exit_code != 0 and config is None
+        assert "--piecewise-capture-sizes" in result.output and "only used with" in result.output

@@ -44,6 +44,11 @@ def test_tp2_all_reduce_modes_equal_tp1(tiny_dist_models, monkeypatch, mode):
     assert _tokens(path, tensor_parallel_size=2, level=1) == _reference(path)
 
 
+# serve's default graphs: mixed steps (prompt chunks beside decodes, <= 256 tokens here) replay
+# piecewise graphs whose pieces hold the all-reduces
+PIECEWISE = {"cudagraph_mode": "full_and_piecewise", "piecewise_capture_sizes": (8, 32, 128, 256)}
+
+
 # One engine start at TP=2 per case, so a slow start (two workers compiling on a cold machine)
 # shows which case it was; the llama cases cover eager, CUDA graphs, and compile + graphs.
 @pytest.mark.parametrize("arch,extra,compile_options", [
@@ -52,7 +57,10 @@ def test_tp2_all_reduce_modes_equal_tp1(tiny_dist_models, monkeypatch, mode):
     ("llama", {}, {"level": 3}),
     ("qwen3_moe", {}, {"level": 3}),
     ("qwen3_moe", {"enable_expert_parallel": True}, {"level": 3}),
-], ids=["llama-eager", "llama-graphs", "llama-compiled", "qwen3_moe-tp", "qwen3_moe-ep"])
+    ("llama", {}, {"level": 3, **PIECEWISE}),
+    ("qwen3_moe", {}, {"level": 3, **PIECEWISE}),
+], ids=["llama-eager", "llama-graphs", "llama-compiled", "qwen3_moe-tp", "qwen3_moe-ep", "llama-piecewise",
+        "qwen3_moe-piecewise"])
 def test_tp2_equals_tp1_in_fp32(tiny_dist_models, arch, extra, compile_options):
     path = tiny_dist_models(arch)
     assert _tokens(path, tensor_parallel_size=2, **extra, **compile_options) == _reference(path)

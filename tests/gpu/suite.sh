@@ -297,6 +297,16 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
   fp8-nano-timeline)  # issue 16's unexplained row: Llama-3-8B --quantization fp8 nano (9,371 tok/s, target 10,600, vLLM 9,620) against bf16 (8,118), each with --step-timeline (prompt steps vs decode forwards by batch size, against their FLOP and byte floors)
     step off-l8fp8-timeline 140 python3 -m atomctl.main bench offline "${l8[@]}" --quantization fp8 --step-timeline --output-json "$OUT/off_l8fp8_timeline.json"
     step off-l8-timeline 120 python3 -m atomctl.main bench offline "${l8[@]}" --step-timeline --output-json "$OUT/off_l8_timeline.json" ;;
+  serve8)  # eighth session, issue 19: the MTP + piecewise GPU test, then the serving runs at serve's new default graphs (full_and_piecewise to 2,048 tokens; full_decode_only before): c64 and c256
+    step mtp-piecewise-test 150 python3 -m pytest -q --tb=short -m gpu tests/spec_decode/test_mtp.py -k piecewise -p no:cacheprovider
+    serve_l8 default8
+    SERVE_CONC=256 serve_l8 default8 ;;
+  fp8-explain8)  # eighth session, issue 16's unexplained FP8 rows: the nano run step by step (fp8 vs bf16), then where a batch-32 fp8 decode step goes (5.33 ms; target 4.5)
+    step off-l8fp8-timeline 140 python3 -m atomctl.main bench offline "${l8[@]}" --quantization fp8 --step-timeline --output-json "$OUT/off_l8fp8_timeline.json"
+    step off-l8-timeline 120 python3 -m atomctl.main bench offline "${l8[@]}" --step-timeline --output-json "$OUT/off_l8_timeline.json"
+    step profile-l8fp8-bs32 150 python3 -m atomctl.main profile "${l8[@]}" --quantization fp8 --bs 32 --input-length 512 --output-length 8 --torch-profiler-dir /tmp/traces_fp8_32
+    trace=$(ls -t /tmp/traces_fp8_32/rank_0/*.json.gz 2>/dev/null | grep -v capture | head -1)
+    step parse-trace-l8fp8-bs32 90 python3 -m atomctl.main parse-trace "$trace" --top 30 --out-dir "$OUT/fp8_bs32" ;;
   final7)  # seventh session: the dense targets at the final tree (off-l8, off-q06, batch 1 and 32), the block-FP8 GEMV vs the block GEMM at 1 token on the large shapes (whether `auto` may take it), Qwen3-30B-A3B-FP8 batch 1 with the block GEMV and the tiled MoE
     step off-l8 130 python3 -m atomctl.main bench offline "${l8[@]}" --output-json "$OUT/off_l8.json"
     step off-q06 90 python3 -m atomctl.main bench offline "${q06[@]}" --output-json "$OUT/off_q06.json"

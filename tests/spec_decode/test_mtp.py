@@ -252,6 +252,21 @@ class TestCuda:
         assert engine.spec_decode_stats()["num_drafts"] > 0
         assert engine.core.kv.num_free_blocks == engine.core.kv.num_blocks
 
+    @pytest.mark.parametrize("k", [1, 3])
+    def test_tiny_v3_fp32_piecewise_mixed_steps_equal_hf(self, v3_mtp, k):
+        """full_and_piecewise (serve's default): prompt chunks beside verify steps replay the piecewise
+        graphs, whose hidden states the MTP layer drafts from; fp32 against HF on the CPU."""
+        path, prompts, hf = v3_mtp
+        engine = LLMEngine(str(path), device="cuda", dtype="float32", method="mtp", num_speculative_tokens=k,
+                           max_num_batched_tokens=16, cudagraph_mode="full_and_piecewise",
+                           piecewise_capture_sizes=(4, 8, 16))
+        runner = engine.core.executor.runner
+        replay, replays = runner.piecewise.replay, []
+        runner.piecewise.replay = lambda flat: replays.append(flat.num_tokens) or replay(flat)
+        assert _tokens(engine, prompts) == hf
+        assert replays and engine.spec_decode_stats()["num_drafts"] > 0, replays
+        assert engine.core.kv.num_free_blocks == engine.core.kv.num_blocks
+
     @pytest.mark.parametrize("mtp_graphs", ["0", "1"], ids=["mtp-eager", "mtp-graphs"])
     @pytest.mark.parametrize("k", [1, 3])
     def test_demo_model_bf16_in_graphs(self, k, mtp_graphs, monkeypatch):
