@@ -2,10 +2,12 @@
 shapes, timed in CUDA graphs (launch gaps excluded), each checked against its torch reference.
 
     python tests/gpu/bench_int4.py [--out FILE.json]
+    python tests/gpu/bench_int4.py --m 1 --kernels triton,f16x2     (the GEMV kernels side by side)
 
 Prints one row per (shape, M): microseconds of bf16 / W4A16 / W8A8 and, for W4A16, the weight
 bytes read per microsecond (GB/s; the H100's HBM reads ~3.0 TB/s). `w4 split` is the W4A16 GEMV
 (M <= 8) with K split by `w4a16.gemv_split_k` (`sp`: the splits; the default path runs 1).
+`--kernels` also times the GEMV under each ATOM_W4A16_GEMV value (w4a16.set_w4a16_gemv).
 The int4 weights are random words read in the kernel layout (INT4_INTERLEAVE), as the engine's
 int4 linears store them.
 Each timed call runs over enough weight copies (>= 160 MB together) that they cannot stay in the
@@ -37,6 +39,8 @@ def main() -> None:
     parser.add_argument("--splits", default="", help="also time the GEMV at these K splits (M <= 8), e.g. 2,4")
     parser.add_argument("--tiles", default="", help="also time the GEMV at each of these tiles, BLOCK_N x BLOCK_KW "
                                                      "(4 warps; sN: N pipeline stages), instead of the autotuner's pick, e.g. 16x128,16x64s3")
+    parser.add_argument("--kernels", default="", help="also time the GEMV (M <= 8) with each of these ATOM_W4A16_GEMV "
+                                                       "kernels, e.g. triton,f16x2")
     args = parser.parse_args()
     dev, rows = "cuda", []
     for name, (n, k) in SHAPES.items():
@@ -68,7 +72,14 @@ def main() -> None:
             if args.tiles and m <= GEMV_MAX_M:
                 print(f"{name} M={m} tiles: " + ", ".join(f"{t}: {_time_tile(t, per_copy, w4):.1f} us"
                                                          for t in args.tiles.split(",")), flush=True)
+            kernels = {kind: _time_kernel(kind, per_copy, w4, ref4) for kind in filter(None, args.kernels.split(","))
+                       if m <= GEMV_MAX_M}
+            if kernels:
+                cells = [f"{kind}: {t:.1f} us {w4_bytes / t / 1e3:.0f} GB/s (err {err:.1e})"
+                         for kind, (t, err) in kernels.items()]
+                print(f"{name} M={m} GEMV kernels: " + ", ".join(cells), flush=True)
             rows.append(dict(shape=name, n=n, k=k, m=m, bf16_us=t_bf16, w4a16_us=t_w4, w4a16_split_us=t_w4s,
+                             **{f"w4a16_{kind}_us": t for kind, (t, _) in kernels.items()},
                              split=split if m <= GEMV_MAX_M else 1, w8a8_us=t_w8,
                              w4a16_gbps=w4_bytes / t_w4 / 1e3, w4a16_split_gbps=w4_bytes / t_w4s / 1e3,
                              bf16_gbps=n * k * 2 / t_bf16 / 1e3, w4a16_rel_err=max(err4, err4s), w8a8_rel_err=err8))
@@ -100,6 +111,19 @@ def _time_tile(tile: str, per_copy, w4) -> float:
         return per_copy(lambda i: w4(i))
     finally:
         tuner.configs, tuner.cache = saved, {}
+
+
+def _time_kernel(kind: str, per_copy, w4, ref: torch.Tensor) -> tuple[float, float]:
+    """(us, relative error) of the W4A16 call with the GEMV switch at `kind` (then restored)."""
+    from atom_core.kernels.triton import w4a16
+
+    saved = w4a16._gemv_kind
+    w4a16.set_w4a16_gemv(kind)
+    try:
+        err = _rel(w4(0), ref)  # also the autotuning, before any graph capture
+        return per_copy(lambda i: w4(i)), err
+    finally:
+        w4a16.set_w4a16_gemv(saved)
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -307,6 +307,11 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
     step profile-l8fp8-bs32 150 python3 -m atomctl.main profile "${l8[@]}" --quantization fp8 --bs 32 --input-length 512 --output-length 8 --torch-profiler-dir /tmp/traces_fp8_32
     trace=$(ls -t /tmp/traces_fp8_32/rank_0/*.json.gz 2>/dev/null | grep -v capture | head -1)
     step parse-trace-l8fp8-bs32 90 python3 -m atomctl.main parse-trace "$trace" --top 30 --out-dir "$OUT/fp8_bs32" ;;
+  w4-f16x2)  # eighth session, issue 16: the packed-half2 W4A16 GEMV (w4a16_gemv_f16x2.py, written without a GPU): micro-benchmark against the float32 GEMV (errors vs the reference), Llama-3-8B W4A16 batch-1 TPOT under ATOM_W4A16_GEMV=f16x2 and the default (3.88 ms in the seventh session), then its GPU tests (bf16)
+    step w4-kernels-bench 120 python3 tests/gpu/bench_int4.py --m 1,4 --kernels triton,f16x2
+    step lat-l8w4-f16x2-bs1 110 env ATOM_W4A16_GEMV=f16x2 python3 -m atomctl.main bench latency --model preset:Llama-3-8B-W4A16 --load-format dummy --max-model-len 4096 --bs 1 --output-json "$OUT/lat_l8w4_f16x2_bs1.json"
+    step lat-l8w4-bs1 100 python3 -m atomctl.main bench latency --model preset:Llama-3-8B-W4A16 --load-format dummy --max-model-len 4096 --bs 1 --output-json "$OUT/lat_l8w4_bs1.json"
+    step w4-f16x2-gpu-tests 200 python3 -m pytest -q -x --tb=short -m gpu tests/quant/test_w4a16_f16x2.py -k "not every_tile and not dtype1" -p no:cacheprovider ;;
   final7)  # seventh session: the dense targets at the final tree (off-l8, off-q06, batch 1 and 32), the block-FP8 GEMV vs the block GEMM at 1 token on the large shapes (whether `auto` may take it), Qwen3-30B-A3B-FP8 batch 1 with the block GEMV and the tiled MoE
     step off-l8 130 python3 -m atomctl.main bench offline "${l8[@]}" --output-json "$OUT/off_l8.json"
     step off-q06 90 python3 -m atomctl.main bench offline "${q06[@]}" --output-json "$OUT/off_q06.json"

@@ -7,6 +7,8 @@ Two programs:
   * GEMV (M <= GEMV_MAX_M, decode): a program streams BLOCK_N rows of words once for up to 4 rows
     of x (`_w4a16_gemv_kernel`: the arithmetic, why the kernel layout, the instruction count). On a
     GPU the tile is autotuned per shape on first use (a warm-up before any CUDA-graph capture).
+    ATOM_W4A16_GEMV=f16x2 runs its packed-half2 sibling instead where that applies (symmetric, the
+    kernel layout, bf16/fp16 x: w4a16_gemv_f16x2.py), autotuned the same way.
   * GEMM (larger M, prefill): BLOCK_M x BLOCK_N tiles, the dequantized BLOCK_K x BLOCK_N weight
     tile fed to tl.dot in the activation dtype. BLOCK_K divides the group size, so a K step
     reads one scale (and zero) per column.
@@ -25,10 +27,11 @@ import torch
 import triton
 import triton.language as tl
 
+from atom_core.envs import W4A16_GEMVS, W4a16Gemv, read_envs
 from atom_core.kernels.triton.common import (
     check_dim, check_float, check_last_dim_contiguous, check_same_device, next_pow2,
 )
-from atom_core.quant.int_ops import check_interleave
+from atom_core.quant.int_ops import INT4_INTERLEAVE, check_interleave
 
 GEMV_MAX_M = 8
 GEMV_ROWS = 4  # x rows a GEMV launch holds (an accumulator each); M 5-8 runs two launches
@@ -183,6 +186,27 @@ def _store_row(acc, b_ptr, out_ptrs, rows, col_ok, HAS_BIAS: tl.constexpr, PARTI
 # N and K are runtime values (one compile a config, not a shape: start-up time), autotuning keys
 _w4a16_gemv_tuned = triton.autotune(configs=_GEMV_CONFIGS, key=["M", "N", "K", "GROUP", "V", "HAS_ZERO"])(_w4a16_gemv_kernel)
 
+_gemv_kind: W4a16Gemv = read_envs().w4a16_gemv  # ATOM_W4A16_GEMV, read when this module is imported
+
+
+def set_w4a16_gemv(kind: W4a16Gemv) -> None:
+    """Process-wide GEMV choice (benchmarks, tests; an engine takes ATOM_W4A16_GEMV), read at every launch."""
+    global _gemv_kind
+    if kind not in W4A16_GEMVS:
+        raise ValueError(f"unknown W4A16 GEMV {kind!r}; expected one of: {', '.join(W4A16_GEMVS)}")
+    _gemv_kind = kind
+
+
+def _tuned_gemv(dtype: torch.dtype, consts: dict):
+    """The autotuned GEMV a CUDA launch takes: the f16x2 sibling under ATOM_W4A16_GEMV=f16x2 where it
+    applies (symmetric, the kernel layout, bf16/fp16 x), else `_w4a16_gemv_tuned`."""
+    if (_gemv_kind == "f16x2" and consts["V"] == INT4_INTERLEAVE and not consts["HAS_ZERO"]
+            and dtype in (torch.bfloat16, torch.float16)):
+        from atom_core.kernels.triton.w4a16_gemv_f16x2 import _w4a16_gemv_f16x2_tuned
+
+        return _w4a16_gemv_f16x2_tuned
+    return _w4a16_gemv_tuned
+
 
 @triton.jit
 def _w4a16_mm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride_sn, stride_zn,
@@ -327,7 +351,7 @@ def _gemv(x2, qweight, scales, z, b, bias, y, gemv_split, consts) -> None:
         consts_b = dict(consts, M=rows, PARTIAL=split > 1, MASK_K=k % step != 0)
         if x2.device.type == "cuda":
             grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split)  # noqa: E731
-            _w4a16_gemv_tuned[grid](*args, **consts_b)
+            _tuned_gemv(x2.dtype, consts)[grid](*args, **consts_b)
         else:  # Triton's interpreter: one fixed tile
             grid = (triton.cdiv(n, _GEMV_INTERPRET["BLOCK_N"]), split)
             _w4a16_gemv_kernel[grid](*args, **consts_b, **_GEMV_INTERPRET)
