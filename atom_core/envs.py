@@ -51,10 +51,11 @@ ENV_VARS: dict[str, str] = {
                        "PyTorch symmetric memory (one-shot to 256 KiB, two-shot above; distributed/symm_all_reduce.py) "
                        "instead of NCCL; auto where it can run (ranks on one host), else NCCL; symm fails at start "
                        "where it cannot run",
-    "ATOM_W4A16_GEMV": "triton (default) or f16x2: the W4A16 decode GEMV on CUDA (int4 linears at <= 8 tokens); "
-                       "triton = the float32 kernel of kernels/triton/w4a16.py, f16x2 = its packed-half2 sibling "
-                       "(kernels/triton/w4a16_gemv_f16x2.py) for symmetric int4 in the kernel layout with bf16/fp16 "
-                       "activations (other int4 weights stay on triton); triton until f16x2 is measured on a GPU",
+    "ATOM_W4A16_GEMV": "f16x2 (default) or triton: the W4A16 decode GEMV on CUDA (int4 linears at <= 8 tokens); "
+                       "f16x2 = the packed-half2 kernel (kernels/triton/w4a16_gemv_f16x2.py) for symmetric int4 in the "
+                       "kernel layout with bf16/fp16 activations (other int4 weights take triton), triton = the "
+                       "float32 kernel of kernels/triton/w4a16.py (H100: Llama-3-8B W4A16 batch 1 3.65 vs 3.91 ms, "
+                       "docs/PERFORMANCE.md 2026-11-26, eighth session)",
 }
 DenseSmallMKernel = Literal["auto", "linear", "gemv"]
 DENSE_SMALL_M_KERNELS: tuple[str, ...] = get_args(DenseSmallMKernel)
@@ -94,7 +95,7 @@ class AtomEnvs:
     dense_small_m_kernel: DenseSmallMKernel = "auto"  # read once by quant/unquantized when it is imported
     ep_dispatch: EpDispatch = "allgather"  # read once by model_ops/moe when it is imported
     dp_ep_graphs: bool | None = None  # read by EngineConfig (use_cuda_graphs) for replicas sharing experts; None = unset
-    w4a16_gemv: W4a16Gemv = "triton"  # read once by kernels/triton/w4a16 when it is imported
+    w4a16_gemv: W4a16Gemv = "f16x2"  # read once by kernels/triton/w4a16 when it is imported
 
 
 def read_envs(environ: Mapping[str, str] | None = None) -> AtomEnvs:
@@ -114,7 +115,7 @@ def read_envs(environ: Mapping[str, str] | None = None) -> AtomEnvs:
         dense_small_m_kernel=env_choice(env, "ATOM_DENSE_SMALL_M_KERNEL", DENSE_SMALL_M_KERNELS, "auto"),
         ep_dispatch=env_choice(env, "ATOM_EP_DISPATCH", EP_DISPATCHES, "allgather"),
         dp_ep_graphs=env_bool(env, "ATOM_DP_EP_GRAPHS", None),
-        w4a16_gemv=env_choice(env, "ATOM_W4A16_GEMV", W4A16_GEMVS, "triton"),
+        w4a16_gemv=env_choice(env, "ATOM_W4A16_GEMV", W4A16_GEMVS, "f16x2"),
     )
 
 

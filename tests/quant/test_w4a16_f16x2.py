@@ -238,15 +238,15 @@ class TestPtx:
 
 class TestSwitch:
     def test_env_var_and_setter(self):
-        assert read_envs({}).w4a16_gemv == "triton"
-        assert read_envs({"ATOM_W4A16_GEMV": "F16x2"}).w4a16_gemv == "f16x2"
+        assert read_envs({}).w4a16_gemv == "f16x2"
+        assert read_envs({"ATOM_W4A16_GEMV": "Triton"}).w4a16_gemv == "triton"
         with pytest.raises(ValueError, match="invalid ATOM_W4A16_GEMV='half'; expected one of: triton, f16x2"):
             read_envs({"ATOM_W4A16_GEMV": "half"})
         with pytest.raises(ValueError, match="unknown W4A16 GEMV 'half'; expected one of: triton, f16x2"):
             w4a16.set_w4a16_gemv("half")
         code = "from atom_core.kernels.triton import w4a16; print(w4a16._gemv_kind)"
-        run = run_with_env(code, "ATOM_W4A16_GEMV", "f16x2")
-        assert run.stdout.strip() == "f16x2", run.stderr
+        run = run_with_env(code, "ATOM_W4A16_GEMV", "triton")
+        assert run.stdout.strip() == "triton", run.stderr
 
     def test_f16x2_only_for_symmetric_kernel_layout_half_x(self, monkeypatch):
         consts = dict(V=INT4_INTERLEAVE, HAS_ZERO=False)

@@ -7,8 +7,8 @@ Two programs:
   * GEMV (M <= GEMV_MAX_M, decode): a program streams BLOCK_N rows of words once for up to 4 rows
     of x (`_w4a16_gemv_kernel`: the arithmetic, why the kernel layout, the instruction count). On a
     GPU the tile is autotuned per shape on first use (a warm-up before any CUDA-graph capture).
-    ATOM_W4A16_GEMV=f16x2 runs its packed-half2 sibling instead where that applies (symmetric, the
-    kernel layout, bf16/fp16 x: w4a16_gemv_f16x2.py), autotuned the same way.
+    Where it applies (symmetric, the kernel layout, bf16/fp16 x) its packed-half2 sibling runs
+    instead (w4a16_gemv_f16x2.py, autotuned the same way; ATOM_W4A16_GEMV=triton keeps this one).
   * GEMM (larger M, prefill): BLOCK_M x BLOCK_N tiles, the dequantized BLOCK_K x BLOCK_N weight
     tile fed to tl.dot in the activation dtype. BLOCK_K divides the group size, so a K step
     reads one scale (and zero) per column.
