@@ -97,21 +97,9 @@ class TestServingGraphs:
 
     @pytest.fixture
     def served(self, monkeypatch):
-        import atom_core.server.app as server_app
-        from atomctl.serve import register
+        from tests.cli.test_engine_options import _serve_config
 
-        seen = {}
-        monkeypatch.setattr(server_app, "run_server", lambda config, *a, **k: seen.update(config=config))
-        app = typer.Typer()
-        register(app)
-        app.callback()(lambda: None)
-
-        def invoke(*args):
-            seen.clear()
-            result = CliRunner().invoke(app, ["serve", "--model", "/m", *args])
-            return result, seen.get("config")
-
-        return invoke
+        return lambda *args: _serve_config(monkeypatch, list(args))
 
     def _graphs(self, served, *args):
         result, config = served(*args)
