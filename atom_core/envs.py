@@ -56,6 +56,10 @@ ENV_VARS: dict[str, str] = {
                        "kernel layout with bf16/fp16 activations (other int4 weights take triton), triton = the "
                        "float32 kernel of kernels/triton/w4a16.py (H100: Llama-3-8B W4A16 batch 1 3.65 vs 3.91 ms, "
                        "docs/PERFORMANCE.md 2026-11-26, eighth session)",
+    "ATOM_W8A16_WIDEN": "convert (default) or ptx: how the weight-only FP8 GEMM (kernels/triton/fp8_w8a16.py) widens "
+                        "e4m3 weights for bf16 activations on CUDA; convert = Triton's conversion, ptx = an exact "
+                        "inline-PTX widening with a third of the conversion instructions (not yet timed on a GPU); "
+                        "fp16/fp32 activations always convert",
 }
 DenseSmallMKernel = Literal["auto", "linear", "gemv"]
 DENSE_SMALL_M_KERNELS: tuple[str, ...] = get_args(DenseSmallMKernel)
@@ -73,6 +77,8 @@ MixedAttentionMode = Literal["split", "single"]
 MIXED_ATTENTION_MODES: tuple[str, ...] = get_args(MixedAttentionMode)
 W4a16Gemv = Literal["triton", "f16x2"]
 W4A16_GEMVS: tuple[str, ...] = get_args(W4a16Gemv)
+W8a16Widen = Literal["convert", "ptx"]
+W8A16_WIDENS: tuple[str, ...] = get_args(W8a16Widen)
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -96,6 +102,7 @@ class AtomEnvs:
     ep_dispatch: EpDispatch = "allgather"  # read once by model_ops/moe when it is imported
     dp_ep_graphs: bool | None = None  # read by EngineConfig (use_cuda_graphs) for replicas sharing experts; None = unset
     w4a16_gemv: W4a16Gemv = "f16x2"  # read once by kernels/triton/w4a16 when it is imported
+    w8a16_widen: W8a16Widen = "convert"  # read once by kernels/triton/fp8_w8a16 when it is imported
 
 
 def read_envs(environ: Mapping[str, str] | None = None) -> AtomEnvs:
@@ -116,6 +123,7 @@ def read_envs(environ: Mapping[str, str] | None = None) -> AtomEnvs:
         ep_dispatch=env_choice(env, "ATOM_EP_DISPATCH", EP_DISPATCHES, "allgather"),
         dp_ep_graphs=env_bool(env, "ATOM_DP_EP_GRAPHS", None),
         w4a16_gemv=env_choice(env, "ATOM_W4A16_GEMV", W4A16_GEMVS, "f16x2"),
+        w8a16_widen=env_choice(env, "ATOM_W8A16_WIDEN", W8A16_WIDENS, "convert"),
     )
 
 

@@ -312,6 +312,11 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
     step lat-l8w4-f16x2-bs1 110 env ATOM_W4A16_GEMV=f16x2 python3 -m atomctl.main bench latency --model preset:Llama-3-8B-W4A16 --load-format dummy --max-model-len 4096 --bs 1 --output-json "$OUT/lat_l8w4_f16x2_bs1.json"
     step lat-l8w4-bs1 100 python3 -m atomctl.main bench latency --model preset:Llama-3-8B-W4A16 --load-format dummy --max-model-len 4096 --bs 1 --output-json "$OUT/lat_l8w4_bs1.json"
     step w4-f16x2-gpu-tests 200 python3 -m pytest -q -x --tb=short -m gpu tests/quant/test_w4a16_f16x2.py -k "not every_tile and not dtype1" -p no:cacheprovider ;;
+  w8a16-widen)  # issue 16 (written without a GPU): the W8A16 GEMM with the PTX e4m3 widening (ATOM_W8A16_WIDEN=ptx): its GPU tests and the convert path's, the per-linear bench side by side, then Llama-3-8B fp8 batch-32 / batch-8 TPOT under it (5.33 / 4.38 ms with convert)
+    step w8a16-widen-tests 200 python3 -m pytest -q --tb=short -m gpu tests/quant/test_w8a16_widen.py tests/quant/test_fp8_w8a16.py -p no:cacheprovider
+    step w8a16-widen-bench 90 python3 -m atom_core.kernels.triton.fp8_bench --shapes llama-3-8b --m 2,8,32,64 --w8a16-widen convert,ptx
+    step lat-l8fp8-bs32-ptx 80 env ATOM_W8A16_WIDEN=ptx python3 -m atomctl.main bench latency "${l8[@]}" --quantization fp8 --bs 32 --output-json "$OUT/lat_l8fp8_bs32_ptx.json"
+    step lat-l8fp8-bs8-ptx 80 env ATOM_W8A16_WIDEN=ptx python3 -m atomctl.main bench latency "${l8[@]}" --quantization fp8 --bs 8 --output-json "$OUT/lat_l8fp8_bs8_ptx.json" ;;
   final7)  # seventh session: the dense targets at the final tree (off-l8, off-q06, batch 1 and 32), the block-FP8 GEMV vs the block GEMM at 1 token on the large shapes (whether `auto` may take it), Qwen3-30B-A3B-FP8 batch 1 with the block GEMV and the tiled MoE
     step off-l8 130 python3 -m atomctl.main bench offline "${l8[@]}" --output-json "$OUT/off_l8.json"
     step off-q06 90 python3 -m atomctl.main bench offline "${q06[@]}" --output-json "$OUT/off_q06.json"

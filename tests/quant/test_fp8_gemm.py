@@ -322,6 +322,19 @@ def test_bench_refuses_bad_arguments_and_runs_only_on_cuda(monkeypatch):
         fp8_bench.main()
 
 
+def test_bench_refuses_an_unknown_w8a16_widening(monkeypatch):
+    from atom_core.kernels.triton import fp8_bench
+
+    monkeypatch.setattr("sys.argv", ["fp8_bench", "--w8a16-widen", "convert,fast"])
+    with pytest.raises(SystemExit, match="unknown widening in --w8a16-widen 'convert,fast'; expected some of: "
+                                         "convert, ptx"):
+        fp8_bench.main()
+    monkeypatch.setattr("sys.argv", ["fp8_bench", "--w8a16-widen", "convert,ptx"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):  # both values parse
+        fp8_bench.main()
+
+
 def _clean_env() -> dict:
     import os
 

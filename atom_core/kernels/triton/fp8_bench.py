@@ -12,7 +12,8 @@ tokens (default 1 and 32), CUDA-graph medians in us, against the bytes-read floo
   gemv ch/blk  the weight-only FP8 GEMV (kernels/triton/fp8_gemv.py, x not quantized), per-channel
                and row-expanded block scales; M <= 4 only (blank above): ATOM_FP8_SMALL_M_KERNEL=gemv
   w8a16        the weight-only FP8 GEMM (kernels/triton/fp8_w8a16.py), per-channel, 2 <= M <= 64
-               (blank elsewhere): ATOM_FP8_SMALL_M_KERNEL=w8a16
+               (blank elsewhere): ATOM_FP8_SMALL_M_KERNEL=w8a16; `--w8a16-widen convert,ptx` times it under
+               each ATOM_W8A16_WIDEN value side by side (columns `w8a16`, `w8a16 ptx`)
 
 `--sweep` times a few small-M tiles (BLOCK_N x split-K x stages) per shape for both Triton kinds;
 `--sweep-w8a16` the weight-only GEMM's (BLOCK_N x BLOCK_K x stages, split by the grid) at 2 <= M <= 64;
@@ -26,8 +27,11 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import replace
+from functools import partial
 
 import torch
+
+from atom_core.envs import W8A16_WIDENS
 
 # model -> projection -> (N, K), one GPU (TP 1)
 SHAPES = {
@@ -63,16 +67,20 @@ def _weights(n: int, k: int):
     return w, torch.full((n, 1), 1e-3, device="cuda"), torch.full((n, -(-k // 128)), 1e-3, device="cuda")
 
 
-def _table(names: list[str], ms: list[int]) -> None:
+def _table(names: list[str], ms: list[int], widens: list[str]) -> None:
     from atom_core.kernels.triton.fp8 import quantize_fp8_per_token
     from atom_core.kernels.triton.fp8_gemm import fp8_block_gemm, fp8_channel_gemm
     from atom_core.kernels.triton.fp8_gemv import fp8_block_gemv, fp8_channel_gemv
-    from atom_core.kernels.triton.fp8_w8a16 import W8A16_MAX_TOKENS, fp8_w8a16_gemm
+    from atom_core.kernels.triton.fp8_w8a16 import W8A16_MAX_TOKENS, fp8_w8a16_gemm, set_w8a16_widen
     from atom_core.quant.fp8_ops import GEMV_MAX_TOKENS, fp8_linear, set_small_m_kernel
 
+    def w8a16_us(x, w, s, widen: str) -> float:
+        set_w8a16_widen(widen)  # read at launch: the graph captures this variant
+        return _time_us(lambda: fp8_w8a16_gemm(x, w, s))
+
     set_small_m_kernel("scaled_mm")
-    cols = ("bf16", "scaled_mm", "tr-channel", "tr-block", "quant", "gemv ch", "gemv blk", "w8a16", "floor ch",
-            "floor blk")
+    cols = ("bf16", "scaled_mm", "tr-channel", "tr-block", "quant", "gemv ch", "gemv blk",
+            *("w8a16" if v == "convert" else f"w8a16 {v}" for v in widens), "floor ch", "floor blk")
     print(f"{'model':>12} {'shape':>8} {'M':>4} " + " ".join(f"{c:>10}" for c in cols))
     for model in names:
         for name, (n, k) in SHAPES[model].items():
@@ -90,7 +98,7 @@ def _table(names: list[str], ms: list[int]) -> None:
                               _time_us(lambda: fp8_block_gemv(x, w, s_block, [1, 128]))]
                 else:
                     times += [None, None]
-                times += [_time_us(lambda: fp8_w8a16_gemm(x, w, s_channel)) if 2 <= m <= W8A16_MAX_TOKENS else None]
+                times += [w8a16_us(x, w, s_channel, v) if 2 <= m <= W8A16_MAX_TOKENS else None for v in widens]
                 times += [floor_us(n, k, False), floor_us(n, k, True)]
                 print(f"{model:>12} {name:>8} {m:>4} " + " ".join(" " * 10 if t is None else f"{t:10.1f}" for t in times),
                       flush=True)
@@ -183,6 +191,9 @@ def main() -> None:
     parser.add_argument("--sweep-gemv", action="store_true", help="time the FP8 GEMV's tiles (M <= 4) instead")
     parser.add_argument("--sweep-w8a16", action="store_true",
                         help="time the weight-only FP8 GEMM's tiles (2 <= M <= 64) instead")
+    parser.add_argument("--w8a16-widen", default="convert",
+                        help=f"comma-separated ATOM_W8A16_WIDEN values to time the w8a16 column under, from: "
+                             f"{', '.join(W8A16_WIDENS)}")
     args = parser.parse_args()
     if args.sweep + args.sweep_gemv + args.sweep_w8a16 > 1:
         raise SystemExit("--sweep, --sweep-gemv and --sweep-w8a16 are separate runs; pass one")
@@ -196,9 +207,14 @@ def main() -> None:
         raise SystemExit(f"--m takes comma-separated positive integers, got {args.m!r}") from None
     if not ms or min(ms) < 1:
         raise SystemExit(f"--m takes comma-separated positive integers, got {args.m!r}")
+    widens = [v for v in args.w8a16_widen.split(",") if v]
+    if not widens or any(v not in W8A16_WIDENS for v in widens):
+        raise SystemExit(f"unknown widening in --w8a16-widen {args.w8a16_widen!r}; expected some of: "
+                         f"{', '.join(W8A16_WIDENS)}")
     if not torch.cuda.is_available():
         raise SystemExit("fp8_bench needs a CUDA GPU")
-    run = _sweep if args.sweep else _sweep_gemv if args.sweep_gemv else _sweep_w8a16 if args.sweep_w8a16 else _table
+    table = partial(_table, widens=widens)
+    run = _sweep if args.sweep else _sweep_gemv if args.sweep_gemv else _sweep_w8a16 if args.sweep_w8a16 else table
     run(names, ms)
 
 
