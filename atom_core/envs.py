@@ -105,6 +105,13 @@ class AtomEnvs:
     w8a16_widen: W8a16Widen = "convert"  # read once by kernels/triton/fp8_w8a16 when it is imported
 
 
+def check_choice(value: str, choices: tuple[str, ...], what: str) -> str:
+    """A process-wide switch's setter argument (benchmarks, tests), or a ValueError listing the choices."""
+    if value not in choices:
+        raise ValueError(f"unknown {what} {value!r}; expected one of: {', '.join(choices)}")
+    return value
+
+
 def read_envs(environ: Mapping[str, str] | None = None) -> AtomEnvs:
     """Parse the ATOM_* variables of `environ` (default: os.environ)."""
     env = os.environ if environ is None else environ

@@ -56,7 +56,7 @@ from typing import Optional
 
 import torch
 
-from atom_core.envs import FP8_SMALL_M_KERNELS, Fp8SmallMKernel, read_envs
+from atom_core.envs import FP8_SMALL_M_KERNELS, Fp8SmallMKernel, check_choice, read_envs
 from atom_core.kernels.torch_ref import ieee_div
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -178,9 +178,7 @@ def set_small_m_kernel(kind: Fp8SmallMKernel) -> None:
     an engine takes ATOM_FP8_SMALL_M_KERNEL). Not for use while a CUDA graph is captured or replayed:
     a captured graph keeps the kernel it recorded."""
     global _small_m_kernel
-    if kind not in FP8_SMALL_M_KERNELS:
-        raise ValueError(f"unknown FP8 small-M kernel {kind!r}; expected one of: {', '.join(FP8_SMALL_M_KERNELS)}")
-    _small_m_kernel = kind
+    _small_m_kernel = check_choice(kind, FP8_SMALL_M_KERNELS, "FP8 small-M kernel")
 
 
 def small_m_kernel() -> Fp8SmallMKernel:

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atom_core.envs import W8A16_WIDENS, W8a16Widen, read_envs
+from atom_core.envs import W8A16_WIDENS, W8a16Widen, check_choice, read_envs
 from atom_core.kernels.triton.common import sm_count
 from atom_core.kernels.triton.fp8_gemm import _check as check_operands
 from atom_core.kernels.triton.fp8_gemm import channel_scales, split_k_target, sum_splits
@@ -189,9 +189,7 @@ _widen_kind: W8a16Widen = read_envs().w8a16_widen  # ATOM_W8A16_WIDEN, read when
 def set_w8a16_widen(kind: W8a16Widen) -> None:
     """Process-wide widening choice (benchmarks, tests; an engine takes ATOM_W8A16_WIDEN), read at every launch."""
     global _widen_kind
-    if kind not in W8A16_WIDENS:
-        raise ValueError(f"unknown W8A16 widening {kind!r}; expected one of: {', '.join(W8A16_WIDENS)}")
-    _widen_kind = kind
+    _widen_kind = check_choice(kind, W8A16_WIDENS, "W8A16 widening")
 
 
 def _kernel_for(dtype: torch.dtype, interpret: bool):

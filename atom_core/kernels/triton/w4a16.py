@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atom_core.envs import W4A16_GEMVS, W4a16Gemv, read_envs
+from atom_core.envs import W4A16_GEMVS, W4a16Gemv, check_choice, read_envs
 from atom_core.kernels.triton.common import (
     check_dim, check_float, check_last_dim_contiguous, check_same_device, next_pow2,
 )
@@ -192,9 +192,7 @@ _gemv_kind: W4a16Gemv = read_envs().w4a16_gemv  # ATOM_W4A16_GEMV, read when thi
 def set_w4a16_gemv(kind: W4a16Gemv) -> None:
     """Process-wide GEMV choice (benchmarks, tests; an engine takes ATOM_W4A16_GEMV), read at every launch."""
     global _gemv_kind
-    if kind not in W4A16_GEMVS:
-        raise ValueError(f"unknown W4A16 GEMV {kind!r}; expected one of: {', '.join(W4A16_GEMVS)}")
-    _gemv_kind = kind
+    _gemv_kind = check_choice(kind, W4A16_GEMVS, "W4A16 GEMV")
 
 
 def _tuned_gemv(dtype: torch.dtype, consts: dict):
