@@ -519,11 +519,9 @@ def serving_config(**options) -> EngineConfig:
     chose a mode, the engine captures no graphs (CPU, eager, level 0 / 2) or its replicas share
     experts (they replay full decode graphs only). --piecewise-capture-sizes alone sets the buckets;
     where no piecewise graphs are made it fails as it does everywhere."""
-    if "cudagraph_mode" in options:
-        return EngineConfig.from_kwargs(**options)
     base = EngineConfig.from_kwargs(**{k: v for k, v in options.items() if k != "piecewise_capture_sizes"})
-    if not base.use_cuda_graphs or base.parallel.experts_span_replicas:
-        return base if "piecewise_capture_sizes" not in options else EngineConfig.from_kwargs(**options)
+    if "cudagraph_mode" in options or not base.use_cuda_graphs or base.parallel.experts_span_replicas:
+        return EngineConfig.from_kwargs(**options)
     sizes = options.get("piecewise_capture_sizes")
     if not sizes:  # as the default ladder: a budget below 2,048 is the largest bucket (a full step replays)
         budget = base.scheduler.max_num_batched_tokens
