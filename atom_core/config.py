@@ -185,6 +185,7 @@ def kv_cache_format(name: str, model_dtype: torch.dtype) -> KVCacheFormat:
 
 
 PREFILL_PACING_MIN_TOKENS = 512
+MIXED_STEP_MIN_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -196,7 +197,15 @@ class SchedulerConfig:
     max(prefill_pacing_min_tokens, outstanding prompt tokens / K). A burst of prompts (a closed-
     loop client's whole wave) is then spread over about K decode steps instead of being admitted
     in a few full-budget steps that stall every decode and end in lock-step; later steps carry
-    their share of prompt tokens while the decodes ride along. 0 = off (the full budget)."""
+    their share of prompt tokens while the decodes ride along. 0 = off (the full budget).
+
+    mixed_step_tokens_per_seq R > 0: while sequences decode, a step carries at most R tokens per
+    live request (running or waiting), at least mixed_step_min_tokens and at most the budget, on a
+    multiple of 128 (scheduler.MIXED_STEP_GRANULE): the decodes, then prompt chunks in what is left.
+    A loaded server then runs steps of a few hundred tokens whose decodes ride along compute-bound
+    prompt chunks, instead of full-budget prompt steps that stall every decode (TPOT) and end the
+    streams in lock-step; the cap grows with the load (256 streams get 4x the step of 64). Steps with
+    nothing decoding take the whole budget. Exclusive with pacing. 0 = off."""
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
@@ -205,6 +214,8 @@ class SchedulerConfig:
     num_scheduler_steps: int = 8
     prefill_pacing_steps: int = 0
     prefill_pacing_min_tokens: int = PREFILL_PACING_MIN_TOKENS
+    mixed_step_tokens_per_seq: int = 0
+    mixed_step_min_tokens: int = MIXED_STEP_MIN_TOKENS
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -221,6 +232,17 @@ class SchedulerConfig:
             _fail(self, "prefill_pacing_steps", "needs chunked prefill (a paced prompt is admitted a chunk at a time)")
         if not self.prefill_pacing_steps and self.prefill_pacing_min_tokens != PREFILL_PACING_MIN_TOKENS:
             _fail(self, "prefill_pacing_min_tokens", "applies only with prefill pacing: set prefill_pacing_steps too")
+        if self.mixed_step_tokens_per_seq < 0:
+            _fail(self, "mixed_step_tokens_per_seq", "must be >= 0 (0 = off)")
+        if self.mixed_step_min_tokens < 1:
+            _fail(self, "mixed_step_min_tokens", "must be >= 1")
+        if self.mixed_step_tokens_per_seq and not self.enable_chunked_prefill:
+            _fail(self, "mixed_step_tokens_per_seq", "needs chunked prefill (a prompt shares a capped step a chunk at a time)")
+        if self.mixed_step_tokens_per_seq and self.prefill_pacing_steps:
+            _fail(self, "mixed_step_tokens_per_seq", "cannot be combined with prefill_pacing_steps "
+                  "(--prefill-pacing-steps): both cap the prompt tokens beside decodes; choose one")
+        if not self.mixed_step_tokens_per_seq and self.mixed_step_min_tokens != MIXED_STEP_MIN_TOKENS:
+            _fail(self, "mixed_step_min_tokens", "applies only with mixed_step_tokens_per_seq: set it too")
 
 
 @dataclass(frozen=True)
@@ -513,12 +535,22 @@ class EngineConfig:
 SERVE_PIECEWISE_SIZES = DEFAULT_PIECEWISE_SIZES + tuple(range(576, 2049, 64))
 
 
+# serve's mixed-step cap (SchedulerConfig.mixed_step_tokens_per_seq): tokens per live request.
+SERVE_MIXED_STEP_TOKENS_PER_SEQ = 8
+
+
 def serving_config(**options) -> EngineConfig:
-    """serve's engine: from_kwargs, with full_and_piecewise graphs to 2,048 tokens (SERVE_PIECEWISE_SIZES)
-    so the mixed prefill + decode steps of a loaded server replay graphs too; not where the options
-    chose a mode, the engine captures no graphs (CPU, eager, level 0 / 2) or its replicas share
-    experts (they replay full decode graphs only). --piecewise-capture-sizes alone sets the buckets;
-    where no piecewise graphs are made it fails as it does everywhere."""
+    """serve's engine: from_kwargs, with
+    - full_and_piecewise graphs to 2,048 tokens (SERVE_PIECEWISE_SIZES) so the mixed prefill + decode
+      steps of a loaded server replay graphs too; not where the options chose a mode, the engine
+      captures no graphs (CPU, eager, level 0 / 2) or its replicas share experts (they replay full
+      decode graphs only). --piecewise-capture-sizes alone sets the buckets; where no piecewise
+      graphs are made it fails as it does everywhere;
+    - the mixed-step cap at SERVE_MIXED_STEP_TOKENS_PER_SEQ, unless the options set it or pacing,
+      or turn chunked prefill off."""
+    if ("mixed_step_tokens_per_seq" not in options and not options.get("prefill_pacing_steps")
+            and options.get("enable_chunked_prefill", True)):
+        options = {**options, "mixed_step_tokens_per_seq": SERVE_MIXED_STEP_TOKENS_PER_SEQ}
     base = EngineConfig.from_kwargs(**{k: v for k, v in options.items() if k != "piecewise_capture_sizes"})
     if "cudagraph_mode" in options or not base.use_cuda_graphs or base.parallel.experts_span_replicas:
         return EngineConfig.from_kwargs(**options)

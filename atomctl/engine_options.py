@@ -24,6 +24,8 @@ ENGINE_OPTIONS = {
     "max_num_batched_tokens": (int, typer.Option(8192, help="Token budget per step.")),
     "prefill_pacing_steps": (Optional[int], typer.Option(None, help="While sequences decode, cap a step's prompt tokens at max(--prefill-pacing-min-tokens, outstanding prompt tokens / N): a burst of prompts is spread over about N decode steps, which the decodes ride along, instead of a few full-budget steps that stall them. 0 = off (default).")),
     "prefill_pacing_min_tokens": (int, typer.Option(512, help="The smallest prompt-token cap of a paced step; only with --prefill-pacing-steps (refused without it).")),
+    "mixed_step_tokens_per_seq": (Optional[int], typer.Option(None, help="While sequences decode, a step carries at most R tokens per live request (running or waiting), on a multiple of 128, at least --mixed-step-min-tokens and at most --max-num-batched-tokens: the decodes, then prompt chunks in what is left. Loaded servers then run small mixed steps whose decodes ride along the prompt chunks instead of full-budget prompt steps that stall them; steps with nothing decoding take the whole budget. 0 = off (offline default); serve defaults to 8 (not with --prefill-pacing-steps or --no-enable-chunked-prefill).")),
+    "mixed_step_min_tokens": (int, typer.Option(256, help="The smallest cap of a mixed step; only with the mixed-step cap on (refused without it).")),
     "block_size": (int, typer.Option(16, help="KV cache block size in tokens.")),
     "num_kv_blocks": (Optional[int], typer.Option(None, help="Fix the KV cache size in blocks.")),
     "gpu_memory_utilization": (float, typer.Option(0.9, help="Fraction of GPU memory the engine may use.")),

@@ -16,6 +16,11 @@ from atom_core.engine.sequence import FinishReason, Sequence, SequenceStatus
 from atom_core.scheduler_output import PLACEHOLDER, ModelRunnerOutput, NewRequest, SchedulerOutput
 from atom_core.spec_decode.stats import SpecDecodeStats
 
+# A capped mixed step's token count is a multiple of this: it lands on a piecewise graph bucket and
+# on whole 128-row tiles of the GEMMs. cuBLAS on Llama-3-8B's linears (H100, tests/gpu/bench_gemm_rows.py):
+# 512 rows 306 us a layer, 448 rows 440 us (gate_up picks a slow kernel), 384 rows 272 us.
+MIXED_STEP_GRANULE = 128
+
 
 class Scheduler:
     """FCFS continuous batching with chunked prefill and preemption by recompute.
@@ -36,6 +41,8 @@ class Scheduler:
         self.num_scheduler_steps = config.num_scheduler_steps
         self.prefill_pacing_steps = config.prefill_pacing_steps
         self.prefill_pacing_min_tokens = config.prefill_pacing_min_tokens
+        self.mixed_step_tokens_per_seq = config.mixed_step_tokens_per_seq
+        self.mixed_step_min_tokens = config.mixed_step_min_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
@@ -114,19 +121,26 @@ class Scheduler:
         return out
 
     def _prompt_budget(self) -> int:
-        """Prompt tokens this step may carry: the whole budget, or while sequences decode and
-        pacing is on, max(min tokens, outstanding prompt tokens / pacing steps) (SchedulerConfig)."""
-        if not self.prefill_pacing_steps:
+        """Prompt tokens this step may carry: the whole budget, unless sequences decode and a cap
+        is on (SchedulerConfig): pacing, max(min tokens, outstanding prompt tokens / pacing steps);
+        the mixed-step cap, what the decodes leave of R tokens per live request (on the granule,
+        at least the cap's minimum, at most the budget), never less than one granule."""
+        if not (self.prefill_pacing_steps or self.mixed_step_tokens_per_seq):
             return self.max_num_batched_tokens
-        outstanding, decoding = 0, False
+        outstanding, decodes = 0, 0
         for seq in self.running:
             pending = len(seq.token_ids) - seq.num_computed_tokens
             if pending > 1:
                 outstanding += pending
             elif pending == 1 and len(seq.token_ids) < seq.token_limit:
-                decoding = True
-        if not decoding:
+                decodes += 1
+        if not decodes:
             return self.max_num_batched_tokens
+        if self.mixed_step_tokens_per_seq:
+            live = len(self.running) + len(self.waiting)
+            cap = self.mixed_step_tokens_per_seq * live
+            cap = min(max(self.mixed_step_min_tokens, cap - cap % MIXED_STEP_GRANULE), self.max_num_batched_tokens)
+            return max(MIXED_STEP_GRANULE, cap - decodes * (1 + self.num_speculative_tokens))
         outstanding += sum(seq.num_tokens - seq.num_computed_tokens for seq in self.waiting)
         return max(self.prefill_pacing_min_tokens, -(-outstanding // self.prefill_pacing_steps))
 

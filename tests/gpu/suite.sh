@@ -45,14 +45,16 @@ kernel_tests() {  # in 4 processes: Triton compiles are CPU-bound
   summary+=("$(printf '%-28s %9s %4ss' kernel-tests "" "$(( $(date +%s) - start ))")")
 }
 serve_l8() {  # serve_l8 NAME [ENGINE FLAGS...]: start the server, one bench serve run (the issue's table: SERVE_CONC=64 by default, 5 requests a stream; SERVE_EXTRA: more client flags), stop it
-  local name=$1 conc=${SERVE_CONC:-64}; shift
+  local name=$1 conc; shift
   python3 -m atomctl.main --log-level INFO serve "${l8[@]}" "$@" --port 8011 > /tmp/serve_$name.log 2>&1 &
   local spid=$! start=$(date +%s) i
   for i in $(seq 1 300); do curl -sf http://127.0.0.1:8011/health >/dev/null && break; sleep 1; done
   echo "server ($name) ready after $(( $(date +%s) - start )) s"
-  step bench-serve-l8-c$conc-$name $(( 90 + conc / 4 )) python3 -m atomctl.main bench serve --backend atom --base-url http://127.0.0.1:8011 \
-    --tokenizer preset:Llama-3-8B --dataset-name random --random-input-len 1024 --random-output-len 128 \
-    --ignore-eos --num-prompts $(( conc * 5 )) --max-concurrency $conc ${SERVE_EXTRA:-} --save-result --result-dir "$OUT" --result-filename serve_l8_c${conc}_$name.json
+  for conc in ${SERVE_CONC:-64}; do  # SERVE_CONC="64 256": one server, a run per concurrency
+    step bench-serve-l8-c$conc-$name $(( 90 + conc / 4 )) python3 -m atomctl.main bench serve --backend atom --base-url http://127.0.0.1:8011 \
+      --tokenizer preset:Llama-3-8B --dataset-name random --random-input-len 1024 --random-output-len 128 \
+      --ignore-eos --num-prompts $(( conc * 5 )) --max-concurrency $conc ${SERVE_EXTRA:-} --save-result --result-dir "$OUT" --result-filename serve_l8_c${conc}_$name.json
+  done
   kill $spid; wait $spid; grep -E "captured" /tmp/serve_$name.log | tail -n 3
 }
 profile_l8_tp2() {  # profile_l8_tp2 NAME [VAR=VALUE...]: a Llama-3-8B TP=2 batch-1 decode profile, then rank 0's breakdown in $OUT/NAME
@@ -301,6 +303,31 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
     step mtp-piecewise-test 150 python3 -m pytest -q --tb=short -m gpu tests/spec_decode/test_mtp.py -k piecewise -p no:cacheprovider
     serve_l8 default8
     SERVE_CONC=256 serve_l8 default8 ;;
+  final9)  # ninth session, issue 19 (final tree): serve's new default (mixed-step cap R = 8 on 128-token granules) at c64 and c256; the dense offline targets (the attention wrappers' plans touch every step); then R = 10
+    SERVE_CONC="64 256" serve_l8 default9
+    step off-l8 120 python3 -m atomctl.main bench offline "${l8[@]}" --output-json "$OUT/off_l8.json"
+    step off-q06 90 python3 -m atomctl.main bench offline "${q06[@]}" --output-json "$OUT/off_q06.json"
+    step lat-l8-bs1 70 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-json "$OUT/lat_l8_bs1.json"
+    step lat-l8-bs32 70 python3 -m atomctl.main bench latency "${l8[@]}" --bs 32 --output-json "$OUT/lat_l8_bs32.json"
+    step lat-q06-bs1 60 python3 -m atomctl.main bench latency "${q06[@]}" --bs 1 --output-json "$OUT/lat_q06_bs1.json"
+    SERVE_CONC="64 256" serve_l8 r10 --mixed-step-tokens-per-seq 10 ;;
+  plans9)  # ninth session, issue 19: the attention wrappers' launch plans (host time of piecewise mixed steps): their GPU tests, the c64 closed loop on the engine core at R = 8, then serve at c64 (R = 8, then off) and c256 (R = 8)
+    parallel_tests 240 "tests/kernels/test_triton_kernels.py -k attention" "tests/kernels/test_triton_kernels.py -k qkv" "tests/kernels/test_mixed_attention.py tests/kernels/test_fp8_kv.py tests/kernels/test_attention_sinks.py" "tests/gpu/test_piecewise_gpu.py"
+    sizes='"piecewise_capture_sizes": ['$(python3 -c "from atom_core.config import SERVE_PIECEWISE_SIZES as s; print(','.join(map(str, s)))")']'
+    step diag-r8 150 python3 tests/gpu/diag_mixed_steps.py --engine "{\"mixed_step_tokens_per_seq\": 8, $sizes}"
+    SERVE_CONC="64 256" serve_l8 r8p --mixed-step-tokens-per-seq 8
+    serve_l8 r0p --mixed-step-tokens-per-seq 0 ;;
+  mixed-diag9)  # ninth session, issue 19: the c64 closed loop on the engine core without the server (diag_mixed_steps.py): mixed steps' wall time and the host's launch / wait split, R = 8 then its cProfile, then R = 0 (waves)
+    sizes='"piecewise_capture_sizes": ['$(python3 -c "from atom_core.config import SERVE_PIECEWISE_SIZES as s; print(','.join(map(str, s)))")']'
+    step diag-r8 150 python3 tests/gpu/diag_mixed_steps.py --engine "{\"mixed_step_tokens_per_seq\": 8, $sizes}"
+    step diag-r8-cprofile 150 python3 tests/gpu/diag_mixed_steps.py --cprofile 40 --engine "{\"mixed_step_tokens_per_seq\": 8, $sizes}"
+    step diag-r0 150 python3 tests/gpu/diag_mixed_steps.py --engine "{$sizes}" ;;
+  mixed9)  # ninth session, issue 19: cuBLAS time against rows (does a mixed step of M tokens pay for a whole row tile?), then the mixed-step cap at c64 (R = 7, 6, 8, off) and c256 (R = 7)
+    step gemm-rows 60 python3 tests/gpu/bench_gemm_rows.py
+    SERVE_CONC="64 256" serve_l8 r7 --mixed-step-tokens-per-seq 7
+    serve_l8 r6 --mixed-step-tokens-per-seq 6
+    serve_l8 r8 --mixed-step-tokens-per-seq 8
+    serve_l8 r0 --mixed-step-tokens-per-seq 0 ;;
   fp8-explain8)  # eighth session, issue 16's unexplained FP8 rows: the nano run step by step (fp8 vs bf16), then where a batch-32 fp8 decode step goes (5.33 ms; target 4.5)
     step off-l8fp8-timeline 140 python3 -m atomctl.main bench offline "${l8[@]}" --quantization fp8 --step-timeline --output-json "$OUT/off_l8fp8_timeline.json"
     step off-l8-timeline 120 python3 -m atomctl.main bench offline "${l8[@]}" --step-timeline --output-json "$OUT/off_l8_timeline.json"
@@ -675,5 +702,5 @@ done
 echo "=== summary"
 printf '%s\n' "${summary[@]}"
 for f in "$OUT"/*.json; do [ -f "$f" ] && python3 -c "
-import json,sys; d=json.load(open('$f')); k=['output_throughput','tpot_s','startup_s','elapsed_s','median_ttft_ms','median_tpot_ms','median_itl_ms','completed','failed']
+import json,sys; d=json.load(open('$f')); k=['output_throughput','tpot_s','startup_s','elapsed_s','median_ttft_ms','p99_ttft_ms','median_tpot_ms','p99_tpot_ms','median_itl_ms','p99_itl_ms','completed','failed']
 print('$(basename $f)', {x: round(d[x],4) for x in k if x in d}, {'ttft_med': round(d['ttft_s']['median'],4)} if 'ttft_s' in d else '')"; done

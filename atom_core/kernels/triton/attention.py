@@ -360,14 +360,52 @@ def _check_attention_args(query, k_cache, v_cache, block_tables, query_start_loc
                       query_start_loc=query_start_loc, seq_lens=seq_lens)
 
 
-def launch_paged_attention(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_query_len: int,
-    max_seq_len: int, out: torch.Tensor | None = None, *, num_kv_splits: int | None = None,
-    seq_order: torch.Tensor | None = None, heads_inner: bool | None = None, sliding_window: int | None = None,
-    sinks: torch.Tensor | None = None, k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0,
-) -> torch.Tensor:
-    """`paged_attention` with overrides of the split count and launch order (tests, benchmarks)."""
+# Launch plans by their inputs (see _paged_plan): the layers of one step share one. An entry keeps
+# its metadata tensors alive, so their ids in its key cannot be reused by other tensors.
+_PLANS: dict[tuple, "_PagedPlan"] = {}
+_MAX_PLANS = 256
+
+
+class _PagedPlan:
+    """What a paged attention launch decides on the host from its inputs' layouts and host ints:
+    the tile, the grid, the split count and the kernel's layout arguments. Validation ran when
+    it was made."""
+
+    def __init__(self, keep, num_tokens, num_heads, head_dim, num_listed, num_seqs, cfg, num_q_blocks,
+                 num_kv_splits, grid, kernel_kwargs, merge):
+        self.keep = keep  # the metadata tensors whose ids are in the key
+        self.num_tokens, self.num_heads, self.head_dim = num_tokens, num_heads, head_dim
+        self.num_listed, self.num_seqs, self.cfg = num_listed, num_seqs, cfg
+        self.num_q_blocks, self.num_kv_splits, self.grid = num_q_blocks, num_kv_splits, grid
+        self.kernel_kwargs, self.merge = kernel_kwargs, merge
+
+
+def _paged_plan(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale, max_query_len,
+                max_seq_len, num_kv_splits, seq_order, heads_inner, sliding_window, sinks, k_scale, v_scale):
+    """The launch plan of these inputs, made (and the inputs validated) on the first call with their
+    layouts: a step's layers pass the same metadata tensors and same-shaped caches, so 31 of 32
+    skip the checks and choices (host time a piecewise step's 64 attention launches spend)."""
+    key = (id(block_tables), id(query_start_loc), id(seq_lens), id(seq_order), id(sinks),
+           query.shape, query.stride(), query.dtype, query.device, k_cache.shape, k_cache.stride(), k_cache.dtype,
+           k_cache.device, v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device,
+           None if out is None else (out.shape, out.stride(), out.dtype),
+           scale, max_query_len, max_seq_len, num_kv_splits, heads_inner, sliding_window,
+           k_scale if not isinstance(k_scale, torch.Tensor) else id(k_scale),
+           v_scale if not isinstance(v_scale, torch.Tensor) else id(v_scale))
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return plan
+    plan = _make_paged_plan(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale,
+                            max_query_len, max_seq_len, num_kv_splits, seq_order, heads_inner, sliding_window,
+                            sinks, k_scale, v_scale)
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[key] = plan
+    return plan
+
+
+def _make_paged_plan(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale, max_query_len,
+                     max_seq_len, num_kv_splits, seq_order, heads_inner, sliding_window, sinks, k_scale, v_scale):
     _check_attention_args(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out)
     token_scales = check_token_scales(k_cache, k_scale, v_scale)
     if sinks is not None:
@@ -376,13 +414,12 @@ def launch_paged_attention(
         check_float("sinks", sinks)
         check_last_dim_contiguous("sinks", sinks)
         check_same_device(query=query, sinks=sinks)
-    if out is None:
-        out = torch.empty_like(query)
+    keep = (block_tables, query_start_loc, seq_lens, seq_order, sinks, k_scale, v_scale)
     num_tokens, num_heads, head_dim = query.shape
     num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
     num_listed = seq_order.shape[0] if seq_order is not None else num_seqs  # seq_order may list a subset
-    if num_tokens == 0 or num_listed == 0 or max_query_len <= 0:
-        return out
+    if num_tokens == 0 or num_listed == 0 or max_query_len <= 0:  # nothing to launch
+        return _PagedPlan(keep, num_tokens, num_heads, head_dim, 0, num_seqs, None, 0, 0, None, None, None)
     group = num_heads // num_kv_heads
     kv_fp8 = k_cache.dtype in FP8_KV_DTYPES
     cfg = _TileConfig(max_query_len, next_pow2(group), head_dim)
@@ -392,13 +429,6 @@ def launch_paged_attention(
     if num_kv_splits is None:
         num_kv_splits = choose_num_kv_splits(num_programs, max_seq_len, query.device, split_bytes, cfg.block_n)
     is_split = num_kv_splits > 1
-    if is_split:
-        part_out = torch.empty((num_kv_splits, num_tokens, num_heads, head_dim),
-                               dtype=torch.float32, device=query.device)
-        part_lse = torch.empty((num_kv_splits, num_tokens, num_heads), dtype=torch.float32, device=query.device)
-    else:
-        part_out = part_lse = out  # unused by the kernel when IS_SPLIT is False
-
     if heads_inner is None:
         # Decode: a sequence's kv heads run as neighbours, since they read interleaved slices
         # of the same cache rows ([block, slot, kv head, D]). With seq_order (longest first)
@@ -409,13 +439,7 @@ def launch_paged_attention(
         grid = (num_listed * num_q_blocks * num_kv_heads, 1, num_kv_splits)
     else:
         grid = (num_listed * num_q_blocks, num_kv_heads, num_kv_splits)
-    _paged_attention_kernel[grid](
-        query, k_cache, v_cache, out, part_out, part_lse,
-        block_tables, query_start_loc, seq_lens, seq_order if seq_order is not None else seq_lens,
-        scale * LOG2E * (k_scale if kv_fp8 and not token_scales else 1.0), num_tokens, num_q_blocks, num_kv_splits,
-        query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        out.stride(0), out.stride(1), block_tables.stride(0),
+    kernel_kwargs = dict(
         NUM_HEADS=num_heads, GROUP=group, GROUP_P=next_pow2(group),
         HEAD_DIM=head_dim, BLOCK_D=cfg.block_d, KV_BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
@@ -423,22 +447,60 @@ def launch_paged_attention(
         DOT_IN_FP32=_INTERPRETED and query.dtype == torch.bfloat16, HAS_ORDER=seq_order is not None,
         HEADS_INNER=heads_inner, window=sliding_window or 0, HAS_WINDOW=sliding_window is not None,
         sinks_ptr=sinks, HAS_SINKS=sinks is not None, v_scale=v_scale if kv_fp8 and not token_scales else 1.0,
-        KV_FP8=kv_fp8, k_scales_ptr=k_scale if token_scales else k_cache,  # the caches: unused stand-ins
-        v_scales_ptr=v_scale if token_scales else v_cache,
-        stride_sb=k_scale.stride(0) if token_scales else 0, stride_ss=k_scale.stride(1) if token_scales else 0,
+        KV_FP8=kv_fp8, stride_sb=k_scale.stride(0) if token_scales else 0, stride_ss=k_scale.stride(1) if token_scales else 0,
         stride_sh=k_scale.stride(2) if token_scales else 0, TOKEN_SCALES=token_scales,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    layout = (scale * LOG2E * (k_scale if kv_fp8 and not token_scales else 1.0), num_tokens, num_q_blocks,
+              num_kv_splits, query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+              v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
+    merge = None
     if is_split:
         # A seq_order listing every sequence (a decode batch's launch order) merges every row as
         # before; only a subset (a mixed step's launches) merges by listed sequence.
         subset = seq_order is not None and num_listed < num_seqs
-        merge_rows = num_listed * max_query_len if subset else num_tokens
+        merge = (num_listed * max_query_len if subset else num_tokens, subset, dict(
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=cfg.block_d, SPLITS_P=max(2, next_pow2(num_kv_splits)),
+            HAS_ORDER=subset, sinks_ptr=sinks, HAS_SINKS=sinks is not None, num_warps=4), max_query_len)
+    return _PagedPlan(keep, num_tokens, num_heads, head_dim, num_listed, num_seqs, cfg, num_q_blocks,
+                      num_kv_splits, grid, (layout, kernel_kwargs), merge)
+
+
+def launch_paged_attention(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_query_len: int,
+    max_seq_len: int, out: torch.Tensor | None = None, *, num_kv_splits: int | None = None,
+    seq_order: torch.Tensor | None = None, heads_inner: bool | None = None, sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None, k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0,
+) -> torch.Tensor:
+    """`paged_attention` with overrides of the split count and launch order (tests, benchmarks)."""
+    plan = _paged_plan(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale, max_query_len,
+                       max_seq_len, num_kv_splits, seq_order, heads_inner, sliding_window, sinks, k_scale, v_scale)
+    if out is None:
+        out = torch.empty_like(query)
+    if plan.grid is None:
+        return out
+    num_tokens, num_heads, head_dim = plan.num_tokens, plan.num_heads, plan.head_dim
+    if plan.merge is not None:
+        part_out = torch.empty((plan.num_kv_splits, num_tokens, num_heads, head_dim),
+                               dtype=torch.float32, device=query.device)
+        part_lse = torch.empty((plan.num_kv_splits, num_tokens, num_heads), dtype=torch.float32, device=query.device)
+    else:
+        part_out = part_lse = out  # unused by the kernel when IS_SPLIT is False
+    layout, kernel_kwargs = plan.kernel_kwargs
+    token_scales = kernel_kwargs["TOKEN_SCALES"]
+    _paged_attention_kernel[plan.grid](
+        query, k_cache, v_cache, out, part_out, part_lse,
+        block_tables, query_start_loc, seq_lens, seq_order if seq_order is not None else seq_lens,
+        *layout, out.stride(0), out.stride(1), block_tables.stride(0),
+        k_scales_ptr=k_scale if token_scales else k_cache,  # the caches: unused stand-ins
+        v_scales_ptr=v_scale if token_scales else v_cache, **kernel_kwargs,
+    )
+    if plan.merge is not None:
+        merge_rows, subset, merge_kwargs, max_q = plan.merge
         _merge_splits_kernel[(merge_rows, num_heads)](
             part_out, part_lse, out, query_start_loc, seq_order if subset else query_start_loc,
-            num_seqs, num_tokens, num_kv_splits, max_query_len, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=cfg.block_d, SPLITS_P=max(2, next_pow2(num_kv_splits)),
-            HAS_ORDER=subset, sinks_ptr=sinks, HAS_SINKS=sinks is not None, num_warps=4,
+            plan.num_seqs, num_tokens, plan.num_kv_splits, max_q, out.stride(0), out.stride(1), **merge_kwargs,
         )
     return out
 

@@ -139,6 +139,46 @@ def qkv_rope_store(
     v_scale: float | torch.Tensor = 1.0,  # [NB, BS, KH] float32 per-token-head scales, written here
 ) -> torch.Tensor:
     """Same contract as `torch_ref.qkv_rope_store`: returns q [T, H, D]; K/V go to the cache."""
+    has_norm = q_norm_weight is not None
+    # positions is a fresh view per layer under piecewise graphs, and each layer may own its rotary
+    # cache: those two by layout (all the checks read), the step's slot mapping by identity.
+    key = (positions.shape, positions.dtype, positions.device, cos_sin_cache.shape, cos_sin_cache.stride(),
+           cos_sin_cache.dtype, cos_sin_cache.device, id(slot_mapping), qkv.shape, qkv.stride(), qkv.dtype, qkv.device,
+           k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device, v_cache.shape, v_cache.stride(),
+           v_cache.dtype, v_cache.device, num_heads, eps, k_norm_weight is None,
+           q_norm_weight.shape if has_norm else None, k_norm_weight.shape if k_norm_weight is not None else None,
+           k_scale if not isinstance(k_scale, torch.Tensor) else id(k_scale),
+           v_scale if not isinstance(v_scale, torch.Tensor) else id(v_scale))
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _qkv_plan(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads, q_norm_weight,
+                         k_norm_weight, k_scale, v_scale)
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    num_tokens, head_dim, layout, kwargs = plan[1:]
+    q_out = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    if num_tokens == 0:
+        return q_out
+    weights = (q_norm_weight, k_norm_weight) if has_norm else (q_out, q_out)  # unused without norm
+    _qkv_rope_store_kernel[(num_tokens,)](
+        qkv, positions, cos_sin_cache, weights[0], weights[1], q_out,
+        k_cache, v_cache, slot_mapping, eps, k_cache.shape[1],
+        qkv.stride(0), cos_sin_cache.stride(0), q_out.stride(0), *layout, **kwargs, num_warps=4,
+    )
+    return q_out
+
+
+# Launch plans by their inputs' layouts (qkv_rope_store): the layers of one step share one. An entry
+# keeps the tensors whose ids are in its key alive, so those ids cannot be reused by other tensors
+# (their content is never checked, only what the key holds).
+_PLANS: dict[tuple, tuple] = {}
+_MAX_PLANS = 256
+
+
+def _qkv_plan(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads, q_norm_weight,
+              k_norm_weight, k_scale, v_scale) -> tuple:
+    """Validate the inputs and fix what the launch needs besides the per-layer tensors."""
     check_dim("qkv", qkv, 2)
     check_float("qkv", qkv)
     check_last_dim_contiguous("qkv", qkv)
@@ -172,23 +212,13 @@ def qkv_rope_store(
     check_same_device(qkv=qkv, positions=positions, cos_sin_cache=cos_sin_cache, k_cache=k_cache,
                       v_cache=v_cache, slot_mapping=slot_mapping)
     token_scales = check_token_scales(k_cache, k_scale, v_scale)
-    q_out = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    if num_tokens == 0:
-        return q_out
     half, rest = rot_dim // 2, head_dim - rot_dim
-    weights = (q_norm_weight, k_norm_weight) if has_norm else (q_out, q_out)  # unused without norm
-    _qkv_rope_store_kernel[(num_tokens,)](
-        qkv, positions, cos_sin_cache, weights[0], weights[1], q_out,
-        k_cache, v_cache, slot_mapping, eps, k_cache.shape[1],
-        qkv.stride(0), cos_sin_cache.stride(0), q_out.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        HALF=half, REST=rest, HAS_NORM=has_norm,
-        BLOCK_H=next_pow2(num_heads), BLOCK_KH=next_pow2(num_kv_heads), BLOCK_HALF=next_pow2(half),
-        BLOCK_REST=max(1, next_pow2(rest)), BLOCK_D=next_pow2(head_dim),
-        **scale_kernel_args(k_cache, k_scale, v_scale, token_scales),
-        num_warps=4,
-    )
-    return q_out
+    layout = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+              v_cache.stride(2))
+    kwargs = dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+                  HALF=half, REST=rest, HAS_NORM=has_norm,
+                  BLOCK_H=next_pow2(num_heads), BLOCK_KH=next_pow2(num_kv_heads), BLOCK_HALF=next_pow2(half),
+                  BLOCK_REST=max(1, next_pow2(rest)), BLOCK_D=next_pow2(head_dim),
+                  **scale_kernel_args(k_cache, k_scale, v_scale, token_scales))
+    return (slot_mapping, k_scale, v_scale), num_tokens, head_dim, layout, kwargs
 

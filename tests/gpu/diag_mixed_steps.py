@@ -1,0 +1,95 @@
+"""Where a serving engine's mixed steps go, without the server (a diagnostic, issue 19).
+
+A closed loop of C clients on the engine core in this process: each finished request is replaced at
+once (random prompts of --input-len, --output-len tokens, ignore_eos), as `bench serve
+--max-concurrency C` does against `atomctl serve`. Steps are timed by kind (the step timeline), and
+the host's side of each step is split into: time blocked waiting for the device (the executor's
+resolve), the launch (schedule + inputs + issuing the forward), and the rest (outputs). A step
+whose wait is near zero is host-bound. --cprofile N: the top N functions by own time over the
+measured steps.
+
+    python3 tests/gpu/diag_mixed_steps.py --model preset:Llama-3-8B --concurrency 64 -- --mixed-step-tokens-per-seq 8
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import random
+import time
+
+from atom_core import LLMEngine, SamplingParams
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="preset:Llama-3-8B")
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=1024)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--requests", type=int, default=320)
+    parser.add_argument("--warm-requests", type=int, default=64, help="finished before timing starts")
+    parser.add_argument("--cprofile", type=int, default=0)
+    parser.add_argument("--engine", default="{}", help="JSON of extra EngineConfig fields")
+    args = parser.parse_args()
+    fields = {"load_format": "dummy", "max_model_len": 4096, "num_scheduler_steps": 1,
+              "cudagraph_mode": "full_and_piecewise", **json.loads(args.engine)}
+    engine = LLMEngine(args.model, **fields)
+    core = engine.core
+    vocab = core.vocab_size
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    timers = {"launch": 0.0, "wait": 0.0}
+    launch, resolve = core.executor.launch, core.executor.resolve
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            start = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                timers[name] += time.perf_counter() - start
+        return wrapper
+
+    core.executor.launch = timed("launch", launch)
+    core.executor.resolve = timed("wait", resolve)
+    sent = finished = 0
+
+    def submit():
+        nonlocal sent
+        engine.add_request([rng.randrange(100, min(vocab, 30000)) for _ in range(args.input_len)], params)
+        sent += 1
+
+    for _ in range(args.concurrency):
+        submit()
+    profiler = cProfile.Profile() if args.cprofile else None
+    start = None
+    steps = 0
+    while engine.core.has_unfinished():
+        for st in engine.step():
+            if st.finished:
+                finished += 1
+                if sent < args.requests:
+                    submit()
+        if start is None and finished >= args.warm_requests:
+            core.start_step_timeline()
+            timers.update(launch=0.0, wait=0.0)
+            start, steps = time.perf_counter(), 0
+            if profiler:
+                profiler.enable()
+        steps += 1
+    if profiler:
+        profiler.disable()
+    wall = time.perf_counter() - start
+    summary = core.stop_step_timeline()
+    print(json.dumps({"wall_s": wall, "steps": steps, "output_tok_per_s": summary["total"]["decode_tokens"] / wall,
+                      "host_launch_ms_per_step": 1000 * timers["launch"] / steps,
+                      "host_wait_ms_per_step": 1000 * timers["wait"] / steps,
+                      "with_prompt": summary["with_prompt"], "decode_only": summary["decode_only"]}, indent=1))
+    if profiler:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(args.cprofile)
+
+
+if __name__ == "__main__":
+    main()

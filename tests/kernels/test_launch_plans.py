@@ -1,0 +1,120 @@
+"""Launch plans of the attention wrappers (paged attention, qkv_rope_store): made and validated on the
+first call with given inputs, reused by the next layers of the step (same metadata tensors, same-shaped
+caches), and never reused where a checked property changed. No kernel runs here (CPU, no interpreter):
+the plan functions are what the wrappers call before launching."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from atom_core.kernels.triton import attention, qkv_prep  # noqa: E402
+
+H, KH, D, NB, BS = 8, 2, 64, 16, 16
+
+
+def paged_inputs(num_seqs: int = 3, q_len: int = 1):
+    T = num_seqs * q_len
+    return dict(
+        query=torch.zeros(T, H, D, dtype=torch.bfloat16),
+        k_cache=torch.zeros(NB, BS, KH, D, dtype=torch.bfloat16),
+        v_cache=torch.zeros(NB, BS, KH, D, dtype=torch.bfloat16),
+        block_tables=torch.zeros(num_seqs, 4, dtype=torch.int32),
+        query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32) * q_len,
+        seq_lens=torch.full((num_seqs,), 40, dtype=torch.int32),
+        out=None, scale=0.125, max_query_len=q_len, max_seq_len=40, num_kv_splits=None, seq_order=None,
+        heads_inner=None, sliding_window=None, sinks=None, k_scale=1.0, v_scale=1.0,
+    )
+
+
+def plan(**kw):
+    return attention._paged_plan(**kw)
+
+
+def test_the_layers_of_a_step_share_one_plan():
+    attention._PLANS.clear()
+    layer0 = paged_inputs()
+    first = plan(**layer0)
+    # the next layer: its own caches and query (same layouts), the step's metadata tensors
+    layer1 = {**layer0, "query": torch.zeros_like(layer0["query"]), "k_cache": torch.zeros_like(layer0["k_cache"]),
+              "v_cache": torch.zeros_like(layer0["v_cache"])}
+    assert plan(**layer1) is first
+    assert first.grid is not None and first.num_listed == 3
+
+
+def test_new_metadata_or_host_ints_make_a_new_plan():
+    attention._PLANS.clear()
+    base = paged_inputs()
+    first = plan(**base)
+    assert plan(**{**base, "seq_lens": base["seq_lens"].clone()}) is not first  # the next step's metadata
+    assert plan(**{**base, "max_seq_len": 400}) is not first
+    assert plan(**{**base, "scale": 0.5}) is not first
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda kw: {**kw, "out": torch.zeros(kw["query"].shape, dtype=torch.float16)}, "out must be"),
+    (lambda kw: {**kw, "k_cache": torch.zeros(NB, BS, KH, D, dtype=torch.float16)}, "must match"),
+    (lambda kw: {**kw, "query": torch.zeros(3, H, D + 8, dtype=torch.bfloat16)}, "does not fit"),
+    (lambda kw: {**kw, "k_cache": torch.zeros(NB, BS, KH, 2 * D, dtype=torch.bfloat16)[..., ::2]}, "contiguous"),
+])
+def test_a_changed_checked_property_is_checked_again(change, match):
+    attention._PLANS.clear()
+    base = paged_inputs()
+    plan(**base)
+    with pytest.raises(ValueError, match=match):
+        plan(**change(base))
+
+
+def test_the_memo_is_bounded():
+    attention._PLANS.clear()
+    for _ in range(attention._MAX_PLANS + 5):
+        plan(**paged_inputs())  # new metadata tensors each time
+    assert len(attention._PLANS) <= attention._MAX_PLANS
+
+
+def qkv_inputs(T: int = 5):
+    return dict(qkv=torch.zeros(T, (H + 2 * KH) * D, dtype=torch.bfloat16), positions=torch.zeros(T, dtype=torch.int64),
+                cos_sin_cache=torch.zeros(64, D, dtype=torch.float32),
+                k_cache=torch.zeros(NB, BS, KH, D, dtype=torch.bfloat16),
+                v_cache=torch.zeros(NB, BS, KH, D, dtype=torch.bfloat16),
+                slot_mapping=torch.zeros(T, dtype=torch.int64))
+
+
+def qkv_plan_of(monkeypatch, **kw):
+    """The plan qkv_rope_store launches with (the launch itself is stubbed out)."""
+    seen = {}
+
+    class Launch:
+        def __getitem__(self, grid):
+            return lambda *a, **k: seen.update(grid=grid, kwargs=k)
+
+    monkeypatch.setattr(qkv_prep, "_qkv_rope_store_kernel", Launch())
+    qkv_prep.qkv_rope_store(num_heads=H, **kw)
+    return seen
+
+
+def test_qkv_layers_share_a_plan_and_positions_views_hit_it(monkeypatch):
+    qkv_prep._PLANS.clear()
+    inputs = qkv_inputs()
+    qkv_plan_of(monkeypatch, **inputs)
+    assert len(qkv_prep._PLANS) == 1
+    static_positions = torch.zeros(64, dtype=torch.int64)
+    for _ in range(3):  # piecewise graphs hand each layer a fresh view of the static positions
+        seen = qkv_plan_of(monkeypatch, **{**inputs, "positions": static_positions[:5],
+                                          "k_cache": torch.zeros_like(inputs["k_cache"])})
+    assert len(qkv_prep._PLANS) == 1 and seen["grid"] == (5,) and seen["kwargs"]["NUM_KV_HEADS"] == KH
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda kw: {**kw, "positions": torch.zeros(5, dtype=torch.float32)}, "positions"),
+    (lambda kw: {**kw, "positions": torch.zeros(4, dtype=torch.int64)}, "must be \\[5\\]"),
+    (lambda kw: {**kw, "cos_sin_cache": torch.zeros(64, D, dtype=torch.bfloat16)}, "cos_sin_cache"),
+    (lambda kw: {**kw, "v_cache": torch.zeros(NB, BS, KH + 1, D, dtype=torch.bfloat16)}, "does not hold"),
+])
+def test_qkv_changed_inputs_are_checked_again(monkeypatch, change, match):
+    qkv_prep._PLANS.clear()
+    inputs = qkv_inputs()
+    qkv_plan_of(monkeypatch, **inputs)
+    with pytest.raises(ValueError, match=match):
+        qkv_plan_of(monkeypatch, **change(inputs))
