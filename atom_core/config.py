@@ -200,8 +200,8 @@ class SchedulerConfig:
     their share of prompt tokens while the decodes ride along. 0 = off (the full budget).
 
     mixed_step_tokens_per_seq R > 0: while sequences decode, a step carries at most R tokens per
-    live request (running or waiting), at least mixed_step_min_tokens and at most the budget, on a
-    multiple of 128 (scheduler.MIXED_STEP_GRANULE): the decodes, then prompt chunks in what is left.
+    live request (running or waiting), at least mixed_step_min_tokens and at most the budget, to the
+    nearest multiple of 128 (scheduler.MIXED_STEP_GRANULE): the decodes, then prompt chunks in what is left.
     A loaded server then runs steps of a few hundred tokens whose decodes ride along compute-bound
     prompt chunks, instead of full-budget prompt steps that stall every decode (TPOT) and end the
     streams in lock-step; the cap grows with the load (256 streams get 4x the step of 64). Steps with
@@ -535,8 +535,11 @@ class EngineConfig:
 SERVE_PIECEWISE_SIZES = DEFAULT_PIECEWISE_SIZES + tuple(range(576, 2049, 64))
 
 
-# serve's mixed-step cap (SchedulerConfig.mixed_step_tokens_per_seq): tokens per live request.
-SERVE_MIXED_STEP_TOKENS_PER_SEQ = 8
+# serve's mixed-step cap (SchedulerConfig.mixed_step_tokens_per_seq): tokens per live request. H100,
+# Llama-3-8B, 1,024 in / 128 out: c64 3,024 output tok/s and TTFT p50 160 ms (off: 2,947 and 763 ms),
+# c256 4,360 (off: 3,656); TPOT grows (c64 18.5 ms against 15.3). R = 8: c64 2,758, c256 4,300
+# (docs/PERFORMANCE.md, 2026-11-27, ninth session).
+SERVE_MIXED_STEP_TOKENS_PER_SEQ = 10
 
 
 def serving_config(**options) -> EngineConfig:

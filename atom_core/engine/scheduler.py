@@ -123,7 +123,7 @@ class Scheduler:
     def _prompt_budget(self) -> int:
         """Prompt tokens this step may carry: the whole budget, unless sequences decode and a cap
         is on (SchedulerConfig): pacing, max(min tokens, outstanding prompt tokens / pacing steps);
-        the mixed-step cap, what the decodes leave of R tokens per live request (on the granule,
+        the mixed-step cap, what the decodes leave of R tokens per live request (to the nearest granule,
         at least the cap's minimum, at most the budget), never less than one granule."""
         if not (self.prefill_pacing_steps or self.mixed_step_tokens_per_seq):
             return self.max_num_batched_tokens
@@ -138,8 +138,10 @@ class Scheduler:
             return self.max_num_batched_tokens
         if self.mixed_step_tokens_per_seq:
             live = len(self.running) + len(self.waiting)
-            cap = self.mixed_step_tokens_per_seq * live
-            cap = min(max(self.mixed_step_min_tokens, cap - cap % MIXED_STEP_GRANULE), self.max_num_batched_tokens)
+            # to the nearest granule: rounding down halved a step's prompt share whenever one of 64
+            # streams was between requests (504 -> 384 tokens)
+            cap = (self.mixed_step_tokens_per_seq * live + MIXED_STEP_GRANULE // 2) // MIXED_STEP_GRANULE * MIXED_STEP_GRANULE
+            cap = min(max(self.mixed_step_min_tokens, cap), self.max_num_batched_tokens)
             return max(MIXED_STEP_GRANULE, cap - decodes * (1 + self.num_speculative_tokens))
         outstanding += sum(seq.num_tokens - seq.num_computed_tokens for seq in self.waiting)
         return max(self.prefill_pacing_min_tokens, -(-outstanding // self.prefill_pacing_steps))

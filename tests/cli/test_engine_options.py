@@ -87,3 +87,45 @@ def test_bad_prefill_pacing_flags_are_refused(monkeypatch, args, flag):
     result, config = _serve_config(monkeypatch, args)
     assert result.exit_code != 0 and config is None
     assert flag in result.output
+
+
+def test_mixed_step_flags_reach_the_scheduler(monkeypatch):
+    result, config = _serve_config(monkeypatch, ["--mixed-step-tokens-per-seq", "12", "--mixed-step-min-tokens", "384"])
+    assert result.exit_code == 0, result.output
+    assert (config.scheduler.mixed_step_tokens_per_seq, config.scheduler.mixed_step_min_tokens) == (12, 384)
+
+
+def test_serve_caps_mixed_steps_by_default_and_its_help_says_how(monkeypatch):
+    from atom_core.config import SERVE_MIXED_STEP_TOKENS_PER_SEQ
+    from atomctl.engine_options import ENGINE_OPTIONS
+
+    result, config = _serve_config(monkeypatch, [])
+    assert result.exit_code == 0, result.output
+    assert config.scheduler.mixed_step_tokens_per_seq == SERVE_MIXED_STEP_TOKENS_PER_SEQ > 0
+    assert f"serve defaults to {SERVE_MIXED_STEP_TOKENS_PER_SEQ} " in ENGINE_OPTIONS["mixed_step_tokens_per_seq"][1].help
+
+
+@pytest.mark.parametrize("args,want", [(["--mixed-step-tokens-per-seq", "0"], 0),
+                                       (["--prefill-pacing-steps", "16"], 0),
+                                       (["--no-enable-chunked-prefill"], 0)])
+def test_serve_keeps_the_cap_off_where_asked_or_where_it_cannot_apply(monkeypatch, args, want):
+    result, config = _serve_config(monkeypatch, args)
+    assert result.exit_code == 0, result.output
+    assert config.scheduler.mixed_step_tokens_per_seq == want
+
+
+@pytest.mark.parametrize("args,flag", [(["--mixed-step-tokens-per-seq", "-1"], "--mixed-step-tokens-per-seq"),
+                                       (["--mixed-step-tokens-per-seq", "8", "--prefill-pacing-steps", "4"], "choose one"),
+                                       (["--mixed-step-tokens-per-seq", "0", "--mixed-step-min-tokens", "128"],
+                                        "--mixed-step-min-tokens"),
+                                       (["--mixed-step-min-tokens", "0"], "--mixed-step-min-tokens")])
+def test_bad_mixed_step_flags_are_refused(monkeypatch, args, flag):
+    result, config = _serve_config(monkeypatch, args)
+    assert result.exit_code != 0 and config is None
+    assert flag in result.output
+
+
+def test_offline_engines_leave_the_cap_off():
+    from atom_core.config import EngineConfig
+
+    assert EngineConfig.from_kwargs("/m").scheduler.mixed_step_tokens_per_seq == 0

@@ -1,5 +1,5 @@
 """The mixed-step cap (SchedulerConfig.mixed_step_tokens_per_seq): while sequences decode, a step
-carries at most R tokens per live request (running + waiting), on a multiple of 128, at least the
+carries at most R tokens per live request (running + waiting), to the nearest multiple of 128, at least the
 cap's minimum and at most the budget; decodes first, prompt chunks in the rest (never less than 128).
 With nothing decoding, prompts get the whole budget. Outputs never change, only which step runs what."""
 from __future__ import annotations
@@ -44,7 +44,7 @@ def test_the_cap_is_r_tokens_per_live_request_on_the_granule():
     for i in range(20, 40):
         sched.add(make_seq(i, 300))
     out, _ = step(sched)
-    # 40 live x 7 = 280 -> 256 on the granule: 20 decodes + 236 prompt tokens
+    # 40 live x 7 = 280 -> 256, the nearest granule: 20 decodes + 236 prompt tokens
     assert out.total_tokens == 256 and prompt_tokens(out) == 236
     assert sum(1 for n in out.num_scheduled_tokens if n == 1) == 20
 
@@ -58,7 +58,7 @@ def test_the_cap_grows_with_the_load():
             sched.add(make_seq(i, 300))
         out, _ = step(sched)
         totals[live_waiting] = out.total_tokens
-    assert totals == {20: 256, 140: 1280}  # 40 x 8 = 320 -> 256 on the granule; 160 x 8
+    assert totals == {20: 384, 140: 1280}  # 40 x 8 = 320 -> 384, the nearest granule; 160 x 8
 
 
 def test_the_minimum_and_the_budget_bound_the_cap():

@@ -303,6 +303,9 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
     step mtp-piecewise-test 150 python3 -m pytest -q --tb=short -m gpu tests/spec_decode/test_mtp.py -k piecewise -p no:cacheprovider
     serve_l8 default8
     SERVE_CONC=256 serve_l8 default8 ;;
+  round9)  # ninth session, issue 19: the mixed-step cap rounded to the nearest 128 tokens (not down), R = 8 and 10, at c64 and c256
+    SERVE_CONC="64 256" serve_l8 n8 --mixed-step-tokens-per-seq 8
+    SERVE_CONC="64 256" serve_l8 n10 --mixed-step-tokens-per-seq 10 ;;
   final9)  # ninth session, issue 19 (final tree): serve's new default (mixed-step cap R = 8 on 128-token granules) at c64 and c256; the dense offline targets (the attention wrappers' plans touch every step); then R = 10
     SERVE_CONC="64 256" serve_l8 default9
     step off-l8 120 python3 -m atomctl.main bench offline "${l8[@]}" --output-json "$OUT/off_l8.json"
