@@ -5,13 +5,12 @@ With nothing decoding, prompts get the whole budget. Outputs never change, only 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from atom_core.config import EngineConfig, SchedulerConfig
 from atom_core.engine.kv_cache import KVCacheManager
 from atom_core.engine.scheduler import MIXED_STEP_GRANULE, Scheduler
 from atom_core.engine.sequence import FinishReason
-from tests.engine.test_prefill_pacing import prompt_tokens
+from tests.engine.test_prefill_pacing import late_arrivals_equal_hf, prompt_tokens
 from tests.engine.test_scheduler import BS, EOS, fake_token_at, make_seq, run_to_end, scheduled, step
 
 
@@ -134,34 +133,10 @@ def test_bad_options_fail_with_the_flag_named(kwargs, match):
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_capped_engine_equals_hf_greedy(tiny_llama, async_scheduling):
-    """Through the real engine (a tiny random Llama on the CPU): prompts arriving while another
-    decodes share capped steps with it, a chunk at a time; greedy tokens are HF's."""
-    import json
-
-    from transformers import AutoModelForCausalLM
-
-    from atom_core import LLMEngine, SamplingParams
-    from tests.models.harness import hf_greedy
-
-    vocab = json.loads((tiny_llama / "config.json").read_text())["vocab_size"]
-    gen = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (5, 140, 90, 33, 200, 7)]
-    want = hf_greedy(AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval(), prompts, 12)
-    engine = LLMEngine(str(tiny_llama), device="cpu", dtype="float32", num_kv_blocks=256, max_num_batched_tokens=512,
-                       mixed_step_tokens_per_seq=8, mixed_step_min_tokens=256, async_scheduling=async_scheduling)
-    sched = engine.core.scheduler
-    steps = []
-    schedule = sched.schedule
-    sched.schedule = lambda: steps.append(schedule()) or steps[-1]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    ids = engine.add_request(prompts[0], params)  # decoding before the others arrive
-    states = {}
-    for _ in range(2):
-        states.update((st.request_id, st) for st in engine.step())
-    ids += engine.add_request(prompts[1:], params)
-    while not engine.is_finished():
-        states.update((st.request_id, st) for st in engine.step())
-    assert [states[rid].token_ids for rid in ids] == want
-    arrival = next(out for out in steps if any(r.req_id in ids[1:] for r in out.new_requests))
+    """Prompts arriving while another decodes share capped steps with it, a chunk at a time; greedy
+    tokens are HF's."""
+    ids, arrival = late_arrivals_equal_hf(tiny_llama, (5, 140, 90, 33, 200, 7), 5, max_num_batched_tokens=512,
+                                          mixed_step_tokens_per_seq=8, mixed_step_min_tokens=256,
+                                          async_scheduling=async_scheduling)
     # 6 live x 8 = 48 -> the 256 minimum: "first" decodes, 255 prompt tokens ride along (not 470)
     assert scheduled(arrival)[ids[0]] == 1 and arrival.total_tokens == 256

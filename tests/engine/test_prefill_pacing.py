@@ -124,10 +124,10 @@ def test_bad_pacing_options_fail_with_the_flag_named(kwargs, match):
         EngineConfig.from_kwargs("/m", **kwargs)
 
 
-@pytest.mark.parametrize("async_scheduling", [True, False])
-def test_paced_engine_equals_hf_greedy(tiny_llama, async_scheduling):
-    """Through the real engine (a tiny random Llama on the CPU): prompts arriving while others
-    decode are paced into small chunks that share steps with the decodes; greedy tokens are HF's."""
+def late_arrivals_equal_hf(tiny_llama, lengths, seed: int, **engine_kwargs):
+    """Through the real engine (a tiny random Llama on the CPU): the first prompt decodes for two
+    steps before the others arrive; asserts greedy tokens are HF's. Returns the request ids and the
+    first step that scheduled one of the late prompts."""
     import json
 
     from transformers import AutoModelForCausalLM
@@ -136,11 +136,10 @@ def test_paced_engine_equals_hf_greedy(tiny_llama, async_scheduling):
     from tests.models.harness import hf_greedy
 
     vocab = json.loads((tiny_llama / "config.json").read_text())["vocab_size"]
-    gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (5, 40, 90, 33, 120, 7)]
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
     want = hf_greedy(AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval(), prompts, 12)
-    engine = LLMEngine(str(tiny_llama), device="cpu", dtype="float32", num_kv_blocks=256, max_num_batched_tokens=64,
-                       prefill_pacing_steps=8, prefill_pacing_min_tokens=8, async_scheduling=async_scheduling)
+    engine = LLMEngine(str(tiny_llama), device="cpu", dtype="float32", num_kv_blocks=256, **engine_kwargs)
     sched = engine.core.scheduler
     steps = []
     schedule = sched.schedule
@@ -154,6 +153,15 @@ def test_paced_engine_equals_hf_greedy(tiny_llama, async_scheduling):
     while not engine.is_finished():
         states.update((st.request_id, st) for st in engine.step())
     assert [states[rid].token_ids for rid in ids] == want
-    arrival = next(out for out in steps if any(r.req_id in ids[1:] for r in out.new_requests))
+    return ids, next(out for out in steps if any(r.req_id in ids[1:] for r in out.new_requests))
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_paced_engine_equals_hf_greedy(tiny_llama, async_scheduling):
+    """Prompts arriving while another decodes are paced into small chunks that share steps with the
+    decodes; greedy tokens are HF's."""
+    ids, arrival = late_arrivals_equal_hf(tiny_llama, (5, 40, 90, 33, 120, 7), 3, max_num_batched_tokens=64,
+                                          prefill_pacing_steps=8, prefill_pacing_min_tokens=8,
+                                          async_scheduling=async_scheduling)
     # "first" decodes; the 290 prompt tokens that arrived are paced at ceil(290 / 8) a step, not 63
     assert scheduled(arrival)[ids[0]] == 1 and prompt_tokens(arrival) == 37
