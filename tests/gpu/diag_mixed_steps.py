@@ -66,6 +66,16 @@ def main() -> None:
     profiler = cProfile.Profile() if args.cprofile else None
     start = None
     steps = 0
+
+    def start_timing():
+        core.start_step_timeline()
+        timers.update(launch=0.0, wait=0.0)
+        if profiler:
+            profiler.enable()
+        return time.perf_counter()
+
+    if args.warm_requests == 0:  # the whole run, as bench serve times it
+        start = start_timing()
     while engine.core.has_unfinished():
         for st in engine.step():
             if st.finished:
@@ -73,11 +83,7 @@ def main() -> None:
                 if sent < args.requests:
                     submit()
         if start is None and finished >= args.warm_requests:
-            core.start_step_timeline()
-            timers.update(launch=0.0, wait=0.0)
-            start, steps = time.perf_counter(), 0
-            if profiler:
-                profiler.enable()
+            start, steps = start_timing(), 0
         steps += 1
     if profiler:
         profiler.disable()

@@ -303,6 +303,23 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
     step mtp-piecewise-test 150 python3 -m pytest -q --tb=short -m gpu tests/spec_decode/test_mtp.py -k piecewise -p no:cacheprovider
     serve_l8 default8
     SERVE_CONC=256 serve_l8 default8 ;;
+  burst9)  # ninth session, issue 19: serve's default with the burst factor (x waiting / decoding while more wait than decode) at c64 and c256; then serve's defaults (piecewise graphs + the cap) on MoE families never served in piecewise graphs on a GPU: Qwen3-30B-A3B and gpt-oss-20b (MXFP4 experts, sinks, sliding windows), c16, 48 requests each
+    SERVE_CONC="64 256" serve_l8 burst
+    for m in Qwen3-30B-A3B gpt-oss-20b; do
+      python3 -m atomctl.main --log-level INFO serve --model preset:$m --load-format dummy --max-model-len 4096 --port 8012 > /tmp/serve_$m.log 2>&1 &
+      spid=$!; start=$(date +%s)
+      for i in $(seq 1 400); do curl -sf http://127.0.0.1:8012/health >/dev/null && break; sleep 1; done
+      echo "server ($m) ready after $(( $(date +%s) - start )) s"; grep -E "captured|mixed|cudagraph" /tmp/serve_$m.log | tail -n 3
+      step bench-serve-$m 120 python3 -m atomctl.main bench serve --backend atom --base-url http://127.0.0.1:8012 --tokenizer preset:$m \
+        --dataset-name random --random-input-len 1024 --random-output-len 128 --ignore-eos --num-prompts 48 --max-concurrency 16 \
+        --save-result --result-dir "$OUT" --result-filename serve_$m.json
+      kill $spid; wait $spid
+    done ;;
+  diag10)  # ninth session, issue 19: the closed loop on the engine core at serve's default (R = 10): steady state (first 64 finished before timing) and whole run (as bench serve times it), then ATOM_MIXED_ATTENTION=single (one attention launch a layer fewer)
+    sizes='"piecewise_capture_sizes": ['$(python3 -c "from atom_core.config import SERVE_PIECEWISE_SIZES as s; print(','.join(map(str, s)))")']'
+    step diag-r10 150 python3 tests/gpu/diag_mixed_steps.py --engine "{\"mixed_step_tokens_per_seq\": 10, $sizes}"
+    step diag-r10-whole 150 python3 tests/gpu/diag_mixed_steps.py --warm-requests 0 --engine "{\"mixed_step_tokens_per_seq\": 10, $sizes}"
+    step diag-r10-single 150 env ATOM_MIXED_ATTENTION=single python3 tests/gpu/diag_mixed_steps.py --engine "{\"mixed_step_tokens_per_seq\": 10, $sizes}" ;;
   round9)  # ninth session, issue 19: the mixed-step cap rounded to the nearest 128 tokens (not down), R = 8 and 10, at c64 and c256
     SERVE_CONC="64 256" serve_l8 n8 --mixed-step-tokens-per-seq 8
     SERVE_CONC="64 256" serve_l8 n10 --mixed-step-tokens-per-seq 10 ;;
