@@ -303,6 +303,8 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
     step mtp-piecewise-test 150 python3 -m pytest -q --tb=short -m gpu tests/spec_decode/test_mtp.py -k piecewise -p no:cacheprovider
     serve_l8 default8
     SERVE_CONC=256 serve_l8 default8 ;;
+  repeat9)  # ninth session, issue 19: serve's final default (R = 10, nearest 128) again at c64 and c256 (one more run each: the spread)
+    SERVE_CONC="64 256" serve_l8 default9b ;;
   burst9)  # ninth session, issue 19: serve's default with the burst factor (x waiting / decoding while more wait than decode) at c64 and c256; then serve's defaults (piecewise graphs + the cap) on MoE families never served in piecewise graphs on a GPU: Qwen3-30B-A3B and gpt-oss-20b (MXFP4 experts, sinks, sliding windows), c16, 48 requests each
     SERVE_CONC="64 256" serve_l8 burst
     for m in Qwen3-30B-A3B gpt-oss-20b; do
