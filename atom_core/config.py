@@ -536,9 +536,9 @@ SERVE_PIECEWISE_SIZES = DEFAULT_PIECEWISE_SIZES + tuple(range(576, 2049, 64))
 
 
 # serve's mixed-step cap (SchedulerConfig.mixed_step_tokens_per_seq): tokens per live request. H100,
-# Llama-3-8B, 1,024 in / 128 out: c64 3,024 output tok/s and TTFT p50 160 ms (off: 2,947 and 763 ms),
-# c256 4,360 (off: 3,656); TPOT grows (c64 18.5 ms against 15.3). R = 8: c64 2,758, c256 4,300
-# (docs/PERFORMANCE.md, 2026-11-27, ninth session).
+# Llama-3-8B, 1,024 in / 128 out, two runs: c64 2,710-3,024 output tok/s and TTFT p50 160-244 ms (off:
+# 2,938-2,947 and 763 ms), c256 4,338-4,360 (off: 3,656); TPOT grows (c64 ~18.7 ms against 15.3).
+# R = 8: c64 2,758, c256 4,300 (docs/PERFORMANCE.md, 2026-11-27, ninth session).
 SERVE_MIXED_STEP_TOKENS_PER_SEQ = 10
 
 
