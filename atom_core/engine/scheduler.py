@@ -138,11 +138,12 @@ class Scheduler:
             return self.max_num_batched_tokens
         if self.mixed_step_tokens_per_seq:
             live = len(self.running) + len(self.waiting)
-            # to the nearest granule: rounding down halved a step's prompt share whenever one of 64
-            # streams was between requests (504 -> 384 tokens)
-            cap = (self.mixed_step_tokens_per_seq * live + MIXED_STEP_GRANULE // 2) // MIXED_STEP_GRANULE * MIXED_STEP_GRANULE
+            granule = MIXED_STEP_GRANULE
+            # to the nearest granule: rounding down cut the cap by a quarter whenever one of 64 streams
+            # was between requests (R = 8: 504 -> 384 tokens)
+            cap = (self.mixed_step_tokens_per_seq * live + granule // 2) // granule * granule
             cap = min(max(self.mixed_step_min_tokens, cap), self.max_num_batched_tokens)
-            return max(MIXED_STEP_GRANULE, cap - decodes * (1 + self.num_speculative_tokens))
+            return max(granule, cap - decodes * (1 + self.num_speculative_tokens))
         outstanding += sum(seq.num_tokens - seq.num_computed_tokens for seq in self.waiting)
         return max(self.prefill_pacing_min_tokens, -(-outstanding // self.prefill_pacing_steps))
 

@@ -5,6 +5,7 @@ The engine-death test kills the module's engine core, so it stays last in the fi
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -83,11 +84,18 @@ class TestEngineDeath:
             body = {"prompt": "Hello world", "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True}
             outcome["plain"] = httpx.post(f"{srv.url}/v1/completions", json=body, headers=srv.headers, timeout=30)
 
-        threads = [threading.Thread(target=long_stream), threading.Thread(target=long_request)]
-        for t in threads:
-            t.start()
+        # Both must be in flight when the core dies: the plain request first (until the core counts
+        # it running), then the stream, killed at its first token (a tiny model's 496 tokens can take
+        # under 0.2 s, so waiting longer raced the stream's end).
+        threads = [threading.Thread(target=long_request), threading.Thread(target=long_stream)]
+        threads[0].start()
+        deadline = time.monotonic() + 30
+        while not re.search(r"^atom_num_requests_running\S* [1-9]", httpx.get(f"{srv.url}/metrics", timeout=10).text,
+                            re.M):
+            assert time.monotonic() < deadline, "the plain request never started running"
+            time.sleep(0.005)
+        threads[1].start()
         assert running.wait(30)
-        time.sleep(0.2)
         killed = time.monotonic()
         os.kill(srv.core_pid(), signal.SIGKILL)
         for t in threads:
