@@ -32,7 +32,7 @@ import triton.language as tl
 from atom_core.envs import MIXED_ATTENTION_MODES, MixedAttentionMode, read_envs
 from atom_core.kernels.torch_ref import FP8_KV_DTYPES
 from atom_core.kernels.triton.common import (
-    check_dim, check_float, check_int, check_last_dim_contiguous, check_same_device, next_pow2,
+    LaunchPlans, check_dim, check_float, check_int, check_last_dim_contiguous, check_same_device, next_pow2,
     sm_count,
 )
 from atom_core.kernels.triton.kv_store import check_token_scales
@@ -360,24 +360,22 @@ def _check_attention_args(query, k_cache, v_cache, block_tables, query_start_loc
                       query_start_loc=query_start_loc, seq_lens=seq_lens)
 
 
-# Launch plans by their inputs (see _paged_plan): the layers of one step share one. An entry keeps
-# its metadata tensors alive, so their ids in its key cannot be reused by other tensors.
-_PLANS: dict[tuple, "_PagedPlan"] = {}
-_MAX_PLANS = 256
+_PLANS = LaunchPlans()  # by inputs (see _paged_plan): the layers of one step share one
+_MAX_PLANS = LaunchPlans.MAX_SIZE
 
 
 class _PagedPlan:
     """What a paged attention launch decides on the host from its inputs' layouts and host ints:
-    the tile, the grid, the split count and the kernel's layout arguments. Validation ran when
-    it was made."""
+    the grid, the split count and the kernel's arguments besides the per-layer tensors (launch_args:
+    positional layout values, keyword constexprs). Validation ran when it was made."""
 
-    def __init__(self, keep, num_tokens, num_heads, head_dim, num_listed, num_seqs, cfg, num_q_blocks,
-                 num_kv_splits, grid, kernel_kwargs, merge):
+    def __init__(self, keep, num_tokens, num_heads, head_dim, num_listed, num_seqs, num_kv_splits, grid,
+                 launch_args, merge):
         self.keep = keep  # the metadata tensors whose ids are in the key
         self.num_tokens, self.num_heads, self.head_dim = num_tokens, num_heads, head_dim
-        self.num_listed, self.num_seqs, self.cfg = num_listed, num_seqs, cfg
-        self.num_q_blocks, self.num_kv_splits, self.grid = num_q_blocks, num_kv_splits, grid
-        self.kernel_kwargs, self.merge = kernel_kwargs, merge
+        self.num_listed, self.num_seqs = num_listed, num_seqs
+        self.num_kv_splits, self.grid = num_kv_splits, grid
+        self.launch_args, self.merge = launch_args, merge
 
 
 def _paged_plan(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale, max_query_len,
@@ -392,16 +390,9 @@ def _paged_plan(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens
            scale, max_query_len, max_seq_len, num_kv_splits, heads_inner, sliding_window,
            k_scale if not isinstance(k_scale, torch.Tensor) else id(k_scale),
            v_scale if not isinstance(v_scale, torch.Tensor) else id(v_scale))
-    plan = _PLANS.get(key)
-    if plan is not None:
-        return plan
-    plan = _make_paged_plan(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale,
-                            max_query_len, max_seq_len, num_kv_splits, seq_order, heads_inner, sliding_window,
-                            sinks, k_scale, v_scale)
-    if len(_PLANS) >= _MAX_PLANS:
-        _PLANS.clear()
-    _PLANS[key] = plan
-    return plan
+    return _PLANS.get_or_make(key, lambda: _make_paged_plan(
+        query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale, max_query_len, max_seq_len,
+        num_kv_splits, seq_order, heads_inner, sliding_window, sinks, k_scale, v_scale))
 
 
 def _make_paged_plan(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale, max_query_len,
@@ -419,7 +410,7 @@ def _make_paged_plan(query, k_cache, v_cache, block_tables, query_start_loc, seq
     num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
     num_listed = seq_order.shape[0] if seq_order is not None else num_seqs  # seq_order may list a subset
     if num_tokens == 0 or num_listed == 0 or max_query_len <= 0:  # nothing to launch
-        return _PagedPlan(keep, num_tokens, num_heads, head_dim, 0, num_seqs, None, 0, 0, None, None, None)
+        return _PagedPlan(keep, num_tokens, num_heads, head_dim, 0, num_seqs, 0, None, None, None)
     group = num_heads // num_kv_heads
     kv_fp8 = k_cache.dtype in FP8_KV_DTYPES
     cfg = _TileConfig(max_query_len, next_pow2(group), head_dim)
@@ -462,8 +453,8 @@ def _make_paged_plan(query, k_cache, v_cache, block_tables, query_start_loc, seq
         merge = (num_listed * max_query_len if subset else num_tokens, subset, dict(
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=cfg.block_d, SPLITS_P=max(2, next_pow2(num_kv_splits)),
             HAS_ORDER=subset, sinks_ptr=sinks, HAS_SINKS=sinks is not None, num_warps=4), max_query_len)
-    return _PagedPlan(keep, num_tokens, num_heads, head_dim, num_listed, num_seqs, cfg, num_q_blocks,
-                      num_kv_splits, grid, (layout, kernel_kwargs), merge)
+    return _PagedPlan(keep, num_tokens, num_heads, head_dim, num_listed, num_seqs, num_kv_splits, grid,
+                      (layout, kernel_kwargs), merge)
 
 
 def launch_paged_attention(
@@ -487,7 +478,7 @@ def launch_paged_attention(
         part_lse = torch.empty((plan.num_kv_splits, num_tokens, num_heads), dtype=torch.float32, device=query.device)
     else:
         part_out = part_lse = out  # unused by the kernel when IS_SPLIT is False
-    layout, kernel_kwargs = plan.kernel_kwargs
+    layout, kernel_kwargs = plan.launch_args
     token_scales = kernel_kwargs["TOKEN_SCALES"]
     _paged_attention_kernel[plan.grid](
         query, k_cache, v_cache, out, part_out, part_lse,

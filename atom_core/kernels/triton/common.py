@@ -66,3 +66,21 @@ def check_same_device(**tensors: torch.Tensor) -> None:
     devices = {name: t.device for name, t in tensors.items()}
     if len(set(devices.values())) > 1:
         raise ValueError(f"tensors are on different devices: {devices}")
+
+
+class LaunchPlans(dict):
+    """A kernel wrapper's launch plans by key (its inputs' layouts, host ints and the ids of the
+    step's metadata tensors): what the layers of one step share, checked and chosen once. A plan
+    keeps the tensors whose ids are in its key alive, so those ids cannot be reused by others.
+    Bounded: past MAX_SIZE entries (earlier steps') it starts over."""
+
+    MAX_SIZE = 256
+
+    def get_or_make(self, key, make):
+        plan = self.get(key)
+        if plan is None:
+            plan = make()
+            if len(self) >= self.MAX_SIZE:
+                self.clear()
+            self[key] = plan
+        return plan

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from atom_core.kernels.torch_ref import FP8_KV_DTYPES
 from atom_core.kernels.triton.common import (
-    check_dim, check_float, check_int, check_last_dim_contiguous, check_same_device, next_pow2,
+    LaunchPlans, check_dim, check_float, check_int, check_last_dim_contiguous, check_same_device, next_pow2,
 )
 from atom_core.kernels.triton.kv_store import check_token_scales, scale_kernel_args, to_cache, token_head_scale
 
@@ -149,13 +149,8 @@ def qkv_rope_store(
            q_norm_weight.shape if has_norm else None, k_norm_weight.shape if k_norm_weight is not None else None,
            k_scale if not isinstance(k_scale, torch.Tensor) else id(k_scale),
            v_scale if not isinstance(v_scale, torch.Tensor) else id(v_scale))
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _qkv_plan(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads, q_norm_weight,
-                         k_norm_weight, k_scale, v_scale)
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = plan
+    plan = _PLANS.get_or_make(key, lambda: _qkv_plan(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                                                     num_heads, q_norm_weight, k_norm_weight, k_scale, v_scale))
     num_tokens, head_dim, layout, kwargs = plan[1:]
     q_out = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if num_tokens == 0:
@@ -169,11 +164,8 @@ def qkv_rope_store(
     return q_out
 
 
-# Launch plans by their inputs' layouts (qkv_rope_store): the layers of one step share one. An entry
-# keeps the tensors whose ids are in its key alive, so those ids cannot be reused by other tensors
-# (their content is never checked, only what the key holds).
-_PLANS: dict[tuple, tuple] = {}
-_MAX_PLANS = 256
+_PLANS = LaunchPlans()  # qkv_rope_store's, by its inputs' layouts: the layers of one step share one
+_MAX_PLANS = LaunchPlans.MAX_SIZE
 
 
 def _qkv_plan(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads, q_norm_weight,
