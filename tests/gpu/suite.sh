@@ -303,6 +303,20 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
     step mtp-piecewise-test 150 python3 -m pytest -q --tb=short -m gpu tests/spec_decode/test_mtp.py -k piecewise -p no:cacheprovider
     serve_l8 default8
     SERVE_CONC=256 serve_l8 default8 ;;
+  profile11)  # tenth session, issue 19: the host cost of a Triton launch by path (bench_launch_overhead.py); decode attention at serving contexts (1,024-1,152) for 48-64 sequences by KV splits; the MoE families in piecewise graphs + the cap against eager (queued since the ninth); then the loaded server at its defaults (R = 10) under the profiler: per-step busy vs span (trace_gaps.py) and parse-trace
+    step launch-overhead 60 python3 tests/gpu/bench_launch_overhead.py
+    step sweep-attn-serving 90 python3 tests/gpu/sweep_attention.py --batches 40,48,56,64 --lo 1024 --hi 1152 --splits 1,2,3,4
+    step piecewise-moe 150 python3 -m pytest -q --tb=short -m gpu tests/gpu/test_piecewise_gpu.py -k moe -p no:cacheprovider
+    python3 -m atomctl.main --log-level INFO serve "${l8[@]}" --torch-profiler-dir /tmp/serve_traces --port 8011 > /tmp/serve_profile.log 2>&1 &
+    spid=$!
+    for i in $(seq 1 300); do curl -sf http://127.0.0.1:8011/health >/dev/null && break; sleep 1; done
+    step bench-serve-profile 150 python3 -m atomctl.main bench serve --backend atom --base-url http://127.0.0.1:8011 \
+      --tokenizer preset:Llama-3-8B --dataset-name random --random-input-len 1024 --random-output-len 128 \
+      --ignore-eos --num-prompts 96 --max-concurrency 64 --profile
+    kill $spid; wait $spid
+    trace=$(ls -t /tmp/serve_traces/rank_0/*.json.gz 2>/dev/null | head -1)
+    step trace-gaps 120 python3 tests/gpu/trace_gaps.py "$trace"
+    step parse-trace-serve 120 python3 -m atomctl.main parse-trace "$trace" --top 25 --out-dir "$OUT" ;;
   repeat9)  # ninth session, issue 19: serve's final default (R = 10, nearest 128) again at c64 and c256 (one more run each: the spread)
     SERVE_CONC="64 256" serve_l8 default9b ;;
   burst9)  # ninth session, issue 19: serve's default with the burst factor (x waiting / decoding while more wait than decode) at c64 and c256; then serve's defaults (piecewise graphs + the cap) on MoE families never served in piecewise graphs on a GPU: Qwen3-30B-A3B and gpt-oss-20b (MXFP4 experts, sinks, sliding windows), c16, 48 requests each

@@ -41,18 +41,23 @@ def timed(fn, repeats=3) -> float:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="8,16,32,48,64,96,128,256")
+    ap.add_argument("--lo", type=int, default=100, help="shortest context (uniform in [lo, hi])")
+    ap.add_argument("--hi", type=int, default=1600)
+    ap.add_argument("--splits", default="1,2", help="KV split counts to time")
     args = ap.parse_args()
-    print("decode attention, one layer: us per launch (median of 3) for KV splits 1-2, plain order / "
+    print(f"decode attention, one layer, contexts {args.lo}-{args.hi}: us per launch (median of 3) for KV splits "
+          f"{args.splits}, plain order / "
           "longest first / longest first with a sequence's kv heads adjacent; the heuristic's split count in []")
     for heads, kv_heads in ((16, 8), (32, 8)):
         for batch in map(int, args.batches.split(",")):
-            q, k, v, tables, qsl, seq_lens, max_len, kv_bytes = make_inputs(heads, kv_heads, 128, batch)
+            q, k, v, tables, qsl, seq_lens, max_len, kv_bytes = make_inputs(heads, kv_heads, 128, batch, lo=args.lo,
+                                                                             hi=args.hi)
             out = torch.empty_like(q)
             chosen = A.choose_num_kv_splits(batch * kv_heads, max_len, q.device, batch * heads * 129 * 4)
             order = torch.argsort(seq_lens, descending=True).to(torch.int32)
             ref = A.launch_paged_attention(q, k, v, tables, qsl, seq_lens, 0.088, 1, max_len, num_kv_splits=1)
             cells, best = [], (1e9, "")
-            for splits in (1, 2):
+            for splits in map(int, args.splits.split(",")):
                 pair = []
                 for name, seq_order, inner in (("plain", None, False), ("longest", order, False),
                                                ("longest+heads-inner", order, True)):
