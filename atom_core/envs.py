@@ -60,6 +60,9 @@ ENV_VARS: dict[str, str] = {
                         "e4m3 weights for bf16 activations on CUDA; convert = Triton's conversion, ptx = an exact "
                         "inline-PTX widening with a third of the conversion instructions (not yet timed on a GPU); "
                         "fp16/fp32 activations always convert",
+    "ATOM_TRITON_FAST_LAUNCH": "1 (default) or 0: relaunch the attention and RoPE + KV-store Triton kernels of a step's "
+                               "layers through the compiled kernel's own launcher instead of Triton's JIT call path "
+                               "(kernels/triton/common.PlannedLaunch; ~51 vs ~11 us of host a launch on the H100 host)",
 }
 DenseSmallMKernel = Literal["auto", "linear", "gemv"]
 DENSE_SMALL_M_KERNELS: tuple[str, ...] = get_args(DenseSmallMKernel)
@@ -103,6 +106,7 @@ class AtomEnvs:
     dp_ep_graphs: bool | None = None  # read by EngineConfig (use_cuda_graphs) for replicas sharing experts; None = unset
     w4a16_gemv: W4a16Gemv = "f16x2"  # read once by kernels/triton/w4a16 when it is imported
     w8a16_widen: W8a16Widen = "convert"  # read once by kernels/triton/fp8_w8a16 when it is imported
+    triton_fast_launch: bool = True  # read once by kernels/triton/common at the first planned launch
 
 
 def check_choice(value: str, choices: tuple[str, ...], what: str) -> str:
@@ -131,6 +135,7 @@ def read_envs(environ: Mapping[str, str] | None = None) -> AtomEnvs:
         dp_ep_graphs=env_bool(env, "ATOM_DP_EP_GRAPHS", None),
         w4a16_gemv=env_choice(env, "ATOM_W4A16_GEMV", W4A16_GEMVS, "f16x2"),
         w8a16_widen=env_choice(env, "ATOM_W8A16_WIDEN", W8A16_WIDENS, "convert"),
+        triton_fast_launch=env_bool(env, "ATOM_TRITON_FAST_LAUNCH", True),
     )
 
 

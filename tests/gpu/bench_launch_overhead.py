@@ -14,6 +14,7 @@ import time
 import torch
 
 from atom_core.kernels.triton import attention as A
+from atom_core.kernels.triton import common, qkv_prep
 
 
 def host_us(fn, calls: int = 2000) -> float:
@@ -63,7 +64,26 @@ def main():
         torch.cuda.synchronize()
         assert torch.equal(out, ref), "a launch path computed something else"
     x = torch.randn(16, device=dev)
-    rows = [("torch.add (reference)", lambda: torch.add(x, x)), ("paged_attention wrapper (plan cached)", wrapper),
+    qkv = torch.randn(seqs, (heads + 2 * kv_heads) * dim, device=dev, dtype=torch.bfloat16)
+    positions = torch.arange(seqs, device=dev)
+    cos_sin = torch.randn(64, dim, device=dev)
+    slots = torch.arange(seqs, device=dev)
+    store = lambda: qkv_prep.qkv_rope_store(qkv, positions, cos_sin, k, v, slots, heads)  # noqa: E731
+
+    def jit_only(fn):
+        def run():
+            common.set_fast_launch(False)
+            try:
+                fn()
+            finally:
+                common.set_fast_launch(True)
+        return run
+
+    rows = [("torch.add (reference)", lambda: torch.add(x, x)),
+            ("paged_attention wrapper, JIT launch", jit_only(wrapper)),
+            ("paged_attention wrapper (PlannedLaunch)", wrapper),
+            ("qkv_rope_store wrapper, JIT launch", jit_only(store)),
+            ("qkv_rope_store wrapper (PlannedLaunch)", store),
             ("kernel[grid](...) JIT path", jit), ("compiled[grid](*args)", lambda: runner(*values)),
             ("compiled.run(...) bare", bare)]
     print(f"{len(values)} kernel arguments; host us a call (median of 5 x 2,000 calls):")

@@ -303,6 +303,11 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
     step mtp-piecewise-test 150 python3 -m pytest -q --tb=short -m gpu tests/spec_decode/test_mtp.py -k piecewise -p no:cacheprovider
     serve_l8 default8
     SERVE_CONC=256 serve_l8 default8 ;;
+  launch11)  # tenth session, issue 19: PlannedLaunch (the step's layers relaunch attention / RoPE + store kernels through the compiled kernel's launcher): host us a launch by path; the kernels' GPU tests through it; then serve's defaults at c64 and c256, and c64 at R = 8 (host-bound before)
+    step launch-overhead 60 python3 tests/gpu/bench_launch_overhead.py
+    parallel_tests 200 "tests/kernels/test_triton_kernels.py -k attention" "tests/kernels/test_triton_kernels.py -k qkv" "tests/kernels/test_mixed_attention.py tests/kernels/test_fp8_kv.py tests/kernels/test_attention_sinks.py tests/kernels/test_prefill_attention.py" "tests/gpu/test_piecewise_gpu.py"
+    SERVE_CONC="64 256" serve_l8 fast11
+    serve_l8 fast11r8 --mixed-step-tokens-per-seq 8 ;;
   profile11)  # tenth session, issue 19: the host cost of a Triton launch by path (bench_launch_overhead.py); decode attention at serving contexts (1,024-1,152) for 48-64 sequences by KV splits; the MoE families in piecewise graphs + the cap against eager (queued since the ninth); then the loaded server at its defaults (R = 10) under the profiler: per-step busy vs span (trace_gaps.py) and parse-trace
     step launch-overhead 60 python3 tests/gpu/bench_launch_overhead.py
     step sweep-attn-serving 90 python3 tests/gpu/sweep_attention.py --batches 40,48,56,64 --lo 1024 --hi 1152 --splits 1,2,3,4

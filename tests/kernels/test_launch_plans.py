@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from atom_core.kernels.triton import attention, qkv_prep  # noqa: E402
+from atom_core.kernels.triton import attention, common, qkv_prep  # noqa: E402
 
 H, KH, D, NB, BS = 8, 2, 64, 16, 16
 
@@ -84,12 +84,8 @@ def qkv_inputs(T: int = 5):
 def qkv_plan_of(monkeypatch, **kw):
     """The plan qkv_rope_store launches with (the launch itself is stubbed out)."""
     seen = {}
-
-    class Launch:
-        def __getitem__(self, grid):
-            return lambda *a, **k: seen.update(grid=grid, kwargs=k)
-
-    monkeypatch.setattr(qkv_prep, "_qkv_rope_store_kernel", Launch())
+    monkeypatch.setattr(common.PlannedLaunch, "__call__",
+                        lambda self, tensors, args, kwargs: seen.update(grid=self.grid, kwargs=kwargs))
     qkv_prep.qkv_rope_store(num_heads=H, **kw)
     return seen
 
@@ -103,7 +99,7 @@ def test_qkv_layers_share_a_plan_and_positions_views_hit_it(monkeypatch):
     for _ in range(3):  # piecewise graphs hand each layer a fresh view of the static positions
         seen = qkv_plan_of(monkeypatch, **{**inputs, "positions": static_positions[:5],
                                           "k_cache": torch.zeros_like(inputs["k_cache"])})
-    assert len(qkv_prep._PLANS) == 1 and seen["grid"] == (5,) and seen["kwargs"]["NUM_KV_HEADS"] == KH
+    assert len(qkv_prep._PLANS) == 1 and seen["grid"] == (5, 1, 1) and seen["kwargs"]["NUM_KV_HEADS"] == KH
 
 
 @pytest.mark.parametrize("change,match", [

@@ -32,8 +32,8 @@ import triton.language as tl
 from atom_core.envs import MIXED_ATTENTION_MODES, MixedAttentionMode, read_envs
 from atom_core.kernels.torch_ref import FP8_KV_DTYPES
 from atom_core.kernels.triton.common import (
-    LaunchPlans, check_dim, check_float, check_int, check_last_dim_contiguous, check_same_device, next_pow2,
-    sm_count,
+    LaunchPlans, PlannedLaunch, check_dim, check_float, check_int, check_last_dim_contiguous, check_same_device,
+    next_pow2, sm_count,
 )
 from atom_core.kernels.triton.kv_store import check_token_scales
 
@@ -376,6 +376,14 @@ class _PagedPlan:
         self.num_listed, self.num_seqs = num_listed, num_seqs
         self.num_kv_splits, self.grid = num_kv_splits, grid
         self.launch_args, self.merge = launch_args, merge
+        # The layers' launches: only their query, caches, output (and scratch) differ.
+        self.kernel = PlannedLaunch(_paged_attention_kernel, grid, _PAGED_PER_CALL) if grid is not None else None
+        self.merge_kernel = PlannedLaunch(_merge_splits_kernel, (merge[0], num_heads), _MERGE_PER_CALL) if merge else None
+
+
+_PAGED_PER_CALL = ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "part_out_ptr", "part_lse_ptr", "k_scales_ptr",
+                   "v_scales_ptr")
+_MERGE_PER_CALL = ("part_out_ptr", "part_lse_ptr", "out_ptr")
 
 
 def _paged_plan(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale, max_query_len,
@@ -480,18 +488,21 @@ def launch_paged_attention(
         part_out = part_lse = out  # unused by the kernel when IS_SPLIT is False
     layout, kernel_kwargs = plan.launch_args
     token_scales = kernel_kwargs["TOKEN_SCALES"]
-    _paged_attention_kernel[plan.grid](
-        query, k_cache, v_cache, out, part_out, part_lse,
-        block_tables, query_start_loc, seq_lens, seq_order if seq_order is not None else seq_lens,
-        *layout, out.stride(0), out.stride(1), block_tables.stride(0),
-        k_scales_ptr=k_scale if token_scales else k_cache,  # the caches: unused stand-ins
-        v_scales_ptr=v_scale if token_scales else v_cache, **kernel_kwargs,
+    k_scales, v_scales = (k_scale, v_scale) if token_scales else (k_cache, v_cache)  # the caches: unused stand-ins
+    plan.kernel(
+        (query, k_cache, v_cache, out, part_out, part_lse, k_scales, v_scales),
+        (query, k_cache, v_cache, out, part_out, part_lse,
+         block_tables, query_start_loc, seq_lens, seq_order if seq_order is not None else seq_lens,
+         *layout, out.stride(0), out.stride(1), block_tables.stride(0)),
+        dict(k_scales_ptr=k_scales, v_scales_ptr=v_scales, **kernel_kwargs),
     )
     if plan.merge is not None:
         merge_rows, subset, merge_kwargs, max_q = plan.merge
-        _merge_splits_kernel[(merge_rows, num_heads)](
-            part_out, part_lse, out, query_start_loc, seq_order if subset else query_start_loc,
-            plan.num_seqs, num_tokens, plan.num_kv_splits, max_q, out.stride(0), out.stride(1), **merge_kwargs,
+        plan.merge_kernel(
+            (part_out, part_lse, out),
+            (part_out, part_lse, out, query_start_loc, seq_order if subset else query_start_loc,
+             plan.num_seqs, num_tokens, plan.num_kv_splits, max_q, out.stride(0), out.stride(1)),
+            merge_kwargs,
         )
     return out
 

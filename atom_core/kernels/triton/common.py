@@ -84,3 +84,95 @@ class LaunchPlans(dict):
                 self.clear()
             self[key] = plan
         return plan
+
+
+# Whether PlannedLaunch may call compiled kernels directly (ATOM_TRITON_FAST_LAUNCH; read once).
+_fast_launch: bool | None = None
+
+
+def fast_launch_enabled() -> bool:
+    global _fast_launch
+    if _fast_launch is None:
+        from atom_core.envs import read_envs
+
+        _fast_launch = read_envs().triton_fast_launch
+    return _fast_launch
+
+
+def set_fast_launch(enabled: bool) -> None:
+    """Turn direct launches on or off for this process (tests, benchmarks)."""
+    global _fast_launch
+    _fast_launch = bool(enabled)
+
+
+def _launch_hooks_set() -> bool:
+    import triton
+
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    return runtime is not None and (runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None)
+
+
+class PlannedLaunch:
+    """One Triton kernel launched again and again with the arguments of a launch plan, where only
+    a few tensors change from call to call (a step's layers: their caches, query and output).
+
+    Why: Triton's `kernel[grid](...)` binds and specializes every argument and looks the kernel
+    up on each call: ~51 us of host a launch against ~11 us for the compiled kernel's own
+    launcher (H100 host, tests/gpu/bench_launch_overhead.py), and a piecewise mixed step makes
+    ~100 launches between its graphs. So the first call goes through the JIT (compiling if
+    needed) and keeps the compiled kernel and the argument values in parameter order; later
+    calls put their tensors into that list and call the compiled kernel directly.
+
+    Safe because Triton specializes a kernel only on argument dtypes, pointer alignment (16
+    bytes) and integer value classes: the plan's key fixes every argument but the per-call
+    tensors, and their dtypes; their alignment picks the compiled kernel (a new pattern goes
+    through the JIT once). Launch hooks (Proton) or ATOM_TRITON_FAST_LAUNCH=0 take the JIT path
+    every time; so does the interpreter (TRITON_INTERPRET=1), which compiles nothing.
+    """
+
+    def __init__(self, fn, grid: tuple, per_call: tuple[str, ...]):
+        self.fn, self.grid, self.per_call = fn, tuple(grid) + (1,) * (3 - len(grid)), per_call
+        self.values: list | None = None  # every kernel parameter's value, in order
+        self.slots: tuple[int, ...] = ()  # where the per-call tensors go in `values`
+        self.kernels: dict[tuple, object] = {}  # alignment pattern of the per-call tensors -> compiled kernel
+        self.device: int | None = None
+
+    def __call__(self, tensors: tuple, args: tuple, kwargs: dict) -> None:
+        """tensors: the per-call tensors (or None), in `per_call` order; args / kwargs: the whole
+        call as `kernel[grid](*args, **kwargs)` takes it, those tensors included."""
+        key = tuple(None if t is None else t.data_ptr() % 16 == 0 for t in tensors)
+        kernel = self.kernels.get(key)
+        if kernel is None or not fast_launch_enabled() or _launch_hooks_set():
+            self._jit_launch(key, tensors, args, kwargs)
+            return
+        values = self.values.copy()
+        for slot, t in zip(self.slots, tensors):
+            values[slot] = t
+        g = self.grid
+        kernel.run(g[0], g[1], g[2], _current_stream(self.device), kernel.function, kernel.packed_metadata,
+                   None, None, None, *values)
+
+    def _jit_launch(self, key: tuple, tensors: tuple, args: tuple, kwargs: dict) -> None:
+        kernel = self.fn[self.grid](*args, **kwargs)
+        if not fast_launch_enabled() or not _is_compiled(kernel):
+            return
+        if self.values is None:
+            names = list(self.fn.arg_names)
+            bound = self.fn.signature.bind(*args, **{k: v for k, v in kwargs.items() if k in names})
+            bound.apply_defaults()
+            self.values = [bound.arguments[name] for name in names]
+            self.slots = tuple(names.index(name) for name in self.per_call)
+            self.device = next(t for t in tensors if t is not None).device.index or 0
+        self.kernels[key] = kernel
+
+
+def _is_compiled(kernel) -> bool:
+    try:
+        from triton.compiler import CompiledKernel
+    except ImportError:  # pragma: no cover - every supported Triton has it
+        return False
+    return isinstance(kernel, CompiledKernel) and getattr(kernel, "function", None) is not None
+
+
+def _current_stream(device: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(device)

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from atom_core.envs import PREFILL_ATTENTION_MODES, PrefillAttentionMode, read_envs
 from atom_core.kernels.triton.common import (
-    check_dim, check_float, check_int, check_last_dim_contiguous, check_same_device, next_pow2,
+    LaunchPlans, PlannedLaunch, check_dim, check_float, check_int, check_last_dim_contiguous, check_same_device, next_pow2,
 )
 from atom_core.kernels.triton.qkv_prep import _norm_rope, _store_heads
 
@@ -103,7 +103,27 @@ def rope_k_rows(
     """K [T, KH, D] after the optional per-head RMSNorm and neox RoPE: bit for bit what
     qkv_rope_store writes to a cache in the model dtype (same helpers, same roundings).
     One extra launch that reads and writes T x KH x D; folding a `k_out` into qkv_rope_store
-    would save it."""
+    would save it. Checks and launch choices are made once per input layout (the step's layers
+    share them: `_rope_plan`)."""
+    key = (qkv.shape, qkv.stride(), qkv.dtype, qkv.device, positions.shape, positions.dtype, positions.device,
+           cos_sin_cache.shape, cos_sin_cache.stride(), cos_sin_cache.dtype, cos_sin_cache.device, num_heads,
+           num_kv_heads, None if k_norm_weight is None else k_norm_weight.shape, eps)
+    num_tokens, head_dim, kwargs, kernel = _ROPE_PLANS.get_or_make(key, lambda: _rope_plan(
+        qkv, positions, cos_sin_cache, num_heads, num_kv_heads, k_norm_weight))
+    k = torch.empty(num_tokens, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    if num_tokens == 0:
+        return k
+    norm = k_norm_weight if k_norm_weight is not None else k
+    kernel((qkv, positions, cos_sin_cache, norm, k),
+           (qkv, positions, cos_sin_cache, norm, k, eps, qkv.stride(0), cos_sin_cache.stride(0), k.stride(0)), kwargs)
+    return k
+
+
+_ROPE_PLANS = LaunchPlans()  # rope_k_rows', by its inputs' layouts
+_ROPE_PER_CALL = ("qkv_ptr", "positions_ptr", "cos_sin_ptr", "k_norm_ptr", "k_out_ptr")
+
+
+def _rope_plan(qkv, positions, cos_sin_cache, num_heads, num_kv_heads, k_norm_weight) -> tuple:
     check_dim("qkv", qkv, 2)
     check_float("qkv", qkv)
     check_last_dim_contiguous("qkv", qkv)
@@ -121,18 +141,11 @@ def rope_k_rows(
     if k_norm_weight is not None and k_norm_weight.shape != (head_dim,):
         raise ValueError(f"k norm weight must be [{head_dim}], got {tuple(k_norm_weight.shape)}")
     check_same_device(qkv=qkv, positions=positions, cos_sin_cache=cos_sin_cache)
-    k = torch.empty(num_tokens, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    if num_tokens == 0:
-        return k
     half, rest = rot_dim // 2, head_dim - rot_dim
-    _rope_k_rows_kernel[(num_tokens,)](
-        qkv, positions, cos_sin_cache, k_norm_weight if k_norm_weight is not None else k, k, eps,
-        qkv.stride(0), cos_sin_cache.stride(0), k.stride(0),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half, REST=rest,
-        HAS_NORM=k_norm_weight is not None, BLOCK_KH=next_pow2(num_kv_heads), BLOCK_HALF=next_pow2(half),
-        BLOCK_REST=max(1, next_pow2(rest)), num_warps=4,
-    )
-    return k
+    kwargs = dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half, REST=rest,
+                  HAS_NORM=k_norm_weight is not None, BLOCK_KH=next_pow2(num_kv_heads), BLOCK_HALF=next_pow2(half),
+                  BLOCK_REST=max(1, next_pow2(rest)), num_warps=4)
+    return num_tokens, head_dim, kwargs, PlannedLaunch(_rope_k_rows_kernel, (num_tokens,), _ROPE_PER_CALL)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -317,14 +330,36 @@ def prefill_attention(
     """Causal attention of each listed sequence over its own rows, position = row - cu[s].
 
     Equals torch_ref.paged_attention over a cache holding exactly these K/V rows (see
-    `prefill_attention_ref`). Host work reads only shapes and host ints (no sync)."""
-    _check_args(query, key, value, cu_seqlens, seq_ids, out, sinks)
+    `prefill_attention_ref`). Host work reads only shapes and host ints (no sync); the checks and
+    launch choices are made once per input layout and metadata tensors (a step's layers share them)."""
+    plan_key = (id(cu_seqlens), id(seq_ids), id(sinks), query.shape, query.stride(), query.dtype, query.device,
+                key.shape, key.stride(), key.dtype, value.shape, value.stride(), value.dtype,
+                None if out is None else (out.shape, out.stride(), out.dtype), scale, max_query_len,
+                sliding_window, config)
+    plan = _PLANS.get_or_make(plan_key, lambda: _attention_plan(
+        query, key, value, cu_seqlens, seq_ids, scale, max_query_len, out, sliding_window, sinks, config))
     if out is None:
         out = torch.empty_like(query)
+    if plan is None:
+        return out
+    layout, kwargs, kernel = plan
+    kernel((query, key, value, out),
+           (query, key, value, out, cu_seqlens, seq_ids, *layout, out.stride(0), out.stride(1)), kwargs)
+    return out
+
+
+_PLANS = LaunchPlans()  # prefill_attention's, by its inputs (see above)
+_ATTENTION_PER_CALL = ("q_ptr", "k_ptr", "v_ptr", "out_ptr")
+
+
+def _attention_plan(query, key, value, cu_seqlens, seq_ids, scale, max_query_len, out, sliding_window, sinks,
+                    config) -> tuple | None:
+    """Validate, then fix the grid and every launch argument but the per-layer tensors (None: no launch)."""
+    _check_args(query, key, value, cu_seqlens, seq_ids, out, sinks)
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = key.shape[1]
     if query.shape[0] == 0 or seq_ids.shape[0] == 0 or max_query_len <= 0:
-        return out
+        return None
     group = num_heads // num_kv_heads
     group_p = next_pow2(group)
     cfg = config or default_tile_config(head_dim)
@@ -332,10 +367,9 @@ def prefill_attention(
     block_q = block_m // group_p
     num_q_blocks = triton.cdiv(max_query_len, block_q)
     grid = (num_q_blocks * seq_ids.shape[0] * num_kv_heads,)
-    _prefill_attention_kernel[grid](
-        query, key, value, out, cu_seqlens, seq_ids, scale * LOG2E, seq_ids.shape[0], num_q_blocks,
-        query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        out.stride(0), out.stride(1),
+    layout = (scale * LOG2E, seq_ids.shape[0], num_q_blocks, query.stride(0), query.stride(1), key.stride(0),
+              key.stride(1), value.stride(0), value.stride(1))
+    kwargs = dict(
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P=group_p,
         HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)),
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n,
@@ -345,7 +379,7 @@ def prefill_attention(
         sinks_ptr=sinks, HAS_SINKS=sinks is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return out
+    return layout, kwargs, PlannedLaunch(_prefill_attention_kernel, grid, _ATTENTION_PER_CALL)
 
 
 def prefill_attention_ref(

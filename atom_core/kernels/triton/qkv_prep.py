@@ -13,7 +13,8 @@ import triton.language as tl
 
 from atom_core.kernels.torch_ref import FP8_KV_DTYPES
 from atom_core.kernels.triton.common import (
-    LaunchPlans, check_dim, check_float, check_int, check_last_dim_contiguous, check_same_device, next_pow2,
+    LaunchPlans, PlannedLaunch, check_dim, check_float, check_int, check_last_dim_contiguous, check_same_device,
+    next_pow2,
 )
 from atom_core.kernels.triton.kv_store import check_token_scales, scale_kernel_args, to_cache, token_head_scale
 
@@ -151,16 +152,17 @@ def qkv_rope_store(
            v_scale if not isinstance(v_scale, torch.Tensor) else id(v_scale))
     plan = _PLANS.get_or_make(key, lambda: _qkv_plan(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
                                                      num_heads, q_norm_weight, k_norm_weight, k_scale, v_scale))
-    num_tokens, head_dim, layout, kwargs = plan[1:]
+    num_tokens, head_dim, layout, kwargs, kernel = plan[1:]
     q_out = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if num_tokens == 0:
         return q_out
     weights = (q_norm_weight, k_norm_weight) if has_norm else (q_out, q_out)  # unused without norm
-    _qkv_rope_store_kernel[(num_tokens,)](
-        qkv, positions, cos_sin_cache, weights[0], weights[1], q_out,
-        k_cache, v_cache, slot_mapping, eps, k_cache.shape[1],
-        qkv.stride(0), cos_sin_cache.stride(0), q_out.stride(0), *layout, **kwargs, num_warps=4,
-    )
+    k_scales, v_scales = (k_scale, v_scale) if isinstance(k_scale, torch.Tensor) else (None, None)
+    kernel((qkv, positions, cos_sin_cache, weights[0], weights[1], q_out, k_cache, v_cache, k_scales, v_scales),
+           (qkv, positions, cos_sin_cache, weights[0], weights[1], q_out,
+            k_cache, v_cache, slot_mapping, eps, k_cache.shape[1],
+            qkv.stride(0), cos_sin_cache.stride(0), q_out.stride(0), *layout),
+           dict(kwargs, num_warps=4))
     return q_out
 
 
@@ -212,5 +214,11 @@ def _qkv_plan(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num
                   BLOCK_H=next_pow2(num_heads), BLOCK_KH=next_pow2(num_kv_heads), BLOCK_HALF=next_pow2(half),
                   BLOCK_REST=max(1, next_pow2(rest)), BLOCK_D=next_pow2(head_dim),
                   **scale_kernel_args(k_cache, k_scale, v_scale, token_scales))
-    return (slot_mapping, k_scale, v_scale), num_tokens, head_dim, layout, kwargs
+    # The layers' launches: only their tensors (qkv, rotary cache, norms, caches, q_out) differ.
+    kernel = PlannedLaunch(_qkv_rope_store_kernel, (num_tokens,), _QKV_PER_CALL)
+    return (slot_mapping, k_scale, v_scale), num_tokens, head_dim, layout, kwargs, kernel
+
+
+_QKV_PER_CALL = ("qkv_ptr", "positions_ptr", "cos_sin_ptr", "q_norm_ptr", "k_norm_ptr", "q_out_ptr", "k_cache_ptr",
+                 "v_cache_ptr", "k_scales_ptr", "v_scales_ptr")
 
