@@ -308,6 +308,11 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
     parallel_tests 200 "tests/kernels/test_triton_kernels.py -k attention" "tests/kernels/test_triton_kernels.py -k qkv" "tests/kernels/test_mixed_attention.py tests/kernels/test_fp8_kv.py tests/kernels/test_attention_sinks.py tests/kernels/test_prefill_attention.py" "tests/gpu/test_piecewise_gpu.py"
     SERVE_CONC="64 256" serve_l8 fast11
     serve_l8 fast11r8 --mixed-step-tokens-per-seq 8 ;;
+  launch11b)  # tenth session, issue 19: launch11 again after two fixes (Triton 3.6's empty launch-hook chains had kept every launch on the JIT path; the plans' argument templates pinned the first call's tensors: c256 ran out of memory): host us by path, GPU tests through the direct launches, serve's defaults at c64 / c256, c64 at R = 8
+    step launch-overhead 60 python3 tests/gpu/bench_launch_overhead.py
+    parallel_tests 140 "tests/kernels/test_triton_kernels.py -k qkv" "tests/kernels/test_mixed_attention.py tests/kernels/test_prefill_attention.py" "tests/gpu/test_piecewise_gpu.py" "tests/kernels/test_triton_kernels.py -k Paged"
+    SERVE_CONC="64 256" serve_l8 fast11b
+    serve_l8 fast11br8 --mixed-step-tokens-per-seq 8 ;;
   profile11)  # tenth session, issue 19: the host cost of a Triton launch by path (bench_launch_overhead.py); decode attention at serving contexts (1,024-1,152) for 48-64 sequences by KV splits; the MoE families in piecewise graphs + the cap against eager (queued since the ninth); then the loaded server at its defaults (R = 10) under the profiler: per-step busy vs span (trace_gaps.py) and parse-trace
     step launch-overhead 60 python3 tests/gpu/bench_launch_overhead.py
     step sweep-attn-serving 90 python3 tests/gpu/sweep_attention.py --batches 40,48,56,64 --lo 1024 --hi 1152 --splits 1,2,3,4

@@ -116,9 +116,31 @@ def test_the_switch_reads_its_environment_variable():
         read_envs({"ATOM_TRITON_FAST_LAUNCH": "maybe"})
 
 
+class HookChain:  # Triton >= 3.5 keeps launch hooks in one of these, never None
+    def __init__(self):
+        self.calls = []
+
+
 def test_launch_hooks_are_read_from_triton_knobs(monkeypatch):
     knobs = SimpleNamespace(runtime=SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None))
     monkeypatch.setattr("triton.knobs", knobs, raising=False)
     assert common._launch_hooks_set() is False
-    knobs.runtime.launch_enter_hook = print
+    knobs.runtime.launch_enter_hook = print  # older Triton: a callable
     assert common._launch_hooks_set() is True
+    knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook = HookChain(), HookChain()
+    assert common._launch_hooks_set() is False  # empty chains: no hook
+    knobs.runtime.launch_exit_hook.calls.append(print)
+    assert common._launch_hooks_set() is True
+
+
+def test_the_plan_keeps_no_per_call_tensor_alive(direct):
+    import weakref
+
+    fn = FakeJit()
+    launch = common.PlannedLaunch(fn, (3,), ("x_ptr", "out_ptr"))
+    x, out = aligned(1 << 16), aligned(1 << 16)
+    refs = weakref.ref(x), weakref.ref(out)
+    call(launch, x, out)
+    fn.log.clear()
+    del x, out
+    assert refs[0]() is None and refs[1]() is None

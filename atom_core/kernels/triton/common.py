@@ -106,10 +106,15 @@ def set_fast_launch(enabled: bool) -> None:
 
 
 def _launch_hooks_set() -> bool:
+    """Whether a launch hook (Proton) is registered: Triton >= 3.5 keeps them in a HookChain that
+    is never None (empty: no hook), older versions a callable or None."""
     import triton
 
     runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
-    return runtime is not None and (runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None)
+    if runtime is None:
+        return False
+    return any(hook is not None and bool(getattr(hook, "calls", True))
+               for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))
 
 
 class PlannedLaunch:
@@ -162,6 +167,8 @@ class PlannedLaunch:
             bound.apply_defaults()
             self.values = [bound.arguments[name] for name in names]
             self.slots = tuple(names.index(name) for name in self.per_call)
+            for slot in self.slots:  # the plan outlives this call: keep none of its tensors alive
+                self.values[slot] = None
             self.device = next(t for t in tensors if t is not None).device.index or 0
         self.kernels[key] = kernel
 
