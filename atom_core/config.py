@@ -536,10 +536,12 @@ SERVE_PIECEWISE_SIZES = DEFAULT_PIECEWISE_SIZES + tuple(range(576, 2049, 64))
 
 
 # serve's mixed-step cap (SchedulerConfig.mixed_step_tokens_per_seq): tokens per live request. H100,
-# Llama-3-8B, 1,024 in / 128 out, two runs: c64 2,710-3,024 output tok/s and TTFT p50 160-244 ms (off:
-# 2,938-2,947 and 763 ms), c256 4,338-4,360 (off: 3,656); TPOT grows (c64 ~18.7 ms against 15.3).
-# R = 8: c64 2,758, c256 4,300 (docs/PERFORMANCE.md, 2026-11-27, ninth session).
-SERVE_MIXED_STEP_TOKENS_PER_SEQ = 10
+# Llama-3-8B, 1,024 in / 128 out, with the step's Triton launches direct (PlannedLaunch): R = 8 c64
+# 3,028-3,055 output tok/s, TTFT 296-316 / 2,167-2,185 ms, TPOT 17.2-17.3 ms (two runs); R = 10 2,822,
+# 308 / 2,979 ms, 18.2 ms; c256 is the same at both (8 x 256 streams already fill the 2,048-token step:
+# 4,340 at R = 10). The cap off: c64 2,938-2,947, TTFT p50 763 ms, TPOT 15.3; c256 3,656
+# (docs/PERFORMANCE.md, 2026-11-27, ninth and tenth sessions).
+SERVE_MIXED_STEP_TOKENS_PER_SEQ = 8
 
 
 def serving_config(**options) -> EngineConfig:
