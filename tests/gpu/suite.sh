@@ -57,6 +57,19 @@ serve_l8() {  # serve_l8 NAME [ENGINE FLAGS...]: start the server, one bench ser
   done
   kill $spid; wait $spid; grep -E "captured" /tmp/serve_$name.log | tail -n 3
 }
+serve_profile() {  # serve_profile NUM_PROMPTS [SERVER FLAGS...]: the c64 run under the torch profiler (/start_profile, /stop_profile by bench serve --profile), then each step's busy vs span (trace_gaps.py) and parse-trace's per-phase breakdown
+  local n=$1; shift
+  python3 -m atomctl.main --log-level INFO serve "${l8[@]}" "$@" --torch-profiler-dir /tmp/serve_traces --port 8011 > /tmp/serve_profile.log 2>&1 &
+  local spid=$! i trace
+  for i in $(seq 1 300); do curl -sf http://127.0.0.1:8011/health >/dev/null && break; sleep 1; done
+  step bench-serve-profile 200 python3 -m atomctl.main bench serve --backend atom --base-url http://127.0.0.1:8011 \
+    --tokenizer preset:Llama-3-8B --dataset-name random --random-input-len 1024 --random-output-len 128 \
+    --ignore-eos --num-prompts "$n" --max-concurrency 64 --profile
+  kill $spid; wait $spid
+  trace=$(ls -t /tmp/serve_traces/rank_0/*.json.gz 2>/dev/null | head -1)
+  step trace-gaps 120 python3 tests/gpu/trace_gaps.py "$trace"
+  step parse-trace-serve 120 python3 -m atomctl.main parse-trace "$trace" --top 25 --out-dir "$OUT"
+}
 profile_l8_tp2() {  # profile_l8_tp2 NAME [VAR=VALUE...]: a Llama-3-8B TP=2 batch-1 decode profile, then rank 0's breakdown in $OUT/NAME
   local name=$1; shift
   rm -rf /tmp/traces_$name
@@ -317,16 +330,7 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
     step launch-overhead 60 python3 tests/gpu/bench_launch_overhead.py
     step sweep-attn-serving 90 python3 tests/gpu/sweep_attention.py --batches 40,48,56,64 --lo 1024 --hi 1152 --splits 1,2,3,4
     step piecewise-moe 150 python3 -m pytest -q --tb=short -m gpu tests/gpu/test_piecewise_gpu.py -k moe -p no:cacheprovider
-    python3 -m atomctl.main --log-level INFO serve "${l8[@]}" --torch-profiler-dir /tmp/serve_traces --port 8011 > /tmp/serve_profile.log 2>&1 &
-    spid=$!
-    for i in $(seq 1 300); do curl -sf http://127.0.0.1:8011/health >/dev/null && break; sleep 1; done
-    step bench-serve-profile 150 python3 -m atomctl.main bench serve --backend atom --base-url http://127.0.0.1:8011 \
-      --tokenizer preset:Llama-3-8B --dataset-name random --random-input-len 1024 --random-output-len 128 \
-      --ignore-eos --num-prompts 96 --max-concurrency 64 --profile
-    kill $spid; wait $spid
-    trace=$(ls -t /tmp/serve_traces/rank_0/*.json.gz 2>/dev/null | head -1)
-    step trace-gaps 120 python3 tests/gpu/trace_gaps.py "$trace"
-    step parse-trace-serve 120 python3 -m atomctl.main parse-trace "$trace" --top 25 --out-dir "$OUT" ;;
+    serve_profile 96 ;;
   repeat9)  # ninth session, issue 19: serve's final default (R = 10, nearest 128) again at c64 and c256 (one more run each: the spread)
     SERVE_CONC="64 256" serve_l8 default9b ;;
   burst9)  # ninth session, issue 19: serve's default with the burst factor (x waiting / decoding while more wait than decode) at c64 and c256; then serve's defaults (piecewise graphs + the cap) on MoE families never served in piecewise graphs on a GPU: Qwen3-30B-A3B and gpt-oss-20b (MXFP4 experts, sinks, sliding windows), c16, 48 requests each
@@ -694,15 +698,7 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
       done
     done ;;
   serve-profile)  # issue 19: where a loaded server's steps go: the c64 run (80 requests) under the torch profiler (/start_profile, /stop_profile by bench serve --profile), then parse-trace's per-phase breakdown (prefill, mixed, decode steps); SERVE_FLAGS: extra server flags
-    python3 -m atomctl.main --log-level INFO serve "${l8[@]}" ${SERVE_FLAGS:-} --torch-profiler-dir /tmp/serve_traces --port 8011 > /tmp/serve_profile.log 2>&1 &
-    spid=$!
-    for i in $(seq 1 300); do curl -sf http://127.0.0.1:8011/health >/dev/null && break; sleep 1; done
-    step bench-serve-profile 200 python3 -m atomctl.main bench serve --backend atom --base-url http://127.0.0.1:8011 \
-      --tokenizer preset:Llama-3-8B --dataset-name random --random-input-len 1024 --random-output-len 128 \
-      --ignore-eos --num-prompts 80 --max-concurrency 64 --profile
-    kill $spid; wait $spid
-    trace=$(ls -t /tmp/serve_traces/rank_0/*.json.gz 2>/dev/null | head -1)
-    step parse-trace-serve 120 python3 -m atomctl.main parse-trace "$trace" --top 25 --out-dir "$OUT" ;;
+    serve_profile 80 ${SERVE_FLAGS:-} ;;
   api-overhead)  # issue 19 API process on the GPU host's cores (CPU only, stand-in model): per-token cost at the H100's step times (c64 ~15 ms, c256 ~40 ms); the before/after in PERFORMANCE.md 2026-11-26 ran on a 2-core CPU box
     step api-overhead-15ms 300 python3 -m atomctl.main bench api-overhead --concurrency 64,256 --step-ms 15 --log-dir /tmp/apiov --output-json "$OUT/api_overhead_15ms.json"
     step api-overhead-c256-40ms 200 python3 -m atomctl.main bench api-overhead --concurrency 256 --step-ms 40 --log-dir /tmp/apiov --output-json "$OUT/api_overhead_c256_40ms.json" ;;
