@@ -1,4 +1,4 @@
-"""Launch plans of the attention wrappers (paged attention, qkv_rope_store): made and validated on the
+"""Launch plans of the attention wrappers (paged attention, qkv_rope_store, prefill attention): made and validated on the
 first call with given inputs, reused by the next layers of the step (same metadata tensors, same-shaped
 caches), and never reused where a checked property changed. No kernel runs here (CPU, no interpreter):
 the plan functions are what the wrappers call before launching."""
@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from atom_core.kernels.triton import attention, common, qkv_prep  # noqa: E402
+from atom_core.kernels.triton import attention, common, prefill_attention, qkv_prep  # noqa: E402
 
 H, KH, D, NB, BS = 8, 2, 64, 16, 16
 
@@ -114,3 +114,39 @@ def test_qkv_changed_inputs_are_checked_again(monkeypatch, change, match):
     qkv_plan_of(monkeypatch, **inputs)
     with pytest.raises(ValueError, match=match):
         qkv_plan_of(monkeypatch, **change(inputs))
+
+
+def prefill_inputs(T: int = 6):
+    return dict(query=torch.zeros(T, H, D, dtype=torch.bfloat16), key=torch.zeros(T, KH, D, dtype=torch.bfloat16),
+                value=torch.zeros(T, KH, D, dtype=torch.bfloat16), cu_seqlens=torch.tensor([0, 2, 6], dtype=torch.int32),
+                seq_ids=torch.tensor([0, 1], dtype=torch.int32), scale=0.125, max_query_len=4)
+
+
+def prefill_launches(monkeypatch, **kw):
+    """The grids prefill_attention launches with (the launch itself is stubbed out)."""
+    seen = []
+    monkeypatch.setattr(common.PlannedLaunch, "__call__", lambda self, tensors, args, kwargs: seen.append(self.grid))
+    prefill_attention.prefill_attention(**kw)
+    return seen
+
+
+def test_prefill_layers_share_a_plan_that_keeps_its_metadata(monkeypatch):
+    prefill_attention._PLANS.clear()
+    base = prefill_inputs()
+    prefill_launches(monkeypatch, **base)
+    layer1 = {**base, "query": torch.zeros_like(base["query"]), "key": torch.zeros_like(base["key"])}
+    assert prefill_launches(monkeypatch, **layer1) == [(2 * 1 * KH, 1, 1)]  # 2 sequences x 1 q block x KH
+    assert len(prefill_attention._PLANS) == 1
+    (plan,) = prefill_attention._PLANS.values()
+    assert plan[0][0] is base["cu_seqlens"] and plan[0][1] is base["seq_ids"]  # their ids cannot be reused
+    prefill_launches(monkeypatch, **{**base, "seq_ids": torch.tensor([1], dtype=torch.int32)})  # the next step
+    assert len(prefill_attention._PLANS) == 2
+
+
+def test_prefill_changed_inputs_are_checked_again(monkeypatch):
+    prefill_attention._PLANS.clear()
+    base = prefill_inputs()
+    prefill_launches(monkeypatch, **base)
+    with pytest.raises(ValueError, match="dtype"):
+        prefill_launches(monkeypatch, **{**base, "key": torch.zeros(6, KH, D, dtype=torch.float16),
+                                         "value": torch.zeros(6, KH, D, dtype=torch.float16)})

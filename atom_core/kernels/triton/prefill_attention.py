@@ -340,9 +340,9 @@ def prefill_attention(
         query, key, value, cu_seqlens, seq_ids, scale, max_query_len, out, sliding_window, sinks, config))
     if out is None:
         out = torch.empty_like(query)
-    if plan is None:
+    _keep, layout, kwargs, kernel = plan
+    if kernel is None:
         return out
-    layout, kwargs, kernel = plan
     kernel((query, key, value, out),
            (query, key, value, out, cu_seqlens, seq_ids, *layout, out.stride(0), out.stride(1)), kwargs)
     return out
@@ -353,13 +353,15 @@ _ATTENTION_PER_CALL = ("q_ptr", "k_ptr", "v_ptr", "out_ptr")
 
 
 def _attention_plan(query, key, value, cu_seqlens, seq_ids, scale, max_query_len, out, sliding_window, sinks,
-                    config) -> tuple | None:
-    """Validate, then fix the grid and every launch argument but the per-layer tensors (None: no launch)."""
+                    config) -> tuple:
+    """Validate, then fix the grid and every launch argument but the per-layer tensors (kernel None: no
+    launch). The plan keeps the metadata tensors whose ids are in its key, so those ids are not reused."""
     _check_args(query, key, value, cu_seqlens, seq_ids, out, sinks)
+    keep = (cu_seqlens, seq_ids, sinks)
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = key.shape[1]
     if query.shape[0] == 0 or seq_ids.shape[0] == 0 or max_query_len <= 0:
-        return None
+        return keep, None, None, None
     group = num_heads // num_kv_heads
     group_p = next_pow2(group)
     cfg = config or default_tile_config(head_dim)
@@ -379,7 +381,7 @@ def _attention_plan(query, key, value, cu_seqlens, seq_ids, scale, max_query_len
         sinks_ptr=sinks, HAS_SINKS=sinks is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return layout, kwargs, PlannedLaunch(_prefill_attention_kernel, grid, _ATTENTION_PER_CALL)
+    return keep, layout, kwargs, PlannedLaunch(_prefill_attention_kernel, grid, _ATTENTION_PER_CALL)
 
 
 def prefill_attention_ref(
