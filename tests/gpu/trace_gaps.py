@@ -47,12 +47,13 @@ def main():
         groups[(kind, bucket)].append((span, busy_us([(k.ts, k.ts + k.dur) for k in kernels]), len(kernels), seqs))
         for k in kernels:
             names[(kind, bucket)][k.kernel[:60]] += k.dur
-    print(f"{'kind':12s} {'size':>6s} {'steps':>5s} {'seqs':>6s} {'span ms':>8s} {'busy ms':>8s} {'idle %':>7s} {'kernels':>8s}")
+    print(f"{'kind':13s} {'size':>6s} {'steps':>5s} {'seqs':>6s} {'span ms':>8s} {'busy ms':>8s} {'idle %':>7s} "
+          f"{'kernels':>8s}")
     for key in sorted(groups):
         rows = groups[key]
         n = len(rows)
         span, busy = sum(r[0] for r in rows) / n / 1e3, sum(r[1] for r in rows) / n / 1e3
-        print(f"{key[0]:12s} {key[1]:6d} {n:5d} {sum(r[3] for r in rows) / n:6.1f} {span:8.2f} {busy:8.2f} "
+        print(f"{key[0]:13s} {key[1]:6d} {n:5d} {sum(r[3] for r in rows) / n:6.1f} {span:8.2f} {busy:8.2f} "
               f"{100 * (1 - busy / span):6.1f}% {sum(r[2] for r in rows) / n:8.0f}")
     biggest = sorted(groups, key=lambda key: -len(groups[key]))[:3]
     for key in biggest:

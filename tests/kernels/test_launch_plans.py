@@ -1,5 +1,5 @@
-"""Launch plans of the attention wrappers (paged attention, qkv_rope_store, prefill attention): made and validated on the
-first call with given inputs, reused by the next layers of the step (same metadata tensors, same-shaped
+"""Launch plans of the attention wrappers (paged attention, qkv_rope_store, prefill attention): made and
+validated on the first call with given inputs, reused by the next layers of the step (same metadata tensors, same-shaped
 caches), and never reused where a checked property changed. No kernel runs here (CPU, no interpreter):
 the plan functions are what the wrappers call before launching."""
 from __future__ import annotations
@@ -118,8 +118,9 @@ def test_qkv_changed_inputs_are_checked_again(monkeypatch, change, match):
 
 def prefill_inputs(T: int = 6):
     return dict(query=torch.zeros(T, H, D, dtype=torch.bfloat16), key=torch.zeros(T, KH, D, dtype=torch.bfloat16),
-                value=torch.zeros(T, KH, D, dtype=torch.bfloat16), cu_seqlens=torch.tensor([0, 2, 6], dtype=torch.int32),
-                seq_ids=torch.tensor([0, 1], dtype=torch.int32), scale=0.125, max_query_len=4)
+                value=torch.zeros(T, KH, D, dtype=torch.bfloat16),
+                cu_seqlens=torch.tensor([0, 2, 6], dtype=torch.int32), seq_ids=torch.tensor([0, 1], dtype=torch.int32),
+                scale=0.125, max_query_len=4)
 
 
 def prefill_launches(monkeypatch, **kw):

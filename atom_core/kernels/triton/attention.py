@@ -378,7 +378,8 @@ class _PagedPlan:
         self.launch_args, self.merge = launch_args, merge
         # The layers' launches: only their query, caches, output (and scratch) differ.
         self.kernel = PlannedLaunch(_paged_attention_kernel, grid, _PAGED_PER_CALL) if grid is not None else None
-        self.merge_kernel = PlannedLaunch(_merge_splits_kernel, (merge[0], num_heads), _MERGE_PER_CALL) if merge else None
+        self.merge_kernel = (PlannedLaunch(_merge_splits_kernel, (merge[0], num_heads), _MERGE_PER_CALL)
+                             if merge else None)
 
 
 _PAGED_PER_CALL = ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "part_out_ptr", "part_lse_ptr", "k_scales_ptr",

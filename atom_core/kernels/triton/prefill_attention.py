@@ -41,7 +41,8 @@ import triton.language as tl
 
 from atom_core.envs import PREFILL_ATTENTION_MODES, PrefillAttentionMode, read_envs
 from atom_core.kernels.triton.common import (
-    LaunchPlans, PlannedLaunch, check_dim, check_float, check_int, check_last_dim_contiguous, check_same_device, next_pow2,
+    LaunchPlans, PlannedLaunch, check_dim, check_float, check_int, check_last_dim_contiguous, check_same_device,
+    next_pow2,
 )
 from atom_core.kernels.triton.qkv_prep import _norm_rope, _store_heads
 
