@@ -316,6 +316,13 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
     step mtp-piecewise-test 150 python3 -m pytest -q --tb=short -m gpu tests/spec_decode/test_mtp.py -k piecewise -p no:cacheprovider
     serve_l8 default8
     SERVE_CONC=256 serve_l8 default8 ;;
+  cap-sweep11)  # issue 19, queued by the tenth session (not yet run): with direct launches, serve's cap at R = 6 and 7 against the default (8) at c64, the default twice (run-to-run spread), then the c64 closed loop on the engine core at R = 8 (host issue / wait split: is any step still host-bound?)
+    serve_l8 cap8a
+    serve_l8 cap6 --mixed-step-tokens-per-seq 6
+    serve_l8 cap7 --mixed-step-tokens-per-seq 7
+    serve_l8 cap8b
+    sizes='"piecewise_capture_sizes": ['$(python3 -c "from atom_core.config import SERVE_PIECEWISE_SIZES as s; print(','.join(map(str, s)))")']'
+    step diag-r8-direct 150 python3 tests/gpu/diag_mixed_steps.py --engine "{\"mixed_step_tokens_per_seq\": 8, $sizes}" ;;
   launch11)  # tenth session, issue 19: PlannedLaunch (the step's layers relaunch attention / RoPE + store kernels through the compiled kernel's launcher): host us a launch by path; the kernels' GPU tests through it; then serve's defaults at c64 and c256, and c64 at R = 8 (host-bound before)
     step launch-overhead 60 python3 tests/gpu/bench_launch_overhead.py
     parallel_tests 200 "tests/kernels/test_triton_kernels.py -k attention" "tests/kernels/test_triton_kernels.py -k qkv" "tests/kernels/test_mixed_attention.py tests/kernels/test_fp8_kv.py tests/kernels/test_attention_sinks.py tests/kernels/test_prefill_attention.py" "tests/gpu/test_piecewise_gpu.py"
