@@ -29,10 +29,15 @@ def decoding(sched: Scheduler, n: int, prompt: int = 8) -> None:
     step(sched)
 
 
+def waiting(sched: Scheduler, ids: range, prompt: int = 300) -> None:
+    """Requests `ids` queued with `prompt`-token prompts."""
+    for i in ids:
+        sched.add(make_seq(i, prompt))
+
+
 def test_nothing_decoding_gets_the_whole_budget():
     sched = capped(per_seq=8)
-    for i in range(4):
-        sched.add(make_seq(i, 600))
+    waiting(sched, range(4), prompt=600)
     out, _ = step(sched)
     assert out.total_tokens == 2048  # no decode yet: no cap
 
@@ -40,8 +45,7 @@ def test_nothing_decoding_gets_the_whole_budget():
 def test_the_cap_is_r_tokens_per_live_request_on_the_granule():
     sched = capped(per_seq=7)
     decoding(sched, 20)
-    for i in range(20, 40):
-        sched.add(make_seq(i, 300))
+    waiting(sched, range(20, 40))
     out, _ = step(sched)
     # 40 live x 7 = 280 -> 256, the nearest granule: 20 decodes + 236 prompt tokens
     assert out.total_tokens == 256 and prompt_tokens(out) == 236
@@ -53,8 +57,7 @@ def test_the_cap_grows_with_the_load():
     for live_waiting in (20, 140):
         sched = capped(per_seq=8)
         decoding(sched, 20)
-        for i in range(20, 20 + live_waiting):
-            sched.add(make_seq(i, 300))
+        waiting(sched, range(20, 20 + live_waiting))
         out, _ = step(sched)
         totals[live_waiting] = out.total_tokens
     assert totals == {20: 384, 140: 1280}  # 40 x 8 = 320 -> 384, the nearest granule; 160 x 8
@@ -68,8 +71,7 @@ def test_the_minimum_and_the_budget_bound_the_cap():
     assert out.total_tokens == 192  # 3 x 4 = 12 < the minimum
     sched = capped(per_seq=16, budget=512)
     decoding(sched, 10)
-    for i in range(10, 50):
-        sched.add(make_seq(i, 300))
+    waiting(sched, range(10, 50))
     out, _ = step(sched)
     assert out.total_tokens == 512  # 50 x 16 = 800 > the budget
 
@@ -86,8 +88,7 @@ def test_prompts_always_get_a_granule_beside_many_decodes():
 def test_drafts_count_against_the_cap():
     sched = capped(per_seq=16, speculative=3)
     decoding(sched, 8)
-    for i in range(8, 16):
-        sched.add(make_seq(i, 300))
+    waiting(sched, range(8, 16))
     out, _ = step(sched)
     # 16 live x 16 = 256; 8 decodes reserve 1 + 3 tokens each: 224 prompt tokens
     assert prompt_tokens(out) == 224
@@ -96,8 +97,7 @@ def test_drafts_count_against_the_cap():
 def test_off_admits_the_whole_budget_beside_decodes():
     sched = capped(per_seq=0, budget=1024)
     decoding(sched, 4)
-    for i in range(4, 8):
-        sched.add(make_seq(i, 300))
+    waiting(sched, range(4, 8))
     out, _ = step(sched)
     assert out.total_tokens == 1024
 

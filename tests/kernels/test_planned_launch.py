@@ -64,7 +64,7 @@ def misaligned(n=8):
 
 
 def call(launch, x, out):
-    launch((x, out), (x, out, 8), dict(scale=0.5, BLOCK=32, num_warps=4))
+    launch((x, out), lambda: ((x, out, 8), dict(scale=0.5, BLOCK=32, num_warps=4)))
 
 
 def test_later_launches_call_the_compiled_kernel_with_values_in_parameter_order(direct):

@@ -492,18 +492,18 @@ def launch_paged_attention(
     k_scales, v_scales = (k_scale, v_scale) if token_scales else (k_cache, v_cache)  # the caches: unused stand-ins
     plan.kernel(
         (query, k_cache, v_cache, out, part_out, part_lse, k_scales, v_scales),
-        (query, k_cache, v_cache, out, part_out, part_lse,
-         block_tables, query_start_loc, seq_lens, seq_order if seq_order is not None else seq_lens,
-         *layout, out.stride(0), out.stride(1), block_tables.stride(0)),
-        dict(k_scales_ptr=k_scales, v_scales_ptr=v_scales, **kernel_kwargs),
+        lambda: ((query, k_cache, v_cache, out, part_out, part_lse,
+                  block_tables, query_start_loc, seq_lens, seq_order if seq_order is not None else seq_lens,
+                  *layout, out.stride(0), out.stride(1), block_tables.stride(0)),
+                 dict(k_scales_ptr=k_scales, v_scales_ptr=v_scales, **kernel_kwargs)),
     )
     if plan.merge is not None:
         merge_rows, subset, merge_kwargs, max_q = plan.merge
         plan.merge_kernel(
             (part_out, part_lse, out),
-            (part_out, part_lse, out, query_start_loc, seq_order if subset else query_start_loc,
-             plan.num_seqs, num_tokens, plan.num_kv_splits, max_q, out.stride(0), out.stride(1)),
-            merge_kwargs,
+            lambda: ((part_out, part_lse, out, query_start_loc, seq_order if subset else query_start_loc,
+                      plan.num_seqs, num_tokens, plan.num_kv_splits, max_q, out.stride(0), out.stride(1)),
+                     merge_kwargs),
         )
     return out
 

@@ -143,13 +143,14 @@ class PlannedLaunch:
         self.kernels: dict[tuple, object] = {}  # alignment pattern of the per-call tensors -> compiled kernel
         self.device: int | None = None
 
-    def __call__(self, tensors: tuple, args: tuple, kwargs: dict) -> None:
-        """tensors: the per-call tensors (or None), in `per_call` order; args / kwargs: the whole
-        call as `kernel[grid](*args, **kwargs)` takes it, those tensors included."""
+    def __call__(self, tensors: tuple, make_call) -> None:
+        """tensors: the per-call tensors (or None), in `per_call` order; make_call() -> (args, kwargs):
+        the whole call as `kernel[grid](*args, **kwargs)` takes it, those tensors included (built only
+        when the JIT path runs)."""
         key = tuple(None if t is None else t.data_ptr() % 16 == 0 for t in tensors)
         kernel = self.kernels.get(key)
         if kernel is None or not fast_launch_enabled() or _launch_hooks_set():
-            self._jit_launch(key, tensors, args, kwargs)
+            self._jit_launch(key, tensors, *make_call())
             return
         values = self.values.copy()
         for slot, t in zip(self.slots, tensors):

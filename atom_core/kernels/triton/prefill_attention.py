@@ -116,7 +116,8 @@ def rope_k_rows(
         return k
     norm = k_norm_weight if k_norm_weight is not None else k
     kernel((qkv, positions, cos_sin_cache, norm, k),
-           (qkv, positions, cos_sin_cache, norm, k, eps, qkv.stride(0), cos_sin_cache.stride(0), k.stride(0)), kwargs)
+           lambda: ((qkv, positions, cos_sin_cache, norm, k, eps, qkv.stride(0), cos_sin_cache.stride(0),
+                     k.stride(0)), kwargs))
     return k
 
 
@@ -345,7 +346,7 @@ def prefill_attention(
     if kernel is None:
         return out
     kernel((query, key, value, out),
-           (query, key, value, out, cu_seqlens, seq_ids, *layout, out.stride(0), out.stride(1)), kwargs)
+           lambda: ((query, key, value, out, cu_seqlens, seq_ids, *layout, out.stride(0), out.stride(1)), kwargs))
     return out
 
 

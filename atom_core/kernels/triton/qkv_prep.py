@@ -159,10 +159,10 @@ def qkv_rope_store(
     weights = (q_norm_weight, k_norm_weight) if has_norm else (q_out, q_out)  # unused without norm
     k_scales, v_scales = (k_scale, v_scale) if isinstance(k_scale, torch.Tensor) else (None, None)
     kernel((qkv, positions, cos_sin_cache, weights[0], weights[1], q_out, k_cache, v_cache, k_scales, v_scales),
-           (qkv, positions, cos_sin_cache, weights[0], weights[1], q_out,
-            k_cache, v_cache, slot_mapping, eps, k_cache.shape[1],
-            qkv.stride(0), cos_sin_cache.stride(0), q_out.stride(0), *layout),
-           dict(kwargs, num_warps=4))
+           lambda: ((qkv, positions, cos_sin_cache, weights[0], weights[1], q_out,
+                     k_cache, v_cache, slot_mapping, eps, k_cache.shape[1],
+                     qkv.stride(0), cos_sin_cache.stride(0), q_out.stride(0), *layout),
+                    dict(kwargs, num_warps=4)))
     return q_out
 
 
