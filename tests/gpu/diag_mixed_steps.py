@@ -6,7 +6,8 @@ once (random prompts of --input-len, --output-len tokens, ignore_eos), as `bench
 the host's side of each step is split into: time blocked waiting for the device (the executor's
 resolve), the launch (schedule + inputs + issuing the forward), and the rest (outputs). A step
 whose wait is near zero is host-bound. --cprofile N: the top N functions by own time over the
-measured steps.
+measured steps. --cuda-trace N: a CUDA-only profiler trace of the first N measured steps, each
+opened by a marker kernel, read by cuda_gaps.py (device idle before, inside and after each step).
 
     python3 tests/gpu/diag_mixed_steps.py --model preset:Llama-3-8B --concurrency 64 -- --mixed-step-tokens-per-seq 8
 """
@@ -31,6 +32,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=320)
     parser.add_argument("--warm-requests", type=int, default=64, help="finished before timing starts")
     parser.add_argument("--cprofile", type=int, default=0)
+    parser.add_argument("--cuda-trace", type=int, default=0, help="steps in a CUDA-only trace (cuda_gaps.py)")
+    parser.add_argument("--trace-dir", default="/tmp")
     parser.add_argument("--engine", default="{}", help="JSON of extra EngineConfig fields")
     args = parser.parse_args()
     fields = {"load_format": "dummy", "max_model_len": 4096, "num_scheduler_steps": 1,
@@ -53,6 +56,21 @@ def main() -> None:
         return wrapper
 
     core.executor.launch = timed("launch", launch)
+    trace = {"profiler": None, "kinds": [], "left": args.cuda_trace}
+    traced_launch = core.executor.launch
+
+    def marked_launch(out, previous):
+        if trace["profiler"] is not None and trace["left"] > 0:
+            import torch
+
+            torch.cuda._sleep(100)  # the step's marker kernel (cuda_gaps.MARKER)
+            trace["left"] -= 1
+            n = len(out)
+            trace["kinds"].append(f"decode bs{(n + 15) // 16 * 16}" if out.is_decode_only
+                                  else f"mixed {(out.total_tokens + 127) // 128 * 128} tok")
+        return traced_launch(out, previous)
+
+    core.executor.launch = marked_launch
     core.executor.resolve = timed("wait", resolve)
     sent = finished = 0
 
@@ -72,6 +90,11 @@ def main() -> None:
         timers.update(launch=0.0, wait=0.0)
         if profiler:
             profiler.enable()
+        if args.cuda_trace:
+            from torch.profiler import ProfilerActivity, profile
+
+            trace["profiler"] = profile(activities=[ProfilerActivity.CUDA])
+            trace["profiler"].__enter__()
         return time.perf_counter()
 
     if args.warm_requests == 0:  # the whole run, as bench serve times it
@@ -85,6 +108,8 @@ def main() -> None:
         if start is None and finished >= args.warm_requests:
             start, steps = start_timing(), 0
         steps += 1
+        if trace["profiler"] is not None and trace["left"] == 0:
+            finish_trace(trace, args.trace_dir)
     if profiler:
         profiler.disable()
     wall = time.perf_counter() - start
@@ -95,6 +120,23 @@ def main() -> None:
                       "with_prompt": summary["with_prompt"], "decode_only": summary["decode_only"]}, indent=1))
     if profiler:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(args.cprofile)
+
+
+def finish_trace(trace: dict, trace_dir: str) -> None:
+    """Stop the CUDA-only trace (its last marker closes the last step), save it and report its gaps."""
+    import os
+
+    import torch
+
+    from cuda_gaps import report
+
+    torch.cuda._sleep(100)
+    torch.cuda.synchronize()
+    prof, trace["profiler"], trace["left"] = trace["profiler"], None, -1
+    prof.__exit__(None, None, None)
+    path = os.path.join(trace_dir, "cuda_gaps_trace.json")
+    prof.export_chrome_trace(path)
+    report(path, trace["kinds"])
 
 
 if __name__ == "__main__":

@@ -316,6 +316,13 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
     step mtp-piecewise-test 150 python3 -m pytest -q --tb=short -m gpu tests/spec_decode/test_mtp.py -k piecewise -p no:cacheprovider
     serve_l8 default8
     SERVE_CONC=256 serve_l8 default8 ;;
+  gaps12)  # eleventh session, issue 19: the c64 closed loop at R = 8 with a CUDA-only trace of 80 steps (cuda_gaps.py: device idle before / inside / after each step, and the kernel pairs around it), then cap-sweep11's serves
+    sizes='"piecewise_capture_sizes": ['$(python3 -c "from atom_core.config import SERVE_PIECEWISE_SIZES as s; print(','.join(map(str, s)))")']'
+    step diag-r8-gaps 170 python3 tests/gpu/diag_mixed_steps.py --cuda-trace 80 --engine "{\"mixed_step_tokens_per_seq\": 8, $sizes}"
+    serve_l8 cap8a
+    serve_l8 cap6 --mixed-step-tokens-per-seq 6
+    serve_l8 cap7 --mixed-step-tokens-per-seq 7
+    serve_l8 cap8b ;;
   cap-sweep11)  # issue 19, queued by the tenth session (not yet run): with direct launches, serve's cap at R = 6 and 7 against the default (8) at c64, the default twice (run-to-run spread), then the c64 closed loop on the engine core at R = 8 (host issue / wait split: is any step still host-bound?)
     serve_l8 cap8a
     serve_l8 cap6 --mixed-step-tokens-per-seq 6
