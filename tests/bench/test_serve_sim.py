@@ -1,0 +1,94 @@
+"""The serve simulator: the real scheduler under a closed loop, timed by a step-cost model."""
+import dataclasses
+
+import pytest
+
+from atom_core.bench.serve_sim import StepCost, simulate, step_cost
+from atom_core.config import SchedulerConfig
+from atom_core.scheduler_output import SchedulerOutput
+
+# Every step (and every forward of a decode window) costs exactly 10 ms.
+FLAT_10MS = StepCost(gemm_floor_ms=0, gemm_ms_per_token=0, kv_bytes_per_token=0, attn_flops_per_token_pair=0,
+                     small_ms_per_token=0, head_floor_ms=0, head_ms_per_row=0,
+                     decode_only_overhead_ms=10, mixed_overhead_ms=10)
+
+
+def _config(r: int = 0, budget: int = 8192, steps: int = 8) -> SchedulerConfig:
+    return SchedulerConfig(max_num_batched_tokens=budget, num_scheduler_steps=steps, mixed_step_tokens_per_seq=r)
+
+
+def test_every_request_completes_with_exact_token_counts():
+    result = simulate(_config(r=8), StepCost(), concurrency=16, num_requests=48, input_len=300, output_len=20)
+    assert result.num_requests == 48
+    assert result.output_tokens == 48 * 20
+    assert len(result.ttft_ms) == len(result.tpot_ms) == 48
+    assert min(result.ttft_ms) > 0 and min(result.tpot_ms) > 0
+    assert result.num_preemptions == 0
+    summary = result.summary()
+    assert summary["output_tok_s"] > 0 and summary["steps"] == len(result.steps)
+
+
+@pytest.mark.parametrize("window", [1, 8])
+def test_clock_and_async_order_by_hand(window):
+    """c1, two requests of 300 prompt tokens and 5 outputs, 128-token budget, 10 ms a forward.
+    Request 0: chunks 128 / 128 / 44 end at 10 / 20 / 30 ms (the next chunk is scheduled while the
+    previous one runs), so its first token is at 30 ms; the four decodes follow 10 ms apart (one step
+    each, or one window of 4 forwards, 30-70 ms): it finishes at 70. Request 1 is sent 1 ms later
+    (client latency) and repeats it: arrival 71, finish 141."""
+    result = simulate(_config(budget=128, steps=window), FLAT_10MS, concurrency=1, num_requests=2,
+                      input_len=300, output_len=5)
+    assert result.ttft_ms == pytest.approx([30.0, 30.0])
+    assert result.tpot_ms == pytest.approx([10.0, 10.0])
+    assert result.duration_ms == pytest.approx(141.0)
+    assert result.output_tok_s == pytest.approx(10 / 0.141)
+    assert len(result.steps) == 2 * (3 + (4 if window == 1 else 1))
+
+
+def test_host_bound_steps_pace_the_tokens():
+    """15 ms of host work after each launch, 10 ms steps: the host schedules at 0, 15, 30, 45, ...
+    and each step starts when scheduled; step 3 (the last chunk, 30-40 ms) is read at 45, when the
+    host is next free, and each later token 15 ms apart: TTFT 45, TPOT 15 (the host's pace)."""
+    result = simulate(_config(budget=128, steps=1), FLAT_10MS, concurrency=1, num_requests=1, input_len=300,
+                      output_len=5, host_overhead_ms=15.0)
+    assert result.ttft_ms == pytest.approx([45.0])
+    assert result.tpot_ms == pytest.approx([15.0])
+
+
+def test_mixed_step_cap_bounds_the_steps():
+    """R = 8 at c64: a step with decodes carries about 8 x 64 = 512 tokens (to the 128 granule), never
+    the budget; without the cap prompt chunks fill the 8,192-token budget beside the decodes."""
+    kwargs = dict(concurrency=64, num_requests=192, input_len=1024, output_len=128)
+    capped = simulate(_config(r=8), StepCost(), **kwargs).summary()
+    uncapped = simulate(_config(r=0), StepCost(), **kwargs).summary()
+    assert capped["mixed_steps"] > 100
+    assert capped["mixed_tokens"] <= 512 + 128
+    assert capped["mixed_max_tokens"] <= 512 + 128
+    assert uncapped["mixed_max_tokens"] > 2000
+
+
+def test_deterministic_for_a_seed():
+    def run():
+        return simulate(_config(r=8), StepCost(), concurrency=8, num_requests=24, input_len=200, output_len=16, seed=3)
+
+    a, b = run(), run()
+    assert a.ttft_ms == b.ttft_ms and a.tpot_ms == b.tpot_ms and a.steps == b.steps
+    assert {**a.summary(), "sim_s": 0} == {**b.summary(), "sim_s": 0}
+
+
+def test_step_cost_of_a_mixed_step_by_hand():
+    """Two decodes at positions 99 and 199 and a 100-token chunk from 0; every coefficient 1-ish."""
+    out = SchedulerOutput()
+    out.add("a", 1, 99)
+    out.add("b", 1, 199)
+    out.add("c", 100, 0)
+    cost = dataclasses.replace(StepCost(), gemm_floor_ms=0, gemm_ms_per_token=1, kv_bytes_per_token=1,
+                               decode_attn_bytes_per_s=1e3, attn_flops_per_token_pair=1, prefill_attn_flops=1e3,
+                               small_ms_per_token=0.5, head_floor_ms=0, head_ms_per_row=2)
+    # gemm 102, decode attention 300, prefill attention 100 x 50 = 5,000, small 51, head 3 x 2, mixed 1.5
+    assert step_cost(out, [1, 1, 1], cost) == pytest.approx(102 + 300 + 5000 + 51 + 6 + 1.5)
+
+
+def test_unknown_cost_field_is_rejected():
+    with pytest.raises(ValueError, match="gemm_us_per_token"):
+        StepCost.from_json('{"gemm_us_per_token": 0.02}')
+    assert StepCost.from_json('{"gemm_floor_ms": 5}').gemm_floor_ms == 5
