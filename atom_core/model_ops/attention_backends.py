@@ -24,11 +24,14 @@ class AttentionBackend:
     """Contract: `forward` stores this step's K/V into the layer's cache (slots from the
     metadata; slot < 0 = padding, stored nowhere) and returns [T, H * D]. It must not sync
     the host, so CUDA graphs can capture it. The supports_* flags are what
-    kv_spec.check_attention_supported refuses a model on."""
+    kv_spec.check_attention_supported refuses a model on; `writes_out`: forward takes `out=`, a
+    [T, H * D] tensor it writes its result into and returns (piecewise graphs pass their static
+    output buffer, so no copy follows the eager attention)."""
 
     name = "base"
     supports_sliding_window = False
     supports_sinks = False
+    writes_out = False
 
     def __init__(self, device_type: str):
         self.device_type = device_type
@@ -48,23 +51,27 @@ class PagedMHABackend(AttentionBackend):
     name = "paged-mha"
     supports_sliding_window = True  # both providers (torch_ref, Triton) mask a per-layer window
     supports_sinks = True  # and add a per-head sink to the softmax denominator
+    writes_out = True
 
     def __init__(self, device_type: str):
         super().__init__(device_type)
         self.ops = kernel_ops(device_type)
 
-    def forward(self, layer: "Attention", qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, layer: "Attention", qkv: torch.Tensor, positions: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         meta = get_attention_metadata()
         q_norm, k_norm = layer.qk.q_norm, layer.qk.k_norm
         norm = (q_norm.weight, k_norm.weight, q_norm.eps) if q_norm is not None else (None, None, 1e-6)
         scales = self._kv_scales(layer)
         q = self.ops.qkv_rope_store(qkv, positions, layer.qk.rotary.cos_sin_cache, layer.k_cache, layer.v_cache,
                                     meta.slot_mapping, layer.num_heads, *norm, **scales)
+        if out is not None:
+            out = out.view(q.shape)
         prefill = self._contiguous_prefill() if meta.fresh_seq_ids is not None and not scales else None
         if prefill is not None:
-            out = self._split_by_context(prefill, layer, meta, qkv, positions, q, k_norm)
+            out = self._split_by_context(prefill, layer, meta, qkv, positions, q, k_norm, out)
             return out.view(-1, layer.num_heads * layer.head_dim)
-        out = self._paged_attention(layer, meta, q, None, scales, with_fresh=True)
+        out = self._paged_attention(layer, meta, q, out, scales, with_fresh=True)
         return out.view(-1, layer.num_heads * layer.head_dim)
 
     def _paged_launches(self, meta: AttentionMetadata, with_fresh: bool) -> list[tuple[int, torch.Tensor | None]]:
@@ -108,12 +115,13 @@ class PagedMHABackend(AttentionBackend):
         return prefill_attention if prefill_attention.prefill_attention_mode() == "contiguous" else None
 
     def _split_by_context(self, prefill, layer: "Attention", meta, qkv: torch.Tensor, positions: torch.Tensor,
-                          q: torch.Tensor, k_norm) -> torch.Tensor:
+                          q: torch.Tensor, k_norm, out: torch.Tensor | None) -> torch.Tensor:
         """Sequences without cached context attend over this step's own K/V rows; the rest (chunks
         with context, decodes) through the paged kernel. Each launch writes only its own
         sequences' rows of `out` (split-KV too), so their order is free. Only for caches in the
         model dtype (FP8 caches hold codes, which the reference attends over)."""
-        out = torch.empty_like(q)
+        if out is None:
+            out = torch.empty_like(q)
         args = self._layer_args(layer)
         self._paged_attention(layer, meta, q, out, {}, with_fresh=False)
         num_kv_heads, head_dim = layer.k_cache.shape[2], layer.head_dim
@@ -188,7 +196,7 @@ class PagedMHABackend(AttentionBackend):
             block_tables=torch.zeros(1, 1, dtype=torch.int32, device=dev),
             slot_mapping=slots, max_query_len=2, max_seq_len=2,
             fresh_seq_ids=torch.zeros(1, dtype=torch.int32, device=dev), fresh_max_query_len=2)
-        self._split_by_context(self._contiguous_prefill(), layer, meta, qkv, positions, q, k_norm)
+        self._split_by_context(self._contiguous_prefill(), layer, meta, qkv, positions, q, k_norm, None)
         return 2
 
 

@@ -20,8 +20,9 @@ layer k inside graph k; the stand-in then
      next layer's attention would then overwrite.
 Replay of a step with n <= T tokens: copy ids and positions into the static buffers, then for
 each layer replay graph k, run the layer's own backend on rows [:n] of the static inputs (the
-exact metadata: padded rows never reach attention, so the KV cache never sees them) and copy its
-result into rows [:n] of the static output; finally replay the last graph. Padded rows carry
+exact metadata: padded rows never reach attention, so the KV cache never sees them), writing rows
+[:n] of the static output (backends with `writes_out` write there; others' results are copied in);
+finally replay the last graph. Padded rows carry
 stale but finite values; every op outside attention is row-wise in the token dimension, so they
 never reach a real row. The hidden states are a view of graph memory, valid until the next
 replay (as CUDAGraphRunner's).
@@ -137,8 +138,11 @@ class AttentionCall:
     output: torch.Tensor  # static, [T, width]; graph k + 1 reads it
 
     def run(self, num_tokens: int) -> None:
-        out = self.backend.forward(self.layer, *(x[:num_tokens] for x in self.inputs))
-        self.output[:num_tokens].copy_(out)
+        inputs, output = [x[:num_tokens] for x in self.inputs], self.output[:num_tokens]
+        if getattr(self.backend, "writes_out", False):  # straight into the static buffer: no copy
+            self.backend.forward(self.layer, *inputs, out=output)
+            return
+        output.copy_(self.backend.forward(self.layer, *inputs))
 
 
 @dataclass

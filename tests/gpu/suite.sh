@@ -316,6 +316,10 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
     step mtp-piecewise-test 150 python3 -m pytest -q --tb=short -m gpu tests/spec_decode/test_mtp.py -k piecewise -p no:cacheprovider
     serve_l8 default8
     SERVE_CONC=256 serve_l8 default8 ;;
+  tiles12)  # eleventh session, issue 19: decode attention tiles (BLOCK_N x stages x warps) at D 128 for Llama-3-8B / Qwen3-0.6B heads, serving (1,024-1,152) and nano (100-1,600) contexts; then the attention kernels' and piecewise engine's GPU tests in 8 processes (pytest-xdist from .whl), through the direct launches and the piecewise static-output writes
+    step tile-sweep-serving 150 python3 tests/gpu/sweep_attention.py --tiles 128x3x4,64x3x2,64x4x2,128x2x4 --heads 32/8,16/8 --batches 1,8,32,48,64,128,256 --lo 1024 --hi 1152
+    step tile-sweep-nano 150 python3 tests/gpu/sweep_attention.py --tiles 128x3x4,64x3x2,64x4x2,128x2x4 --heads 32/8,16/8 --batches 1,8,32,64,128,256 --lo 100 --hi 1600
+    step gpu-tests-attention 330 python3 -m pytest -q --tb=short -m gpu -p no:cacheprovider -n 8 tests/kernels/test_triton_kernels.py tests/kernels/test_mixed_attention.py tests/kernels/test_prefill_attention.py tests/kernels/test_fp8_kv.py tests/kernels/test_attention_sinks.py tests/gpu/test_piecewise_gpu.py ;;
   gaps12)  # eleventh session, issue 19: the c64 closed loop at R = 8 with a CUDA-only trace of 80 steps (cuda_gaps.py: device idle before / inside / after each step, and the kernel pairs around it), then cap-sweep11's serves
     sizes='"piecewise_capture_sizes": ['$(python3 -c "from atom_core.config import SERVE_PIECEWISE_SIZES as s; print(','.join(map(str, s)))")']'
     step diag-r8-gaps 170 python3 tests/gpu/diag_mixed_steps.py --cuda-trace 80 --engine "{\"mixed_step_tokens_per_seq\": 8, $sizes}"

@@ -44,7 +44,11 @@ def main():
     ap.add_argument("--lo", type=int, default=100, help="shortest context (uniform in [lo, hi])")
     ap.add_argument("--hi", type=int, default=1600)
     ap.add_argument("--splits", default="1,2", help="KV split counts to time")
+    ap.add_argument("--heads", default="32/8", help="with --tiles: query / KV heads pairs, e.g. 32/8,16/8")
+    ap.add_argument("--tiles", default="", help="instead: decode tiles BLOCK_NxSTAGESxWARPS,... at the heuristic's splits")
     args = ap.parse_args()
+    if args.tiles:
+        return sweep_tiles(args)
     print(f"decode attention, one layer, contexts {args.lo}-{args.hi}: us per launch (median of 3) for KV splits "
           f"{args.splits}, plain order / "
           "longest first / longest first with a sequence's kv heads adjacent; the heuristic's split count in []")
@@ -72,6 +76,52 @@ def main():
                 cells.append(f"{splits}: {'/'.join(pair)}")
             print(f"H={heads:<2} KH={kv_heads} bs={batch:<4} [{chosen}] " + " | ".join(cells)
                   + f"  best {best[1]} {best[0]:.1f} us = {kv_bytes / best[0] / 1e3:.0f} GB/s")
+
+
+def decode_tiles(block_n: int, stages: int, warps: int):
+    """A _TileConfig whose decode tiles are these (prefill tiles unchanged)."""
+    class Tiles(A._TileConfig):
+        def __init__(self, max_query_len, group_p, head_dim):
+            super().__init__(max_query_len, group_p, head_dim)
+            if max_query_len == 1:
+                self.block_n, self.num_stages, self.num_warps = block_n, stages, warps
+    return Tiles
+
+
+def sweep_tiles(args) -> None:
+    """us a launch of decode attention (D 128: Llama-3-8B 32 / 8 heads, Qwen3-0.6B 16 / 8) per decode
+    tile, longest first."""
+    tiles = [tuple(map(int, t.split("x"))) for t in args.tiles.split(",")]
+    default = A._TileConfig
+    print(f"decode attention, D 128, contexts {args.lo}-{args.hi}: us a launch (median of 3) by decode tile "
+          "BLOCK_N x stages x warps, the heuristic's splits, longest first")
+    shapes = [(int(h), int(kh), int(b)) for h, kh in (p.split("/") for p in args.heads.split(","))
+              for b in args.batches.split(",")]
+    for heads, kv_heads, batch in shapes:
+        q, k, v, tables, qsl, seq_lens, max_len, kv_bytes = make_inputs(heads, kv_heads, 128, batch, lo=args.lo,
+                                                                         hi=args.hi)
+        out = torch.empty_like(q)
+        order = torch.argsort(seq_lens, descending=True).to(torch.int32)
+        ref = A.launch_paged_attention(q, k, v, tables, qsl, seq_lens, 0.088, 1, max_len, num_kv_splits=1)
+        cells, best = [], (1e9, "")
+        for block_n, stages, warps in tiles:
+            A._TileConfig = decode_tiles(block_n, stages, warps)
+            A._PLANS.clear()
+            run = lambda: A.launch_paged_attention(  # noqa: E731
+                q, k, v, tables, qsl, seq_lens, 0.088, 1, max_len, out, seq_order=order)
+            try:
+                run()
+                assert (out.float() - ref.float()).abs().max().item() < 2e-2
+                us = timed(run) * 1e3
+            except Exception as e:  # out of shared memory: the tile does not fit
+                cells.append(f"{block_n}x{stages}x{warps}: {type(e).__name__}")
+                continue
+            finally:
+                A._TileConfig = default
+                A._PLANS.clear()
+            cells.append(f"{block_n}x{stages}x{warps}: {us:6.1f}")
+            best = min(best, (us, f"{block_n}x{stages}x{warps}"))
+        print(f"H={heads:<2} KH={kv_heads} bs={batch:<4} " + " | ".join(cells) + f"  best {best[1]} {best[0]:.1f} us = {kv_bytes / best[0] / 1e3:.0f} GB/s")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import torch
 from atom_core import LLMEngine, SamplingParams
 from atom_core.config import EngineConfig
 from atom_core.model_ops.forward_context import set_attention_metadata
-from atom_core.worker.piecewise import PiecewiseGraphRunner, padded_token_count
+from atom_core.worker.piecewise import AttentionCall, PiecewiseGraphRunner, padded_token_count
 from tests.worker.graph_recorder import RecordingGraphKit
 
 SIZES = (1, 2, 4, 8, 16, 24)
@@ -241,6 +241,46 @@ class TestCapture:
         pw = PiecewiseGraphRunner(runner.model, runner.attention_layers, (4,), runner.device, RecordingGraphKit())
         with pytest.raises(AssertionError, match="syncs the host"):
             pw.capture_all()
+
+
+class _RowSum:
+    """A stand-in backend: each output row is its input row's sum, written into `out` when it takes one."""
+
+    def __init__(self, writes_out: bool):
+        self.writes_out, self.outs = writes_out, []
+
+    def forward(self, layer, x, out=None):
+        self.outs.append(out)
+        result = x.sum(-1, keepdim=True).expand(-1, 2)
+        if out is None:
+            return result.clone()
+        out.copy_(result)
+        return out
+
+
+class TestAttentionCallOutput:
+    """The eager attention's result lands in rows [:n] of the static output buffer: written there
+    by backends that take `out` (no copy after them), copied there from the others."""
+
+    @pytest.mark.parametrize("writes_out", [True, False])
+    def test_rows_written_and_padding_kept(self, writes_out):
+        backend = _RowSum(writes_out)
+        inputs = [torch.arange(12.0).view(4, 3)]
+        output = torch.full((4, 2), -1.0)
+        AttentionCall(backend, None, inputs, output).run(3)
+        assert torch.equal(output[:3], torch.tensor([[3.0] * 2, [12.0] * 2, [21.0] * 2]))
+        assert bool((output[3] == -1.0).all())  # a padded row is not touched
+        out = backend.outs[0]
+        if writes_out:  # the backend got the static buffer's rows themselves
+            assert out.data_ptr() == output.data_ptr() and out.shape == (3, 2)
+        else:
+            assert out is None
+
+    def test_paged_backend_writes_into_the_static_output(self, tiny_llama):
+        """The paged MHA backend takes `out`: every captured call of a piecewise engine runs that way."""
+        engine = _piecewise_engine(tiny_llama, RecordingGraphKit())
+        calls = engine.core.executor.runner.piecewise.plans[SIZES[-1]].calls
+        assert calls and all(call.backend.writes_out for call in calls)
 
 
 class TestModeOnTheCPU:
