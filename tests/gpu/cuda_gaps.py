@@ -30,6 +30,8 @@ def device_records(path: str) -> list[tuple[float, float, str]]:
 
 
 def short(name: str) -> str:
+    if name.startswith(("Memcpy", "Memset")):  # keep the direction: "Memcpy HtoD (Pinned -> Device)"
+        return name[:40]
     for cut in ("<", "(", " "):
         name = name.split(cut)[0]
     return name[:48]

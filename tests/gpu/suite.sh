@@ -316,6 +316,12 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
     step mtp-piecewise-test 150 python3 -m pytest -q --tb=short -m gpu tests/spec_decode/test_mtp.py -k piecewise -p no:cacheprovider
     serve_l8 default8
     SERVE_CONC=256 serve_l8 default8 ;;
+  final12)  # eleventh session, issue 19: serve's defaults with the piecewise static-output writes: c64 twice, c256 once; the piecewise engine GPU tests alone (one had failed for memory beside 7 other test processes); the c64 closed loop at R = 8 with a CUDA-only trace (memcpy kinds named) and a cProfile of the host
+    SERVE_CONC="64 256" serve_l8 final12a
+    serve_l8 final12b
+    step gpu-tests-piecewise 200 python3 -m pytest -q --tb=short -m gpu -p no:cacheprovider tests/gpu/test_piecewise_gpu.py
+    sizes='"piecewise_capture_sizes": ['$(python3 -c "from atom_core.config import SERVE_PIECEWISE_SIZES as s; print(','.join(map(str, s)))")']'
+    step diag-r8-gaps-b 170 python3 tests/gpu/diag_mixed_steps.py --cuda-trace 80 --cprofile 30 --engine "{\"mixed_step_tokens_per_seq\": 8, $sizes}" ;;
   tiles12)  # eleventh session, issue 19: decode attention tiles (BLOCK_N x stages x warps) at D 128 for Llama-3-8B / Qwen3-0.6B heads, serving (1,024-1,152) and nano (100-1,600) contexts; then the attention kernels' and piecewise engine's GPU tests in 8 processes (pytest-xdist from .whl), through the direct launches and the piecewise static-output writes
     step tile-sweep-serving 150 python3 tests/gpu/sweep_attention.py --tiles 128x3x4,64x3x2,64x4x2,128x2x4 --heads 32/8,16/8 --batches 1,8,32,48,64,128,256 --lo 1024 --hi 1152
     step tile-sweep-nano 150 python3 tests/gpu/sweep_attention.py --tiles 128x3x4,64x3x2,64x4x2,128x2x4 --heads 32/8,16/8 --batches 1,8,32,64,128,256 --lo 100 --hi 1600
