@@ -41,6 +41,29 @@ def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return tensor
 
 
+STAGING_ALIGN = 16  # bytes: the pointer alignment Triton specialises on, as a fresh allocation has
+
+
+def _to_device_packed(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
+    """Several host arrays to the device in ONE copy: packed into one pinned buffer, each at a
+    16-byte-aligned offset, and handed out as views of the device copy. Separate small copies left
+    the H100 idle ~16 us between each, ~10 a step (tests/gpu/cuda_gaps.py, docs/PERFORMANCE.md).
+    The CPU packs alike (its views are of the host buffer), so the CPU tests run the packing."""
+    pinned = device.type == "cuda"
+    arrays = {name: np.ascontiguousarray(a) for name, a in arrays.items()}
+    offsets, total = {}, 0
+    for name, a in arrays.items():
+        offsets[name] = total
+        total += -(-a.nbytes // STAGING_ALIGN) * STAGING_ALIGN
+    host = torch.empty(max(total, STAGING_ALIGN), dtype=torch.uint8, pin_memory=pinned)
+    staging = host.numpy()
+    for name, a in arrays.items():
+        staging[offsets[name]:offsets[name] + a.nbytes] = a.reshape(-1).view(np.uint8)
+    packed = host.to(device, non_blocking=True) if pinned else host
+    return {name: packed[offsets[name]:offsets[name] + a.nbytes].view(torch.from_numpy(a[:0]).dtype).view(a.shape)
+            for name, a in arrays.items()}
+
+
 def _block_table_array(tables: list[list[int]]) -> np.ndarray:
     width = max(len(t) for t in tables)
     out = np.zeros((len(tables), width), dtype=np.int32)
@@ -59,23 +82,23 @@ def assemble_flat_batch(input_ids: list[int], positions: list[int], slot_mapping
                         device: torch.device, attn_extra: dict | None = None, **fields) -> FlatBatch:
     """The one place a step's host lists become device tensors: the AttentionMetadata and the
     FlatBatch around it. logit_rows None: every row needs logits (decode), so no gather list is
-    sent. attn_extra: AttentionMetadata's optional fields; fields: FlatBatch's host-side ones."""
+    sent. attn_extra: AttentionMetadata's optional fields (numpy arrays go to the device with the
+    rest, in one copy); fields: FlatBatch's host-side ones."""
     seq_lens = np.asarray(seq_lens, dtype=np.int32)
-    attn = AttentionMetadata(
-        query_start_loc=_to_device(np.asarray(query_start_loc, dtype=np.int32), device),
-        seq_lens=_to_device(seq_lens, device),
-        block_tables=_to_device(_block_table_array(block_tables), device),
-        slot_mapping=_to_device(np.array(slot_mapping, dtype=np.int64), device),
-        max_query_len=max_query_len,
-        max_seq_len=int(seq_lens.max()),
-        **(attn_extra or {}),
-    )
-    return FlatBatch(
+    extra = dict(attn_extra or {})
+    arrays = {name: extra.pop(name) for name in list(extra) if isinstance(extra[name], np.ndarray)}
+    arrays.update(
+        query_start_loc=np.asarray(query_start_loc, dtype=np.int32), seq_lens=seq_lens,
+        block_tables=_block_table_array(block_tables), slot_mapping=np.array(slot_mapping, dtype=np.int64),
+        logit_rows=np.array(logit_rows if logit_rows is not None else [], dtype=np.int64))
+    dev = _to_device_packed(arrays, device)
+    logit_rows_dev = dev.pop("logit_rows")
+    attn = AttentionMetadata(max_query_len=max_query_len, max_seq_len=int(seq_lens.max()), **dev, **extra)
+    return FlatBatch(  # ids and positions stay separate allocations: torch.compile guards on their storage offset
         input_ids=_to_device(np.array(input_ids, dtype=np.int64), device),
         positions=_to_device(np.array(positions, dtype=np.int64), device),
         attn=attn,
-        logit_rows=(attn.query_start_loc[:0] if logit_rows is None
-                    else _to_device(np.array(logit_rows, dtype=np.int64), device)),
+        logit_rows=logit_rows_dev,
         num_tokens=len(input_ids),
         **fields,
     )
@@ -90,27 +113,28 @@ def _split_by_context() -> bool:
     return prefill_attention_mode() == "contiguous"
 
 
-def context_split(query_lens: list[int], seq_lens: list[int], device: torch.device) -> dict:
+def context_split(query_lens: list[int], seq_lens: list[int]) -> dict:
     """AttentionMetadata's fresh/paged fields: which sequences have no cached context (every key
     is one of this step's rows) and which do, each with its longest query (none when none is
-    fresh); and its decode/chunk fields: the ones with context by q_len 1 or more, when both occur."""
+    fresh); and its decode/chunk fields: the ones with context by q_len 1 or more, when both occur.
+    Id lists as host arrays: assemble_flat_batch copies them to the device with the rest."""
     fresh, paged = [], []
     for i, (q, s) in enumerate(zip(query_lens, seq_lens)):
         (fresh if q == s else paged).append(i)
     paged.sort(key=lambda i: -seq_lens[i])  # longest first, as decode batches' seq_order
     out = {}
     decodes = [i for i in paged if query_lens[i] == 1]
-    if decodes and len(decodes) < len(paged):  # both kinds; two tensors: a slice of one may lose
+    if decodes and len(decodes) < len(paged):  # both kinds; two arrays: a slice of one may lose
         chunks = [i for i in paged if query_lens[i] > 1]  # the 16-byte alignment Triton specialises on
-        out["decode_seq_ids"] = _to_device(np.array(decodes, dtype=np.int32), device)
-        out["chunk_seq_ids"] = _to_device(np.array(chunks, dtype=np.int32), device)
+        out["decode_seq_ids"] = np.array(decodes, dtype=np.int32)
+        out["chunk_seq_ids"] = np.array(chunks, dtype=np.int32)
         out["chunk_max_query_len"] = max(query_lens[i] for i in chunks)
     if not fresh:
         return out
-    out["fresh_seq_ids"] = _to_device(np.array(fresh, dtype=np.int32), device)
+    out["fresh_seq_ids"] = np.array(fresh, dtype=np.int32)
     out["fresh_max_query_len"] = max(query_lens[i] for i in fresh)
     if paged:
-        out["paged_seq_ids"] = _to_device(np.array(paged, dtype=np.int32), device)
+        out["paged_seq_ids"] = np.array(paged, dtype=np.int32)
         out["paged_max_query_len"] = max(query_lens[i] for i in paged)
     return out
 
@@ -128,7 +152,7 @@ def build_decode_batch(states: list[RequestState], block_size: int, device: torc
     seq_lens = np.array(positions, dtype=np.int32) + 1
     return assemble_flat_batch(
         input_ids, positions, slots, np.arange(num + 1), seq_lens, tables, 1, None, device,
-        attn_extra={"seq_order": _to_device(np.argsort(-seq_lens, kind="stable").astype(np.int32), device)},
+        attn_extra={"seq_order": np.argsort(-seq_lens, kind="stable").astype(np.int32)},
         sample_rows=rows,
         sample_seq_idx=rows,
         prompt_logprob_spans=[],
@@ -195,7 +219,7 @@ def build_flat_batch(out: SchedulerOutput, states: list[RequestState], block_siz
         offset += total
     return assemble_flat_batch(
         input_ids, positions, slot_mapping, query_start_loc, seq_lens, tables, max_query_len, logit_rows, device,
-        attn_extra=context_split(np.diff(query_start_loc).tolist(), seq_lens, device) if _split_by_context() else {},
+        attn_extra=context_split(np.diff(query_start_loc).tolist(), seq_lens) if _split_by_context() else {},
         sample_rows=sample_rows,
         sample_seq_idx=sample_seq_idx,
         prompt_logprob_spans=spans,

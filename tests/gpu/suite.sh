@@ -316,6 +316,18 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
     step mtp-piecewise-test 150 python3 -m pytest -q --tb=short -m gpu tests/spec_decode/test_mtp.py -k piecewise -p no:cacheprovider
     serve_l8 default8
     SERVE_CONC=256 serve_l8 default8 ;;
+  serve12)  # eleventh session, issue 19: serve's defaults after the packed metadata copy (one host-to-device copy a step for the attention metadata): c64 twice, c256 once; the c64 closed loop at R = 8 with a CUDA-only trace (no cProfile)
+    SERVE_CONC="64 256" serve_l8 packed12a
+    serve_l8 packed12b
+    sizes='"piecewise_capture_sizes": ['$(python3 -c "from atom_core.config import SERVE_PIECEWISE_SIZES as s; print(','.join(map(str, s)))")']'
+    step diag-r8-gaps-c 170 python3 tests/gpu/diag_mixed_steps.py --cuda-trace 80 --engine "{\"mixed_step_tokens_per_seq\": 8, $sizes}" ;;
+  dense12)  # eleventh session: the dense targets through the CLI (the packed metadata copy and the piecewise static-output writes touch every step), then the engine-level GPU tests (tiny models on CUDA against HF / the CPU, full and piecewise graphs)
+    step off-l8 120 python3 -m atomctl.main bench offline "${l8[@]}" --output-json "$OUT/off_l8.json"
+    step off-q06 90 python3 -m atomctl.main bench offline "${q06[@]}" --output-json "$OUT/off_q06.json"
+    step lat-q06-bs1 60 python3 -m atomctl.main bench latency "${q06[@]}" --bs 1 --output-json "$OUT/lat_q06_bs1.json"
+    step lat-l8-bs1 70 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-json "$OUT/lat_l8_bs1.json"
+    step lat-l8-bs32 70 python3 -m atomctl.main bench latency "${l8[@]}" --bs 32 --output-json "$OUT/lat_l8_bs32.json"
+    step gpu-tests-engine 200 python3 -m pytest -q --tb=short -m gpu -p no:cacheprovider tests/gpu/test_engine_gpu.py tests/gpu/test_piecewise_gpu.py ;;
   final12)  # eleventh session, issue 19: serve's defaults with the piecewise static-output writes: c64 twice, c256 once; the piecewise engine GPU tests alone (one had failed for memory beside 7 other test processes); the c64 closed loop at R = 8 with a CUDA-only trace (memcpy kinds named) and a cProfile of the host
     SERVE_CONC="64 256" serve_l8 final12a
     serve_l8 final12b

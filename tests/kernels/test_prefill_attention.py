@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import numpy as np
 import pytest
 import torch
 
@@ -185,7 +186,8 @@ def mixed_step(layer, ctx_lens, q_lens, block_size=16, seed=6):
     meta = AttentionMetadata(query_start_loc=qsl, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
                              block_tables=torch.tensor(tables, dtype=torch.int32), slot_mapping=slots,
                              max_query_len=max(q_lens), max_seq_len=max(seq_lens),
-                             **context_split(q_lens, seq_lens, torch.device("cpu")))
+                             **{k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v
+                                for k, v in context_split(q_lens, seq_lens).items()})
     qkv = torch.randn(len(positions), (layer.num_heads + 2 * kv_heads) * head_dim, generator=gen).to(layer.dtype)
     return meta, qkv, positions
 
@@ -318,18 +320,18 @@ class TestContextSplitMetadata:
     def test_fresh_and_paged_sequences(self):
         from atom_core.worker.batch_builder import context_split
 
-        split = context_split([5, 1, 3, 1, 4], [5, 30, 10, 1, 4], torch.device("cpu"))
+        split = context_split([5, 1, 3, 1, 4], [5, 30, 10, 1, 4])
         assert split["fresh_seq_ids"].tolist() == [0, 3, 4] and split["fresh_max_query_len"] == 5
         assert split["paged_seq_ids"].tolist() == [1, 2] and split["paged_max_query_len"] == 3  # longest first
-        assert split["fresh_seq_ids"].dtype == torch.int32
+        assert split["fresh_seq_ids"].dtype == np.int32  # host arrays: the builder copies them with the rest
 
     def test_no_fresh_sequence_sets_no_fresh_or_paged_fields(self):
         from atom_core.worker.batch_builder import context_split
 
-        assert context_split([3, 2], [10, 4], torch.device("cpu")) == {}
-        assert set(context_split([3, 1], [10, 4], torch.device("cpu"))) == {  # only a mixed step's kinds
+        assert context_split([3, 2], [10, 4]) == {}
+        assert set(context_split([3, 1], [10, 4])) == {  # only a mixed step's kinds
             "decode_seq_ids", "chunk_seq_ids", "chunk_max_query_len"}
-        assert "paged_seq_ids" not in context_split([3, 2], [3, 2], torch.device("cpu"))
+        assert "paged_seq_ids" not in context_split([3, 2], [3, 2])
 
     def test_the_batch_builder_fills_them(self, tiny_llama, monkeypatch):
         """Real engine steps (chunked prompts, decodes): each step's fresh sequences are exactly those
@@ -344,6 +346,11 @@ class TestContextSplitMetadata:
             flat = batch_builder.build_flat_batch(out, states, *args, **kwargs)
             got = [None if t is None else t.tolist() for t in (flat.attn.fresh_seq_ids, flat.attn.paged_seq_ids)]
             steps.append((expect, got, len(states)))
+            # the step's metadata arrives in one copy: views of one buffer, each 16-byte aligned
+            meta = [t for t in (flat.attn.query_start_loc, flat.attn.seq_lens, flat.attn.block_tables,
+                                flat.attn.slot_mapping, flat.attn.fresh_seq_ids, flat.attn.paged_seq_ids) if t is not None]
+            assert len({t.untyped_storage().data_ptr() for t in meta}) == 1
+            assert all(t.storage_offset() * t.element_size() % 16 == 0 for t in meta)
             return flat
 
         monkeypatch.setattr(model_runner, "build_flat_batch", spy)
