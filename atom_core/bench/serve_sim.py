@@ -5,9 +5,11 @@ scheduler (Scheduler, KVCacheManager, Sequence) decides every step, driven in En
 order: step k is scheduled while step k-1 runs on the device, then k-1 is resolved. The device is a
 step-cost model (`StepCost`, `step_cost`), not a GPU: it is a MODEL, good for comparing scheduling
 policies (the mixed-step cap R, max_num_batched_tokens, windows, a new policy) in seconds, not for
-absolute numbers. Its defaults came from H100 profiles of Llama-3-8B (docs/PERFORMANCE.md, ninth and
-tenth sessions): a 512-token mixed step ~15-17 ms, a 640-token one ~20 ms, a decode-only step of ~44
-sequences ~9.9 ms. Host time is free unless --host-overhead-ms says otherwise.
+absolute numbers. Its defaults came from H100 profiles of Llama-3-8B (docs/PERFORMANCE.md, ninth to
+eleventh sessions): a 512-token mixed step 17.8 ms on the device (16.0 of kernels), a 640-token one
+~20 ms, a decode-only step of ~44 sequences ~9.9 ms; at c64 it reproduces the served runs at R = 7, 8
+and 10 within 1-5%, and overstates R = 6 (by 10%) and c256 under the cap (its 2,048-token steps cost
+less on the card than modelled). Host time is free unless --host-overhead-ms says otherwise.
 
     python -m atom_core.bench.serve_sim --concurrency 64 --num-prompts 320 --input-len 1024 \
         --output-len 128 --mixed-step-tokens-per-seq 8 [--max-num-batched-tokens 8192] \
@@ -53,7 +55,9 @@ class StepCost:
     head_floor_ms: float = 0.35
     head_ms_per_row: float = 0.0190 / 14  # LM head ~1/14 of the per-token GEMM work
     decode_only_overhead_ms: float = 1.0  # launch gaps of a full-graph replay + sampler
-    mixed_overhead_ms: float = 1.5  # eager attention launches between piecewise graphs
+    # eager kernel boundaries between piecewise graphs and what the terms above miss: calibrated on the
+    # c64 runs of 2026-11-27 (R = 8: 3,042 modelled against 3,043-3,124 served, TPOT 17.4 / 16.7-17.1)
+    mixed_overhead_ms: float = 2.5
 
     @classmethod
     def from_json(cls, text: str | None) -> "StepCost":

@@ -83,7 +83,7 @@ def test_step_cost_of_a_mixed_step_by_hand():
     out.add("c", 100, 0)
     cost = dataclasses.replace(StepCost(), gemm_floor_ms=0, gemm_ms_per_token=1, kv_bytes_per_token=1,
                                decode_attn_bytes_per_s=1e3, attn_flops_per_token_pair=1, prefill_attn_flops=1e3,
-                               small_ms_per_token=0.5, head_floor_ms=0, head_ms_per_row=2)
+                               small_ms_per_token=0.5, head_floor_ms=0, head_ms_per_row=2, mixed_overhead_ms=1.5)
     # gemm 102, decode attention 300, prefill attention 100 x 50 = 5,000, small 51, head 3 x 2, mixed 1.5
     assert step_cost(out, [1, 1, 1], cost) == pytest.approx(102 + 300 + 5000 + 51 + 6 + 1.5)
 
