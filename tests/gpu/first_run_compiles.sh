@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Which kernels compile during the first loaded run after `atomctl serve` says ready (a diagnostic, issue 19):
 # a cold machine's first c64 run had TTFT p99 ~2.8 s against ~2.1 s on the next one. Lists the Triton cache
-# entries (kernel names) and Inductor cache files that the run added. Carry .whl (the server's wheels).
+# entries (kernel names) and Inductor cache files that each run added, and Dynamo's recompiles. Carry .whl.
+# (Two runs on one server with one prompt seed: the second hits the prefix cache, so only its compiles count.)
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-TC=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
-python3 -m atomctl.main --log-level INFO serve --model preset:Llama-3-8B --load-format dummy --max-model-len 4096 "$@" \
+TC=${TRITON_CACHE_DIR:-$(python3 -c "import triton; print(triton.knobs.cache.dir)" 2>/dev/null || echo "$HOME/.triton/cache")}
+mkdir -p "$TC"
+TORCH_LOGS=recompiles python3 -m atomctl.main --log-level INFO serve --model preset:Llama-3-8B --load-format dummy --max-model-len 4096 "$@" \
   --port 8011 > /tmp/serve.log 2>&1 &
 spid=$!; start=$(date +%s)
 for i in $(seq 1 300); do curl -sf http://127.0.0.1:8011/health >/dev/null && break; sleep 1; done
@@ -23,3 +25,4 @@ for run in 1 2; do
   cp /tmp/after.txt /tmp/before.txt; cp /tmp/ind_after.txt /tmp/ind_before.txt
 done
 kill $spid; wait $spid
+echo "Dynamo recompiles logged by the server:"; grep -A3 "Recompiling" /tmp/serve.log | cut -c1-300 | head -40
