@@ -8,8 +8,8 @@ policies (the mixed-step cap R, max_num_batched_tokens, windows, a new policy) i
 absolute numbers. Its defaults came from H100 profiles of Llama-3-8B (docs/PERFORMANCE.md, ninth to
 eleventh sessions): a 512-token mixed step 17.8 ms on the device (16.0 of kernels), a 640-token one
 ~20 ms, a decode-only step of ~44 sequences ~9.9 ms; at c64 it reproduces the served runs at R = 7, 8
-and 10 within 1-5%, and overstates R = 6 (by 10%) and c256 under the cap (its 2,048-token steps cost
-less on the card than modelled). Host time is free unless --host-overhead-ms says otherwise.
+and 10 within 1-5% and overstates R = 6 (by 10%); c256 at R = 8 it put at 3,657 tok/s, served 3,667-3,677
+with fresh prompts. Host time is free unless --host-overhead-ms says otherwise.
 
     python -m atom_core.bench.serve_sim --concurrency 64 --num-prompts 320 --input-len 1024 \
         --output-len 128 --mixed-step-tokens-per-seq 8 [--max-num-batched-tokens 8192] \
