@@ -62,10 +62,15 @@ class StepCost:
     @classmethod
     def from_json(cls, text: str | None) -> "StepCost":
         overrides = json.loads(text) if text else {}
+        if not isinstance(overrides, dict):
+            raise ValueError(f"--cost-json must be a JSON object of StepCost fields, got {text!r}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(overrides) - known)
         if unknown:
             raise ValueError(f"unknown StepCost field(s) {unknown}; known: {', '.join(sorted(known))}")
+        bad = sorted(k for k, v in overrides.items() if isinstance(v, bool) or not isinstance(v, (int, float)))
+        if bad:
+            raise ValueError(f"StepCost field(s) {bad} need numbers")
         return cls(**overrides)
 
 
@@ -291,7 +296,7 @@ def _row(summary: dict) -> str:
     return " | ".join("-" if summary[k] is None else fmt.format(summary[k]) for k, fmt in _COLUMNS)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--num-prompts", type=int, default=None, help="default: 5 x concurrency")
@@ -309,14 +314,21 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cost-json", default=None, help="StepCost field overrides, e.g. '{\"gemm_floor_ms\": 5}'")
     parser.add_argument("--json", action="store_true", help="one JSON line per run instead of a table")
-    args = parser.parse_args()
-    cost = StepCost.from_json(args.cost_json)
-    sweep = [int(r) for r in args.sweep.split(",")] if args.sweep else [args.mixed_step_tokens_per_seq]
+    args = parser.parse_args(argv)
+    try:  # bad input is a usage error (exit 2, one line), not a traceback
+        cost = StepCost.from_json(args.cost_json)
+        try:
+            sweep = [int(r) for r in args.sweep.split(",")] if args.sweep else [args.mixed_step_tokens_per_seq]
+        except ValueError:
+            raise ValueError(f"--sweep takes a comma list of integers R, got {args.sweep!r}") from None
+        configs = [SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                   num_scheduler_steps=args.num_scheduler_steps, mixed_step_tokens_per_seq=r)
+                   for r in sweep]
+    except ValueError as e:  # json.JSONDecodeError is one too
+        parser.error(str(e))
     if not args.json:
         print(" | ".join(k for k, _ in _COLUMNS))
-    for r in sweep:
-        config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                 num_scheduler_steps=args.num_scheduler_steps, mixed_step_tokens_per_seq=r)
+    for r, config in zip(sweep, configs):
         result = simulate(config, cost, args.concurrency, args.num_prompts or 5 * args.concurrency, args.input_len,
                           args.output_len, args.num_kv_blocks, args.client_latency_ms, args.host_overhead_ms,
                           args.seed)

@@ -92,3 +92,43 @@ def test_unknown_cost_field_is_rejected():
     with pytest.raises(ValueError, match="gemm_us_per_token"):
         StepCost.from_json('{"gemm_us_per_token": 0.02}')
     assert StepCost.from_json('{"gemm_floor_ms": 5}').gemm_floor_ms == 5
+
+
+class TestCommandLine:
+    """python -m atom_core.bench.serve_sim: a table row or a JSON line per R; bad input is a usage error."""
+
+    ARGS = ["--concurrency", "4", "--num-prompts", "8", "--input-len", "64", "--output-len", "4"]
+
+    def test_table_row_per_swept_r(self, capsys):
+        from atom_core.bench.serve_sim import main
+
+        main(self.ARGS + ["--sweep", "0,8"])
+        lines = capsys.readouterr().out.strip().splitlines()
+        assert lines[0].startswith("R | output_tok_s") and len(lines) == 3
+        assert [line.split(" | ")[0] for line in lines[1:]] == ["0", "8"]
+
+    def test_json_line_with_cost_override(self, capsys):
+        import json
+
+        from atom_core.bench.serve_sim import main
+
+        main(self.ARGS + ["--json", "--cost-json", '{"mixed_overhead_ms": 0}'])
+        (line,) = capsys.readouterr().out.strip().splitlines()
+        row = json.loads(line)
+        assert row["R"] == 8 and row["requests"] == 8 and row["output_tok_s"] > 0
+
+    @pytest.mark.parametrize("flags,message", [
+        (["--sweep", "a,8"], "--sweep takes a comma list of integers"),
+        (["--cost-json", '{"nope": 1}'], "unknown StepCost field"),
+        (["--cost-json", '{"gemm_floor_ms": "5"}'], "need numbers"),
+        (["--cost-json", "[1]"], "must be a JSON object"),
+        (["--cost-json", "{bad"], "Expecting property name"),
+        (["--sweep", "-1"], "mixed_step_tokens_per_seq"),
+    ])
+    def test_bad_input_is_a_usage_error(self, capsys, flags, message):
+        from atom_core.bench.serve_sim import main
+
+        with pytest.raises(SystemExit) as exit_info:
+            main(self.ARGS + flags)
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
