@@ -347,8 +347,9 @@ class TestContextSplitMetadata:
             got = [None if t is None else t.tolist() for t in (flat.attn.fresh_seq_ids, flat.attn.paged_seq_ids)]
             steps.append((expect, got, len(states)))
             # the step's metadata arrives in one copy: views of one buffer, each 16-byte aligned
-            meta = [t for t in (flat.attn.query_start_loc, flat.attn.seq_lens, flat.attn.block_tables,
-                                flat.attn.slot_mapping, flat.attn.fresh_seq_ids, flat.attn.paged_seq_ids) if t is not None]
+            attn = flat.attn
+            meta = [t for t in (attn.query_start_loc, attn.seq_lens, attn.block_tables, attn.slot_mapping,
+                                attn.fresh_seq_ids, attn.paged_seq_ids) if t is not None]
             assert len({t.untyped_storage().data_ptr() for t in meta}) == 1
             assert all(t.storage_offset() * t.element_size() % 16 == 0 for t in meta)
             return flat
