@@ -1,9 +1,10 @@
 """The serve simulator: the real scheduler under a closed loop, timed by a step-cost model."""
 import dataclasses
+import json
 
 import pytest
 
-from atom_core.bench.serve_sim import StepCost, simulate, step_cost
+from atom_core.bench.serve_sim import StepCost, main, simulate, step_cost
 from atom_core.config import SchedulerConfig
 from atom_core.scheduler_output import SchedulerOutput
 
@@ -100,18 +101,12 @@ class TestCommandLine:
     ARGS = ["--concurrency", "4", "--num-prompts", "8", "--input-len", "64", "--output-len", "4"]
 
     def test_table_row_per_swept_r(self, capsys):
-        from atom_core.bench.serve_sim import main
-
         main(self.ARGS + ["--sweep", "0,8"])
         lines = capsys.readouterr().out.strip().splitlines()
         assert lines[0].startswith("R | output_tok_s") and len(lines) == 3
         assert [line.split(" | ")[0] for line in lines[1:]] == ["0", "8"]
 
     def test_json_line_with_cost_override(self, capsys):
-        import json
-
-        from atom_core.bench.serve_sim import main
-
         main(self.ARGS + ["--json", "--cost-json", '{"mixed_overhead_ms": 0}'])
         (line,) = capsys.readouterr().out.strip().splitlines()
         row = json.loads(line)
@@ -126,8 +121,6 @@ class TestCommandLine:
         (["--sweep", "-1"], "mixed_step_tokens_per_seq"),
     ])
     def test_bad_input_is_a_usage_error(self, capsys, flags, message):
-        from atom_core.bench.serve_sim import main
-
         with pytest.raises(SystemExit) as exit_info:
             main(self.ARGS + flags)
         assert exit_info.value.code == 2

@@ -20,6 +20,8 @@ import pstats
 import random
 import time
 
+import torch
+
 from atom_core import LLMEngine, SamplingParams
 
 
@@ -61,8 +63,6 @@ def main() -> None:
 
     def marked_launch(out, previous):
         if trace["profiler"] is not None and trace["left"] > 0:
-            import torch
-
             torch.cuda._sleep(100)  # the step's marker kernel (cuda_gaps.MARKER)
             trace["left"] -= 1
             n = len(out)
@@ -125,8 +125,6 @@ def main() -> None:
 def finish_trace(trace: dict, trace_dir: str) -> None:
     """Stop the CUDA-only trace (its last marker closes the last step), save it and report its gaps."""
     import os
-
-    import torch
 
     from cuda_gaps import report
 

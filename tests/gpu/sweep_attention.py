@@ -45,7 +45,8 @@ def main():
     ap.add_argument("--hi", type=int, default=1600)
     ap.add_argument("--splits", default="1,2", help="KV split counts to time")
     ap.add_argument("--heads", default="32/8", help="with --tiles: query / KV heads pairs, e.g. 32/8,16/8")
-    ap.add_argument("--tiles", default="", help="instead: decode tiles BLOCK_NxSTAGESxWARPS,... at the heuristic's splits")
+    ap.add_argument("--tiles", default="",
+                    help="instead: decode tiles BLOCK_NxSTAGESxWARPS,... at the heuristic's splits")
     args = ap.parse_args()
     if args.tiles:
         return sweep_tiles(args)
@@ -113,7 +114,7 @@ def sweep_tiles(args) -> None:
                 run()
                 assert (out.float() - ref.float()).abs().max().item() < 2e-2
                 us = timed(run) * 1e3
-            except Exception as e:  # out of shared memory: the tile does not fit
+            except Exception as e:  # a tile that does not fit shared memory, or a wrong result: named in its cell
                 cells.append(f"{block_n}x{stages}x{warps}: {type(e).__name__}")
                 continue
             finally:
@@ -121,7 +122,8 @@ def sweep_tiles(args) -> None:
                 A._PLANS.clear()
             cells.append(f"{block_n}x{stages}x{warps}: {us:6.1f}")
             best = min(best, (us, f"{block_n}x{stages}x{warps}"))
-        print(f"H={heads:<2} KH={kv_heads} bs={batch:<4} " + " | ".join(cells) + f"  best {best[1]} {best[0]:.1f} us = {kv_bytes / best[0] / 1e3:.0f} GB/s")
+        print(f"H={heads:<2} KH={kv_heads} bs={batch:<4} " + " | ".join(cells)
+              + f"  best {best[1]} {best[0]:.1f} us = {kv_bytes / best[0] / 1e3:.0f} GB/s")
 
 
 if __name__ == "__main__":
