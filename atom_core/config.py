@@ -3,7 +3,7 @@
 `EngineConfig.from_kwargs(model, **options)` takes the flat option names the CLI and
 `LLMEngine(...)` use (every name is also an `atomctl` flag) and sorts them into parts; each
 component takes its own part. What depends on the checkpoint (the HF config, the resolved
-dtype, max_model_len, EOS ids) is resolved once, by `ModelConfig.resolve`, into a
+dtype, max_model_len, EOS ids) is resolved once, by `loader.resolve_model`, into a
 `ResolvedModel` that the engine core hands to the scheduler and the worker.
 """
 from __future__ import annotations
@@ -11,14 +11,11 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import Literal, get_args
 
 import torch
 
 from atom_core.envs import read_envs
-
-if TYPE_CHECKING:
-    from atom_core.loader.model_dir import ModelFiles
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
@@ -77,27 +74,7 @@ class ModelConfig:
             return config_dtype
         return torch.bfloat16
 
-    def resolve(self, files: "ModelFiles") -> "ResolvedModel":
-        """Everything the checkpoint decides, once: architecture, dtype, max_model_len, EOS ids."""
-        from atom_core.models.registry import check_architectures
-        from atom_core.quant import get_quant_config
-
-        hf = files.hf_config
-        return ResolvedModel(
-            hf_config=hf,
-            path=files.path,
-            architecture=check_architectures(getattr(hf, "architectures", None)),
-            dtype=self.resolve_dtype(_config_dtype(hf)),
-            device=self.torch_device,
-            max_model_len=self._resolve_max_model_len(hf),
-            eos_token_ids=frozenset(files.eos_token_ids),
-            vocab_size=hf.vocab_size,
-            quant_config=get_quant_config(hf, self.quantization),
-            seed=self.seed,
-            load_format=self.load_format,
-        )
-
-    def _resolve_max_model_len(self, hf_config) -> int:
+    def resolve_max_model_len(self, hf_config) -> int:
         limit = getattr(hf_config, "max_position_embeddings", None)
         if self.max_model_len is None:
             if limit is None:
@@ -110,7 +87,8 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ResolvedModel:
-    """The model part after reading the checkpoint's config (built by ModelConfig.resolve)."""
+    """The model part after reading the checkpoint's config (built by `loader.resolve_model` at engine
+    start: config/ sits below the model registry and quant/, so it does not build this itself)."""
 
     hf_config: object
     path: object  # pathlib.Path of the model directory
@@ -609,7 +587,8 @@ def _split_options(options: dict) -> dict[str, dict]:
     return parts
 
 
-def _config_dtype(hf_config) -> torch.dtype | None:
+def config_dtype(hf_config) -> torch.dtype | None:
+    """The HF config's `dtype` (a name or a torch.dtype); None when absent or not a torch dtype."""
     dtype = getattr(hf_config, "dtype", None)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)

@@ -4,10 +4,18 @@ from __future__ import annotations
 import torch
 
 from atom_core.config import ParallelConfig, ResolvedModel
-from atom_core.model_ops.linear import check_head_split
 
 _EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 _MOE_INTER_FIELDS = ("moe_intermediate_size", "intermediate_size")
+
+
+def check_head_split(num_heads: int, num_kv_heads: int, tp_size: int) -> None:
+    """Query heads split evenly; kv heads split evenly, or each is replicated on tp/kv ranks."""
+    if num_heads % tp_size:
+        raise ValueError(f"num_attention_heads={num_heads} is not divisible by tensor_parallel_size={tp_size}")
+    if num_kv_heads % tp_size and tp_size % num_kv_heads:
+        raise ValueError(f"num_key_value_heads={num_kv_heads} and tensor_parallel_size={tp_size}: one must divide "
+                         "the other (kv heads split evenly, or each is replicated on tp/kv ranks)")
 
 
 def num_experts_of(hf_config) -> int:

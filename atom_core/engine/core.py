@@ -15,7 +15,7 @@ from atom_core.engine.output_processor import CoreOutput
 from atom_core.engine.scheduler import Scheduler
 from atom_core.engine.sequence import FinishReason, Sequence
 from atom_core.engine.step_timeline import StepTimeline
-from atom_core.loader import resolve_model_files
+from atom_core.loader import resolve_model, resolve_model_files
 from atom_core.sampling_params import SamplingParams
 from atom_core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from atom_core.worker.executor import InProcessExecutor
@@ -75,7 +75,7 @@ class EngineCore:
                              "data-parallel replicas run behind `atomctl serve` (LLMEngine runs one)")
         self.config = config
         self.files = resolve_model_files(config.model.model, config.model.tokenizer)
-        self.model = config.model.resolve(self.files)
+        self.model = resolve_model(config.model, self.files)
         self.max_model_len = self.model.max_model_len
         self.vocab_size = self.model.vocab_size
         self.profiler = self._make_profiler()

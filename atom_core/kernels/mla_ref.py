@@ -1,6 +1,7 @@
 """Multi-head latent attention (MLA, DeepSeek-V2/V3) over a paged latent cache, in plain
-PyTorch: the CPU path and the oracle for `kernels/triton/mla.py` (attention) and
-`kernels/triton/mla_prep.py` (`mla_rope_store`: RoPE, latent norm and the cache store).
+PyTorch: the CPU path and the oracle for `kernels/triton/mla.py`. The step before it
+(`mla_rope_store`: RoPE, latent norm and the cache store, oracle of `kernels/triton/mla_prep.py`)
+is in torch_ref.py, beside the rotary, norm and cache-store references it composes.
 
 The cache holds one row of C + R values per token ([NB, BS, 1, C + R]): the normalised KV
 latent (C = kv_lora_rank) and the roped shared key part (R = qk_rope_head_dim). Attention runs
@@ -13,46 +14,6 @@ BS block size, MB max blocks per sequence.
 from __future__ import annotations
 
 import torch
-
-
-def deinterleave(x: torch.Tensor) -> torch.Tensor:
-    """(x0, x1, x2, x3, ...) -> (x0, x2, ..., x1, x3, ...): DeepSeek's rope pairs as neox halves."""
-    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
-
-
-def mla_rope_store(
-    q: torch.Tensor,  # [T, H, N + R]: per head the no-rope part, then the rope part
-    kv_a: torch.Tensor,  # [T, C + R]: kv_a_proj_with_mqa's output, the latent (not yet normalised) then k_pe
-    positions: torch.Tensor,  # [T] int
-    cos_sin_cache: torch.Tensor,  # [max_pos, R] float32: cos in [:R/2], sin after
-    kv_cache: torch.Tensor,  # [NB, BS, 1, C + R]
-    slot_mapping: torch.Tensor,  # [T] int; < 0 means skip (padding)
-    kv_norm_weight: torch.Tensor,  # [C]: kv_a_layernorm's weight
-    eps: float,
-    interleaved: bool,  # the rope dims come as (x0, x1) pairs (DeepSeek) rather than neox halves
-) -> torch.Tensor:
-    """Everything between MLA's projections and the latent attention: RoPE on every head's
-    query rope part and on k_pe, RMSNorm of the latent, and the cache row [latent | roped k_pe]
-    into the slot of each token. Returns the roped query part [T, H, R], contiguous.
-
-    Interleaved pairs come out as neox halves (pair i at dims i and R/2 + i), in the query and
-    in the cache alike, so their dot products are those of the interleaved layout. The same
-    arithmetic as rms_norm, rotary_embedding and store_kv_cache applied in turn."""
-    from atom_core.kernels import torch_ref  # here, not at the top: torch_ref re-exports this module
-
-    rope = cos_sin_cache.shape[1]
-    latent_dim = kv_cache.shape[3] - rope
-    if q.shape[2] <= rope or kv_a.shape[1] != latent_dim + rope:
-        raise ValueError(f"q {tuple(q.shape)} / kv_a {tuple(kv_a.shape)} do not end in the rope dim {rope} of "
-                         f"the cache row {kv_cache.shape[3]}")
-    q_pe, k_pe = q[..., q.shape[2] - rope:], kv_a[:, None, latent_dim:]
-    if interleaved:
-        q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
-    q_pe, k_pe = torch_ref.rotary_embedding(positions, q_pe, k_pe, cos_sin_cache)
-    latent = torch_ref.rms_norm(kv_a[:, None, :latent_dim], kv_norm_weight, eps)
-    row = torch.cat([latent, k_pe.to(latent.dtype)], dim=-1)  # [T, 1, C + R]
-    torch_ref.store_kv_cache(row, row, kv_cache, kv_cache, slot_mapping)
-    return q_pe.contiguous()
 
 
 def mla_attention(

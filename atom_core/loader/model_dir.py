@@ -5,6 +5,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from atom_core.config import ModelConfig, ResolvedModel, config_dtype
+
 PRESET_DIR = Path(__file__).resolve().parent.parent / "presets"
 DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "demo_model"
 
@@ -115,3 +117,25 @@ def resolve_model_files(model: str, tokenizer: str | None = None) -> ModelFiles:
         raise ValueError(f"tokenizer directory not found: {tok_path}")
     has_weights = any(path.glob("*.safetensors"))
     return ModelFiles(path, hf_config, tok_path, _eos_ids(path, hf_config), has_weights)
+
+
+def resolve_model(config: ModelConfig, files: ModelFiles) -> ResolvedModel:
+    """Everything the checkpoint decides, once, at engine start: architecture (checked against the
+    model registry), dtype, max_model_len, EOS ids and the quantization format."""
+    from atom_core.models.registry import check_architectures
+    from atom_core.quant import get_quant_config
+
+    hf = files.hf_config
+    return ResolvedModel(
+        hf_config=hf,
+        path=files.path,
+        architecture=check_architectures(getattr(hf, "architectures", None)),
+        dtype=config.resolve_dtype(config_dtype(hf)),
+        device=config.torch_device,
+        max_model_len=config.resolve_max_model_len(hf),
+        eos_token_ids=frozenset(files.eos_token_ids),
+        vocab_size=hf.vocab_size,
+        quant_config=get_quant_config(hf, config.quantization),
+        seed=config.seed,
+        load_format=config.load_format,
+    )

@@ -15,22 +15,9 @@ import torch
 from torch import nn
 
 from atom_core.distributed import all_reduce, get_tp_group
-from atom_core.quant.base import QuantConfig, set_weight_attrs
+from atom_core.distributed.checks import check_head_split
+from atom_core.quant.base import CONVERTIBLE_DTYPES, QuantConfig, copy_weight, set_weight_attrs  # noqa: F401
 from atom_core.quant.unquantized import UnquantizedLinearMethod
-
-# Checkpoint tensors convert between these on load (bf16 weights into an fp32 model, ...);
-# any other dtype (fp8, packed int32, int8) must arrive exactly as the parameter holds it.
-CONVERTIBLE_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
-
-
-def copy_weight(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst <- src: same shape; dtype converted only between the plain float types."""
-    if dst.shape != src.shape:
-        raise ValueError(f"checkpoint tensor shape {tuple(src.shape)} != parameter {tuple(dst.shape)}")
-    if dst.dtype != src.dtype and not (dst.dtype in CONVERTIBLE_DTYPES and src.dtype in CONVERTIBLE_DTYPES):
-        raise ValueError(f"checkpoint tensor dtype {src.dtype} cannot load into a {dst.dtype} parameter "
-                         f"(only {', '.join(sorted(str(d) for d in CONVERTIBLE_DTYPES))} convert)")
-    dst.copy_(src)
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -184,12 +171,3 @@ class QKVParallelLinear(LinearBase):
             total_kv_heads = loaded_rows // self.head_dim
             start = self.tp_rank // max(1, self.tp_size // total_kv_heads) * size
         return sum(self.output_sizes[:index]), size, start
-
-
-def check_head_split(num_heads: int, num_kv_heads: int, tp_size: int) -> None:
-    """Query heads split evenly; kv heads split evenly, or each is replicated on tp/kv ranks."""
-    if num_heads % tp_size:
-        raise ValueError(f"num_attention_heads={num_heads} is not divisible by tensor_parallel_size={tp_size}")
-    if num_kv_heads % tp_size and tp_size % num_kv_heads:
-        raise ValueError(f"num_key_value_heads={num_kv_heads} and tensor_parallel_size={tp_size}: one must divide "
-                         "the other (kv heads split evenly, or each is replicated on tp/kv ranks)")

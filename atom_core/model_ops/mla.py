@@ -7,8 +7,8 @@ and stores [c, r] in one op (`mla_rope_store`), then attends in the absorbed for
 of the flat batch (prefill chunks and decode alike): kv_b_proj's key half is folded into the
 query (q_latent = q_nope @ W_UK), the kernel averages latents, and the value half maps the
 result back (o = o_latent @ W_UV^T). Kernels of the device's provider: `mla_rope_store`
-(kernels/triton/mla_prep.py) and `mla_attention` (kernels/triton/mla.py); kernels/mla_ref.py
-holds both for the CPU.
+(kernels/triton/mla_prep.py) and `mla_attention` (kernels/triton/mla.py); kernels/torch_ref.py and
+kernels/mla_ref.py hold them for the CPU.
 """
 from __future__ import annotations
 

@@ -22,6 +22,7 @@ from atom_core.kernels import kernel_ops
 from atom_core.kernels.moe_ref import check_activation
 from atom_core.model_ops.linear import ReplicatedLinear, copy_weight
 from atom_core.quant import QuantConfig, UnquantizedFusedMoEMethod, set_weight_attrs
+from atom_core.quant.base import MoELayer
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ WHOLE_LAYOUTS = {
 }
 
 
-class FusedMoE(nn.Module):
+class FusedMoE(MoELayer):
     """hidden [T, H], router_logits [T, E] -> sum over the top-k experts of weight * expert(hidden).
 
     Parameters (from the quant method): w13_weight [E, 2I, H] (gate rows, then up rows) and

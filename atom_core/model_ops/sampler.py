@@ -18,7 +18,7 @@ from atom_core.kernels import kernel_ops
 _MASK32 = 0xFFFFFFFF
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
+def mix32(x: torch.Tensor) -> torch.Tensor:
     """A 32-bit integer finaliser (lowbias32) on int64 tensors holding values < 2**32."""
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & _MASK32
@@ -30,10 +30,10 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 def hashed_exponential(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Exp(1) noise [B, V] that depends only on (seed, position, token id)."""
     lo, hi = seeds & _MASK32, (seeds >> 32) & _MASK32
-    row = _mix32(lo ^ _mix32(hi ^ _mix32(positions & _MASK32)))  # [B]
+    row = mix32(lo ^ mix32(hi ^ mix32(positions & _MASK32)))  # [B]
     cols = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
-    x = _mix32(row[:, None] ^ ((cols * 0x9E3779B1) & _MASK32)[None, :])
-    x = _mix32(x ^ 0x5BD1E995)
+    x = mix32(row[:, None] ^ ((cols * 0x9E3779B1) & _MASK32)[None, :])
+    x = mix32(x ^ 0x5BD1E995)
     return -torch.log(unit_interval(x))
 
 

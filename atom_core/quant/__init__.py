@@ -9,7 +9,7 @@ from atom_core.quant.base import QuantConfig, QuantMethod, set_weight_attrs
 from atom_core.quant.unquantized import UnquantizedFusedMoEMethod, UnquantizedLinearMethod
 
 # quant_method name (as in quantization_config / --quantization) -> QuantConfig class, or
-# "module:Class" imported on first use (format modules import model_ops, which imports this package)
+# "module:Class" imported on first use, so a checkpoint imports only its own format's module
 _QUANT_CONFIGS: dict[str, type[QuantConfig] | str] = {
     "compressed-tensors": "atom_core.quant.compressed_tensors:CompressedTensorsConfig",
     "gptq": "atom_core.quant.gptq:GPTQConfig",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from atom_core.quant.base import QuantConfig, QuantMethod
+from atom_core.quant.base import MoELayer, QuantConfig, QuantMethod
 from atom_core.quant.int4 import AWQW4A16Method
 
 
@@ -30,10 +30,8 @@ class AWQConfig(QuantConfig):
         return cls(group, list(qc.get("modules_to_not_convert") or []))
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantMethod | None:
-        from atom_core.model_ops.moe import FusedMoE
-
         if any(name in prefix for name in self.modules_to_not_convert):
             return None
-        if isinstance(layer, FusedMoE):
+        if isinstance(layer, MoELayer):
             raise ValueError(f"{prefix}: AWQ-quantized MoE experts are not supported yet (dense linear layers only)")
         return AWQW4A16Method(self.group_size, symmetric=False)

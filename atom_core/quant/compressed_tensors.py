@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from atom_core.quant.base import QuantConfig, QuantMethod
+from atom_core.quant.base import MoELayer, QuantConfig, QuantMethod
 from atom_core.quant.fp8 import Fp8ScaledLinearMethod
 from atom_core.quant.int4 import CompressedTensorsW4A16Method
 from atom_core.quant.int8 import Int8W8A8LinearMethod
@@ -156,9 +156,7 @@ class CompressedTensorsConfig(QuantConfig):
         return hits[0] if hits else None
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantMethod | None:
-        from atom_core.model_ops.moe import FusedMoE
-
-        if isinstance(layer, FusedMoE):
+        if isinstance(layer, MoELayer):
             from atom_core.quant.int4_moe import compressed_tensors_moe_method
 
             scheme = self._scheme_of(f"{prefix}.0.gate_proj")  # experts are quantized as their first Linear is

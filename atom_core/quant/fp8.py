@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from atom_core.kernels.moe_ref import apply_activation, check_activation
-from atom_core.quant.base import QuantConfig, QuantMethod, set_weight_attrs
+from atom_core.quant.base import MoELayer, QuantConfig, QuantMethod, set_weight_attrs
 from atom_core.quant.fp8_ops import (
     FP8_DTYPE, fp8_block_linear, fp8_block_linear_ref, fp8_linear, quantize_fp8_per_token,
 )
@@ -277,9 +277,7 @@ class Fp8Config(QuantConfig):
         return False
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantMethod | None:
-        from atom_core.model_ops.moe import FusedMoE
-
-        if isinstance(layer, FusedMoE):
+        if isinstance(layer, MoELayer):
             if self._ignored(prefix):
                 return None
             if self.online:

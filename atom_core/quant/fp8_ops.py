@@ -12,7 +12,8 @@ Conventions (every function below):
                 (i, j) covers rows i*bn .. min((i+1)*bn, N) and columns j*bk .. min((j+1)*bk, K)
                 (the last block of a dimension that is not a multiple of the block is partial).
 
-Activation quantization (dynamic, on the fly):
+Activation quantization (dynamic, on the fly; these and the FP8 constants live in
+kernels/fp8_ref.py, below the kernels that take them as oracles, and are re-exported here):
   quantize_fp8_per_tensor(x, scale=None) -> (q, scale [1])       static when `scale` is given
   quantize_fp8_per_token(x)              -> (q, scale [M, 1])    one scale per row
   quantize_fp8_per_token_group(x, g)     -> (q, scale [M, ceil(K/g)]) one scale per row and
@@ -57,65 +58,10 @@ from typing import Optional
 import torch
 
 from atom_core.envs import FP8_SMALL_M_KERNELS, Fp8SmallMKernel, check_choice, read_envs
-from atom_core.kernels.torch_ref import ieee_div
-
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
-_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # an all-zero row/group gets a tiny positive scale (stays zero)
-
-
-def _cast(xf: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-
-
-# ---------------------------------------------------------------------------------------------
-# quantization
-
-
-def quantize_fp8_per_tensor(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x -> (fp8 like x, float32 scale [1]); dynamic (absmax / 448) unless a static `scale` is given."""
-    xf = x.float()
-    if scale is None:
-        scale = ieee_div(xf.abs().amax(), FP8_MAX).clamp(min=_MIN_SCALE).reshape(1)
-    scale = scale.float().reshape(1).to(x.device)
-    return _cast(xf, scale), scale
-
-
-def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (fp8 [M, K], float32 scale [M, 1]), one absmax scale per row."""
-    xf = x.float()
-    scale = ieee_div(xf.abs().amax(dim=-1, keepdim=True), FP8_MAX).clamp(min=_MIN_SCALE)
-    return _cast(xf, scale), scale
-
-
-def quantize_fp8_per_token_group(x: torch.Tensor, group_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (fp8 [M, K], float32 scale [M, ceil(K / group_size)]); the last group may be partial."""
-    m, k = x.shape
-    groups = -(-k // group_size)
-    xf = torch.nn.functional.pad(x.float(), (0, groups * group_size - k)).reshape(m, groups, group_size)
-    scale = ieee_div(xf.abs().amax(dim=-1, keepdim=True), FP8_MAX).clamp(min=_MIN_SCALE)
-    q = _cast(xf, scale).reshape(m, groups * group_size)[:, :k]
-    return q.contiguous(), scale.squeeze(-1)
-
-
-def quantize_fp8_block(w: torch.Tensor, block_size: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
-    """W [N, K] -> (fp8 [N, K], float32 scale_inv [ceil(N/bn), ceil(K/bk)]), absmax per block
-    (how DeepSeek-V3 / Qwen3-FP8 checkpoints are made; used for online quantization and tests)."""
-    bn, bk = block_size
-    n, k = w.shape
-    nb, kb = -(-n // bn), -(-k // bk)
-    wf = torch.nn.functional.pad(w.float(), (0, kb * bk - k, 0, nb * bn - n)).reshape(nb, bn, kb, bk)
-    scale = ieee_div(wf.abs().amax(dim=(1, 3), keepdim=True), FP8_MAX).clamp(min=_MIN_SCALE)
-    q = _cast(wf, scale).reshape(nb * bn, kb * bk)[:n, :k]
-    return q.contiguous(), scale.reshape(nb, kb)
-
-
-def dequantize_fp8_block(w: torch.Tensor, scale_inv: torch.Tensor, block_size: tuple[int, int] = (128, 128)) -> torch.Tensor:
-    """Block fp8 W [N, K] with scale_inv [ceil(N/bn), ceil(K/bk)] -> float32 [N, K]."""
-    bn, bk = block_size
-    n, k = w.shape
-    s = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-    return w.float() * s
+from atom_core.kernels.fp8_ref import (  # noqa: F401  (the quantizers are part of this module's API)
+    FP8_DTYPE, FP8_MAX, GEMV_MAX_TOKENS, SMALL_M_MAX, dequantize_fp8_block, quantize_fp8_block,
+    quantize_fp8_per_tensor, quantize_fp8_per_token, quantize_fp8_per_token_group,
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,8 +102,6 @@ def fp8_block_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv
 # device dispatch (custom ops: a compiled model sees one opaque node)
 
 
-SMALL_M_MAX = 16  # tokens up to which a linear is decode-shaped: a weight stream (ATOM_FP8_SMALL_M_KERNEL)
-GEMV_MAX_TOKENS = 4  # tokens the FP8 GEMV takes (it keeps an accumulator per token)
 AUTO_GEMV_MAX_TOKENS = 1  # tokens up to which `auto` takes the per-channel GEMV (measured faster there)
 FP8_LINEAR_KERNELS = ("reference", "scaled_mm", "triton", "gemv", "w8a16")
 W8A16_MAX_TOKENS = 64  # tokens up to which `w8a16` takes the weight-only GEMM (kernels/triton/fp8_w8a16.py)

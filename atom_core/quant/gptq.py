@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from atom_core.quant.base import QuantConfig, QuantMethod
+from atom_core.quant.base import MoELayer, QuantConfig, QuantMethod
 from atom_core.quant.int4 import GPTQW4A16Method
 
 
@@ -33,8 +33,6 @@ class GPTQConfig(QuantConfig):
         return cls(None if group == -1 else group, bool(qc.get("sym", True)), 1 if fmt == "gptq" else 0)
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantMethod | None:
-        from atom_core.model_ops.moe import FusedMoE
-
-        if isinstance(layer, FusedMoE):
+        if isinstance(layer, MoELayer):
             raise ValueError(f"{prefix}: GPTQ-quantized MoE experts are not supported yet (dense linear layers only)")
         return GPTQW4A16Method(self.group_size, self.symmetric, self.zero_offset)

@@ -15,8 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from atom_core.model_ops.linear import copy_weight
-from atom_core.quant.base import QuantMethod, set_weight_attrs
+from atom_core.quant.base import QuantMethod, copy_weight, set_weight_attrs
 from atom_core.quant.int_ops import INT4_PER_INT32, interleave_for, interleave_int4, pack_int4, unpack_int4, w4a16_gemm
 
 # AWQ's GEMM layout packs 8 output columns per word in this order: nibble i holds column AWQ_ORDER[i].

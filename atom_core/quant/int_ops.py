@@ -23,10 +23,9 @@ from typing import Optional
 
 import torch
 
+from atom_core.kernels.int4_layout import INT4_INTERLEAVE, INT4_PER_INT32, check_interleave
 from atom_core.kernels.torch_ref import ieee_div
 
-INT4_PER_INT32 = 8
-INT4_INTERLEAVE = 4  # words a chunk of the kernel layout: 4 words (16 bytes) a GEMV thread loads
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)  # nibble i sits at bits 4i
 
 
@@ -63,12 +62,6 @@ def interleave_for(k: int) -> int:
     """The layout the int4 linears store for input size K: the kernel layout where whole chunks
     tile K (K a multiple of 8 * INT4_INTERLEAVE), else the canonical one."""
     return INT4_INTERLEAVE if k % (INT4_PER_INT32 * INT4_INTERLEAVE) == 0 else 1
-
-
-def check_interleave(interleave: int, k: int) -> None:
-    if interleave not in (1, INT4_INTERLEAVE) or k % (INT4_PER_INT32 * interleave):
-        raise ValueError(f"int4 interleave {interleave} with K={k}: expected 1 (canonical) or {INT4_INTERLEAVE} "
-                         f"with K a multiple of {INT4_PER_INT32 * INT4_INTERLEAVE}")
 
 
 def _swap_chunk_axes(qweight: torch.Tensor, interleave: int, inner: tuple[int, int]) -> torch.Tensor:

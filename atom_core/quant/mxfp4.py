@@ -40,7 +40,7 @@ from typing import Literal, Optional
 import torch
 from torch import nn
 
-from atom_core.quant.base import QuantConfig, QuantMethod, set_weight_attrs
+from atom_core.quant.base import MoELayer, QuantConfig, QuantMethod, set_weight_attrs
 
 # e2m1 by nibble: sign bit 3, exponent bits 2-1, mantissa bit 0 (the OCP MX table, as HF's FP4_VALUES)
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -247,8 +247,6 @@ class Mxfp4Config(QuantConfig):
         return not any(re.match(rf"(?:{key}){boundary}", name) or name.endswith(key) for key in self.not_converted)
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantMethod | None:
-        from atom_core.model_ops.moe import FusedMoE
-
-        if isinstance(layer, FusedMoE) and self.is_converted(prefix):
+        if isinstance(layer, MoELayer) and self.is_converted(prefix):
             return Mxfp4MoEMethod()
         return None  # MXFP4 checkpoints quantize only MoE experts (see the module docstring)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from atom_core.model_ops.sampler import (SamplingBatch, _mix32, apply_penalties, hashed_exponential,
+from atom_core.model_ops.sampler import (SamplingBatch, apply_penalties, hashed_exponential, mix32,
                                          sampling_probs, unit_interval)
 
 _MASK32 = 0xFFFFFFFF
@@ -26,8 +26,8 @@ _MASK32 = 0xFFFFFFFF
 def hashed_uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """U(0, 1) [B] from (seed, position), independent of hashed_exponential's noise (own salt)."""
     lo, hi = seeds & _MASK32, (seeds >> 32) & _MASK32
-    row = _mix32(lo ^ _mix32(hi ^ _mix32(positions & _MASK32)))
-    return unit_interval(_mix32(_mix32(row ^ 0x68E31DA4) ^ 0x1B56C4E9))
+    row = mix32(lo ^ mix32(hi ^ mix32(positions & _MASK32)))
+    return unit_interval(mix32(mix32(row ^ 0x68E31DA4) ^ 0x1B56C4E9))
 
 
 def _adjusted_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

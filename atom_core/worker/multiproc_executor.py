@@ -253,11 +253,11 @@ def run_worker(setup: WorkerSetup) -> None:
 def run_node_workers(config: EngineConfig) -> int:
     """A node other than 0 (nnodes > 1): run this node's ranks until the engine on node 0 ends
     them. Returns the exit code (the first non-zero worker code, else 0)."""
-    from atom_core.loader import resolve_model_files
+    from atom_core.loader import resolve_model, resolve_model_files
 
     par = config.parallel
     assert par.node_rank > 0, "node 0 runs the engine core"
-    model = config.model.resolve(resolve_model_files(config.model.model, config.model.tokenizer))
+    model = resolve_model(config.model, resolve_model_files(config.model.model, config.model.tokenizer))
     from atom_core.distributed.checks import check_parallel
 
     check_parallel(par, model)

@@ -209,19 +209,19 @@ class TestRefusedAtStart:
 
     def test_expert_parallel_on_a_dense_model_names_the_flag(self, tiny_dist_models):
         from atom_core.distributed.checks import check_parallel
-        from atom_core.loader import resolve_model_files
+        from atom_core.loader import resolve_model, resolve_model_files
 
         config = EngineConfig.from_kwargs(str(tiny_dist_models("llama")), device="cpu", **DP_EP)
-        model = config.model.resolve(resolve_model_files(config.model.model))
+        model = resolve_model(config.model, resolve_model_files(config.model.model))
         with pytest.raises(ValueError, match="enable_expert_parallel needs a mixture-of-experts model"):
             check_parallel(config.parallel, model)
 
     def test_experts_must_split_evenly_over_the_replicas(self, moe_path):
         from atom_core.distributed.checks import check_parallel
-        from atom_core.loader import resolve_model_files
+        from atom_core.loader import resolve_model, resolve_model_files
 
         config = EngineConfig.from_kwargs(str(moe_path), device="cpu", **{**DP_EP, "data_parallel_size": 3})
-        model = config.model.resolve(resolve_model_files(config.model.model))
+        model = resolve_model(config.model, resolve_model_files(config.model.model))
         with pytest.raises(ValueError, match="8 experts are not divisible by data_parallel_size=3"):
             check_parallel(config.parallel, model)
 

@@ -63,10 +63,10 @@ def test_bad_combinations_fail_at_start(tiny_dist_models, options, message):
 def test_experts_must_divide_for_expert_parallel(tiny_dist_models):
     from atom_core.config import ModelConfig, ParallelConfig
     from atom_core.distributed.checks import check_parallel
-    from atom_core.loader import resolve_model_files
+    from atom_core.loader import resolve_model, resolve_model_files
 
     path = tiny_dist_models("qwen3_moe")
-    model = ModelConfig(str(path)).resolve(resolve_model_files(str(path)))
+    model = resolve_model(ModelConfig(str(path)), resolve_model_files(str(path)))
     hf = copy.deepcopy(model.hf_config)
     hf.num_experts = 6
     with pytest.raises(ValueError, match="6 experts are not divisible by tensor_parallel_size=4"):

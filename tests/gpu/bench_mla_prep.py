@@ -18,7 +18,7 @@ import torch
 
 from atom_core.kernels import triton as tk
 from atom_core.kernels.bench_kernels import bench_ms
-from atom_core.kernels.mla_ref import deinterleave
+from atom_core.kernels.torch_ref import deinterleave
 from atom_core.model_ops.rotary import RotaryEmbedding
 
 NOPE, LATENT, ROPE, BLOCK_SIZE, MAX_POSITION = 128, 512, 64, 16, 4096

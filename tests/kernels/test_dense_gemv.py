@@ -231,13 +231,13 @@ class TestRoutingByTokenCount:
 class TestBenchSweep:
     def test_sweep_tiles_are_valid_distinct_and_include_the_default(self):
         from atom_core.kernels.triton.dense_gemv_bench import sweep_configs
-        from atom_core.kernels.triton.fp8_gemv import _check_config
+        from atom_core.kernels.triton.fp8_gemv import check_gemv_config
 
         base = _gemv().default_dense_gemv_config(1, 3072, 4096, 2, 132)
         tiles = sweep_configs(base)
         assert base in tiles and len(tiles) == len(set(tiles)) > 12
         for cfg in tiles:
-            _check_config(cfg, None)
+            check_gemv_config(cfg, None)
         assert {c.block_k for c in tiles} == {128, 256, 512, 1024} and {c.split_k for c in tiles} >= {1, 2}
 
     @pytest.mark.parametrize("args, message", [

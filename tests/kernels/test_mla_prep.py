@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from atom_core.kernels import mla_ref
+from atom_core.kernels import torch_ref
 from atom_core.model_ops.rotary import RotaryEmbedding
 from tests.kernels.tolerances import INTERPRET, TOL, rel_err
 
@@ -47,7 +47,7 @@ def run_both(args, interleaved):
     q_rope = mla_rope_store(*args[:4], cache, *args[5:], interleaved)
     cpu = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
     ref_cache = cpu[4].clone()
-    ref_q_rope = mla_ref.mla_rope_store(*cpu[:4], ref_cache, *cpu[5:], interleaved)
+    ref_q_rope = torch_ref.mla_rope_store(*cpu[:4], ref_cache, *cpu[5:], interleaved)
     return q_rope.cpu(), cache.cpu(), ref_q_rope, ref_cache
 
 
@@ -125,7 +125,6 @@ class TestTritonMatchesReference:
 def test_both_providers_expose_the_same_signature():
     import inspect
 
-    from atom_core.kernels import torch_ref
     from atom_core.kernels import triton as tk
 
     params = lambda fn: [(p.name, p.default) for p in inspect.signature(fn).parameters.values()]  # noqa: E731
@@ -138,7 +137,7 @@ class TestReference:
         pairs regrouped as halves, then rotate_half), the invariant attention relies on."""
         args = make_inputs(5, 3, 8, 32, 16, torch.float32, "cpu", seed=9)
         q, kv_a, positions, cos_sin, cache, slots, weight, eps = args
-        q_rope = mla_ref.mla_rope_store(q, kv_a, positions, cos_sin, cache, slots, weight, eps, True)
+        q_rope = torch_ref.mla_rope_store(q, kv_a, positions, cos_sin, cache, slots, weight, eps, True)
         k_rope = cache.flatten(0, 1)[slots, 0, 32:]
 
         cos, sin = cos_sin[positions].chunk(2, dim=-1)
@@ -155,11 +154,11 @@ class TestReference:
     def test_rejects_a_kv_a_of_the_wrong_width(self):
         args = list(make_inputs(2, 4, 8, 32, 16, torch.float32, "cpu", seed=1))
         with pytest.raises(ValueError, match="rope dim 16"):
-            mla_ref.mla_rope_store(args[0], args[1][:, :40], *args[2:], True)
+            torch_ref.mla_rope_store(args[0], args[1][:, :40], *args[2:], True)
 
     def test_cache_latent_is_rms_normed(self):
         q, kv_a, positions, cos_sin, cache, slots, weight, eps = make_inputs(3, 2, 8, 32, 16, torch.float32, "cpu", 2)
-        mla_ref.mla_rope_store(q, kv_a, positions, cos_sin, cache, slots, weight, eps, False)
+        torch_ref.mla_rope_store(q, kv_a, positions, cos_sin, cache, slots, weight, eps, False)
         latent = kv_a[:, :32]
         expected = weight * latent * torch.rsqrt(latent.pow(2).mean(-1, keepdim=True) + eps)
         torch.testing.assert_close(cache.flatten(0, 1)[slots, 0, :32], expected)

@@ -33,7 +33,7 @@ import triton
 
 from atom_core.kernels.triton.common import check_same_device, sm_count
 from atom_core.kernels.triton.fp8_gemv import (
-    Fp8GemvConfig, _check_config, _launch, default_fp8_gemv_config, split_for_bytes_in_flight,
+    Fp8GemvConfig, check_gemv_config, default_fp8_gemv_config, launch_gemv, split_for_bytes_in_flight,
 )
 
 MAX_TOKENS = 4  # rows of x (the kernel keeps an accumulator per row)
@@ -86,8 +86,8 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
         x2 = x2.contiguous()
     _check(x2, weight, bias)
     cfg = config or default_dense_gemv_config(x2.shape[0], n, weight.shape[1], x2.element_size(), sm_count(x.device))
-    _check_config(cfg, None)
-    return _launch(x2, weight, _unit_scale(x2.device), (0, 0), 1, None, bias, cfg).reshape(*shape[:-1], n)
+    check_gemv_config(cfg, None)
+    return launch_gemv(x2, weight, _unit_scale(x2.device), (0, 0), 1, None, bias, cfg).reshape(*shape[:-1], n)
 
 
 def dense_gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -10,7 +10,7 @@ of `quant/fp8_ops.py` (same signatures and contracts as its references):
       static per tensor when `input_scale` is given.
 
 One kernel (`_fp8_gemm_kernel`) runs both. Per K step of BLOCK_K columns: one e4m3 x e4m3 dot
-into float32 (moe_fp8's `_dot_fp8`: native e4m3 MMA on SM89+, widened elsewhere), then
+into float32 (kernels/triton/fp8.py's `dot_fp8`: native e4m3 MMA on SM89+, widened elsewhere), then
   block:        acc += dot * x_scale[row, group] * w_scale[col, group]   (BLOCK_K divides bk, so a
                 step lies in one scale group; Hopper's FP8 MMA accumulates with fewer bits than
                 float32, and this per-group promotion bounds that to one group, as in moe_fp8)
@@ -30,7 +30,7 @@ in IEEE division, clamped to +-448, rounded to nearest even):
     static scale.
 Under Triton's CPU interpreter, float32 -> e4m3 casts are wrong (tests/quant/test_fp8_ops.py), so
 there the fused path rounds to the e4m3 grid arithmetically first (then the cast is exact) and
-the separate path uses the torch quantizer (moe_fp8's `_quantize_activations`).
+the separate path uses the torch quantizer (kernels/triton/fp8.py's `quantize_activations`).
 
 Tiles (`default_fp8_gemm_config`): M <= 16 (decode, a weight stream: each weight byte read once)
 uses BLOCK_M 16 (the MMA's minimum) with split-K until about 2 programs per SM; larger M uses
@@ -53,10 +53,10 @@ import torch
 import triton
 import triton.language as tl
 
+from atom_core.kernels.fp8_ref import FP8_DTYPE, MIN_SCALE, SMALL_M_MAX, quantize_fp8_per_tensor
 from atom_core.kernels.triton.common import check_dim, check_float, check_same_device, sm_count
-from atom_core.kernels.triton.moe import _tile_ids
-from atom_core.kernels.triton.moe_fp8 import _dot_fp8, _load_a, _load_w, _quantize_activations, dot_mode
-from atom_core.quant.fp8_ops import _MIN_SCALE, FP8_DTYPE, SMALL_M_MAX, quantize_fp8_per_tensor
+from atom_core.kernels.triton.fp8 import dot_fp8, dot_mode, quantize_activations
+from atom_core.kernels.triton.tiles import load_a_tile, load_w_tile, tile_ids
 
 QUANT_NONE, QUANT_DYNAMIC, QUANT_STATIC = 0, 1, 2  # how x reaches the kernel (QUANT below)
 PROGRAMS_PER_SM = 2  # split-K aims for this many programs per SM at small M
@@ -101,7 +101,7 @@ def _row_scale(x_ptrs, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.const
     """Per-token dynamic scale of the tile's rows: max(absmax over all K / 448, min_scale), [BLOCK_M, 1]."""
     amax = tl.zeros([BLOCK_M], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        xt = _load_a(x_ptrs, k0, K, BLOCK_K, K % BLOCK_K != 0).to(tl.float32)
+        xt = load_a_tile(x_ptrs, k0, K, BLOCK_K, K % BLOCK_K != 0).to(tl.float32)
         amax = tl.maximum(amax, tl.max(tl.abs(xt), axis=1))
         x_ptrs += BLOCK_K
     return tl.maximum(tl.div_rn(amax, tl.zeros_like(amax) + 448.0), min_scale)[:, None]
@@ -120,7 +120,7 @@ def _fp8_gemm_kernel(
     x: e4m3 (QUANT 0) or the activation dtype (1: dynamic scales computed here, 2: static scale
     read from xs). x scales [M, groups] (block) / [M, 1] (per token) / stride 0 (per tensor); w
     scales row r at ws_ptr + (r // SCALE_BN) * stride_wsn (+ group * stride_wsk when PER_GROUP)."""
-    pid_m, pid_n = _tile_ids(tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    pid_m, pid_n = tile_ids(tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     split = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     # rows past M and columns past N read real rows (no masks in the loop); they are never stored
@@ -144,11 +144,11 @@ def _fp8_gemm_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for i in range(0, num_steps):
         k0 = k_start + i * BLOCK_K
-        w = _load_w(w_ptrs, k0, K, BLOCK_K, MASK_K)
+        w = load_w_tile(w_ptrs, k0, K, BLOCK_K, MASK_K)
         if QUANT == 0:
-            a = _load_a(x_ptrs, k0, K, BLOCK_K, MASK_K)
+            a = load_a_tile(x_ptrs, k0, K, BLOCK_K, MASK_K)
         else:
-            xf = _load_a(x_ptrs, k0, K, BLOCK_K, MASK_K).to(tl.float32)
+            xf = load_a_tile(x_ptrs, k0, K, BLOCK_K, MASK_K).to(tl.float32)
             if QUANT == 1 and PER_GROUP:  # the step is the whole scale group (BLOCK_K == GROUP)
                 x_scale = tl.maximum(tl.div_rn(tl.max(tl.abs(xf), axis=1), tl.zeros([BLOCK_M], tl.float32) + 448.0),
                                      min_scale)[:, None]
@@ -157,9 +157,9 @@ def _fp8_gemm_kernel(
             grp = k0 // GROUP
             if QUANT == 0:
                 x_scale = tl.load(xs_ptrs + grp * stride_xsk)[:, None]
-            acc += _dot_fp8(a, w, DOT_MODE) * (x_scale * tl.load(ws_ptrs + grp * stride_wsk)[None, :])
+            acc += dot_fp8(a, w, DOT_MODE) * (x_scale * tl.load(ws_ptrs + grp * stride_wsk)[None, :])
         else:
-            acc += _dot_fp8(a, w, DOT_MODE)
+            acc += dot_fp8(a, w, DOT_MODE)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if not PER_GROUP:
@@ -225,7 +225,8 @@ def default_fp8_gemm_config(m: int, n: int, k: int, group: int | None, num_sms: 
     return Fp8GemmConfig(bm, bn, bk, split, gm, warps, stages, fused)
 
 
-def _check(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+def check_operands(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """x [M, K] float, weight e4m3 [N, K] with unit-stride rows, float32 scales, bias [N]: every dense FP8 kernel's operands."""
     check_dim("weight", weight, 2)
     check_float("x", x2)
     if weight.dtype != FP8_DTYPE:
@@ -253,7 +254,7 @@ def _launch(x2, xs, stride_xs, weight, w_scale, stride_ws, scale_bn, group, per_
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
     _fp8_gemm_kernel[grid](
         x2, xs, weight, w_scale, bias if bias is not None else w_scale, target,
-        m, per_split, _MIN_SCALE, x2.stride(0), *stride_xs, weight.stride(0), *stride_ws,
+        m, per_split, MIN_SCALE, x2.stride(0), *stride_xs, weight.stride(0), *stride_ws,
         target.stride(-2), target.stride(0) if split > 1 else 0,
         N=n, K=k, GROUP=group, SCALE_BN=scale_bn, PER_GROUP=per_group, QUANT=quant,
         HAS_BIAS=bias is not None, IS_SPLIT=split > 1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -308,7 +309,7 @@ def fp8_block_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torc
     bn, bk = (int(b) for b in block_size)
     shape, (n, k) = x.shape, weight.shape
     x2 = x.reshape(-1, shape[-1])
-    _check(x2, weight, weight_scale_inv, bias)
+    check_operands(x2, weight, weight_scale_inv, bias)
     if not block_gemm_supported(block_size):
         raise ValueError(f"block-FP8 GEMM needs a K block with a power-of-two divisor >= 16, got {list(block_size)}")
     expect = (triton.cdiv(n, bn), triton.cdiv(k, bk))
@@ -320,7 +321,7 @@ def fp8_block_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torc
     if cfg.fused_quant:
         xq, xs, stride_xs, quant = x2, weight_scale_inv, (0, 0), QUANT_DYNAMIC
     else:
-        xq, xs = _quantize_activations(x2, bk)
+        xq, xs = quantize_activations(x2, bk)
         stride_xs, quant = (xs.stride(0), xs.stride(1)), QUANT_NONE
     out = _launch(xq, xs, stride_xs, weight, weight_scale_inv, weight_scale_inv.stride(), bn, bk, True, quant, bias,
                   x.dtype, cfg)
@@ -342,7 +343,7 @@ def fp8_channel_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     tensor / per channel); activations dynamic per token, or static per tensor (`input_scale`)."""
     shape, (n, k) = x.shape, weight.shape
     x2 = x.reshape(-1, shape[-1])
-    _check(x2, weight, weight_scale, bias)
+    check_operands(x2, weight, weight_scale, bias)
     w_scale, stride_ws = channel_scales(weight_scale, n)
     cfg = config or default_fp8_gemm_config(x2.shape[0], n, k, None, sm_count(x.device))
     _check_tile(cfg, None)
@@ -356,7 +357,7 @@ def fp8_channel_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     elif cfg.fused_quant:
         xq, xs, stride_xs, quant = x2, w_scale, (0, 0), QUANT_DYNAMIC
     else:
-        xq, xs = _quantize_activations(x2, k)  # one group per row: per token
+        xq, xs = quantize_activations(x2, k)  # one group per row: per token
         stride_xs, quant = (xs.stride(0), 0), QUANT_NONE
     out = _launch(xq, xs, stride_xs, weight, w_scale, stride_ws, 1, k, False, quant, bias, x.dtype, cfg)
     return out.reshape(*shape[:-1], n)

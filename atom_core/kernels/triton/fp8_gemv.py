@@ -65,10 +65,10 @@ import torch
 import triton
 import triton.language as tl
 
+from atom_core.kernels.fp8_ref import GEMV_MAX_TOKENS, dequantize_fp8_block
 from atom_core.kernels.triton.common import sm_count
-from atom_core.kernels.triton.fp8_gemm import _check as check_operands
-from atom_core.kernels.triton.fp8_gemm import channel_scales, split_k_target, sum_splits
-from atom_core.quant.fp8_ops import GEMV_MAX_TOKENS, dequantize_fp8_block
+from atom_core.kernels.triton.fp8_gemm import channel_scales, check_operands, split_k_target, sum_splits
+from atom_core.kernels.triton.tiles import store_gemv_row
 
 MAX_SPLIT_K = 8
 
@@ -142,28 +142,16 @@ def _fp8_gemv_kernel(
     w_scale = tl.load(ws_ptr + rows * stride_wsn)  # per channel / tensor: times the row sums
     out_ptrs = out_ptr + split * stride_os + cols
     col_ok = cols < N
-    _store_row(tl.sum(acc0, axis=1) * w_scale, bias_ptr, out_ptrs, rows, col_ok, HAS_BIAS, IS_SPLIT)
+    store_gemv_row(tl.sum(acc0, axis=1) * w_scale, bias_ptr, out_ptrs, rows, col_ok, HAS_BIAS, IS_SPLIT)
     if M > 1:
-        _store_row(tl.sum(acc1, axis=1) * w_scale, bias_ptr, out_ptrs + stride_om, rows, col_ok, HAS_BIAS,
+        store_gemv_row(tl.sum(acc1, axis=1) * w_scale, bias_ptr, out_ptrs + stride_om, rows, col_ok, HAS_BIAS,
                    IS_SPLIT)
     if M > 2:
-        _store_row(tl.sum(acc2, axis=1) * w_scale, bias_ptr, out_ptrs + 2 * stride_om, rows, col_ok, HAS_BIAS,
+        store_gemv_row(tl.sum(acc2, axis=1) * w_scale, bias_ptr, out_ptrs + 2 * stride_om, rows, col_ok, HAS_BIAS,
                    IS_SPLIT)
     if M > 3:
-        _store_row(tl.sum(acc3, axis=1) * w_scale, bias_ptr, out_ptrs + 3 * stride_om, rows, col_ok, HAS_BIAS,
+        store_gemv_row(tl.sum(acc3, axis=1) * w_scale, bias_ptr, out_ptrs + 3 * stride_om, rows, col_ok, HAS_BIAS,
                    IS_SPLIT)
-
-
-@triton.jit
-def _store_row(y, bias_ptr, out_ptrs, rows, col_ok, HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr):
-    """One x row's BLOCK_N float32 sums. A split stores float32 partials (the sum kernel adds the
-    bias); otherwise the bias is added and the sum rounded once."""
-    if IS_SPLIT:
-        tl.store(out_ptrs, y, mask=col_ok)
-    else:
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + rows).to(tl.float32)
-        tl.store(out_ptrs, y.to(out_ptrs.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit
@@ -239,13 +227,13 @@ def _fp8_block_gemv_kernel(
         x_ptrs += BLOCK_K
     out_ptrs = out_ptr + split * stride_os + cols
     col_ok = cols < N
-    _store_row(tl.sum(acc0, axis=1), bias_ptr, out_ptrs, rows, col_ok, HAS_BIAS, IS_SPLIT)
+    store_gemv_row(tl.sum(acc0, axis=1), bias_ptr, out_ptrs, rows, col_ok, HAS_BIAS, IS_SPLIT)
     if M > 1:
-        _store_row(tl.sum(acc1, axis=1), bias_ptr, out_ptrs + stride_om, rows, col_ok, HAS_BIAS, IS_SPLIT)
+        store_gemv_row(tl.sum(acc1, axis=1), bias_ptr, out_ptrs + stride_om, rows, col_ok, HAS_BIAS, IS_SPLIT)
     if M > 2:
-        _store_row(tl.sum(acc2, axis=1), bias_ptr, out_ptrs + 2 * stride_om, rows, col_ok, HAS_BIAS, IS_SPLIT)
+        store_gemv_row(tl.sum(acc2, axis=1), bias_ptr, out_ptrs + 2 * stride_om, rows, col_ok, HAS_BIAS, IS_SPLIT)
     if M > 3:
-        _store_row(tl.sum(acc3, axis=1), bias_ptr, out_ptrs + 3 * stride_om, rows, col_ok, HAS_BIAS, IS_SPLIT)
+        store_gemv_row(tl.sum(acc3, axis=1), bias_ptr, out_ptrs + 3 * stride_om, rows, col_ok, HAS_BIAS, IS_SPLIT)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,15 +289,15 @@ def _check(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: to
         raise ValueError(f"the FP8 GEMV takes at most {GEMV_MAX_TOKENS} rows of x, got {x2.shape[0]}")
 
 
-def _check_config(cfg: Fp8GemvConfig, group: int | None = None) -> None:
+def check_gemv_config(cfg: Fp8GemvConfig, group: int | None = None) -> None:
     """Tiles any kernel here takes (`group` is accepted for the callers; any step suits any group)."""
     bk, bn = cfg.block_k, cfg.block_n
     if bk < 1 or bk & (bk - 1) or bn < 1 or bn & (bn - 1) or cfg.split_k < 1:
         raise ValueError(f"FP8 GEMV tiles need power-of-two block_n and block_k and split_k >= 1, got {cfg}")
 
 
-def _launch(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, stride_ws: tuple[int, int], scale_bn: int,
-            group: int | None, bias: torch.Tensor | None, cfg: Fp8GemvConfig) -> torch.Tensor:
+def launch_gemv(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, stride_ws: tuple[int, int], scale_bn: int,
+                group: int | None, bias: torch.Tensor | None, cfg: Fp8GemvConfig) -> torch.Tensor:
     """The GEMV (and the split sum) on checked operands; returns [M, N] in x's dtype."""
     (m, k), n = x2.shape, weight.shape[0]
     out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
@@ -341,8 +329,8 @@ def fp8_channel_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     _check(x2, weight, weight_scale, bias)
     w_scale, stride_ws = channel_scales(weight_scale, n)
     cfg = config or default_fp8_gemv_config(x2.shape[0], n, k, x2.element_size(), None, sm_count(x.device))
-    _check_config(cfg, None)
-    return _launch(x2, weight, w_scale, stride_ws, 1, None, bias, cfg).reshape(*shape[:-1], n)
+    check_gemv_config(cfg, None)
+    return launch_gemv(x2, weight, w_scale, stride_ws, 1, None, bias, cfg).reshape(*shape[:-1], n)
 
 
 def fp8_block_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, block_size: list[int],
@@ -360,8 +348,8 @@ def fp8_block_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torc
         raise ValueError(f"weight_scale_inv must be {list(expect)} for weight {tuple(weight.shape)} and block "
                          f"{[bn, bk]}, got {tuple(weight_scale_inv.shape)}")
     cfg = config or default_fp8_gemv_config(x2.shape[0], n, k, x2.element_size(), bk, sm_count(x.device))
-    _check_config(cfg, bk)
-    out = _launch(x2, weight, weight_scale_inv, weight_scale_inv.stride(), bn, bk, bias, cfg)
+    check_gemv_config(cfg, bk)
+    out = launch_gemv(x2, weight, weight_scale_inv, weight_scale_inv.stride(), bn, bk, bias, cfg)
     return out.reshape(*shape[:-1], n)
 
 

@@ -42,8 +42,7 @@ import triton.language as tl
 
 from atom_core.envs import W8A16_WIDENS, W8a16Widen, check_choice, read_envs
 from atom_core.kernels.triton.common import sm_count
-from atom_core.kernels.triton.fp8_gemm import _check as check_operands
-from atom_core.kernels.triton.fp8_gemm import channel_scales, split_k_target, sum_splits
+from atom_core.kernels.triton.fp8_gemm import channel_scales, check_operands, split_k_target, sum_splits
 
 W8A16_MAX_TOKENS = 64  # tokens the kernel takes (BLOCK_M up to 64: one M tile)
 PROGRAMS_PER_SM = 2

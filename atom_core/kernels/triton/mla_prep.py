@@ -1,6 +1,6 @@
 """MLA's projections -> the latent attention's inputs, one launch (Triton): RoPE on every head's
 query rope part and on k_pe, RMSNorm of the latent (kv_a_layernorm), and the cache row
-[latent | roped k_pe] into the paged latent cache. Contract and oracle: `kernels.mla_ref.mla_rope_store`.
+[latent | roped k_pe] into the paged latent cache. Contract and oracle: `kernels.torch_ref.mla_rope_store`.
 
 Unfused these were five launches per layer at batch 1 (two cats de-interleaving the rope pairs,
 the rotary kernel, the cat of the cache row, the store) plus the norm: ~7.6 us of a 22.8 us MLA
@@ -21,7 +21,7 @@ import triton.language as tl
 from atom_core.kernels.triton.common import (
     check_dim, check_float, check_int, check_last_dim_contiguous, check_same_device, next_pow2,
 )
-from atom_core.kernels.triton.norm import _normalize
+from atom_core.kernels.triton.norm import normalize
 
 # Query elements per head tile: with 4 warps ~8 per thread for each of the pair's halves, so
 # V3's 128 heads take 4 tiles without spilling (V2-Lite's 16 heads take one).
@@ -71,7 +71,7 @@ def _mla_rope_store_kernel(
     offs_c = tl.arange(0, BLOCK_C)
     c_ok = offs_c < LATENT
     latent = tl.load(kv_a + offs_c[None, :], mask=c_ok[None, :], other=0.0).to(tl.float32)  # [1, C]
-    latent = _normalize(latent, norm_w_ptr, offs_c, c_ok, LATENT, eps, kv_a_ptr.dtype.element_ty)
+    latent = normalize(latent, norm_w_ptr, offs_c, c_ok, LATENT, eps, kv_a_ptr.dtype.element_ty)
     tl.store(row + offs_c[None, :], latent.to(cache_ty), mask=c_ok[None, :])
     k1, k2 = _rope_pairs(kv_a + LATENT + offs_i * PAIR_STEP, i_ok, cos, sin, PAIR_OFFSET)
     tl.store(row + LATENT + offs_i, k1.to(cache_ty), mask=i_ok)
@@ -119,7 +119,7 @@ def mla_rope_store(
     eps: float,
     interleaved: bool,
 ) -> torch.Tensor:
-    """Same contract as `kernels.mla_ref.mla_rope_store`: returns q_rope [T, H, R]; the cache row
+    """Same contract as `kernels.torch_ref.mla_rope_store`: returns q_rope [T, H, R]; the cache row
     [rms_norm(latent) | rope(k_pe)] goes to each token's slot."""
     _check_args(q, kv_a, positions, cos_sin_cache, kv_cache, slot_mapping, kv_norm_weight)
     num_tokens, num_heads, head_dim = q.shape

@@ -22,7 +22,7 @@ aligned list read num_tokens_post_padded and return at once.
 
 Tile configs come from moe_configs/E={E},N={I},K={H},dtype={dtype},device={name}.json (written
 by `python -m atom_core.kernels.tune_moe`), a table from token count to MoeConfig; without a
-file, default_moe_config. An activation is a code in ACTIVATIONS and a branch in _activate
+file, default_moe_config. An activation is a code in ACTIVATIONS and a branch in moe_common.activate
 (silu, and GPT-OSS's clamped "swigluoai" with its `limit` a runtime argument); quantized weights
 would add scale pointers to the two GEMMs' B-tile loads.
 """
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -38,9 +37,11 @@ import torch
 import triton
 import triton.language as tl
 
-from atom_core.kernels.moe_ref import SWIGLU_ALPHA, check_activation
-from atom_core.kernels.triton.moe_common import (
-    block_rows, block_token_rows, check_routing, store_aligned_rows, store_weighted_rows, tile_cols,
+from atom_core.kernels.moe_ref import check_activation
+from atom_core.kernels.triton import moe_decode
+from atom_core.kernels.triton.moe_common import (  # noqa: F401  (ACTIVATIONS, GemmTile: part of the MoE API)
+    ACTIVATIONS, GemmTile, MoeConfig, activate, check_routing, dot_args, gemm1_tile, gemm2_tile, grouped_tile,
+    store_aligned_rows, store_weighted_rows,
 )
 from atom_core.kernels.triton.common import (
     check_dim, check_float, check_last_dim_contiguous, check_same_device, next_pow2,
@@ -50,55 +51,11 @@ from atom_core.kernels.triton.common import (
 from atom_core.kernels.triton.moe_routing import launch_moe_align, moe_align_block_size, moe_route  # noqa: E402,F401
 
 CONFIG_DIR = Path(__file__).with_name("moe_configs")
-ACTIVATIONS = {"silu": 0, "swigluoai": 1}  # name -> the _activate code
-_SWIGLU_ALPHA = tl.constexpr(SWIGLU_ALPHA)
 SUM_BLOCK_H = 1024
 
 
 # ---------------------------------------------------------------------------------------------
 # expert GEMMs
-
-
-@dataclass(frozen=True)
-class GemmTile:
-    block_n: int
-    block_k: int
-    group_m: int  # m blocks that sweep the n tiles together, so B tiles are reused from L2
-    num_warps: int
-    num_stages: int
-
-
-@dataclass(frozen=True)
-class MoeConfig:
-    block_m: int  # also the alignment block size: both GEMMs share the aligned list
-    gemm1: GemmTile
-    gemm2: GemmTile
-
-    @classmethod
-    def from_json(cls, d: dict) -> "MoeConfig":
-        return cls(d["block_m"], GemmTile(**d["gemm1"]), GemmTile(**d["gemm2"]))
-
-
-@triton.jit
-def _tile_ids(num_m_blocks, NUM_N_BLOCKS: tl.constexpr, GROUP_M: tl.constexpr):
-    pid = tl.program_id(0)
-    width = GROUP_M * NUM_N_BLOCKS
-    first_m = (pid // width) * GROUP_M
-    size_m = tl.minimum(num_m_blocks - first_m, GROUP_M)
-    return first_m + (pid % width) % size_m, (pid % width) // size_m
-
-
-@triton.jit
-def _activate(gate, up, limit, ACTIVATION: tl.constexpr):
-    """float32 gate/up tiles -> the activation (moe_ref.apply_activation); `limit` is read by swigluoai only."""
-    if ACTIVATION == 0:  # silu(gate) * up
-        return gate * tl.sigmoid(gate) * up
-    elif ACTIVATION == 1:  # swigluoai: (clamp(up, -l, l) + 1) * g * sigmoid(alpha * g), g = min(gate, l)
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-        return (up + 1.0) * (gate * tl.sigmoid(gate * _SWIGLU_ALPHA))
-    else:
-        tl.static_assert(False, "unknown activation code")
 
 
 @triton.jit(do_not_specialize=["num_assignments", "num_m_blocks"])
@@ -110,11 +67,11 @@ def _gemm1_kernel(
     GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
     """act(x[tokens] @ w13[e].T) for BLOCK_M aligned rows x BLOCK_N columns of I."""
-    pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(INTER, BLOCK_N), GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+    pid_m, pid_n, past_end = grouped_tile(num_m_blocks, num_post_ptr, INTER, BLOCK_M, BLOCK_N, GROUP_M)
+    if past_end:
         return
-    rows, token, expert = block_token_rows(pid_m, sorted_ptr, expert_ids_ptr, num_assignments, TOP_K, BLOCK_M)
-    cols, offs_n = tile_cols(pid_n, INTER, BLOCK_N)
+    rows, token, expert, cols, offs_n = gemm1_tile(pid_m, pid_n, sorted_ptr, expert_ids_ptr, num_assignments, INTER,
+                                                   TOP_K, BLOCK_M, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :]
     g_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
@@ -142,7 +99,7 @@ def _gemm1_kernel(
         b_ptrs = bias_ptr + expert * stride_be + offs_n
         acc_g += tl.load(b_ptrs).to(tl.float32)[None, :]
         acc_u += tl.load(b_ptrs + INTER).to(tl.float32)[None, :]
-    act = _activate(acc_g, acc_u, limit, ACTIVATION)
+    act = activate(acc_g, acc_u, limit, ACTIVATION)
     store_aligned_rows(out_ptr, act, rows, cols, stride_ot, INTER)
 
 
@@ -156,12 +113,11 @@ def _gemm2_kernel(
 ):
     """topk_weight * (act[rows] @ w2[e].T + b2) for BLOCK_M aligned rows x BLOCK_N columns of H,
     stored at the rows' flat ids t*K + k."""
-    pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(HIDDEN, BLOCK_N), GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+    pid_m, pid_n, past_end = grouped_tile(num_m_blocks, num_post_ptr, HIDDEN, BLOCK_M, BLOCK_N, GROUP_M)
+    if past_end:
         return
-    rows, flat, expert = block_rows(pid_m, sorted_ptr, expert_ids_ptr, BLOCK_M)
-    row_ok = flat < num_assignments
-    cols, offs_n = tile_cols(pid_n, HIDDEN, BLOCK_N)
+    rows, flat, row_ok, expert, cols, offs_n = gemm2_tile(pid_m, pid_n, sorted_ptr, expert_ids_ptr, num_assignments,
+                                                          HIDDEN, BLOCK_M, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_at + offs_k[None, :]
     b_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
@@ -199,17 +155,6 @@ def _sum_kernel(partial_ptr, ids_ptr, out_ptr, stride_ot, HIDDEN: tl.constexpr, 
     tl.store(out_ptr + token * stride_ot + h, tl.sum(vals.to(tl.float32), 0).to(out_ptr.dtype.element_ty), mask=h_ok)
 
 
-# Triton's CPU interpreter (TRITON_INTERPRET=1) multiplies bf16 dot operands as raw uint16
-# (see attention.py); there, and only there, the GEMMs upcast them first.
-_INTERPRETED = not isinstance(_gemm1_kernel, triton.runtime.jit.JITFunction)
-
-
-def _dot_args(dtype: torch.dtype) -> dict:
-    # float32 stays IEEE (Triton would use TF32) so the fp32 path matches the reference.
-    return {"DOT_PRECISION": "ieee" if dtype == torch.float32 else None,
-            "DOT_IN_FP32": _INTERPRETED and dtype == torch.bfloat16}
-
-
 def moe_gemm1(hidden: torch.Tensor, w13: torch.Tensor, w13_bias: Optional[torch.Tensor], sorted_ids: torch.Tensor,
               expert_ids: torch.Tensor, num_post: torch.Tensor, top_k: int, block_m: int, tile: GemmTile,
               out: torch.Tensor, activation: str = "silu", swiglu_limit: float | None = None) -> torch.Tensor:
@@ -223,7 +168,7 @@ def moe_gemm1(hidden: torch.Tensor, w13: torch.Tensor, w13_bias: Optional[torch.
         w13_bias.stride(0) if w13_bias is not None else 0, out.stride(0), float(swiglu_limit or 0.0),
         INTER=inter, HIDDEN=hidden.shape[1], TOP_K=top_k, ACTIVATION=ACTIVATIONS[activation],
         HAS_BIAS=w13_bias is not None, BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        GROUP_M=tile.group_m, num_warps=tile.num_warps, num_stages=tile.num_stages, **_dot_args(hidden.dtype),
+        GROUP_M=tile.group_m, num_warps=tile.num_warps, num_stages=tile.num_stages, **dot_args(hidden.dtype),
     )
     return out
 
@@ -241,7 +186,7 @@ def moe_gemm2(act: torch.Tensor, w2: torch.Tensor, w2_bias: Optional[torch.Tenso
         w2_bias.stride(0) if w2_bias is not None else 0, out.stride(0),
         HIDDEN=hidden_size, INTER=w2.shape[2], HAS_BIAS=w2_bias is not None, BLOCK_M=block_m,
         BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
-        num_warps=tile.num_warps, num_stages=tile.num_stages, **_dot_args(act.dtype),
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **dot_args(act.dtype),
     )
     return out
 
@@ -403,6 +348,3 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
         return fused_moe_op(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, swiglu_limit)
     return launch_fused_moe(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, swiglu_limit)
 
-
-# The decode GEMVs import _activate from here, so they are imported last (either module may load first).
-from atom_core.kernels.triton import moe_decode  # noqa: E402

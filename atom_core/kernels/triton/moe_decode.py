@@ -8,7 +8,7 @@ pattern with GEMVs (moe_mxfp4_decode.py: 48 us vs 81 tiled at gpt-oss-20b M=1); 
 bf16 siblings, with the layout of the MXFP4 ones and the tiles of its sweep as the starting point:
 
 - GEMM1 `_moe_gemv1_kernel`: program (row block rb, assignment a = t*K + k): BLOCK_N gate rows and the
-  same BLOCK_N up rows of expert topk_ids[a] over all of H, the bias and the activation (moe._activate:
+  same BLOCK_N up rows of expert topk_ids[a] over all of H, the bias and the activation (moe_common.activate:
   silu, or swigluoai with its clamp) in the epilogue, rounded once to hidden's dtype into act [T*K, I].
   The grid puts the assignments of one row block next to each other, so assignments sharing an
   expert read the same bytes at about the same time (the repeats can come from L2).
@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from atom_core.envs import MOE_DECODE_PATHS, MoeDecodePath, read_envs
-from atom_core.kernels.triton.moe import ACTIVATIONS, MoeConfig, _activate
+from atom_core.kernels.triton.moe_common import ACTIVATIONS, MoeConfig, activate
 
 # T * top_k up to this may run the GEMVs (the MXFP4 GEMVs' measured bound: past it, experts repeat
 # across tokens and the tiled path, which reads each expert once, won on gpt-oss-20b).
@@ -148,7 +148,7 @@ def _moe_gemv1_kernel(
     if HAS_BIAS:
         gate += tl.load(bias_ptr + expert * stride_be + rows).to(tl.float32)
         up += tl.load(bias_ptr + expert * stride_be + INTER + rows).to(tl.float32)
-    act = _activate(gate, up, limit, ACTIVATION)
+    act = activate(gate, up, limit, ACTIVATION)
     tl.store(act_ptr + a.to(tl.int64) * stride_at + cols, act.to(act_ptr.dtype.element_ty), mask=cols < INTER)
 
 

@@ -44,46 +44,16 @@ import torch
 import triton
 import triton.language as tl
 
+from atom_core.kernels.fp8_ref import FP8_DTYPE
 from atom_core.kernels.moe_ref import check_activation
 from atom_core.kernels.triton.common import check_dim, check_float, check_same_device
-from atom_core.kernels.triton.fp8 import quantize_fp8_per_token_group as quantize_triton
+from atom_core.kernels.triton.fp8 import dot_fp8, dot_mode, quantize_activations
+from atom_core.kernels.triton.moe import moe_sum
 from atom_core.kernels.triton.moe_common import (
-    block_rows, block_token_rows, check_routing, grouped_launch_setup, store_aligned_rows, store_weighted_rows,
-    tile_cols,
+    ACTIVATIONS, GemmTile, MoeConfig, activate, check_routing, gemm1_tile, gemm2_tile, grouped_launch_setup,
+    grouped_tile, store_aligned_rows, store_weighted_rows,
 )
-from atom_core.kernels.triton.moe import (
-    ACTIVATIONS, GemmTile, MoeConfig, _activate, _tile_ids, moe_sum,
-)
-
-FP8_DTYPE = torch.float8_e4m3fn
-
-
-@triton.jit
-def _dot_fp8(a, b, DOT_MODE: tl.constexpr):
-    """a [M, K] e4m3 x b [K, N] e4m3 -> float32. DOT_MODE 0: native fp8 MMA; 1: widened to
-    bfloat16 (exact); 2: widened to float32, IEEE (the interpreter)."""
-    if DOT_MODE == 0:
-        return tl.dot(a, b)
-    elif DOT_MODE == 1:
-        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
-    else:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-
-
-@triton.jit
-def _load_a(a_ptrs, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, MASKED: tl.constexpr):
-    """Activation tile [M, BLOCK_K] e4m3 at K offset k0 (zeros past K)."""
-    if MASKED:
-        return tl.load(a_ptrs, mask=(k0 + tl.arange(0, BLOCK_K) < K)[None, :], other=0.0)
-    return tl.load(a_ptrs)
-
-
-@triton.jit
-def _load_w(w_ptrs, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, MASKED: tl.constexpr):
-    """Weight tile [BLOCK_K, N] e4m3 at K offset k0 (zeros past K)."""
-    if MASKED:
-        return tl.load(w_ptrs, mask=(k0 + tl.arange(0, BLOCK_K) < K)[:, None], other=0.0)
-    return tl.load(w_ptrs)
+from atom_core.kernels.triton.tiles import load_a_tile, load_w_tile
 
 
 @triton.jit(do_not_specialize=["num_assignments", "num_m_blocks", "limit"])
@@ -95,11 +65,11 @@ def _gemm1_kernel(
     GROUP_M: tl.constexpr, DOT_MODE: tl.constexpr,
 ):
     """act(xq[tokens] @ w13[e].T, dequantized per group) for BLOCK_M aligned rows x BLOCK_N columns of I."""
-    pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(INTER, BLOCK_N), GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+    pid_m, pid_n, past_end = grouped_tile(num_m_blocks, num_post_ptr, INTER, BLOCK_M, BLOCK_N, GROUP_M)
+    if past_end:
         return
-    rows, token, expert = block_token_rows(pid_m, sorted_ptr, expert_ids_ptr, num_assignments, TOP_K, BLOCK_M)
-    cols, offs_n = tile_cols(pid_n, INTER, BLOCK_N)
+    rows, token, expert, cols, offs_n = gemm1_tile(pid_m, pid_n, sorted_ptr, expert_ids_ptr, num_assignments, INTER,
+                                                   TOP_K, BLOCK_M, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = xq_ptr + token[:, None] * stride_xt + offs_k[None, :]
     as_ptrs = xs_ptr + token * stride_xst
@@ -111,16 +81,16 @@ def _gemm1_kernel(
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, HIDDEN, BLOCK_K):
         grp = k0 // GROUP  # BLOCK_K divides GROUP: the step lies in one scale group
-        a = _load_a(a_ptrs, k0, HIDDEN, BLOCK_K, HIDDEN % BLOCK_K != 0)
-        wg = _load_w(g_ptrs, k0, HIDDEN, BLOCK_K, HIDDEN % BLOCK_K != 0)
-        wu = _load_w(u_ptrs, k0, HIDDEN, BLOCK_K, HIDDEN % BLOCK_K != 0)
+        a = load_a_tile(a_ptrs, k0, HIDDEN, BLOCK_K, HIDDEN % BLOCK_K != 0)
+        wg = load_w_tile(g_ptrs, k0, HIDDEN, BLOCK_K, HIDDEN % BLOCK_K != 0)
+        wu = load_w_tile(u_ptrs, k0, HIDDEN, BLOCK_K, HIDDEN % BLOCK_K != 0)
         sa = tl.load(as_ptrs + grp)
-        acc_g += _dot_fp8(a, wg, DOT_MODE) * (sa[:, None] * tl.load(gs_ptrs + grp)[None, :])
-        acc_u += _dot_fp8(a, wu, DOT_MODE) * (sa[:, None] * tl.load(us_ptrs + grp)[None, :])
+        acc_g += dot_fp8(a, wg, DOT_MODE) * (sa[:, None] * tl.load(gs_ptrs + grp)[None, :])
+        acc_u += dot_fp8(a, wu, DOT_MODE) * (sa[:, None] * tl.load(us_ptrs + grp)[None, :])
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    act = _activate(acc_g, acc_u, limit, ACTIVATION)
+    act = activate(acc_g, acc_u, limit, ACTIVATION)
     store_aligned_rows(out_ptr, act, rows, cols, stride_ot, INTER)
 
 
@@ -133,12 +103,11 @@ def _gemm2_kernel(
 ):
     """topk_weight * (actq[rows] @ w2[e].T, dequantized per group) for BLOCK_M aligned rows x
     BLOCK_N columns of H, stored at the rows' flat ids t*K + k."""
-    pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(HIDDEN, BLOCK_N), GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+    pid_m, pid_n, past_end = grouped_tile(num_m_blocks, num_post_ptr, HIDDEN, BLOCK_M, BLOCK_N, GROUP_M)
+    if past_end:
         return
-    rows, flat, expert = block_rows(pid_m, sorted_ptr, expert_ids_ptr, BLOCK_M)
-    row_ok = flat < num_assignments
-    cols, offs_n = tile_cols(pid_n, HIDDEN, BLOCK_N)
+    rows, flat, row_ok, expert, cols, offs_n = gemm2_tile(pid_m, pid_n, sorted_ptr, expert_ids_ptr, num_assignments,
+                                                          HIDDEN, BLOCK_M, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = aq_ptr + rows.to(tl.int64)[:, None] * stride_at + offs_k[None, :]
     as_ptrs = as_ptr + rows.to(tl.int64) * stride_ast
@@ -147,35 +116,12 @@ def _gemm2_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
         grp = k0 // GROUP
-        a = _load_a(a_ptrs, k0, INTER, BLOCK_K, INTER % BLOCK_K != 0)
-        w = _load_w(w_ptrs, k0, INTER, BLOCK_K, INTER % BLOCK_K != 0)
-        acc += _dot_fp8(a, w, DOT_MODE) * (tl.load(as_ptrs + grp)[:, None] * tl.load(ws_ptrs + grp)[None, :])
+        a = load_a_tile(a_ptrs, k0, INTER, BLOCK_K, INTER % BLOCK_K != 0)
+        w = load_w_tile(w_ptrs, k0, INTER, BLOCK_K, INTER % BLOCK_K != 0)
+        acc += dot_fp8(a, w, DOT_MODE) * (tl.load(as_ptrs + grp)[:, None] * tl.load(ws_ptrs + grp)[None, :])
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     store_weighted_rows(out_ptr, acc, topk_weights_ptr, flat, row_ok, cols, stride_ot, HIDDEN)
-
-
-_INTERPRETED = not isinstance(_gemm1_kernel, triton.runtime.jit.JITFunction)
-
-
-def _quantize_activations(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (e4m3 [M, K], float32 [M, ceil(K/G)]). Triton's CPU interpreter casts float32 to
-    e4m3 wrongly (see tests/quant/test_fp8_ops.py), so under it the torch reference quantizes (the
-    same bits the Triton quantizer gives on a GPU); the GEMMs are what the interpreter tests check."""
-    if _INTERPRETED:
-        from atom_core.quant.fp8_ops import quantize_fp8_per_token_group as quantize_ref
-
-        return quantize_ref(x, group_size)
-    return quantize_triton(x, group_size)
-
-
-def dot_mode(device: torch.device) -> int:
-    """_dot_fp8's mode: 2 under the interpreter, 0 (native e4m3 MMA) on NVIDIA SM89+, else 1."""
-    if _INTERPRETED:
-        return 2
-    if torch.version.hip is None and torch.cuda.get_device_capability(device) >= (8, 9):
-        return 0
-    return 1
 
 
 def default_fp8_moe_config(num_tokens: int, top_k: int, num_experts: int, group_size: int) -> MoeConfig:
@@ -252,7 +198,7 @@ def fused_moe_fp8_block(
     sorted_ids, expert_ids, num_post, num_m, act = grouped_launch_setup(
         topk_ids, cfg, num_experts, group_size, inter, hidden, "block-FP8")
     mode = dot_mode(hidden.device)
-    xq, xs = _quantize_activations(hidden, group_size)
+    xq, xs = quantize_activations(hidden, group_size)
     t1 = cfg.gemm1
     _gemm1_kernel[(num_m * triton.cdiv(inter, t1.block_n),)](
         xq, xs, w13, w13_scale, act, sorted_ids, expert_ids, num_post, num_tokens * top_k, num_m,
@@ -261,7 +207,7 @@ def fused_moe_fp8_block(
         ACTIVATION=ACTIVATIONS[activation], BLOCK_M=cfg.block_m, BLOCK_N=t1.block_n, BLOCK_K=t1.block_k,
         GROUP_M=t1.group_m, DOT_MODE=mode, num_warps=t1.num_warps, num_stages=t1.num_stages,
     )
-    aq, a_scale = _quantize_activations(act, group_size)
+    aq, a_scale = quantize_activations(act, group_size)
     partial = hidden.new_empty((num_tokens * top_k, hidden_size))
     t2 = cfg.gemm2
     _gemm2_kernel[(num_m * triton.cdiv(hidden_size, t2.block_n),)](

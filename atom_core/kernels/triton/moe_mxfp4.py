@@ -38,27 +38,18 @@ import torch
 import triton
 import triton.language as tl
 
-from atom_core.kernels.moe_ref import SWIGLU_ALPHA, check_activation
+from atom_core.kernels.moe_ref import check_activation
 from atom_core.kernels.triton.common import check_dim, check_float, check_same_device
+from atom_core.kernels.triton.moe import moe_align_block_size, moe_sum
 from atom_core.kernels.triton.moe_common import (
-    block_rows, block_token_rows, check_routing, store_aligned_rows, store_weighted_rows, tile_cols,
+    ACTIVATIONS, GemmTile, MoeConfig, activate, check_routing, dot_args, gemm1_tile, gemm2_tile, grouped_tile,
+    store_aligned_rows, store_weighted_rows,
 )
-from atom_core.kernels.triton.moe import GemmTile, MoeConfig, _tile_ids, moe_align_block_size, moe_sum
+from atom_core.kernels.triton.tiles import INTERPRETED
 from atom_core.kernels.triton.moe_mxfp4_decode import GEMV_MAX_ASSIGNMENTS, can_use_gemv, fused_moe_mxfp4_gemv
 
-ACTIVATIONS = {"silu": 0, "swigluoai": 1}  # name -> the _activate code
 MX_GROUP = 32  # values per scale
 TWO_POW_126 = tl.constexpr(2.0 ** 126)  # a Triton global must be a constexpr
-
-
-@triton.jit
-def _activate(gate, up, limit, ACTIVATION: tl.constexpr, ALPHA: tl.constexpr):
-    if ACTIVATION == 0:  # silu(gate) * up
-        return gate * tl.sigmoid(gate) * up
-    else:  # swigluoai (GPT-OSS)
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-        return (up + 1.0) * (gate * tl.sigmoid(gate * ALPHA))
 
 
 # e2m1 -> bf16 on NVIDIA GPUs, 4 bytes (8 values) per call: bytes 0/1 and 2/3 are spread to the two
@@ -195,16 +186,16 @@ def _gemm1_kernel(
     x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
     num_assignments, num_m_blocks, limit, stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_be,
     stride_ot, INTER: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, ACTIVATION: tl.constexpr,
-    ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_IN_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BF16_PTX: tl.constexpr,
 ):
     """act(x[tokens] @ w13[e].T + b13[e]) for BLOCK_M aligned rows x BLOCK_N columns of I."""
-    pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(INTER, BLOCK_N), GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+    pid_m, pid_n, past_end = grouped_tile(num_m_blocks, num_post_ptr, INTER, BLOCK_M, BLOCK_N, GROUP_M)
+    if past_end:
         return
-    rows, token, expert = block_token_rows(pid_m, sorted_ptr, expert_ids_ptr, num_assignments, TOP_K, BLOCK_M)
-    cols, offs_n = tile_cols(pid_n, INTER, BLOCK_N)
+    rows, token, expert, cols, offs_n = gemm1_tile(pid_m, pid_n, sorted_ptr, expert_ids_ptr, num_assignments, INTER,
+                                                   TOP_K, BLOCK_M, BLOCK_N)
     g_ptrs, gs_ptrs = _weight_ptrs(w_ptr, s_ptr, expert, offs_n, stride_we, stride_wn, stride_se, stride_sn, BLOCK_K)
     u_ptrs = g_ptrs + INTER * stride_wn
     us_ptrs = gs_ptrs + INTER * stride_sn
@@ -230,7 +221,7 @@ def _gemm1_kernel(
         b_ptrs = bias_ptr + expert * stride_be + offs_n
         acc_g += tl.load(b_ptrs).to(tl.float32)[None, :]
         acc_u += tl.load(b_ptrs + INTER).to(tl.float32)[None, :]
-    act = _activate(acc_g, acc_u, limit, ACTIVATION, ALPHA)
+    act = activate(acc_g, acc_u, limit, ACTIVATION)
     store_aligned_rows(out_ptr, act, rows, cols, stride_ot, INTER)
 
 
@@ -254,12 +245,11 @@ def _gemm2_kernel(
 ):
     """topk_weight * (act[rows] @ w2[e].T + b2[e]) for BLOCK_M aligned rows x BLOCK_N columns of H,
     stored at the rows' flat ids t*K + k."""
-    pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(HIDDEN, BLOCK_N), GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+    pid_m, pid_n, past_end = grouped_tile(num_m_blocks, num_post_ptr, HIDDEN, BLOCK_M, BLOCK_N, GROUP_M)
+    if past_end:
         return
-    rows, flat, expert = block_rows(pid_m, sorted_ptr, expert_ids_ptr, BLOCK_M)
-    row_ok = flat < num_assignments
-    cols, offs_n = tile_cols(pid_n, HIDDEN, BLOCK_N)
+    rows, flat, row_ok, expert, cols, offs_n = gemm2_tile(pid_m, pid_n, sorted_ptr, expert_ids_ptr, num_assignments,
+                                                          HIDDEN, BLOCK_M, BLOCK_N)
     w_ptrs, ws_ptrs = _weight_ptrs(w_ptr, s_ptr, expert, offs_n, stride_we, stride_wn, stride_se, stride_sn, BLOCK_K)
     a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_at + tl.arange(0, BLOCK_K)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -321,19 +311,13 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     return out
 
 
-# Triton's CPU interpreter multiplies bf16 dot operands as raw uint16 (see moe.py); there, and
-# only there, the GEMMs upcast them first.
-_INTERPRETED = not isinstance(_gemm1_kernel, triton.runtime.jit.JITFunction)
-
-
 def _dot_args(dtype: torch.dtype) -> dict:
-    return {"DOT_PRECISION": "ieee" if dtype == torch.float32 else None,
-            "DOT_IN_FP32": _INTERPRETED and dtype == torch.bfloat16, "BF16_PTX": _bf16_ptx(dtype)}
+    return {**dot_args(dtype), "BF16_PTX": _bf16_ptx(dtype)}
 
 
 def _bf16_ptx(dtype: torch.dtype) -> bool:
     """The inline-PTX decode: NVIDIA GPUs (not ROCm, not the interpreter), bf16 activations."""
-    return dtype == torch.bfloat16 and not _INTERPRETED and torch.version.hip is None
+    return dtype == torch.bfloat16 and not INTERPRETED and torch.version.hip is None
 
 
 def default_mxfp4_config(num_tokens: int, top_k: int, num_experts: int) -> MoeConfig:
@@ -440,7 +424,7 @@ def fused_moe_mxfp4(
         hidden, w13, w13_scale, w13_bias if w13_bias is not None else hidden, act, sorted_ids, expert_ids, num_post,
         num_tokens * top_k, num_m, float(swiglu_limit or 0.0), hidden.stride(0), w13.stride(0), w13.stride(1),
         w13_scale.stride(0), w13_scale.stride(1), w13_bias.stride(0) if w13_bias is not None else 0, act.stride(0),
-        INTER=inter, HIDDEN=hidden_size, TOP_K=top_k, ACTIVATION=ACTIVATIONS[activation], ALPHA=SWIGLU_ALPHA,
+        INTER=inter, HIDDEN=hidden_size, TOP_K=top_k, ACTIVATION=ACTIVATIONS[activation],
         HAS_BIAS=w13_bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=t1.block_n, BLOCK_K=t1.block_k,
         GROUP_M=t1.group_m, num_warps=t1.num_warps, num_stages=t1.num_stages, **_dot_args(hidden.dtype),
     )

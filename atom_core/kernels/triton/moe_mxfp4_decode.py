@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atom_core.kernels.triton.moe import _activate  # the tiled paths' activation (moe_mxfp4 uses the same codes)
+from atom_core.kernels.triton.moe_common import activate  # the tiled paths' activation (the same codes)
 
 # T * top_k up to this runs the GEMVs (top-4 decode batches up to 8 tokens). The GEMVs decode every
 # assignment's weights, the tiled path each expert's once: on an H100 the GEMVs win at M*K = 32 on
@@ -161,7 +161,7 @@ def _gemv1_kernel(
     if HAS_BIAS:
         gate += tl.load(bias_ptr + expert * stride_be + cols, mask=cols < INTER, other=0.0).to(tl.float32)
         up += tl.load(bias_ptr + expert * stride_be + INTER + cols, mask=cols < INTER, other=0.0).to(tl.float32)
-    act = _activate(gate, up, limit, ACTIVATION)
+    act = activate(gate, up, limit, ACTIVATION)
     act = act.to(x_ptr.dtype.element_ty).to(tl.float32) * (2.0 ** X_SHIFT)  # rounded as the reference does
     tl.store(act_ptr + a.to(tl.int64) * stride_at + cols, act, mask=cols < INTER)
 

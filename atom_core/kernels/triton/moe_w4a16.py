@@ -29,12 +29,10 @@ import triton.language as tl
 
 from atom_core.kernels.moe_ref import check_activation
 from atom_core.kernels.triton.common import check_dim, check_float, check_same_device
+from atom_core.kernels.triton.moe import moe_sum
 from atom_core.kernels.triton.moe_common import (
-    block_rows, block_token_rows, check_routing, grouped_launch_setup, store_aligned_rows, store_weighted_rows,
-    tile_cols,
-)
-from atom_core.kernels.triton.moe import (
-    ACTIVATIONS, GemmTile, MoeConfig, _activate, _tile_ids, moe_sum,
+    ACTIVATIONS, GemmTile, MoeConfig, activate, check_routing, dot_args, gemm1_tile, gemm2_tile,
+    grouped_launch_setup, grouped_tile, store_aligned_rows, store_weighted_rows,
 )
 
 
@@ -70,11 +68,11 @@ def _gemm1_kernel(
     GROUP_M: tl.constexpr, DOT_IN_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """act(x[tokens] @ w13[e].T) for BLOCK_M aligned rows x BLOCK_N columns of I (zeros share the scales' strides)."""
-    pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(INTER, BLOCK_N), GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+    pid_m, pid_n, past_end = grouped_tile(num_m_blocks, num_post_ptr, INTER, BLOCK_M, BLOCK_N, GROUP_M)
+    if past_end:
         return
-    rows, token, expert = block_token_rows(pid_m, sorted_ptr, expert_ids_ptr, num_assignments, TOP_K, BLOCK_M)
-    cols, offs_n = tile_cols(pid_n, INTER, BLOCK_N)
+    rows, token, expert, cols, offs_n = gemm1_tile(pid_m, pid_n, sorted_ptr, expert_ids_ptr, num_assignments, INTER,
+                                                   TOP_K, BLOCK_M, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :]
     g_ptrs = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn + tl.arange(0, BLOCK_K // 8)[None, :]
@@ -95,7 +93,7 @@ def _gemm1_kernel(
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K // 8
         u_ptrs += BLOCK_K // 8
-    act = _activate(acc_g, acc_u, limit, ACTIVATION)
+    act = activate(acc_g, acc_u, limit, ACTIVATION)
     store_aligned_rows(out_ptr, act, rows, cols, stride_ot, INTER)
 
 
@@ -108,12 +106,11 @@ def _gemm2_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """topk_weight * (act[rows] @ w2[e].T) for BLOCK_M aligned rows x BLOCK_N columns of H, at rows t*K + k."""
-    pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(HIDDEN, BLOCK_N), GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+    pid_m, pid_n, past_end = grouped_tile(num_m_blocks, num_post_ptr, HIDDEN, BLOCK_M, BLOCK_N, GROUP_M)
+    if past_end:
         return
-    rows, flat, expert = block_rows(pid_m, sorted_ptr, expert_ids_ptr, BLOCK_M)
-    row_ok = flat < num_assignments
-    cols, offs_n = tile_cols(pid_n, HIDDEN, BLOCK_N)
+    rows, flat, row_ok, expert, cols, offs_n = gemm2_tile(pid_m, pid_n, sorted_ptr, expert_ids_ptr, num_assignments,
+                                                          HIDDEN, BLOCK_M, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_at + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn + tl.arange(0, BLOCK_K // 8)[None, :]
@@ -128,16 +125,6 @@ def _gemm2_kernel(
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K // 8
     store_weighted_rows(out_ptr, acc, topk_weights_ptr, flat, row_ok, cols, stride_ot, HIDDEN)
-
-
-# Triton's CPU interpreter multiplies bf16 dot operands as raw uint16 (see moe.py): there, and only
-# there, the GEMMs upcast them first.
-_INTERPRETED = not isinstance(_gemm1_kernel, triton.runtime.jit.JITFunction)
-
-
-def _dot_args(dtype: torch.dtype) -> dict:
-    return {"DOT_PRECISION": "ieee" if dtype == torch.float32 else None,
-            "DOT_IN_FP32": _INTERPRETED and dtype == torch.bfloat16}
 
 
 def default_w4a16_moe_config(num_tokens: int, top_k: int, num_experts: int, group_size: int) -> MoeConfig:
@@ -228,7 +215,7 @@ def fused_moe_w4a16(
         w13_scale.stride(0), w13_scale.stride(1), act.stride(0), INTER=inter, HIDDEN=hidden_size, GROUP=group_size,
         TOP_K=top_k, ACTIVATION=ACTIVATIONS[activation], HAS_ZERO=has_zero, BLOCK_M=cfg.block_m,
         BLOCK_N=t1.block_n, BLOCK_K=t1.block_k, GROUP_M=t1.group_m, num_warps=t1.num_warps,
-        num_stages=t1.num_stages, **_dot_args(hidden.dtype),
+        num_stages=t1.num_stages, **dot_args(hidden.dtype),
     )
     partial = hidden.new_empty((num_tokens * top_k, hidden_size))
     t2 = cfg.gemm2
@@ -237,6 +224,6 @@ def fused_moe_w4a16(
         num_post, num_tokens * top_k, num_m, act.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0),
         w2_scale.stride(1), partial.stride(0), HIDDEN=hidden_size, INTER=inter, GROUP=group_size, HAS_ZERO=has_zero,
         BLOCK_M=cfg.block_m, BLOCK_N=t2.block_n, BLOCK_K=t2.block_k, GROUP_M=t2.group_m, num_warps=t2.num_warps,
-        num_stages=t2.num_stages, **_dot_args(hidden.dtype),
+        num_stages=t2.num_stages, **dot_args(hidden.dtype),
     )
     return moe_sum(partial, topk_ids, num_experts, out)

@@ -17,7 +17,7 @@ TARGET_TILE_ELEMS = 4096
 
 
 @triton.jit
-def _normalize(x, w_ptr, cols, col_ok, n_cols, eps, X_DTYPE: tl.constexpr):
+def normalize(x, w_ptr, cols, col_ok, n_cols, eps, X_DTYPE: tl.constexpr):
     """x: fp32 [BLOCK_R, BLOCK_N] -> fp32 weight * round_to_x_dtype(x / rms(x))."""
     rstd = tl.math.rsqrt(tl.sum(x * x, 1) / n_cols + eps)
     w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -38,7 +38,7 @@ def _rms_norm_kernel(
     rows64 = rows.to(tl.int64)
     x_off = (rows64 // n_inner) * stride_x0 + (rows64 % n_inner) * stride_x1
     x = tl.load(x_ptr + x_off[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    y = _normalize(x, w_ptr, cols, col_ok, n_cols, eps, x_ptr.dtype.element_ty)
+    y = normalize(x, w_ptr, cols, col_ok, n_cols, eps, x_ptr.dtype.element_ty)
     tl.store(out_ptr + rows64[:, None] * n_cols + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -56,7 +56,7 @@ def _fused_add_rms_norm_kernel(
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     r = tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     s = (x + r).to(res_out_ptr.dtype.element_ty)
-    y = _normalize(s.to(tl.float32), w_ptr, cols, col_ok, n_cols, eps, x_ptr.dtype.element_ty)
+    y = normalize(s.to(tl.float32), w_ptr, cols, col_ok, n_cols, eps, x_ptr.dtype.element_ty)
     tl.store(res_out_ptr + offs, s, mask=mask)
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 

@@ -44,7 +44,7 @@ from atom_core.kernels.triton.common import (
     LaunchPlans, PlannedLaunch, check_dim, check_float, check_int, check_last_dim_contiguous, check_same_device,
     next_pow2,
 )
-from atom_core.kernels.triton.qkv_prep import _norm_rope, _store_heads
+from atom_core.kernels.triton.qkv_prep import norm_rope, store_heads
 
 LOG2E = 1.4426950408889634
 
@@ -86,9 +86,9 @@ def _rope_k_rows_kernel(
     cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_i, mask=offs_i < HALF, other=0.0)
     sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_i, mask=offs_i < HALF, other=0.0)
     k_src = qkv_ptr + token * stride_t + NUM_HEADS * HEAD_DIM
-    o1, o2, rest = _norm_rope(k_src, HEAD_DIM, k_norm_ptr, eps, cos, sin, NUM_KV_HEADS, HEAD_DIM, HALF, REST,
+    o1, o2, rest = norm_rope(k_src, HEAD_DIM, k_norm_ptr, eps, cos, sin, NUM_KV_HEADS, HEAD_DIM, HALF, REST,
                               BLOCK_KH, BLOCK_HALF, BLOCK_REST, HAS_NORM)
-    _store_heads(k_out_ptr + token * stride_ot, HEAD_DIM, o1, o2, rest, NUM_KV_HEADS, HALF, REST,
+    store_heads(k_out_ptr + token * stride_ot, HEAD_DIM, o1, o2, rest, NUM_KV_HEADS, HALF, REST,
                  BLOCK_KH, BLOCK_HALF, BLOCK_REST)
 
 

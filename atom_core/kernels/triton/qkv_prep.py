@@ -20,10 +20,10 @@ from atom_core.kernels.triton.kv_store import check_token_scales, scale_kernel_a
 
 
 @triton.jit
-def _norm_rope(src, stride_h, w_ptr, eps, cos, sin,
-               NH: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, REST: tl.constexpr,
-               BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
-               HAS_NORM: tl.constexpr):
+def norm_rope(src, stride_h, w_ptr, eps, cos, sin,
+              NH: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, REST: tl.constexpr,
+              BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
+              HAS_NORM: tl.constexpr):
     """Heads [NH, HEAD_DIM] at src -> rotated halves (x1, x2) and the unrotated rest, in the
     input dtype: RMSNorm (fp32, rounded, times weight, rounded), then neox RoPE in fp32."""
     dtype = src.dtype.element_ty
@@ -57,9 +57,9 @@ def _store_scales(dst, stride_h, scale, NH: tl.constexpr, BLOCK_H: tl.constexpr)
 
 
 @triton.jit
-def _store_heads(dst, stride_h, o1, o2, rest, NH: tl.constexpr, HALF: tl.constexpr, REST: tl.constexpr,
-                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
-                 inv_scale=1.0, FP8_MAX: tl.constexpr = 0.0):
+def store_heads(dst, stride_h, o1, o2, rest, NH: tl.constexpr, HALF: tl.constexpr, REST: tl.constexpr,
+                BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
+                inv_scale=1.0, FP8_MAX: tl.constexpr = 0.0):
     offs_h = tl.arange(0, BLOCK_H)[:, None]
     offs_i = tl.arange(0, BLOCK_HALF)[None, :]
     offs_r = tl.arange(0, BLOCK_REST)[None, :]
@@ -91,16 +91,16 @@ def _qkv_rope_store_kernel(
     k_src = q_src + NUM_HEADS * HEAD_DIM
     v_src = k_src + NUM_KV_HEADS * HEAD_DIM
 
-    o1, o2, rest = _norm_rope(q_src, HEAD_DIM, q_norm_ptr, eps, cos, sin, NUM_HEADS, HEAD_DIM, HALF, REST,
+    o1, o2, rest = norm_rope(q_src, HEAD_DIM, q_norm_ptr, eps, cos, sin, NUM_HEADS, HEAD_DIM, HALF, REST,
                               BLOCK_H, BLOCK_HALF, BLOCK_REST, HAS_NORM)
-    _store_heads(q_out_ptr + token * stride_qo_t, HEAD_DIM, o1, o2, rest, NUM_HEADS, HALF, REST,
+    store_heads(q_out_ptr + token * stride_qo_t, HEAD_DIM, o1, o2, rest, NUM_HEADS, HALF, REST,
                  BLOCK_H, BLOCK_HALF, BLOCK_REST)
 
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:  # padded token of a CUDA-graph batch: it owns no slot
         return
     block, offset = slot // block_size, slot % block_size
-    o1, o2, rest = _norm_rope(k_src, HEAD_DIM, k_norm_ptr, eps, cos, sin, NUM_KV_HEADS, HEAD_DIM, HALF, REST,
+    o1, o2, rest = norm_rope(k_src, HEAD_DIM, k_norm_ptr, eps, cos, sin, NUM_KV_HEADS, HEAD_DIM, HALF, REST,
                               BLOCK_KH, BLOCK_HALF, BLOCK_REST, HAS_NORM)
     offs_h = tl.arange(0, BLOCK_KH)[:, None]
     offs_d = tl.arange(0, BLOCK_D)[None, :]
@@ -119,7 +119,7 @@ def _qkv_rope_store_kernel(
     else:
         k_inv_row = k_inv_scale
         v_inv_row = v_inv_scale
-    _store_heads(k_cache_ptr + block * stride_kcb + offset * stride_kcs, stride_kch, o1, o2, rest,
+    store_heads(k_cache_ptr + block * stride_kcb + offset * stride_kcs, stride_kch, o1, o2, rest,
                  NUM_KV_HEADS, HALF, REST, BLOCK_KH, BLOCK_HALF, BLOCK_REST, k_inv_row, FP8_MAX)
     v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + offs_h * stride_vch + offs_d
     tl.store(v_dst, to_cache(v, v_inv_row, FP8_MAX).to(v_cache_ptr.dtype.element_ty), mask=mask)

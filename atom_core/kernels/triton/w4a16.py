@@ -28,10 +28,11 @@ import triton
 import triton.language as tl
 
 from atom_core.envs import W4A16_GEMVS, W4a16Gemv, check_choice, read_envs
+from atom_core.kernels.int4_layout import INT4_INTERLEAVE, check_interleave
 from atom_core.kernels.triton.common import (
     check_dim, check_float, check_last_dim_contiguous, check_same_device, next_pow2,
 )
-from atom_core.quant.int_ops import INT4_INTERLEAVE, check_interleave
+from atom_core.kernels.triton.tiles import store_gemv_row
 
 GEMV_MAX_M = 8
 GEMV_ROWS = 4  # x rows a GEMV launch holds (an accumulator each); M 5-8 runs two launches
@@ -163,24 +164,13 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, k_split, strid
         x_ptrs += BLOCK_K
     out_ptrs = y_ptr + split * stride_ys + cols
     col_ok = cols < N
-    _store_row(acc0, b_ptr, out_ptrs, rows, col_ok, HAS_BIAS, PARTIAL)
+    store_gemv_row(tl.sum(acc0, axis=1), b_ptr, out_ptrs, rows, col_ok, HAS_BIAS, PARTIAL)
     if M > 1:
-        _store_row(acc1, b_ptr, out_ptrs + stride_ym, rows, col_ok, HAS_BIAS, PARTIAL)
+        store_gemv_row(tl.sum(acc1, axis=1), b_ptr, out_ptrs + stride_ym, rows, col_ok, HAS_BIAS, PARTIAL)
     if M > 2:
-        _store_row(acc2, b_ptr, out_ptrs + 2 * stride_ym, rows, col_ok, HAS_BIAS, PARTIAL)
+        store_gemv_row(tl.sum(acc2, axis=1), b_ptr, out_ptrs + 2 * stride_ym, rows, col_ok, HAS_BIAS, PARTIAL)
     if M > 3:
-        _store_row(acc3, b_ptr, out_ptrs + 3 * stride_ym, rows, col_ok, HAS_BIAS, PARTIAL)
-
-
-@triton.jit
-def _store_row(acc, b_ptr, out_ptrs, rows, col_ok, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
-    y = tl.sum(acc, axis=1)
-    if PARTIAL:
-        tl.store(out_ptrs, y, mask=col_ok)
-    else:
-        if HAS_BIAS:
-            y += tl.load(b_ptr + rows).to(tl.float32)
-        tl.store(out_ptrs, y.to(out_ptrs.dtype.element_ty), mask=col_ok)
+        store_gemv_row(tl.sum(acc3, axis=1), b_ptr, out_ptrs + 3 * stride_ym, rows, col_ok, HAS_BIAS, PARTIAL)
 
 
 # N and K are runtime values (one compile a config, not a shape: start-up time), autotuning keys

@@ -36,8 +36,8 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from atom_core.kernels.triton.w4a16 import _store_row
-from atom_core.quant.int_ops import INT4_INTERLEAVE
+from atom_core.kernels.int4_layout import INT4_INTERLEAVE
+from atom_core.kernels.triton.tiles import store_gemv_row
 
 W_EXP = 8  # the weights' power-of-two scale 2**-W_EXP (range: the module docstring)
 _UNSCALE = tl.constexpr(2.0 ** W_EXP)
@@ -227,13 +227,16 @@ def _w4a16_gemv_f16x2_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, k_split,
         x_ptrs += BLOCK_K
     out_ptrs = y_ptr + split * stride_ys + cols
     col_ok = cols < N
-    _store_row(acc0 * _UNSCALE, b_ptr, out_ptrs, rows, col_ok, HAS_BIAS, PARTIAL)
+    store_gemv_row(tl.sum(acc0 * _UNSCALE, axis=1), b_ptr, out_ptrs, rows, col_ok, HAS_BIAS, PARTIAL)
     if M > 1:
-        _store_row(acc1 * _UNSCALE, b_ptr, out_ptrs + stride_ym, rows, col_ok, HAS_BIAS, PARTIAL)
+        store_gemv_row(tl.sum(acc1 * _UNSCALE, axis=1), b_ptr, out_ptrs + stride_ym, rows, col_ok, HAS_BIAS,
+                       PARTIAL)
     if M > 2:
-        _store_row(acc2 * _UNSCALE, b_ptr, out_ptrs + 2 * stride_ym, rows, col_ok, HAS_BIAS, PARTIAL)
+        store_gemv_row(tl.sum(acc2 * _UNSCALE, axis=1), b_ptr, out_ptrs + 2 * stride_ym, rows, col_ok, HAS_BIAS,
+                       PARTIAL)
     if M > 3:
-        _store_row(acc3 * _UNSCALE, b_ptr, out_ptrs + 3 * stride_ym, rows, col_ok, HAS_BIAS, PARTIAL)
+        store_gemv_row(tl.sum(acc3 * _UNSCALE, axis=1), b_ptr, out_ptrs + 3 * stride_ym, rows, col_ok, HAS_BIAS,
+                       PARTIAL)
 
 
 _w4a16_gemv_f16x2_tuned = triton.autotune(configs=GEMV_CONFIGS, key=["M", "N", "K", "GROUP", "V", "HAS_ZERO"])(
