@@ -153,7 +153,9 @@ def fp8_block_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv
 # device dispatch (custom ops: a compiled model sees one opaque node)
 
 
-GEMV_TOKENS = 1  # tokens up to which the FP8 GEMVs run (measured faster there only)
+SMALL_M_MAX = 16  # tokens up to which the Triton FP8 GEMM takes its decode-shaped tiles (one BLOCK_M 16 row)
+GEMV_MAX_TOKENS = 4  # tokens the FP8 GEMVs take (they keep an accumulator per token)
+GEMV_TOKENS = 1  # tokens up to which the linears' tables take the FP8 GEMVs (measured faster there only)
 # The weight-only GEMM: up to W8A16_TOKENS for every output width, up to W8A16_NARROW_TOKENS for outputs
 # of at most W8A16_NARROW_N columns; it lost to _scaled_mm + quantizer on wider outputs at 32 tokens and
 # everywhere at 64.
