@@ -55,7 +55,7 @@ class Fp8BlockLinearMethod(QuantMethod):
         set_weight_attrs(scale, weight_loader=self._scale_loader(layer, weight_loader), output_dim=0, input_dim=1)
         layer.register_parameter("weight", weight)
         layer.register_parameter("weight_scale_inv", scale)
-        layer.kernel_table = fp8_block_linear_table(weight, torch.get_default_dtype(), [1, bk])
+        layer.kernel_table = fp8_block_linear_table(weight.device, torch.get_default_dtype(), [1, bk])
 
     def _scale_loader(self, layer: nn.Module, weight_loader):
         bn = self.block_n
@@ -173,7 +173,7 @@ class Fp8OnlineLinearMethod(QuantMethod):
         weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=params_dtype), requires_grad=False)
         set_weight_attrs(weight, weight_loader=weight_loader, output_dim=0, input_dim=1)
         layer.register_parameter("weight", weight)
-        layer.kernel_table = fp8_linear_table(weight, weight.dtype, static_input=False)  # x: the checkpoint's dtype
+        layer.kernel_table = fp8_linear_table(weight.device, *weight.shape, weight.dtype, False)  # x: its dtype
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if layer.weight.dtype == FP8_DTYPE:
@@ -211,7 +211,7 @@ class Fp8ScaledLinearMethod(QuantMethod):
             input_scale = nn.Parameter(torch.zeros(1, dtype=torch.float32), requires_grad=False)
             set_weight_attrs(input_scale, weight_loader=self._input_scale_loader)
             layer.register_parameter("input_scale", input_scale)
-        layer.kernel_table = fp8_linear_table(weight, torch.get_default_dtype(), self.static_input)
+        layer.kernel_table = fp8_linear_table(weight.device, n, input_size, torch.get_default_dtype(), self.static_input)
 
     @staticmethod
     def _tensor_scale_loader(layer: nn.Module):

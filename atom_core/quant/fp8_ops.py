@@ -220,12 +220,11 @@ def fp8_reference(x2, weight, weight_scale, input_scale, bias):
     return fp8_linear_ref(x2, weight, weight_scale, input_scale, bias)
 
 
-def fp8_linear_table(weight: torch.Tensor, act_dtype: torch.dtype, static_input: bool) -> KernelTable:
-    """The kernels of a per-channel / per-tensor FP8 linear with `weight` [N, K] (on its device) and
+def fp8_linear_table(device: torch.device, n: int, k: int, act_dtype: torch.dtype, static_input: bool) -> KernelTable:
+    """The kernels of a per-channel / per-tensor FP8 linear with an [N, K] weight on `device` and
     activations in `act_dtype`; static_input: a checkpoint input_scale (no weight-only kernel)."""
-    n, k = weight.shape
-    triton_ok = _triton_fp8_ok(weight.device, act_dtype)
-    scaled_mm_ok = _scaled_mm_ok(weight.device, act_dtype, k, n)
+    triton_ok = _triton_fp8_ok(device, act_dtype)
+    scaled_mm_ok = _scaled_mm_ok(device, act_dtype, k, n)
     rows = []
     if triton_ok and not static_input:
         rows += [(GEMV_TOKENS, fp8_gemv), (W8A16_NARROW_TOKENS if n <= W8A16_NARROW_N else W8A16_TOKENS, fp8_w8a16)]
@@ -244,7 +243,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     """kernels: the key of the layer's `fp8_linear_table` (None: made for these arguments)."""
     shape, n = x.shape, weight.shape[0]
     x2 = x.reshape(-1, shape[-1])
-    table = _table(kernels, lambda: fp8_linear_table(weight, x.dtype, input_scale is not None))
+    table = _table(kernels, lambda: fp8_linear_table(weight.device, n, shape[-1], x.dtype, input_scale is not None))
     assert table.dtype == x.dtype, f"FP8 kernel table made for {table.dtype} activations, got {x.dtype}"
     return table(x2.shape[0])(x2, weight, weight_scale, input_scale, bias).reshape(*shape[:-1], n)
 
@@ -272,11 +271,11 @@ def fp8_block_reference(x2, weight, weight_scale_inv, block_size, bias):
     return fp8_block_linear_ref(x2, weight, weight_scale_inv, block_size, bias)
 
 
-def fp8_block_linear_table(weight: torch.Tensor, act_dtype: torch.dtype, block_size: list[int]) -> KernelTable:
+def fp8_block_linear_table(device: torch.device, act_dtype: torch.dtype, block_size: list[int]) -> KernelTable:
     """The kernels of a block-FP8 linear: on NVIDIA SM89+ the block GEMV at 1 token (it beat the block
     GEMM on 10 of 11 measured shapes there), then the block GEMM where it supports the block, else the
     reference; elsewhere the reference."""
-    if not _triton_fp8_ok(weight.device, act_dtype):
+    if not _triton_fp8_ok(device, act_dtype):
         return KernelTable(((None, fp8_block_reference),), act_dtype)
     from atom_core.kernels.triton.fp8_gemm import block_gemm_supported
 
@@ -290,7 +289,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
                      kernels: Optional[torch.Tensor] = None) -> torch.Tensor:
     """kernels: the key of the layer's `fp8_block_linear_table` (None: made for these arguments)."""
     x2 = x.reshape(-1, x.shape[-1])
-    table = _table(kernels, lambda: fp8_block_linear_table(weight, x.dtype, block_size))
+    table = _table(kernels, lambda: fp8_block_linear_table(weight.device, x.dtype, block_size))
     assert table.dtype == x.dtype, f"FP8 kernel table made for {table.dtype} activations, got {x.dtype}"
     y = table(x2.shape[0])(x2, weight, weight_scale_inv, block_size, bias)
     return y.reshape(*x.shape[:-1], weight.shape[0])
