@@ -208,7 +208,8 @@ _BACKENDS: dict[tuple[str, str], tuple[str, str]] = {
 _INSTANCES: dict[tuple[str, str, KernelConfig], AttentionBackend] = {}
 
 
-def get_attention_backend(kind: str, device: torch.device | str, kernel: KernelConfig | None = None) -> AttentionBackend:
+def get_attention_backend(kind: str, device: torch.device | str,
+                          kernel: KernelConfig | None = None) -> AttentionBackend:
     """The backend of `kind` attention on `device` under `kernel` (default: KernelConfig()), one per key."""
     device_type = torch.device(device).type
     kernel = kernel if kernel is not None else KernelConfig()

@@ -74,7 +74,8 @@ class Fp8BlockLinearMethod(QuantMethod):
         return load
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return fp8_block_linear(x, layer.weight, layer.weight_scale_inv, [1, self.block_k], bias, layer.kernel_table.key)
+        return fp8_block_linear(x, layer.weight, layer.weight_scale_inv, [1, self.block_k], bias,
+                                layer.kernel_table.key)
 
 
 class Fp8BlockMoEMethod(QuantMethod):
@@ -211,7 +212,8 @@ class Fp8ScaledLinearMethod(QuantMethod):
             input_scale = nn.Parameter(torch.zeros(1, dtype=torch.float32), requires_grad=False)
             set_weight_attrs(input_scale, weight_loader=self._input_scale_loader)
             layer.register_parameter("input_scale", input_scale)
-        layer.kernel_table = fp8_linear_table(weight.device, n, input_size, torch.get_default_dtype(), self.static_input)
+        layer.kernel_table = fp8_linear_table(weight.device, n, input_size, torch.get_default_dtype(),
+                                              self.static_input)
 
     @staticmethod
     def _tensor_scale_loader(layer: nn.Module):

@@ -4,8 +4,8 @@ shapes at M = 1, 2, 4, 8 tokens, against the bytes-read floor (weights and biase
 tokens touch, at 3.0 TB/s: the H100 read rate in DESIGN.md). Routing is fixed and spread (token t,
 slot k -> expert (t*K + k) mod E), so the touched experts are min(E, M*K) and the floor is known.
 Times are medians of CUDA-graph replays (the same weights every replay; every case's touched experts
-are over 50 MB, the H100's L2). `auto` says what `select_path` picks under this process's
-ATOM_MOE_DECODE_PATH. `--sweep` times GEMV tiles (GEMM1's with GEMM2 at its default, then GEMM2's)
+are over 50 MB, the H100's L2). `auto` says what `select_path` picks
+(the GEMVs for decode batches). `--sweep` times GEMV tiles (GEMM1's with GEMM2 at its default, then GEMM2's)
 at the smallest and largest M and prints the best (to set moe_decode.DEFAULT_TILES).
 
     python -m atom_core.kernels.triton.moe_decode_bench [--shapes qwen3-30b-a3b,...] [--m 1,2,4,8] [--sweep]
