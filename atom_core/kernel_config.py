@@ -50,6 +50,12 @@ class KernelConfig:
         launches (a registered launch hook, such as Proton's, always takes the JIT path).
     mtp_graphs: with CUDA graphs, the MTP proposer's catch-up and later drafts replay graphs too
         instead of running eagerly.
+
+    Resolved once by `EngineConfig.from_kwargs` (keyword or flag, else the ATOM_* variable, else the
+    default). Layers get it through a build-time context: the model runner builds its models inside
+    `building(config.kernel)`, and a layer reads `build_kernel_config()` in `__init__` only (FusedMoE:
+    ep_dispatch; Attention / MLAAttention: their backend's launch option). The runner reads
+    mtp_graphs, and the worker passes all_reduce to `init_distributed`.
     """
 
     ep_dispatch: EpDispatch = "allgather"
