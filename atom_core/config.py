@@ -16,6 +16,7 @@ from typing import Literal, get_args
 import torch
 
 from atom_core.envs import read_envs
+from atom_core.kernel_config import KERNEL_OPTIONS, KernelConfig
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
@@ -432,7 +433,8 @@ class ProfilerConfig:
 
 
 _PARTS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "compile": CompileConfig,
-          "parallel": ParallelConfig, "speculative": SpeculativeConfig, "profiler": ProfilerConfig}
+          "parallel": ParallelConfig, "speculative": SpeculativeConfig, "profiler": ProfilerConfig,
+          "kernel": KernelConfig}
 _NULLABLE = {"max_model_len", "num_kv_blocks", "tokenizer", "torch_profiler_dir", "master_port", "method",
              "num_speculative_tokens", "ngram_min", "ngram_max", "draft_model", "data_parallel_rank",
              "profiler_rank_dir"}
@@ -449,6 +451,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+    kernel: KernelConfig = field(default_factory=KernelConfig)
 
     def __post_init__(self) -> None:
         sched, max_len = self.scheduler, self.model.max_model_len
@@ -469,10 +472,16 @@ class EngineConfig:
     @property
     def use_cuda_graphs(self) -> bool:
         # Replicas sharing experts replay decode graphs at one padded size agreed every step
-        # (engine/lockstep.py), the MoE all-gather's shape; without it they run eagerly.
-        if self.parallel.experts_span_replicas and not replica_graphs_allowed(read_envs()):
+        # (engine/lockstep.py), the MoE all-gather's shape; the all-to-all exchange runs eagerly.
+        if self.parallel.experts_span_replicas and not self.replica_graphs_allowed:
             return False
         return self.compile.use_cuda_graphs(self.torch_device)
+
+    @property
+    def replica_graphs_allowed(self) -> bool:
+        """Whether replicas sharing experts may replay decode graphs: with the all-gather exchange only
+        (the all-to-all sizes its messages on the host every layer, which a graph cannot replay)."""
+        return self.kernel.ep_dispatch == "allgather"
 
     @property
     def use_compile(self) -> bool:
@@ -495,11 +504,13 @@ class EngineConfig:
     @classmethod
     def from_kwargs(cls, model: str | os.PathLike, **options) -> "EngineConfig":
         """Build from flat keyword options; unknown names are rejected with the known ones listed.
-        None means "the default" except for options whose default is None."""
+        None means "the default" except for options whose default is None. A kernel option left
+        unset takes its ATOM_* variable (envs.py), read here, once."""
         for name in ("cudagraph_capture_sizes", "piecewise_capture_sizes"):
             if options.get(name) is not None:
                 options[name] = tuple(options[name])
         options = {k: v for k, v in options.items() if v is not None or k in _NULLABLE}
+        options = {**read_envs().kernel_options(), **options}
         parts = _split_options({"model": os.fspath(model), **options})
         config = cls(**{name: _PARTS[name](**values) for name, values in parts.items()})
         if config.parallel.experts_span_replicas:
@@ -545,18 +556,9 @@ def serving_config(**options) -> EngineConfig:
                                        "piecewise_capture_sizes": sizes})
 
 
-def replica_graphs_allowed(envs) -> bool:
-    """Whether replicas sharing experts may replay decode graphs: ATOM_DP_EP_GRAPHS (on unless 0),
-    with the all-gather exchange only (the all-to-all sizes its messages on the host every layer,
-    which a graph cannot replay)."""
-    return envs.dp_ep_graphs is not False and envs.ep_dispatch == "allgather"
-
-
 def _check_replica_graphs(config: "EngineConfig", options: dict) -> None:
-    """Replicas sharing experts replay only full decode graphs, and not with ATOM_DP_EP_GRAPHS=0 or
-    the all-to-all exchange: graphs asked for there would silently not happen (use_cuda_graphs),
-    so they fail here."""
-    envs = read_envs()
+    """Replicas sharing experts replay only full decode graphs, and none with the all-to-all exchange:
+    graphs asked for there would silently not happen (use_cuda_graphs), so they fail here."""
     piecewise = [k for k in ("piecewise_capture_sizes",) if k in options]
     if options.get("cudagraph_mode", "full_decode_only") != "full_decode_only":
         piecewise.append("cudagraph_mode")
@@ -566,14 +568,10 @@ def _check_replica_graphs(config: "EngineConfig", options: dict) -> None:
     if piecewise:
         raise ValueError(f"{flags(piecewise)}: data-parallel replicas sharing experts (enable_expert_parallel) replay "
                          "full decode graphs only (mixed steps run eagerly); drop the option")
-    wants_graphs = config.compile.use_cuda_graphs(config.torch_device)
-    if envs.dp_ep_graphs and wants_graphs and envs.ep_dispatch != "allgather":
-        raise ValueError("ATOM_DP_EP_GRAPHS=1 needs ATOM_EP_DISPATCH=allgather: the all-to-all exchange sizes its "
-                         "messages on the host every layer, which a CUDA graph cannot replay")
-    if graphs and not replica_graphs_allowed(envs):
-        why = "ATOM_DP_EP_GRAPHS=0" if envs.dp_ep_graphs is False else "ATOM_EP_DISPATCH=alltoall"
+    if graphs and not config.replica_graphs_allowed:
         raise ValueError(f"{flags(graphs)}: data-parallel replicas sharing experts (enable_expert_parallel) run without "
-                         f"CUDA graphs under {why}; use --level 2 (torch.compile) or 0, or drop {why}")
+                         "CUDA graphs under ep_dispatch=alltoall (--ep-dispatch / ATOM_EP_DISPATCH); use --level 2 "
+                         "(torch.compile) or 0, or ep_dispatch=allgather")
 
 
 def _split_options(options: dict) -> dict[str, dict]:

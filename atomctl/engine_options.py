@@ -53,6 +53,10 @@ ENGINE_OPTIONS = {
     "draft_model": (Optional[str], typer.Option(None, help="Draft model directory for --method draft (same tokenizer as the model).")),
     "ngram_min": (Optional[int], typer.Option(None, help="Shortest suffix n-gram the ngram method matches (default 5, or --ngram-max).")),
     "ngram_max": (Optional[int], typer.Option(None, help="Longest suffix n-gram the ngram method matches (default 5, or --ngram-min).")),
+    "ep_dispatch": (Optional[str], typer.Option(None, help="How data-parallel replicas sharing experts move tokens to the experts' ranks: allgather (default; decode steps replay CUDA graphs) or alltoall (each token goes to its experts' owners only; those replicas run eagerly). Default: $ATOM_EP_DISPATCH, else allgather.")),
+    "all_reduce": (Optional[str], typer.Option(None, help="Tensor-parallel all-reduces on CUDA: auto (PyTorch symmetric memory up to 16 MiB where the ranks share a host, else NCCL), nccl, or symm (fails at start where it cannot run). Default: $ATOM_ALL_REDUCE, else auto.")),
+    "triton_fast_launch": (Optional[bool], typer.Option(None, "--triton-fast-launch/--no-triton-fast-launch", help="Relaunch the attention and RoPE + KV-store Triton kernels through the compiled kernel's own launcher (default on; off for tools that wrap Triton's JIT call path). Default: $ATOM_TRITON_FAST_LAUNCH, else on.")),
+    "mtp_graphs": (Optional[bool], typer.Option(None, "--mtp-graphs/--no-mtp-graphs", help="With CUDA graphs and --method mtp, replay the MTP proposer's catch-up and later drafts in graphs too instead of running them eagerly. Default: $ATOM_MTP_GRAPHS, else off.")),
 }
 
 

@@ -113,19 +113,19 @@ def _join_world(name: str, rank: int, world_size: int, init_method: str, device:
 
 
 def init_distributed(rank: int, world_size: int, init_method: str, device: torch.device,
-                     timeout_s: float = 600.0) -> GroupCoordinator:
+                     timeout_s: float = 600.0, all_reduce: str = "auto") -> GroupCoordinator:
     """Join the replica's world (`init_method` e.g. tcp://host:port) and build its groups.
 
     Every rank of the world calls this with the same world_size; all ranks form one
     tensor-parallel group. NCCL when the device is a GPU (which must be set current first),
-    gloo on the CPU; the host-side group is gloo either way.
+    gloo on the CPU; the host-side group is gloo either way. all_reduce: KernelConfig.all_reduce
+    (auto, nccl or symm), how the group's all-reduces run on CUDA.
     """
     from atom_core.distributed.symm_all_reduce import make_symmetric_all_reduce
-    from atom_core.envs import read_envs
 
     _GROUPS["tp"] = _join_world("tp", rank, world_size, init_method, device, timeout_s)
     tp = _GROUPS["tp"]
-    symm = make_symmetric_all_reduce(read_envs().all_reduce, tp.device_group, device, tp.cpu_group)
+    symm = make_symmetric_all_reduce(all_reduce, tp.device_group, device, tp.cpu_group)
     if symm is not None:
         _SYMM_ALL_REDUCE["tp"] = symm
     return _GROUPS["tp"]

@@ -12,8 +12,8 @@ its copy of the buffer first (a copy kernel), so the gain shrinks with size: ten
 MAX_BYTES take this path, larger ones NCCL; up to ONE_SHOT_MAX_BYTES the one-shot kernel that
 copies the input in itself runs instead (one launch, not two).
 
-ATOM_ALL_REDUCE picks it: `auto` (the default) where it can, else NCCL (said in the log); `symm`
-always on a CUDA tensor-parallel group (an error where this build or machine cannot); `nccl` never.
+KernelConfig.all_reduce (--all-reduce, ATOM_ALL_REDUCE) picks it: `auto` (the default) where it can,
+else NCCL (said in the log); `symm` always on a CUDA tensor-parallel group (an error where this build or machine cannot); `nccl` never.
 Peer-to-peer memory needs every rank on one host, so a group spanning nodes keeps NCCL under auto.
 Why auto is the default: on two H100s the engine's path (one-shot with the copy fused in) took
 8.7 us per decode all-reduce against NCCL's 10.9, and Llama-3-8B TP=2 batch-1 TPOT went 4.32 ->
@@ -81,26 +81,26 @@ def ranks_share_a_host(cpu_group, host: str | None = None) -> bool:
 
 def make_symmetric_all_reduce(mode: str, device_group, device: torch.device,
                               cpu_group=None) -> SymmetricAllReduce | None:
-    """The symmetric all-reduce `mode` (ATOM_ALL_REDUCE) asks for on this group, or None for NCCL.
+    """The symmetric all-reduce `mode` (KernelConfig.all_reduce) asks for on this group, or None for NCCL.
     cpu_group: the group's host-side twin, to check that its ranks share a host (None: not checked)."""
     if mode == "nccl":
         return None
     if device.type != "cuda":
         if mode == "symm":
-            raise ValueError(f"ATOM_ALL_REDUCE=symm needs CUDA ranks (this engine runs on {device.type}); "
-                             "use auto or nccl")
+            raise ValueError(f"all_reduce=symm (--all-reduce, ATOM_ALL_REDUCE) needs CUDA ranks (this engine runs "
+                             f"on {device.type}); use auto or nccl")
         return None
     if cpu_group is not None and not ranks_share_a_host(cpu_group):
         if mode == "symm":
-            raise ValueError("ATOM_ALL_REDUCE=symm needs every tensor-parallel rank on one host (peer-to-peer "
-                             "memory); this group spans nodes: use auto or nccl")
+            raise ValueError("all_reduce=symm (--all-reduce, ATOM_ALL_REDUCE) needs every tensor-parallel rank on "
+                             "one host (peer-to-peer memory); this group spans nodes: use auto or nccl")
         logger.info("tensor-parallel ranks span hosts: all-reduce uses NCCL")
         return None
     try:
         return SymmetricAllReduce(device_group, device)
     except Exception as e:  # noqa: BLE001 - an unsupported build or machine raises many kinds
         if mode == "symm":
-            raise RuntimeError(f"ATOM_ALL_REDUCE=symm: symmetric memory is not usable here ({type(e).__name__}: "
-                               f"{e}); use auto or nccl") from e
+            raise RuntimeError(f"all_reduce=symm (--all-reduce, ATOM_ALL_REDUCE): symmetric memory is not usable "
+                               f"here ({type(e).__name__}: {e}); use auto or nccl") from e
         logger.info("symmetric-memory all-reduce unavailable (%s: %s); all-reduce uses NCCL", type(e).__name__, e)
         return None

@@ -11,7 +11,7 @@ layers read the agreed counts to size their all-gather. If none has tokens no fo
 the core loop (engine/async_engine.py: _lockstep_core_loop) waits briefly for requests before the
 next agreement.
 
-CUDA graphs (on by default; off under ATOM_DP_EP_GRAPHS=0 or ATOM_EP_DISPATCH=alltoall, where
+CUDA graphs (on by default; off with --enforce-eager or ep_dispatch=alltoall, where
 config.py refuses graph options or turns graphs off): the agreement
 also carries whether each replica's step could replay a decode graph (decode only, within the
 largest captured size, or no tokens). When all could, every replica replays the graph of the

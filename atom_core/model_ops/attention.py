@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from atom_core.distributed import get_tp_group
+from atom_core.kernel_config import build_kernel_config
 from atom_core.model_ops.attention_backends import AttentionBackend, get_attention_backend
 from atom_core.model_ops.kv_spec import KVSpec
 from atom_core.model_ops.layernorm import RMSNorm
@@ -104,6 +105,7 @@ class Attention(nn.Module):
         self.kv_scales = (1.0, 1.0)
         self.use_custom_op = False
         self._backend: AttentionBackend | None = None
+        self.kernel_config = build_kernel_config()  # the backend's kernel choices (KernelConfig)
         self.layer_key = torch.tensor([id(self)], dtype=torch.int64, device="cpu")
         _LAYERS[id(self)] = self
 
@@ -117,7 +119,7 @@ class Attention(nn.Module):
 
     def backend(self, device: torch.device) -> AttentionBackend:
         if self._backend is None:
-            self._backend = get_attention_backend(self.kv_spec.kind, device)
+            self._backend = get_attention_backend(self.kv_spec.kind, device, self.kernel_config)
         return self._backend
 
     def forward(self, qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Attention backends, chosen by (attention kind, device type) and built on first use.
+"""Attention backends, chosen by (attention kind, device type, KernelConfig) and built on first use.
 
 A backend turns a layer's fused QKV projection output into attention output for the flat
 batch in the forward context. It reads everything layer-specific (heads, scale, q/k norms,
@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from atom_core.kernel_config import KernelConfig
 from atom_core.kernels import kernel_ops
 from atom_core.model_ops.forward_context import AttentionMetadata, get_attention_metadata
 
@@ -26,15 +27,17 @@ class AttentionBackend:
     the host, so CUDA graphs can capture it. The supports_* flags are what
     kv_spec.check_attention_supported refuses a model on; `writes_out`: forward takes `out=`, a
     [T, H * D] tensor it writes its result into and returns (piecewise graphs pass their static
-    output buffer, so no copy follows the eager attention)."""
+    output buffer, so no copy follows the eager attention). Every choice a backend makes about its
+    kernels it makes in `__init__`, from the device type and the KernelConfig of its layers."""
 
     name = "base"
     supports_sliding_window = False
     supports_sinks = False
     writes_out = False
 
-    def __init__(self, device_type: str):
+    def __init__(self, device_type: str, kernel: KernelConfig | None = None):
         self.device_type = device_type
+        self.kernel = kernel if kernel is not None else KernelConfig()
 
     def forward(self, layer: "Attention", qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -46,16 +49,28 @@ class AttentionBackend:
 
 class PagedMHABackend(AttentionBackend):
     """Paged MHA/GQA: q/k-norm + neox RoPE + KV store in one kernel, then paged attention.
-    The kernel provider comes from the device (Triton on CUDA/ROCm, torch_ref on the CPU)."""
+    The kernel provider comes from the device (Triton on CUDA/ROCm, torch_ref on the CPU).
+
+    On CUDA: sequences without cached context (a prompt's first chunk) attend over the step's own
+    K/V rows (kernels/triton/prefill_attention.py), the rest through the paged kernel; a step with
+    both decodes and chunks with cached context gives them separate paged launches. The CPU reference
+    runs every sequence in one paged launch."""
 
     name = "paged-mha"
     supports_sliding_window = True  # both providers (torch_ref, Triton) mask a per-layer window
     supports_sinks = True  # and add a per-head sink to the softmax denominator
     writes_out = True
 
-    def __init__(self, device_type: str):
-        super().__init__(device_type)
+    def __init__(self, device_type: str, kernel: KernelConfig | None = None):
+        super().__init__(device_type, kernel)
         self.ops = kernel_ops(device_type)
+        self.prefill = None  # the contiguous prefill kernels' module (CUDA only)
+        self.launch: dict = {}  # the Triton wrappers' launch option
+        if device_type == "cuda":
+            from atom_core.kernels.triton import prefill_attention
+
+            self.prefill = prefill_attention
+            self.launch = {"direct_launch": self.kernel.triton_fast_launch}
 
     def forward(self, layer: "Attention", qkv: torch.Tensor, positions: torch.Tensor,
                 out: torch.Tensor | None = None) -> torch.Tensor:
@@ -64,12 +79,11 @@ class PagedMHABackend(AttentionBackend):
         norm = (q_norm.weight, k_norm.weight, q_norm.eps) if q_norm is not None else (None, None, 1e-6)
         scales = self._kv_scales(layer)
         q = self.ops.qkv_rope_store(qkv, positions, layer.qk.rotary.cos_sin_cache, layer.k_cache, layer.v_cache,
-                                    meta.slot_mapping, layer.num_heads, *norm, **scales)
+                                    meta.slot_mapping, layer.num_heads, *norm, **scales, **self.launch)
         if out is not None:
             out = out.view(q.shape)
-        prefill = self._contiguous_prefill() if meta.fresh_seq_ids is not None and not scales else None
-        if prefill is not None:
-            out = self._split_by_context(prefill, layer, meta, qkv, positions, q, k_norm, out)
+        if self.prefill is not None and meta.fresh_seq_ids is not None and not scales:
+            out = self._split_by_context(layer, meta, qkv, positions, q, k_norm, out)
             return out.view(-1, layer.num_heads * layer.head_dim)
         out = self._paged_attention(layer, meta, q, out, scales, with_fresh=True)
         return out.view(-1, layer.num_heads * layer.head_dim)
@@ -77,8 +91,8 @@ class PagedMHABackend(AttentionBackend):
     def _paged_launches(self, meta: AttentionMetadata, with_fresh: bool) -> list[tuple[int, torch.Tensor | None]]:
         """(max_query_len, seq_order) of each paged kernel launch over every sequence (with_fresh) or
         over those with cached context. A step holding decodes and chunks gives the decodes their
-        own launch (ATOM_MIXED_ATTENTION=split), so they get the decode tile, heads-inner order and
-        split-KV instead of riding in the chunk's tile; the launches write disjoint rows of `out`."""
+        own launch, so they get the decode tile, heads-inner order and split-KV instead of riding in
+        the chunk's tile; the launches write disjoint rows of `out`."""
         if self._splits_mixed(meta):
             launches = [(1, meta.decode_seq_ids), (meta.chunk_max_query_len, meta.chunk_seq_ids)]
             if with_fresh and meta.fresh_seq_ids is not None:  # fresh ones not on the contiguous path (FP8)
@@ -93,28 +107,15 @@ class PagedMHABackend(AttentionBackend):
         for max_query_len, seq_order in self._paged_launches(meta, with_fresh):
             out = self.ops.paged_attention(q, layer.k_cache, layer.v_cache, meta.block_tables, meta.query_start_loc,
                                            meta.seq_lens, layer.scale, max_query_len, meta.max_seq_len, out,
-                                           seq_order=seq_order, **self._layer_args(layer), **scales)
+                                           seq_order=seq_order, **self._layer_args(layer), **scales, **self.launch)
         return out
 
     def _splits_mixed(self, meta: AttentionMetadata) -> bool:
         """Whether decodes and chunks get separate launches: only on the Triton provider (the CPU
         reference computes every row alike) and only when the batch builder listed both kinds."""
-        if self.device_type != "cuda" or meta.decode_seq_ids is None or meta.chunk_seq_ids is None:
-            return False
-        from atom_core.kernels.triton import attention
+        return self.device_type == "cuda" and meta.decode_seq_ids is not None and meta.chunk_seq_ids is not None
 
-        return attention.mixed_attention_mode() == "split"
-
-    def _contiguous_prefill(self):
-        """The contiguous prefill kernels' module when ATOM_PREFILL_ATTENTION=contiguous on CUDA, else None
-        (the CPU reference path stays paged). Asked at every forward, so benchmarks can switch it."""
-        if self.device_type != "cuda":
-            return None
-        from atom_core.kernels.triton import prefill_attention
-
-        return prefill_attention if prefill_attention.prefill_attention_mode() == "contiguous" else None
-
-    def _split_by_context(self, prefill, layer: "Attention", meta, qkv: torch.Tensor, positions: torch.Tensor,
+    def _split_by_context(self, layer: "Attention", meta, qkv: torch.Tensor, positions: torch.Tensor,
                           q: torch.Tensor, k_norm, out: torch.Tensor | None) -> torch.Tensor:
         """Sequences without cached context attend over this step's own K/V rows; the rest (chunks
         with context, decodes) through the paged kernel. Each launch writes only its own
@@ -126,11 +127,11 @@ class PagedMHABackend(AttentionBackend):
         self._paged_attention(layer, meta, q, out, {}, with_fresh=False)
         num_kv_heads, head_dim = layer.k_cache.shape[2], layer.head_dim
         k_norm_args = (k_norm.weight, k_norm.eps) if k_norm is not None else (None, 1e-6)
-        k = prefill.rope_k_rows(qkv, positions, layer.qk.rotary.cos_sin_cache, layer.num_heads, num_kv_heads,
-                                *k_norm_args)
+        k = self.prefill.rope_k_rows(qkv, positions, layer.qk.rotary.cos_sin_cache, layer.num_heads, num_kv_heads,
+                                     *k_norm_args, **self.launch)
         v = qkv[:, (layer.num_heads + num_kv_heads) * head_dim:].view(-1, num_kv_heads, head_dim)
-        return prefill.prefill_attention(q, k, v, meta.query_start_loc, meta.fresh_seq_ids, layer.scale,
-                                         meta.fresh_max_query_len, out, **args)
+        return self.prefill.prefill_attention(q, k, v, meta.query_start_loc, meta.fresh_seq_ids, layer.scale,
+                                              meta.fresh_max_query_len, out, **args, **self.launch)
 
     @staticmethod
     def _kv_scales(layer: "Attention") -> dict:
@@ -157,7 +158,7 @@ class PagedMHABackend(AttentionBackend):
     def warm_up(self, layers: list["Attention"], max_tokens: int, threads: int) -> int:
         if self.device_type != "cuda":
             return 0
-        from atom_core.kernels.triton.attention import mixed_attention_mode, warm_up_variants
+        from atom_core.kernels.triton.attention import warm_up_variants
 
         count, seen = 0, set()
         for layer in layers:  # variants depend on the head layout, dtype, window / sinks and per-token scales
@@ -170,14 +171,11 @@ class PagedMHABackend(AttentionBackend):
                 variants = partial(warm_up_variants, layer.k_cache, layer.v_cache, layer.num_heads, layer.dtype,
                                    max_tokens, threads=threads, **args, **scales)
                 count += variants()
-                # The batch builder lists sequences by kind only in the contiguous mode; then the
-                # paged kernel runs with a seq_order subset for the paged part (no FP8) and for
+                # The paged kernel runs with a seq_order subset for the paged part (no FP8) and for
                 # each kind of a mixed step (FP8 too).
-                if self._contiguous_prefill() is not None:
-                    if not scales or mixed_attention_mode() == "split":
-                        count += variants(ordered_prefill=True)
-                    if not scales:
-                        count += self._warm_up_split_by_context(layer)
+                count += variants(ordered_prefill=True)
+                if not scales:
+                    count += self._warm_up_split_by_context(layer)
         return count
 
     def _warm_up_split_by_context(self, layer: "Attention") -> int:
@@ -189,14 +187,14 @@ class PagedMHABackend(AttentionBackend):
         k_norm = layer.qk.k_norm
         norm = (layer.qk.q_norm.weight, k_norm.weight, k_norm.eps) if k_norm is not None else (None, None, 1e-6)
         q = self.ops.qkv_rope_store(qkv, positions, layer.qk.rotary.cos_sin_cache, layer.k_cache, layer.v_cache,
-                                    slots, layer.num_heads, *norm)
+                                    slots, layer.num_heads, *norm, **self.launch)
         meta = AttentionMetadata(
             query_start_loc=torch.tensor([0, 2], dtype=torch.int32, device=dev),
             seq_lens=torch.tensor([2], dtype=torch.int32, device=dev),
             block_tables=torch.zeros(1, 1, dtype=torch.int32, device=dev),
             slot_mapping=slots, max_query_len=2, max_seq_len=2,
             fresh_seq_ids=torch.zeros(1, dtype=torch.int32, device=dev), fresh_max_query_len=2)
-        self._split_by_context(self._contiguous_prefill(), layer, meta, qkv, positions, q, k_norm, None)
+        self._split_by_context(layer, meta, qkv, positions, q, k_norm, None)
         return 2
 
 
@@ -207,17 +205,20 @@ _BACKENDS: dict[tuple[str, str], tuple[str, str]] = {
     ("mla", "cuda"): ("atom_core.model_ops.mla", "MLABackend"),
     ("mla", "cpu"): ("atom_core.model_ops.mla", "MLABackend"),
 }
-_INSTANCES: dict[tuple[str, str], AttentionBackend] = {}
+_INSTANCES: dict[tuple[str, str, KernelConfig], AttentionBackend] = {}
 
 
-def get_attention_backend(kind: str, device: torch.device | str) -> AttentionBackend:
+def get_attention_backend(kind: str, device: torch.device | str,
+                          kernel: KernelConfig | None = None) -> AttentionBackend:
+    """The backend of `kind` attention on `device` under `kernel` (default: KernelConfig()), one per key."""
     device_type = torch.device(device).type
-    key = (kind, device_type)
-    backend = _INSTANCES.get(key)
+    kernel = kernel if kernel is not None else KernelConfig()
+    backend = _INSTANCES.get((kind, device_type, kernel))
     if backend is None:
-        if key not in _BACKENDS:
+        if (kind, device_type) not in _BACKENDS:
             known = ", ".join(f"{k}@{d}" for k, d in sorted(_BACKENDS))
             raise ValueError(f"no attention backend for {kind!r} attention on {device_type!r}; available: {known}")
-        module, cls = _BACKENDS[key]
-        backend = _INSTANCES[key] = getattr(importlib.import_module(module), cls)(device_type)
+        module, cls = _BACKENDS[(kind, device_type)]
+        backend = getattr(importlib.import_module(module), cls)(device_type, kernel)
+        _INSTANCES[(kind, device_type, kernel)] = backend
     return backend

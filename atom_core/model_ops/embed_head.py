@@ -13,7 +13,7 @@ from torch import nn
 
 from atom_core.distributed import all_gather, all_reduce, get_tp_group
 from atom_core.model_ops.linear import copy_weight
-from atom_core.quant.unquantized import unquantized_linear
+from atom_core.quant.unquantized import dense_linear_table, unquantized_linear
 
 
 class VocabEmbedding(nn.Module):
@@ -46,10 +46,16 @@ class VocabEmbedding(nn.Module):
 
 
 class LMHead(VocabEmbedding):
-    """logits = hidden @ W^T, computed only for the rows the runner asks for."""
+    """logits = hidden @ W^T, computed only for the rows the runner asks for; its kernels (the decode
+    GEMV at 1 token on CUDA) from a table made for the device its weight is built on. A tied head
+    shares the embedding's weight, on the same device."""
+
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__(vocab_size, hidden_size)
+        self.kernel_table = dense_linear_table(self.weight.device)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = unquantized_linear(hidden, self.weight)  # the decode GEMV at 1 token (ATOM_DENSE_SMALL_M_KERNEL)
+        logits = unquantized_linear(hidden, self.weight, None, self.kernel_table)
         if self.tp_size == 1:
             return logits
         logits = all_gather(logits, dim=-1)

@@ -171,7 +171,7 @@ def check_attention_supported(layers: list["Attention"], max_model_len: int, dev
 
     for layer in layers:
         spec = layer.kv_spec
-        backend = get_attention_backend(spec.kind, device)
+        backend = get_attention_backend(spec.kind, device)  # what it supports: the same under any KernelConfig
         window = spec.sliding_window
         if window is not None and window < max_model_len and not backend.supports_sliding_window:
             raise ValueError(
@@ -186,12 +186,10 @@ def check_attention_supported(layers: list["Attention"], max_model_len: int, dev
 def warm_up_attention(layers: list["Attention"], max_tokens: int, threads: int = 1) -> int:
     """Compile the attention kernels every step shape can need, now; returns how many launched
     (0 where nothing compiles, e.g. the CPU). Call after allocate_kv_cache."""
-    from atom_core.model_ops.attention_backends import get_attention_backend
-
     if not layers:
         return 0
     count = 0
     for spec, group in _groups(layers).items():
-        backend = get_attention_backend(spec.kind, group[0].k_cache.device)
+        backend = group[0].backend(group[0].k_cache.device)  # the instance the layers run (their KernelConfig)
         count += backend.warm_up(group, max_tokens, threads)
     return count

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from atom_core.kernels import kernel_ops
+from atom_core.kernel_config import KernelConfig, build_kernel_config
 from atom_core.model_ops.attention_backends import AttentionBackend, get_attention_backend
 from atom_core.model_ops.forward_context import get_attention_metadata
 from atom_core.model_ops.kv_spec import KVSpec
@@ -66,6 +67,7 @@ class MLAAttention(nn.Module):
         self.w_uk: torch.Tensor | None = None  # [H, N, C]
         self.w_uv_t: torch.Tensor | None = None  # [H, C, V]
         self._backend: AttentionBackend | None = None
+        self.kernel_config = build_kernel_config()  # the backend's kernel choices (KernelConfig)
         self.layer_key = torch.tensor([id(self)], dtype=torch.int64, device="cpu")
         _LAYERS[id(self)] = self
 
@@ -79,7 +81,7 @@ class MLAAttention(nn.Module):
 
     def backend(self, device: torch.device) -> AttentionBackend:
         if self._backend is None:
-            self._backend = get_attention_backend(self.kv_spec.kind, device)
+            self._backend = get_attention_backend(self.kv_spec.kind, device, self.kernel_config)
         return self._backend
 
     @torch.no_grad()
@@ -115,8 +117,8 @@ class MLABackend(AttentionBackend):
 
     name = "mla"
 
-    def __init__(self, device_type: str):
-        super().__init__(device_type)
+    def __init__(self, device_type: str, kernel: KernelConfig | None = None):
+        super().__init__(device_type, kernel)
         self.ops = kernel_ops(device_type)
 
     def forward(self, layer: MLAAttention, q: torch.Tensor, kv_a: torch.Tensor,

@@ -17,7 +17,7 @@ from torch import nn
 
 from atom_core.distributed import (all_reduce, combine_tokens, dispatch_tokens, expert_parallel_enabled,
                                    experts_span_replicas, get_ep_group, replica_token_counts)
-from atom_core.envs import read_envs
+from atom_core.kernel_config import build_kernel_config
 from atom_core.kernels import kernel_ops
 from atom_core.kernels.moe_ref import check_activation
 from atom_core.model_ops.linear import ReplicatedLinear, copy_weight
@@ -69,7 +69,6 @@ def make_expert_params_mapping(num_experts: int, gate: str, down: str, up: str,
 # Layers by key, as in model_ops/attention.py: under torch.compile the experts run as one
 # opaque op (the kernels' host-side setup is not traceable), which looks its layer up here.
 _LAYERS: "weakref.WeakValueDictionary[int, FusedMoE]" = weakref.WeakValueDictionary()
-_ep_dispatch = [read_envs().ep_dispatch]  # ATOM_EP_DISPATCH; set_ep_dispatch changes it
 
 
 @torch.library.custom_op("atom::fused_moe_layer", mutates_args=())
@@ -145,6 +144,7 @@ class FusedMoE(MoELayer):
         self.num_experts, self.tp_size, self.tp_rank = num_experts, group.world_size, group.rank_in_group
         self.use_ep = self.tp_size > 1 and expert_parallel_enabled()
         self.spans_replicas = self.use_ep and experts_span_replicas()  # tokens differ by rank: dispatch them
+        self.all_to_all = self.spans_replicas and build_kernel_config().ep_dispatch == "alltoall"
         self.num_local_experts, self.expert_start, self.intermediate_size = num_experts, 0, intermediate_size
         if self.use_ep:
             if num_experts % self.tp_size:
@@ -239,7 +239,7 @@ class FusedMoE(MoELayer):
 
     def route_and_run(self, hidden: torch.Tensor, router_logits: torch.Tensor,
                       correction_bias: torch.Tensor | None) -> torch.Tensor:
-        if self.spans_replicas and _ep_dispatch[0] == "alltoall":  # tokens go to their experts' owners only
+        if self.all_to_all:  # tokens go to their experts' owners only
             from atom_core.distributed.moe_all_to_all import moe_all_to_all
 
             weights, ids = self._route(router_logits, correction_bias)
@@ -272,13 +272,6 @@ class FusedMoE(MoELayer):
         if r.weights_in_model_dtype:
             weights = weights.to(self.model_dtype).float()
         return weights, ids
-
-
-def set_ep_dispatch(kind: str) -> None:
-    """For benchmarks and tests: how MoE layers of replicas sharing experts move tokens from now on."""
-    if kind not in ("allgather", "alltoall"):
-        raise ValueError(f"unknown EP dispatch {kind!r}; expected allgather or alltoall")
-    _ep_dispatch[0] = kind
 
 
 class SparseMoeBlock(nn.Module):

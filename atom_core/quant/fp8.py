@@ -30,7 +30,8 @@ from torch import nn
 from atom_core.kernels.moe_ref import apply_activation, check_activation
 from atom_core.quant.base import MoELayer, QuantConfig, QuantMethod, set_weight_attrs
 from atom_core.quant.fp8_ops import (
-    FP8_DTYPE, fp8_block_linear, fp8_block_linear_ref, fp8_linear, quantize_fp8_per_token,
+    FP8_DTYPE, fp8_block_linear, fp8_block_linear_ref, fp8_block_linear_table, fp8_linear, fp8_linear_table,
+    quantize_fp8_per_token,
 )
 
 PACKED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -54,6 +55,7 @@ class Fp8BlockLinearMethod(QuantMethod):
         set_weight_attrs(scale, weight_loader=self._scale_loader(layer, weight_loader), output_dim=0, input_dim=1)
         layer.register_parameter("weight", weight)
         layer.register_parameter("weight_scale_inv", scale)
+        layer.kernel_table = fp8_block_linear_table(weight.device, torch.get_default_dtype(), [1, bk])
 
     def _scale_loader(self, layer: nn.Module, weight_loader):
         bn = self.block_n
@@ -72,7 +74,8 @@ class Fp8BlockLinearMethod(QuantMethod):
         return load
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return fp8_block_linear(x, layer.weight, layer.weight_scale_inv, [1, self.block_k], bias)
+        return fp8_block_linear(x, layer.weight, layer.weight_scale_inv, [1, self.block_k], bias,
+                                layer.kernel_table.key)
 
 
 class Fp8BlockMoEMethod(QuantMethod):
@@ -171,6 +174,7 @@ class Fp8OnlineLinearMethod(QuantMethod):
         weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=params_dtype), requires_grad=False)
         set_weight_attrs(weight, weight_loader=weight_loader, output_dim=0, input_dim=1)
         layer.register_parameter("weight", weight)
+        layer.kernel_table = fp8_linear_table(weight.device, *weight.shape, weight.dtype, False)  # x: its dtype
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if layer.weight.dtype == FP8_DTYPE:
@@ -180,7 +184,7 @@ class Fp8OnlineLinearMethod(QuantMethod):
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return fp8_linear(x, layer.weight, layer.weight_scale, None, bias)
+        return fp8_linear(x, layer.weight, layer.weight_scale, None, bias, layer.kernel_table.key)
 
 
 class Fp8ScaledLinearMethod(QuantMethod):
@@ -208,6 +212,8 @@ class Fp8ScaledLinearMethod(QuantMethod):
             input_scale = nn.Parameter(torch.zeros(1, dtype=torch.float32), requires_grad=False)
             set_weight_attrs(input_scale, weight_loader=self._input_scale_loader)
             layer.register_parameter("input_scale", input_scale)
+        layer.kernel_table = fp8_linear_table(weight.device, n, input_size, torch.get_default_dtype(),
+                                              self.static_input)
 
     @staticmethod
     def _tensor_scale_loader(layer: nn.Module):
@@ -232,7 +238,8 @@ class Fp8ScaledLinearMethod(QuantMethod):
         param.data.copy_(torch.maximum(param.data, loaded.float().reshape(1).to(param.device)))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return fp8_linear(x, layer.weight, layer.weight_scale, getattr(layer, "input_scale", None), bias)
+        return fp8_linear(x, layer.weight, layer.weight_scale, getattr(layer, "input_scale", None), bias,
+                          layer.kernel_table.key)
 
 
 class Fp8Config(QuantConfig):

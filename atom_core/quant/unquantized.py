@@ -1,11 +1,10 @@
 """The unquantized methods: plain weights in the model dtype, F.linear and the fused MoE kernel.
 
-Linears on CUDA go through `atom::dense_linear`, which runs the Triton GEMV
-(kernels/triton/dense_gemv.py) at few tokens and F.linear above; a custom op, so torch.compile
-keeps the token-count test inside it instead of specializing on it. ATOM_DENSE_SMALL_M_KERNEL:
-auto (default) takes the GEMV at 1 token, where it beat cuBLAS on the H100 (Llama-3-8B batch-1
-TPOT 6.45 -> 6.14 ms); at 2-4 tokens cuBLAS tied or won (docs/PERFORMANCE.md 2026-11-26, fourth
-session), so only gemv sends those to it; linear is plain F.linear everywhere.
+A linear's kernels are a per-M table made when it is built (`dense_linear_table`): on CUDA the
+Triton GEMV (kernels/triton/dense_gemv.py) at 1 token, where it beat cuBLAS (at 2-4 tokens cuBLAS
+tied or won), F.linear above; on other devices F.linear. The GEMV runs through `atom::dense_linear`,
+a custom op, so torch.compile keeps it opaque; larger batches never see the op: Inductor plans a
+plain F.linear, and eager steps skip the op's dispatch.
 """
 from __future__ import annotations
 
@@ -13,39 +12,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atom_core.envs import DENSE_SMALL_M_KERNELS, DenseSmallMKernel, read_envs
+from atom_core.kernel_config import KernelTable
 from atom_core.quant.base import QuantMethod, set_weight_attrs
 
-_small_m_kernel: DenseSmallMKernel = read_envs().dense_small_m_kernel
-
-
-def set_dense_small_m_kernel(kind: DenseSmallMKernel) -> None:
-    """For benchmarks and tests: the kernel of linears built or run from now on."""
-    global _small_m_kernel
-    if kind not in DENSE_SMALL_M_KERNELS:
-        raise ValueError(f"unknown dense small-M kernel {kind!r}; expected one of: {', '.join(DENSE_SMALL_M_KERNELS)}")
-    _small_m_kernel = kind
-
-
-def _gemv_ok(x: torch.Tensor) -> bool:
-    return x.is_cuda
-
-
-AUTO_MAX_TOKENS = 1  # rows up to which `auto` takes the GEMV (measured faster there only)
-
-
-def dense_linear_kernel(num_tokens: int, gemv_ok: bool, kind: str | None = None) -> str:
-    """Which kernel a linear of `num_tokens` rows runs: "gemv" or "linear"."""
-    from atom_core.kernels.triton.dense_gemv import MAX_TOKENS
-
-    limit = {"gemv": MAX_TOKENS, "auto": AUTO_MAX_TOKENS}.get(kind or _small_m_kernel, 0)
-    return "gemv" if gemv_ok and num_tokens <= limit else "linear"
+GEMV_TOKENS = 1  # rows up to which a linear on CUDA takes the GEMV
 
 
 @torch.library.custom_op("atom::dense_linear", mutates_args=())
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    gemv_ok = _gemv_ok(x) and weight.dtype == x.dtype and weight.stride(-1) == 1  # the GEMV streams whole rows
-    if dense_linear_kernel(x.numel() // max(1, x.shape[-1]), gemv_ok) == "gemv":
+    """x W^T (+ b) by the Triton GEMV (at most dense_gemv.MAX_TOKENS rows of x); F.linear for a weight
+    the GEMV cannot stream (another dtype than x, or rows that are not contiguous)."""
+    if weight.dtype == x.dtype and weight.stride(-1) == 1:
         from atom_core.kernels.triton.dense_gemv import dense_gemv
 
         return dense_gemv(x, weight, bias)
@@ -57,17 +34,20 @@ def _(x, weight, bias=None):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-def unquantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T (+ b): `atom::dense_linear` (the GEMV) where the token count is small enough on CUDA, else F.linear.
+def dense_linear_table(device: torch.device | str) -> KernelTable:
+    """The kernels of an unquantized linear whose weight lives on `device`."""
+    if torch.device(device).type == "cuda":
+        return KernelTable(((GEMV_TOKENS, dense_linear), (None, F.linear)))
+    return KernelTable(((None, F.linear),))
 
-    Larger batches never see the custom op: Inductor plans a plain F.linear, and eager steps skip
-    the op's dispatch. Under torch.compile the test on a symbolic token count becomes a guard, so
-    each side of the threshold gets its own graph (with `auto` the threshold is 1, a size Dynamo
-    specialises anyway)."""
-    if _small_m_kernel == "linear" or not _gemv_ok(x):
-        return F.linear(x, weight, bias)
+
+def unquantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       table: KernelTable) -> torch.Tensor:
+    """x W^T (+ b) by the kernel `table` gives x's token count. Under torch.compile the lookup runs at
+    trace time on a symbolic count, which Dynamo takes as >= 2 (1 is specialised): a graph for 1 token
+    calls the GEMV op, every other graph F.linear, with no guard on the count."""
     rows = x.numel() // max(1, x.shape[-1])
-    return dense_linear(x, weight, bias) if dense_linear_kernel(rows, True) == "gemv" else F.linear(x, weight, bias)
+    return table(rows)(x, weight, bias)
 
 
 class UnquantizedLinearMethod(QuantMethod):
@@ -78,9 +58,10 @@ class UnquantizedLinearMethod(QuantMethod):
         weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=params_dtype), requires_grad=False)
         set_weight_attrs(weight, weight_loader=weight_loader, output_dim=0, input_dim=1)
         layer.register_parameter("weight", weight)
+        layer.kernel_table = dense_linear_table(weight.device)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return unquantized_linear(x, layer.weight, bias)
+        return unquantized_linear(x, layer.weight, bias, layer.kernel_table)
 
 
 class UnquantizedFusedMoEMethod(QuantMethod):

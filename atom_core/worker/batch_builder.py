@@ -104,15 +104,6 @@ def assemble_flat_batch(input_ids: list[int], positions: list[int], slot_mapping
     )
 
 
-def _split_by_context() -> bool:
-    """Whether attention reads the fresh/paged split (ATOM_PREFILL_ATTENTION=contiguous, the default);
-    under paged nothing does, so the builder skips its lists and host-to-device copies (the
-    decode/chunk lists too: attention then keeps one paged launch for a mixed step)."""
-    from atom_core.kernels.triton.prefill_attention import prefill_attention_mode
-
-    return prefill_attention_mode() == "contiguous"
-
-
 def context_split(query_lens: list[int], seq_lens: list[int]) -> dict:
     """AttentionMetadata's fresh/paged fields: which sequences have no cached context (every key
     is one of this step's rows) and which do, each with its longest query (none when none is
@@ -219,7 +210,7 @@ def build_flat_batch(out: SchedulerOutput, states: list[RequestState], block_siz
         offset += total
     return assemble_flat_batch(
         input_ids, positions, slot_mapping, query_start_loc, seq_lens, tables, max_query_len, logit_rows, device,
-        attn_extra=context_split(np.diff(query_start_loc).tolist(), seq_lens) if _split_by_context() else {},
+        attn_extra=context_split(np.diff(query_start_loc).tolist(), seq_lens),
         sample_rows=sample_rows,
         sample_seq_idx=sample_seq_idx,
         prompt_logprob_spans=spans,

@@ -28,7 +28,7 @@ from atom_core.model_ops.kv_spec import (allocate_kv_cache, attention_layers, ch
                                          set_kv_cache_dtype, warm_up_attention)
 from atom_core.model_ops.sampler import Sampler
 from atom_core.scheduler_output import PLACEHOLDER, ModelRunnerOutput, SchedulerOutput
-from atom_core.envs import read_envs
+from atom_core.kernel_config import building
 from atom_core.spec_decode.proposer import TargetHidden, build_proposer, can_speculate, check_proposer
 from atom_core.spec_decode.rejection_sampler import RejectionSampler, emitted_tokens
 from atom_core.spec_decode.verify import build_padded_verify_batch, emitted_logprobs, verify_rows
@@ -90,8 +90,9 @@ class ModelRunner:
                               tp_size=config.parallel.tensor_parallel_size, quantized=model.quant_config is not None)
         check_proposer(config.speculative, model)
         start = time.perf_counter()
-        self.model = build_model(model.hf_config, model.path, model.dtype, model.device, model.load_format, model.seed,
-                                 model.quant_config)
+        with building(config.kernel):  # layers take their kernel choices as they are built
+            self.model = build_model(model.hf_config, model.path, model.dtype, model.device, model.load_format,
+                                     model.seed, model.quant_config)
         self.load_seconds = time.perf_counter() - start
         self.attention_layers = attention_layers(self.model)
         set_kv_cache_dtype(self.attention_layers, kv_cache_format(config.cache.kv_cache_dtype, self.dtype))
@@ -106,8 +107,9 @@ class ModelRunner:
 
             mark_modules(self.model)
         self.sampler = Sampler()
-        self.proposer = build_proposer(config.speculative, model, self.block_size, config.scheduler.max_num_seqs,
-                                       target_model=self.model)
+        with building(config.kernel):
+            self.proposer = build_proposer(config.speculative, model, self.block_size, config.scheduler.max_num_seqs,
+                                           target_model=self.model)
         self.rejection_sampler = RejectionSampler() if self.proposer is not None else None
         self.profiler = profiler
         self.input_batch = InputBatch()
@@ -141,7 +143,7 @@ class ModelRunner:
             self.graphs.capture_all()
             if self.proposer is not None:
                 self._capture_verify_graphs(CUDAGraphRunner)
-                if hasattr(self.proposer, "capture_graphs") and read_envs().mtp_graphs:  # MTP's own forwards
+                if hasattr(self.proposer, "capture_graphs") and config.kernel.mtp_graphs:  # MTP's own forwards
                     self.proposer.capture_graphs(config.capture_sizes, self.graphs.pool)
         if config.use_cuda_graphs and mode != "full_decode_only" and not self.spans_replicas:
             from atom_core.worker.piecewise import CudaGraphKit

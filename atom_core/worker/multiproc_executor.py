@@ -85,7 +85,7 @@ def _join(config: EngineConfig, model: ResolvedModel, rank: int, init_method: st
 
     if model.device.type == "cuda":
         torch.cuda.set_device(model.device)
-    init_distributed(rank, config.parallel.world_size, init_method, model.device)
+    init_distributed(rank, config.parallel.world_size, init_method, model.device, all_reduce=config.kernel.all_reduce)
     set_expert_parallel(config.parallel.enable_expert_parallel)
     return MessageBroadcaster(get_tp_group()), ModelRunner
 

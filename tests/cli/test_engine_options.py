@@ -129,3 +129,38 @@ def test_offline_engines_leave_the_cap_off():
     from atom_core.config import EngineConfig
 
     assert EngineConfig.from_kwargs("/m").scheduler.mixed_step_tokens_per_seq == 0
+
+
+@pytest.mark.parametrize("args, field, value", [
+    (["--ep-dispatch", "alltoall"], "ep_dispatch", "alltoall"),
+    (["--all-reduce", "nccl"], "all_reduce", "nccl"),
+    (["--no-triton-fast-launch"], "triton_fast_launch", False),
+    (["--mtp-graphs"], "mtp_graphs", True),
+], ids=["ep_dispatch", "all_reduce", "triton_fast_launch", "mtp_graphs"])
+def test_kernel_flags_reach_the_kernel_config(monkeypatch, args, field, value):
+    for name in ("ATOM_EP_DISPATCH", "ATOM_ALL_REDUCE", "ATOM_TRITON_FAST_LAUNCH", "ATOM_MTP_GRAPHS"):
+        monkeypatch.delenv(name, raising=False)
+    result, config = _serve_config(monkeypatch, args)
+    assert result.exit_code == 0, result.output
+    assert getattr(config.kernel, field) == value
+    _, default = _serve_config(monkeypatch, [])
+    assert getattr(default.kernel, field) != value
+
+
+def test_kernel_flags_win_over_the_environment_and_the_environment_over_the_default(monkeypatch):
+    monkeypatch.setenv("ATOM_MTP_GRAPHS", "1")
+    monkeypatch.setenv("ATOM_ALL_REDUCE", "symm")
+    _, config = _serve_config(monkeypatch, [])
+    assert config.kernel.mtp_graphs is True and config.kernel.all_reduce == "symm"
+    _, config = _serve_config(monkeypatch, ["--no-mtp-graphs", "--all-reduce", "auto"])
+    assert config.kernel.mtp_graphs is False and config.kernel.all_reduce == "auto"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--ep-dispatch", "nccl"], "ep_dispatch='nccl' (--ep-dispatch); expected one of: allgather, alltoall"),
+    (["--all-reduce", "mpi"], "all_reduce='mpi' (--all-reduce); expected one of: auto, nccl, symm"),
+])
+def test_bad_kernel_flags_are_one_line_errors(monkeypatch, args, message):
+    result, config = _serve_config(monkeypatch, args)
+    assert result.exit_code != 0 and config is None
+    assert message in result.output

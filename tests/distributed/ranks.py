@@ -14,7 +14,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn, args, results, replica_experts: bool, device_type: str) -> None:
+def _entry(rank: int, world_size: int, port: int, fn, args, results, replica_experts: bool, device_type: str,
+           all_reduce: str) -> None:
     from atom_core.distributed import destroy_distributed, init_distributed, init_replica_experts
 
     try:
@@ -22,8 +23,10 @@ def _entry(rank: int, world_size: int, port: int, fn, args, results, replica_exp
         device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        join = init_replica_experts if replica_experts else init_distributed
-        join(rank, world_size, f"tcp://127.0.0.1:{port}", device, timeout_s=60)
+        if replica_experts:
+            init_replica_experts(rank, world_size, f"tcp://127.0.0.1:{port}", device, timeout_s=60)
+        else:
+            init_distributed(rank, world_size, f"tcp://127.0.0.1:{port}", device, timeout_s=60, all_reduce=all_reduce)
         results.put((rank, True, fn(*args)))
     except BaseException:  # noqa: BLE001 - reported to the test process
         results.put((rank, False, traceback.format_exc()))
@@ -32,14 +35,16 @@ def _entry(rank: int, world_size: int, port: int, fn, args, results, replica_exp
 
 
 def run_ranks(world_size: int, fn, *args, timeout: float = 120.0, replica_experts: bool = False,
-              device_type: str = "cpu") -> list:
+              device_type: str = "cpu", all_reduce: str = "auto") -> list:
     """fn(*args) on each of `world_size` ranks (one spawned process each); results by rank.
     replica_experts: the ranks are data-parallel replicas sharing experts (init_replica_experts),
-    not one tensor-parallel group. device_type "cuda": rank r on cuda:r over NCCL (else gloo)."""
+    not one tensor-parallel group. device_type "cuda": rank r on cuda:r over NCCL (else gloo).
+    all_reduce: the tensor-parallel group's all-reduce mode (KernelConfig.all_reduce)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, results, replica_experts, device_type), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, results, replica_experts, device_type,
+                                              all_reduce), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -118,20 +123,23 @@ def replica_moe_check(weights: dict, inputs: list, counts_seen: list) -> dict:
     group = get_ep_group()
     r = group.rank_in_group
     num_experts, two_inter, hidden = weights["w13"].shape
-    layer = FusedMoE(num_experts, hidden, two_inter // 2, MoERouting(top_k=2, renormalize=True), prefix="moe")
-    layer.weight_loader(layer.w13_weight, weights["w13"])  # the whole checkpoint tensor: this rank's experts kept
-    layer.weight_loader(layer.w2_weight, weights["w2"])
+    from atom_core.kernel_config import KernelConfig, building
+
+    def build() -> FusedMoE:
+        layer = FusedMoE(num_experts, hidden, two_inter // 2, MoERouting(top_k=2, renormalize=True), prefix="moe")
+        layer.weight_loader(layer.w13_weight, weights["w13"])  # the whole checkpoint tensor: this rank's experts kept
+        layer.weight_loader(layer.w2_weight, weights["w2"])
+        return layer
+
+    layer = build()
+    with building(KernelConfig(ep_dispatch="alltoall")):
+        by_owner = build()
+    assert not layer.all_to_all and by_owner.all_to_all
     x, logits = inputs[r]
     with agreed_token_counts(counts_seen):
         agreed = layer(x, logits)
     dispatched = dispatch_tokens(x, counts_seen, group)
-    from atom_core.model_ops import moe
-
-    moe.set_ep_dispatch("alltoall")
-    try:
-        by_all_to_all = layer(x, logits)
-    finally:
-        moe.set_ep_dispatch("allgather")
+    by_all_to_all = by_owner(x, logits)
     out = {"agreed": agreed, "asked": layer(x, logits), "alltoall": by_all_to_all, "dispatched": dispatched,
            "combined": combine_tokens(dispatched * (r + 1), counts_seen, group)}
     # numpy: a tensor crosses the result queue as a shared-memory handle, gone once this rank exits

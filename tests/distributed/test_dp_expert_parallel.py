@@ -81,12 +81,12 @@ class TestLockstepServing:
         assert dp_ep.engine.is_healthy
 
 
-def test_all_to_all_dispatch_serves_the_same_tokens(moe_path, hf_tokens, monkeypatch):
-    """ATOM_EP_DISPATCH=alltoall (each replica's core process reads it): tokens travel to their
-    experts' owners only; greedy output still equals HF, with both replicas busy and one idle."""
-    monkeypatch.setenv("ATOM_EP_DISPATCH", "alltoall")
-    engine = ThreadedEngine(EngineConfig.from_kwargs(str(moe_path), device="cpu", kv_cache_memory_gb=0.02, **DP_EP),
-                            PARAMS, CALL_TIMEOUT_S)
+def test_all_to_all_dispatch_serves_the_same_tokens(moe_path, hf_tokens):
+    """ep_dispatch=alltoall (each replica's core builds its MoE layers under the config): tokens travel
+    to their experts' owners only; greedy output still equals HF, with both replicas busy and one idle."""
+    config = EngineConfig.from_kwargs(str(moe_path), device="cpu", kv_cache_memory_gb=0.02, ep_dispatch="alltoall",
+                                      **DP_EP)
+    engine = ThreadedEngine(config, PARAMS, CALL_TIMEOUT_S)
     try:
         assert engine.run(engine.generate_all(PROMPTS)) == [hf_tokens[tuple(p)] for p in PROMPTS]
         assert engine.run(engine.generate(PROMPTS[0])) == hf_tokens[tuple(PROMPTS[0])]
@@ -96,14 +96,14 @@ def test_all_to_all_dispatch_serves_the_same_tokens(moe_path, hf_tokens, monkeyp
 
 def test_ep_dispatch_option_values():
     from atom_core.envs import read_envs
-    from atom_core.model_ops import moe
 
-    assert read_envs({}).ep_dispatch == "allgather"
+    assert read_envs({}).ep_dispatch is None and EngineConfig.from_kwargs("m").kernel.ep_dispatch == "allgather"
     assert read_envs({"ATOM_EP_DISPATCH": "AllToAll"}).ep_dispatch == "alltoall"
     with pytest.raises(ValueError, match="invalid ATOM_EP_DISPATCH='nccl'; expected one of: allgather, alltoall"):
         read_envs({"ATOM_EP_DISPATCH": "nccl"})
-    with pytest.raises(ValueError, match="unknown EP dispatch"):
-        moe.set_ep_dispatch("nccl")
+    with pytest.raises(ValueError, match="invalid kernel option ep_dispatch='nccl' .--ep-dispatch.; expected one "
+                                         "of: allgather, alltoall"):
+        EngineConfig.from_kwargs("m", ep_dispatch="nccl")
 
 
 MOE_COUNTS = [3, 5]  # replica 0 brings 3 tokens to the lone MoE layer, replica 1 brings 5
@@ -192,15 +192,14 @@ class TestRefusedAtStart:
             EngineConfig.from_kwargs("m", **{**DP_EP, **options})
 
     @pytest.mark.parametrize("options, match", [
-        (dict(level=1), r"--level=1: .*run without CUDA graphs under ATOM_DP_EP_GRAPHS=0.*use --level 2"),
+        (dict(level=1), r"--level=1: .*run without CUDA graphs under ep_dispatch=alltoall.*use --level 2"),
         (dict(level=3), r"--level=3: .*run without CUDA graphs"),
         (dict(cudagraph_capture_sizes=[1, 2]), r"--cudagraph-capture-sizes=\(1, 2\)"),
     ], ids=["graphs_level1", "graphs_level3", "capture_sizes"])
-    def test_graph_options_with_replica_graphs_off(self, options, match, monkeypatch):
+    def test_graph_options_with_replica_graphs_off(self, options, match):
         EngineConfig.from_kwargs("m", **{**DP_EP, **options})  # accepted by default: decode graphs at an agreed size
-        monkeypatch.setenv("ATOM_DP_EP_GRAPHS", "0")
         with pytest.raises(ValueError, match=match):
-            EngineConfig.from_kwargs("m", **{**DP_EP, **options})
+            EngineConfig.from_kwargs("m", ep_dispatch="alltoall", **{**DP_EP, **options})
 
     def test_default_and_compile_only_levels_are_accepted(self):
         for options in ({}, {"level": 2}, {"level": 0}):
@@ -229,12 +228,11 @@ class TestRefusedAtStart:
         with pytest.raises(ValueError, match="data-parallel replicas run behind `atomctl serve`"):
             LLMEngine(str(moe_path), device="cpu", **DP_EP)
 
-    def test_lockstep_cuda_graphs_follow_the_switch(self, monkeypatch):
-        monkeypatch.delenv("ATOM_DP_EP_GRAPHS", raising=False)
+    def test_lockstep_cuda_graphs_follow_eager_and_the_dispatch(self):
         assert EngineConfig.from_kwargs("m", device="cuda", tensor_parallel_size=2).use_cuda_graphs
         assert EngineConfig.from_kwargs("m", device="cuda", **DP_EP).use_cuda_graphs
-        monkeypatch.setenv("ATOM_DP_EP_GRAPHS", "0")
-        assert not EngineConfig.from_kwargs("m", device="cuda", **DP_EP).use_cuda_graphs
+        assert not EngineConfig.from_kwargs("m", device="cuda", enforce_eager=True, **DP_EP).use_cuda_graphs
+        assert not EngineConfig.from_kwargs("m", device="cuda", ep_dispatch="alltoall", **DP_EP).use_cuda_graphs
 
 
 def test_served_then_a_dead_replica_fails_fast(moe_path, tmp_path):
@@ -260,7 +258,8 @@ def test_served_then_a_dead_replica_fails_fast(moe_path, tmp_path):
 
 
 class TestDecodeGraphs:
-    """Replicas replay decode graphs at one size agreed each step (the default; ATOM_DP_EP_GRAPHS=0 turns it off)."""
+    """Replicas replay decode graphs at one size agreed each step (the default; --enforce-eager or
+    ep_dispatch=alltoall turn it off)."""
 
     def test_graph_size_rule(self):
         from atom_core.engine.lockstep import lockstep_graph_size
@@ -275,26 +274,20 @@ class TestDecodeGraphs:
 
     def test_options(self, monkeypatch):
         cuda = dict(device="cuda", **DP_EP)
-        for name in ("ATOM_DP_EP_GRAPHS", "ATOM_EP_DISPATCH"):
-            monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv("ATOM_EP_DISPATCH", raising=False)
         assert EngineConfig.from_kwargs("m", **cuda).use_cuda_graphs  # the default: graphs with the all-gather
         assert EngineConfig.from_kwargs("m", level=1, cudagraph_capture_sizes=[1, 2], **cuda).use_cuda_graphs
         assert not EngineConfig.from_kwargs("m", level=2, **cuda).use_cuda_graphs
         with pytest.raises(ValueError, match="replay full decode graphs only"):
             EngineConfig.from_kwargs("m", cudagraph_mode="full_and_piecewise", **cuda)
-        monkeypatch.setenv("ATOM_EP_DISPATCH", "alltoall")  # no graphs with it: off unless asked for
+        assert not EngineConfig.from_kwargs("m", enforce_eager=True, **cuda).use_cuda_graphs
+        assert not EngineConfig.from_kwargs("m", ep_dispatch="alltoall", **cuda).use_cuda_graphs  # off unless asked
+        with pytest.raises(ValueError, match=r"without CUDA graphs under ep_dispatch=alltoall \(--ep-dispatch"):
+            EngineConfig.from_kwargs("m", level=3, ep_dispatch="alltoall", **cuda)
+        assert not EngineConfig.from_kwargs("m", level=2, ep_dispatch="alltoall", **cuda).use_cuda_graphs
+        monkeypatch.setenv("ATOM_EP_DISPATCH", "alltoall")  # the environment as the option's default
         assert not EngineConfig.from_kwargs("m", **cuda).use_cuda_graphs
-        with pytest.raises(ValueError, match="without CUDA graphs under ATOM_EP_DISPATCH=alltoall"):
-            EngineConfig.from_kwargs("m", level=3, **cuda)
-        monkeypatch.setenv("ATOM_DP_EP_GRAPHS", "1")
-        with pytest.raises(ValueError, match="ATOM_DP_EP_GRAPHS=1 needs ATOM_EP_DISPATCH=allgather"):
-            EngineConfig.from_kwargs("m", **cuda)
-        assert not EngineConfig.from_kwargs("m", level=2, **cuda).use_cuda_graphs  # nothing to refuse
-        monkeypatch.delenv("ATOM_EP_DISPATCH")
-        monkeypatch.setenv("ATOM_DP_EP_GRAPHS", "0")
-        assert not EngineConfig.from_kwargs("m", **cuda).use_cuda_graphs
-        with pytest.raises(ValueError, match="without CUDA graphs under ATOM_DP_EP_GRAPHS=0"):
-            EngineConfig.from_kwargs("m", level=3, **cuda)
+        assert EngineConfig.from_kwargs("m", ep_dispatch="allgather", **cuda).use_cuda_graphs  # the option wins
 
     def test_replicas_replaying_at_the_agreed_size_equal_eager_and_hf(self, moe_path, hf_tokens, monkeypatch):
         """Replica 0 decodes 3 requests (graph of 4: one padding row), replica 1 one request that
@@ -304,7 +297,6 @@ class TestDecodeGraphs:
         max_tokens = [MAX_TOKENS, 3]
         eager = run_ranks(2, lockstep_decode, str(moe_path), prompts, max_tokens, False, replica_experts=True,
                           timeout=CALL_TIMEOUT_S)
-        monkeypatch.setenv("ATOM_DP_EP_GRAPHS", "1")  # the spawned ranks inherit it
         graphs = run_ranks(2, lockstep_decode, str(moe_path), prompts, max_tokens, True, replica_experts=True,
                            timeout=CALL_TIMEOUT_S)
         for rank in (0, 1):

@@ -9,11 +9,12 @@ import torch
 from atom_core.distributed import symm_all_reduce
 from atom_core.distributed.symm_all_reduce import MAX_BYTES, make_symmetric_all_reduce
 from atom_core.envs import read_envs
+from atom_core.kernel_config import KernelConfig
 from tests.distributed.ranks import collectives_check, run_ranks, share_host_check, symm_all_reduce_check
 
 
 def test_option_values_and_default():
-    assert read_envs({}).all_reduce == "auto"
+    assert read_envs({}).all_reduce is None and KernelConfig().all_reduce == "auto"
     for mode in ("nccl", "symm", "auto"):
         assert read_envs({"ATOM_ALL_REDUCE": mode.upper()}).all_reduce == mode
     with pytest.raises(ValueError, match="ATOM_ALL_REDUCE"):
@@ -21,7 +22,7 @@ def test_option_values_and_default():
 
 
 def test_symm_on_cpu_ranks_is_a_clear_error_and_auto_or_nccl_use_the_group():
-    with pytest.raises(ValueError, match="ATOM_ALL_REDUCE=symm needs CUDA"):
+    with pytest.raises(ValueError, match=r"all_reduce=symm \(--all-reduce, ATOM_ALL_REDUCE\) needs CUDA"):
         make_symmetric_all_reduce("symm", None, torch.device("cpu"))
     assert make_symmetric_all_reduce("auto", None, torch.device("cpu")) is None
     assert make_symmetric_all_reduce("nccl", None, torch.device("cuda", 0)) is None
@@ -41,18 +42,16 @@ def test_a_group_across_hosts_keeps_nccl_under_auto_and_refuses_symm(monkeypatch
         make_symmetric_all_reduce("symm", None, cuda, cpu_group=object())
 
 
-def test_auto_on_gloo_ranks_keeps_the_collectives_right(monkeypatch):
-    monkeypatch.setenv("ATOM_ALL_REDUCE", "auto")  # spawned ranks inherit it
-    r0, r1 = run_ranks(2, collectives_check)
+def test_auto_on_gloo_ranks_keeps_the_collectives_right():
+    r0, r1 = run_ranks(2, collectives_check, all_reduce="auto")
     x0 = torch.arange(6.0).view(2, 3)
     assert r0["all_reduce"] == r1["all_reduce"] == (2 * x0 + 10).tolist()
     assert r0["compiled"] == (2 * (2 * x0 + 10) + 1).tolist()
 
 
-def test_symm_on_gloo_ranks_fails_at_join(monkeypatch):
-    monkeypatch.setenv("ATOM_ALL_REDUCE", "symm")
-    with pytest.raises(AssertionError, match="ATOM_ALL_REDUCE=symm needs CUDA"):
-        run_ranks(2, collectives_check)
+def test_symm_on_gloo_ranks_fails_at_join():
+    with pytest.raises(AssertionError, match=r"all_reduce=symm \(--all-reduce, ATOM_ALL_REDUCE\) needs CUDA"):
+        run_ranks(2, collectives_check, all_reduce="symm")
 
 
 # ---- two GPUs -------------------------------------------------------------------------------
@@ -62,10 +61,9 @@ SHAPES = [(1, 4096), (3, 4096), (64, 8192), (1, 8193), (1024, 8192)]  # 1024 x 8
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_two_shot_all_reduce_on_two_gpus(monkeypatch):
-    monkeypatch.setenv("ATOM_ALL_REDUCE", "symm")  # the spawned ranks inherit it
+def test_two_shot_all_reduce_on_two_gpus():
     shapes = SHAPES + [(1100, 8192)]  # the last is past MAX_BYTES: NCCL
     for rank, result in enumerate(run_ranks(2, symm_all_reduce_check, shapes, MAX_BYTES, timeout=240,
-                                            device_type="cuda")):
-        assert result["has_symm"], f"rank {rank}: ATOM_ALL_REDUCE=symm built no symmetric all-reduce"
+                                            device_type="cuda", all_reduce="symm")):
+        assert result["has_symm"], f"rank {rank}: all_reduce=symm built no symmetric all-reduce"
         assert not result["errors"], f"rank {rank}: {result['errors']}"

@@ -66,26 +66,24 @@ def test_tp2_equals_tp1_in_fp32(tiny_dist_models, arch, extra, compile_options):
     assert _tokens(path, tensor_parallel_size=2, **extra, **compile_options) == _reference(path)
 
 
-# Replicas sharing experts replay decode graphs at an agreed size (the default; ATOM_DP_EP_GRAPHS
-# set explicitly here): eager and compiled (level 2) run without them.
+# Replicas sharing experts replay decode graphs at an agreed size (the default with CUDA graphs):
+# eager and compiled (level 2) run without them.
 @pytest.mark.parametrize("compile_options, dp_ep_graphs", [
     ({"enforce_eager": True}, False), ({"level": 2}, False), ({"level": 1}, True), ({"level": 3}, True),
 ], ids=["eager", "compiled", "graphs", "compiled-graphs"])
-def test_dp2_sharing_experts_equals_one_gpu_in_fp32(tiny_dist_models, compile_options, dp_ep_graphs, monkeypatch):
+def test_dp2_sharing_experts_equals_one_gpu_in_fp32(tiny_dist_models, compile_options, dp_ep_graphs):
     """Requests spread over the two replicas (uneven token counts per step, an idle replica's
     dummy forwards at the end), MoE tokens moved over NCCL; compiled: the MoE op stays opaque;
     graphs: both replicas replay one padded size per decode step (an idle one, padding only)."""
     from atom_core.config import EngineConfig
     from tests.distributed.engines import ThreadedEngine
 
-    if dp_ep_graphs:
-        monkeypatch.setenv("ATOM_DP_EP_GRAPHS", "1")  # the replicas' processes inherit it
-
     path = tiny_dist_models("qwen3_moe")
     reference = _reference(path)
     config = EngineConfig.from_kwargs(str(path), device="cuda", dtype="float32", num_kv_blocks=512,
                                       max_num_batched_tokens=256, data_parallel_size=2, enable_expert_parallel=True,
                                       num_scheduler_steps=1, **compile_options)
+    assert config.use_cuda_graphs == dp_ep_graphs
     engine = ThreadedEngine(config, GREEDY, timeout_s=240)
     try:
         assert engine.run(engine.generate_all(_prompts())) == reference

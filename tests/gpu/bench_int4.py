@@ -7,7 +7,8 @@ shapes, timed in CUDA graphs (launch gaps excluded), each checked against its to
 Prints one row per (shape, M): microseconds of bf16 / W4A16 / W8A8 and, for W4A16, the weight
 bytes read per microsecond (GB/s; the H100's HBM reads ~3.0 TB/s). `w4 split` is the W4A16 GEMV
 (M <= 8) with K split by `w4a16.gemv_split_k` (`sp`: the splits; the default path runs 1).
-`--kernels` also times the GEMV under each ATOM_W4A16_GEMV value (w4a16.set_w4a16_gemv).
+`--kernels` also times each GEMV program on the same weights: f16x2 (what the kernel layout with bf16
+x runs) and triton (the float32 GEMV, what other layouts run).
 The int4 weights are random words read in the kernel layout (INT4_INTERLEAVE), as the engine's
 int4 linears store them.
 Each timed call runs over enough weight copies (>= 160 MB together) that they cannot stay in the
@@ -39,9 +40,12 @@ def main() -> None:
     parser.add_argument("--splits", default="", help="also time the GEMV at these K splits (M <= 8), e.g. 2,4")
     parser.add_argument("--tiles", default="", help="also time the GEMV at each of these tiles, BLOCK_N x BLOCK_KW "
                                                      "(4 warps; sN: N pipeline stages), instead of the autotuner's pick, e.g. 16x128,16x64s3")
-    parser.add_argument("--kernels", default="", help="also time the GEMV (M <= 8) with each of these ATOM_W4A16_GEMV "
-                                                       "kernels, e.g. triton,f16x2")
+    parser.add_argument("--kernels", default="", help="also time the GEMV (M <= 8) with each of these programs: "
+                                                       f"{', '.join(GEMV_KERNELS)}, e.g. triton,f16x2")
     args = parser.parse_args()
+    unknown = [kind for kind in filter(None, args.kernels.split(",")) if kind not in GEMV_KERNELS]
+    if unknown:
+        raise SystemExit(f"unknown --kernels {unknown}; expected some of: {', '.join(GEMV_KERNELS)}")
     dev, rows = "cuda", []
     for name, (n, k) in SHAPES.items():
         copies = -(-COPIES_BYTES // (n * k // 2))  # by the int4 bytes: the bf16 and int8 copies exceed the L2 too
@@ -113,17 +117,22 @@ def _time_tile(tile: str, per_copy, w4) -> float:
         tuner.configs, tuner.cache = saved, {}
 
 
-def _time_kernel(kind: str, per_copy, w4, ref: torch.Tensor) -> tuple[float, float]:
-    """(us, relative error) of the W4A16 call with the GEMV switch at `kind` (then restored)."""
-    from atom_core.kernels.triton import w4a16
+GEMV_KERNELS = ("f16x2", "triton")
 
-    saved = w4a16._gemv_kind
-    w4a16.set_w4a16_gemv(kind)
+
+def _time_kernel(kind: str, per_copy, w4, ref: torch.Tensor) -> tuple[float, float]:
+    """(us, relative error) of the W4A16 call with its GEMV program replaced by `kind`'s for this
+    timing only (the weights' layout picks f16x2 in the engine)."""
+    from atom_core.kernels.triton import w4a16, w4a16_gemv_f16x2
+
+    program = {"f16x2": w4a16_gemv_f16x2._w4a16_gemv_f16x2_tuned, "triton": w4a16._w4a16_gemv_tuned}[kind]
+    saved = w4a16._tuned_gemv
+    w4a16._tuned_gemv = lambda dtype, consts: program
     try:
         err = _rel(w4(0), ref)  # also the autotuning, before any graph capture
         return per_copy(lambda i: w4(i)), err
     finally:
-        w4a16.set_w4a16_gemv(saved)
+        w4a16._tuned_gemv = saved
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -14,7 +14,7 @@ import time
 import torch
 
 from atom_core.kernels.triton import attention as A
-from atom_core.kernels.triton import common, qkv_prep
+from atom_core.kernels.triton import qkv_prep
 
 
 def host_us(fn, calls: int = 2000) -> float:
@@ -40,7 +40,7 @@ def main():
     qsl = torch.arange(seqs + 1, device=dev, dtype=torch.int32)
     lens = torch.full((seqs,), 20, device=dev, dtype=torch.int32)
     args = (q, k, v, tables, qsl, lens, 0.088, 1, 20, out)
-    wrapper = lambda: A.paged_attention(*args)  # noqa: E731
+    wrapper = lambda **kw: A.paged_attention(*args, **kw)  # noqa: E731
     wrapper()
     plan = A._paged_plan(q, k, v, tables, qsl, lens, out, 0.088, 1, 20, None, None, None, None, None, 1.0, 1.0)
     layout, kwargs = plan.launch_args
@@ -68,21 +68,12 @@ def main():
     positions = torch.arange(seqs, device=dev)
     cos_sin = torch.randn(64, dim, device=dev)
     slots = torch.arange(seqs, device=dev)
-    store = lambda: qkv_prep.qkv_rope_store(qkv, positions, cos_sin, k, v, slots, heads)  # noqa: E731
-
-    def jit_only(fn):
-        def run():
-            common.set_fast_launch(False)
-            try:
-                fn()
-            finally:
-                common.set_fast_launch(True)
-        return run
+    store = lambda **kw: qkv_prep.qkv_rope_store(qkv, positions, cos_sin, k, v, slots, heads, **kw)  # noqa: E731
 
     rows = [("torch.add (reference)", lambda: torch.add(x, x)),
-            ("paged_attention wrapper, JIT launch", jit_only(wrapper)),
+            ("paged_attention wrapper, JIT launch", lambda: wrapper(direct_launch=False)),
             ("paged_attention wrapper (PlannedLaunch)", wrapper),
-            ("qkv_rope_store wrapper, JIT launch", jit_only(store)),
+            ("qkv_rope_store wrapper, JIT launch", lambda: store(direct_launch=False)),
             ("qkv_rope_store wrapper (PlannedLaunch)", store),
             ("kernel[grid](...) JIT path", jit), ("compiled[grid](*args)", lambda: runner(*values)),
             ("compiled.run(...) bare", bare)]

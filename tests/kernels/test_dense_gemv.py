@@ -5,25 +5,22 @@
   tiles; bias; split-K forced on and off; x and W in float32/bf16/fp16); `cuda` cases (marker
   `gpu`) at Llama-3-8B and Llama-3.1-70B projection shapes, whole and halved for TP=2, and replayed
   in a CUDA graph;
-- which kernel a linear runs (ATOM_DENSE_SMALL_M_KERNEL=gemv, <= 4 tokens, CUDA), and that the
-  switch leaves the default path (F.linear) untouched.
+- which kernel a linear runs: its table (made for its weight's device) gives CUDA linears the GEMV at
+  1 token and F.linear above, other devices F.linear, and the LM head the same.
 
     TRITON_INTERPRET=1 python -m pytest tests/kernels/test_dense_gemv.py -q
     python -m pytest -m gpu tests/kernels/test_dense_gemv.py -q        (NOT run on a GPU yet)
 """
 from __future__ import annotations
 
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from atom_core.envs import read_envs
 from atom_core.quant import unquantized
-from atom_core.quant.unquantized import dense_linear, dense_linear_kernel
+from atom_core.quant.unquantized import dense_linear, dense_linear_table
 from tests.kernels.conftest import device  # noqa: F401  (the cpu-interpreter / cuda fixture)
 from tests.kernels.tolerances import INTERPRET, TOL, rel_err
 
@@ -112,34 +109,19 @@ def test_default_tiles_count_two_byte_weights():
 
 
 class TestDispatch:
-    def test_gemv_only_under_the_switch_for_up_to_four_tokens_on_cuda(self):
-        assert dense_linear_kernel(1, True, "gemv") == dense_linear_kernel(4, True, "gemv") == "gemv"
-        assert dense_linear_kernel(5, True, "gemv") == "linear"
-        assert dense_linear_kernel(1, False, "gemv") == "linear"  # not CUDA
-        assert dense_linear_kernel(1, True, "linear") == "linear"
+    def test_cuda_tables_take_the_gemv_at_one_token_only(self):
+        table = dense_linear_table("cuda")
+        assert table(1) is dense_linear
+        assert table(2) is table(4) is table(4096) is F.linear
+        assert dense_linear_table(torch.device("cuda", 1)).names == table.names
 
-    def test_auto_takes_the_gemv_at_one_token_only(self):
-        assert dense_linear_kernel(1, True, "auto") == "gemv"
-        assert dense_linear_kernel(2, True, "auto") == dense_linear_kernel(4, True, "auto") == "linear"
-        assert dense_linear_kernel(1, False, "auto") == "linear"  # not CUDA
-
-    def test_env_var_and_setter(self):
-        assert read_envs({}).dense_small_m_kernel == "auto"
-        assert read_envs({"ATOM_DENSE_SMALL_M_KERNEL": "GEMV"}).dense_small_m_kernel == "gemv"
-        with pytest.raises(ValueError, match="invalid ATOM_DENSE_SMALL_M_KERNEL='cublas'; expected one of: auto, linear, gemv"):
-            read_envs({"ATOM_DENSE_SMALL_M_KERNEL": "cublas"})
-        with pytest.raises(ValueError, match="unknown dense small-M kernel"):
-            unquantized.set_dense_small_m_kernel("cublas")
-        code = "from atom_core.quant import unquantized as u; print(u._small_m_kernel)"
-        env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("ATOM_")}
-        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             env={**env, "ATOM_DENSE_SMALL_M_KERNEL": "gemv"})
-        assert run.stdout.strip() == "gemv", run.stderr
+    def test_cpu_tables_are_f_linear_everywhere(self):
+        table = dense_linear_table("cpu")
+        assert table(1) is table(8) is F.linear
 
     def test_weights_without_contiguous_rows_take_f_linear(self, monkeypatch):
         """A weight the GEMV cannot stream (a transposed view) goes to F.linear instead of failing the forward."""
         calls = []
-        monkeypatch.setattr(unquantized, "_gemv_ok", lambda x: True)  # as on CUDA
         monkeypatch.setattr(_gemv(), "dense_gemv", lambda *a, **k: calls.append(a) or F.linear(*a))
         x, weight = torch.randn(1, 16), torch.randn(16, 8).t()
         assert torch.equal(unquantized.dense_linear(x, weight), F.linear(x, weight))
@@ -147,36 +129,37 @@ class TestDispatch:
         unquantized.dense_linear(x, torch.randn(8, 16))  # and a plain one does reach the GEMV
         assert len(calls) == 1
 
-    def test_cpu_linears_stay_f_linear_under_the_switch(self, monkeypatch):
-        monkeypatch.setattr(unquantized, "_small_m_kernel", "gemv")
-        layer = torch.nn.Module()
-        layer.weight = torch.nn.Parameter(torch.randn(8, 16), requires_grad=False)
-        x = torch.randn(2, 16)
-        method = unquantized.UnquantizedLinearMethod()
-        assert torch.equal(method.apply(layer, x), F.linear(x, layer.weight))
-        assert torch.equal(dense_linear(x, layer.weight), F.linear(x, layer.weight))
+    def test_a_built_linear_and_lm_head_hold_their_table(self):
         from atom_core.model_ops.embed_head import LMHead
+        from atom_core.model_ops.linear import ReplicatedLinear
 
+        layer = ReplicatedLinear(16, 8, bias=False)
+        layer.weight.data.normal_()
         head = LMHead(8, 16)
+        assert layer.kernel_table.names == head.kernel_table.names == ((None, "linear"),)  # built on the CPU
+        with torch.device("meta"):
+            assert LMHead(8, 16).kernel_table.names == ((None, "linear"),)
+        x = torch.randn(2, 16)
         head.weight.data.copy_(layer.weight)
-        assert torch.equal(head(x), F.linear(x, layer.weight))  # the LM head takes the same switch
+        assert torch.equal(layer(x), F.linear(x, layer.weight)) and torch.equal(head(x), F.linear(x, layer.weight))
 
-    def test_lm_head_and_linears_route_through_the_op_on_cuda(self, monkeypatch):
-        """Under the switch a CUDA tensor goes to atom::dense_linear (recorded here; the op itself
-        is tested above and on the GPU), a CPU one to F.linear."""
+    def test_forward_runs_the_kernel_its_table_gives_its_token_count(self, monkeypatch):
+        """A CUDA table (made here for CPU tensors) sends 1 token to atom::dense_linear (recorded) and 3 to
+        F.linear, for a linear layer and the LM head alike."""
         seen = []
-        monkeypatch.setattr(unquantized, "_small_m_kernel", "gemv")
-        monkeypatch.setattr(unquantized, "dense_linear", lambda x, w, b=None: seen.append(tuple(w.shape)) or F.linear(x, w, b))
+        from atom_core.model_ops.embed_head import LMHead
+        from atom_core.model_ops.linear import ReplicatedLinear
+        from atom_core.kernel_config import KernelTable
 
-        class FakeCuda(torch.Tensor):
-            @property
-            def is_cuda(self):
-                return True
-
-        x = torch.randn(1, 16).as_subclass(FakeCuda)
-        unquantized.unquantized_linear(x, torch.randn(8, 16))
-        unquantized.unquantized_linear(torch.randn(1, 16), torch.randn(4, 16))
-        assert seen == [(8, 16)]
+        record = lambda x, w, b=None: seen.append(x.shape[0]) or F.linear(x, w, b)  # noqa: E731
+        table = KernelTable(((1, record), (None, F.linear)))
+        layer, head = ReplicatedLinear(16, 8, bias=False), LMHead(8, 16)
+        layer.weight.data.normal_()
+        layer.kernel_table = head.kernel_table = table
+        for rows in (1, 3):
+            x = torch.randn(rows, 16)
+            assert torch.equal(layer(x), F.linear(x, layer.weight)) and head(x).shape == (rows, 8)
+        assert seen == [1, 1]
 
 
 def _routes(fn, *shapes, dynamic=False):
@@ -197,35 +180,32 @@ def _routes(fn, *shapes, dynamic=False):
 
 
 class TestRoutingByTokenCount:
-    """unquantized_linear decides on the token count: larger batches never see the custom op
-    (Inductor plans a plain F.linear); under torch.compile the test becomes a guard on the
-    symbolic count, one graph per side of the threshold."""
+    """unquantized_linear looks the token count up in its table: larger batches never see the custom
+    op (Inductor plans a plain F.linear); under torch.compile 1 token is specialised and any other
+    count is symbolic, so one graph per side and no guard on the count."""
 
     @pytest.fixture(autouse=True)
     def as_on_cuda(self, monkeypatch):
-        monkeypatch.setattr(unquantized, "_gemv_ok", lambda x: True)
         monkeypatch.setattr(_gemv(), "dense_gemv", lambda x, w, b=None, **k: F.linear(x, w, b))
 
-    def test_auto(self, monkeypatch):
-        monkeypatch.setattr(unquantized, "_small_m_kernel", "auto")
-        assert _routes(unquantized.unquantized_linear, (1, 16), (3, 16)) == [True, False]
-        assert _routes(unquantized.unquantized_linear, (1, 1, 16)) == [True]  # rows over leading dims
-        assert _routes(unquantized.unquantized_linear, (5, 16), (7, 16), dynamic=True) == [False]  # one symbolic graph
-        assert _routes(unquantized.unquantized_linear, (1, 16), dynamic=True) == [True]  # 1 is specialised
+    def test_cuda_table(self):
+        table = dense_linear_table("cuda")
+        run = lambda x, w: unquantized.unquantized_linear(x, w, None, table)  # noqa: E731
+        assert _routes(run, (1, 16), (3, 16)) == [True, False]
+        assert _routes(run, (1, 1, 16)) == [True]  # rows over leading dims
+        assert _routes(run, (5, 16), (7, 16), dynamic=True) == [False]  # one symbolic graph
+        assert _routes(run, (1, 16), dynamic=True) == [True]  # 1 is specialised
 
-    def test_gemv_and_linear(self, monkeypatch):
-        monkeypatch.setattr(unquantized, "_small_m_kernel", "gemv")
-        assert _routes(unquantized.unquantized_linear, (3, 16), (6, 16)) == [True, False]
-        assert _routes(unquantized.unquantized_linear, (2, 16), (3, 16), (6, 16), (9, 16), dynamic=True) == [True, False]
-        monkeypatch.setattr(unquantized, "_small_m_kernel", "linear")
-        assert _routes(unquantized.unquantized_linear, (1, 16)) == [False]
+    def test_cpu_table(self):
+        table = dense_linear_table("cpu")
+        assert _routes(lambda x, w: unquantized.unquantized_linear(x, w, None, table), (1, 16)) == [False]
 
-    def test_results_equal_f_linear_either_way(self, monkeypatch):
-        monkeypatch.setattr(unquantized, "_small_m_kernel", "auto")
+    def test_results_equal_f_linear_either_way(self):
+        table = dense_linear_table("cuda")
         w, b = torch.randn(8, 16), torch.randn(8)
         for rows in (1, 3):
             x = torch.randn(rows, 16)
-            assert torch.equal(unquantized.unquantized_linear(x, w, b), F.linear(x, w, b))
+            assert torch.equal(unquantized.unquantized_linear(x, w, b, table), F.linear(x, w, b))
 
 
 class TestBenchSweep:
@@ -260,33 +240,20 @@ class TestBenchSweep:
 
 
 @pytest.mark.skipif(not INTERPRET, reason="runs the GEMV under the interpreter (TRITON_INTERPRET=1)")
-def test_every_sweep_tile_computes_the_product():
-    """The sweep only times tiles; each must still be right (here on a small shape, M = 1 and 3)."""
-    from atom_core.kernels.triton.dense_gemv_bench import sweep_configs
-
-    gemv = _gemv()
-    for m in (1, 3):
-        x, w, b = _inputs(m, 24, 256, torch.float32, "cpu", seed=9, bias=True)
-        for cfg in sweep_configs(gemv.default_dense_gemv_config(m, 24, 256, 4, 8)):
-            assert rel_err(gemv.dense_gemv(x, w, b, config=cfg), gemv.dense_gemv_ref(x, w, b)) < F32_TOL, cfg
-
-
-@pytest.mark.skipif(not INTERPRET, reason="runs the GEMV under the interpreter (TRITON_INTERPRET=1)")
-def test_the_op_runs_the_gemv_under_the_switch(monkeypatch):
-    """With the switch on and the device taken for CUDA (interpreter), <= 4 tokens run the GEMV and
-    5 run F.linear; both through the custom op, and through torch.compile."""
+def test_the_op_runs_the_gemv(monkeypatch):
+    """atom::dense_linear runs the GEMV (interpreter) eagerly and through torch.compile; a CUDA table
+    sends 1 token to it."""
     gemv = _gemv()
     calls = []
     real = gemv.dense_gemv
     monkeypatch.setattr(gemv, "dense_gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    monkeypatch.setattr(unquantized, "_gemv_ok", lambda x: True)
-    monkeypatch.setattr(unquantized, "_small_m_kernel", "gemv")
     x, w, b = _inputs(3, 40, 96, torch.float32, "cpu", seed=5, bias=True)
     assert rel_err(dense_linear(x, w, b), gemv.dense_gemv_ref(x, w, b)) < F32_TOL and calls == [1]
-    x5 = torch.randn(5, 96)
-    assert torch.equal(dense_linear(x5, w, b), F.linear(x5, w, b)) and calls == [1]
     compiled = torch.compile(lambda t: dense_linear(t, w, b) * 2, fullgraph=True)
     assert rel_err(compiled(x), 2 * gemv.dense_gemv_ref(x, w, b)) < F32_TOL and calls == [1, 1]
+    x1 = x[:1]
+    out = unquantized.unquantized_linear(x1, w, b, dense_linear_table("cuda"))
+    assert rel_err(out, gemv.dense_gemv_ref(x1, w, b)) < F32_TOL and calls == [1, 1, 1]
 
 
 # ---- GPU: model shapes and graphs --------------------------------------------------------------

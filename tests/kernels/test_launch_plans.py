@@ -84,8 +84,8 @@ def qkv_inputs(T: int = 5):
 def qkv_plan_of(monkeypatch, **kw):
     """The plan qkv_rope_store launches with (the launch itself is stubbed out)."""
     seen = {}
-    monkeypatch.setattr(common.PlannedLaunch, "__call__",
-                        lambda self, tensors, make_call: seen.update(grid=self.grid, kwargs=make_call()[1]))
+    monkeypatch.setattr(common.PlannedLaunch, "__call__", lambda self, tensors, make_call, direct=True: seen.update(
+        grid=self.grid, kwargs=make_call()[1]))
     qkv_prep.qkv_rope_store(num_heads=H, **kw)
     return seen
 
@@ -126,7 +126,8 @@ def prefill_inputs(T: int = 6):
 def prefill_launches(monkeypatch, **kw):
     """The grids prefill_attention launches with (the launch itself is stubbed out)."""
     seen = []
-    monkeypatch.setattr(common.PlannedLaunch, "__call__", lambda self, tensors, make_call: seen.append(self.grid))
+    monkeypatch.setattr(common.PlannedLaunch, "__call__",
+                        lambda self, tensors, make_call, direct=True: seen.append(self.grid))
     prefill_attention.prefill_attention(**kw)
     return seen
 

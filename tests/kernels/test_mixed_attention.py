@@ -1,15 +1,14 @@
-"""A mixed step's decodes and chunks in separate paged-attention launches (ATOM_MIXED_ATTENTION).
+"""A mixed step's decodes and chunks in separate paged-attention launches (the CUDA backend's path).
 
 Runs on the CPU under Triton's interpreter (tiny shapes) and on a GPU (the `gpu` case, Llama-3-8B
 heads; written in a session without a GPU, NOT yet run there):
     TRITON_INTERPRET=1 python -m pytest tests/kernels/test_mixed_attention.py -q
-Without the interpreter the CPU runs the metadata and env checks.
+Without the interpreter the CPU runs the metadata checks.
 """
 from __future__ import annotations
 
 import dataclasses
 import inspect
-from functools import partial
 
 import numpy as np
 import pytest
@@ -19,8 +18,6 @@ triton = pytest.importorskip("triton")
 
 from atom_core.kernels import triton as tk  # noqa: E402
 from atom_core.kernels.triton import attention  # noqa: E402
-from atom_core.kernels.triton import prefill_attention as pa  # noqa: E402
-from tests.kernels.import_switch import run_with_env  # noqa: E402
 from tests.kernels.test_prefill_attention import make_layer, mixed_step  # noqa: E402
 from tests.kernels.tolerances import INTERPRET, TOL, rel_err  # noqa: E402
 
@@ -68,31 +65,6 @@ class TestContextSplitKinds:
         assert got["decode_seq_ids"].dtype == got["chunk_seq_ids"].dtype == np.int32
 
 
-class TestSwitch:
-    def test_env_var_parses(self):
-        from atom_core.envs import read_envs
-
-        assert read_envs({}).mixed_attention == "split"
-        assert read_envs({"ATOM_MIXED_ATTENTION": " Single "}).mixed_attention == "single"
-        assert read_envs({"ATOM_MIXED_ATTENTION": "split"}).mixed_attention == "split"
-        with pytest.raises(ValueError, match="invalid ATOM_MIXED_ATTENTION='both'; expected one of: split, single"):
-            read_envs({"ATOM_MIXED_ATTENTION": "both"})
-
-    def test_env_var_sets_the_mode_at_import_and_bad_values_fail_clearly(self):
-        code = "from atom_core.kernels.triton import attention as a; print(a.mixed_attention_mode())"
-        run = partial(run_with_env, code, "ATOM_MIXED_ATTENTION")
-        assert run("").stdout.strip() == "split"
-        assert run("single").stdout.strip() == "single"
-        assert run("split").stdout.strip() == "split"
-        bad = run("both")
-        assert bad.returncode != 0
-        assert "invalid ATOM_MIXED_ATTENTION='both'; expected one of: split, single" in bad.stderr
-
-    def test_setter_refuses_unknown_modes(self):
-        with pytest.raises(ValueError, match="unknown mixed attention 'both'; expected one of: split, single"):
-            attention.set_mixed_attention_mode("both")
-
-
 # ---------------------------------------------------------------------------------------------
 # through the backend
 
@@ -112,13 +84,23 @@ def record_launches(monkeypatch) -> list[tuple[int, list[int] | None]]:
     return launches
 
 
-def run_step(monkeypatch, layer, meta, qkv, positions, caches, prefill_mode: str, mixed_mode: str):
+def one_launch_for_the_context(meta):
+    """The step's metadata without the decode/chunk lists: one paged launch for every sequence with
+    cached context (as a step holding one kind only)."""
+    return dataclasses.replace(meta, decode_seq_ids=None, chunk_seq_ids=None)
+
+
+def paged_only(meta):
+    """The step's metadata without any split: one paged launch for every sequence."""
+    return dataclasses.replace(meta, fresh_seq_ids=None, paged_seq_ids=None, decode_seq_ids=None,
+                               chunk_seq_ids=None)
+
+
+def run_step(layer, meta, qkv, positions, caches):
     """(output, caches) of one step through the Triton backend from the given starting caches."""
     from atom_core.model_ops.attention_backends import PagedMHABackend
     from atom_core.model_ops.forward_context import set_attention_metadata
 
-    monkeypatch.setattr(pa, "_mode", prefill_mode)
-    monkeypatch.setattr(attention, "_mixed_mode", mixed_mode)
     layer.k_cache, layer.v_cache = caches[0].clone(), caches[1].clone()
     with set_attention_metadata(meta):
         out = PagedMHABackend("cuda").forward(layer, qkv, positions)  # CPU tensors: interpreted
@@ -133,27 +115,29 @@ def fp8_layer(layer):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("prefill_mode", ["paged", "contiguous"])
 @pytest.mark.parametrize("options,kv_splits", [({}, None), ({}, 2), ({"norms": True, "rot_dim": 16}, None),
                                                ({"window": 9, "sinks": True}, 3)])
-def test_split_launches_equal_the_single_launch(monkeypatch, prefill_mode, options, kv_splits):
+def test_split_launches_equal_the_single_launch(monkeypatch, options, kv_splits):
     """The decodes (max_query_len 1, their ids) and the chunk (its longest query, its ids) in launches
-    of their own, then the fresh prompts (paged or contiguous), equal today's single launch; the
-    cache is stored alike. kv_splits forces split-KV: each merge must write only its launch's rows."""
+    of their own, then the fresh prompts (contiguous), equal one launch for the sequences with context
+    and one paged launch for all; the cache is stored alike. kv_splits forces split-KV: each merge must
+    write only its launch's rows."""
     if kv_splits:
         monkeypatch.setattr(attention, "choose_num_kv_splits", lambda *args: kv_splits)
     layer = make_layer(**options)
     meta, qkv, positions = mixed_step(layer, CTX_LENS, Q_LENS)
     caches = layer.k_cache, layer.v_cache
     launches = record_launches(monkeypatch)
-    got, got_caches = run_step(monkeypatch, layer, meta, qkv, positions, caches, prefill_mode, "split")
-    fresh = [] if prefill_mode == "contiguous" else [(37, FRESH_IDS)]  # paged mode: the rest, a third launch
-    assert launches == [(1, DECODE_IDS), (25, CHUNK_IDS), *fresh]
+    got, got_caches = run_step(layer, meta, qkv, positions, caches)
+    assert launches == [(1, DECODE_IDS), (25, CHUNK_IDS)]
     launches.clear()
-    want, want_caches = run_step(monkeypatch, layer, meta, qkv, positions, caches, prefill_mode, "single")
-    assert launches == ([(25, [1, 2, 5, 3])] if prefill_mode == "contiguous" else [(37, None)])
-    assert rel_err(got, want) < 1e-5
-    assert all(torch.equal(a, b) for a, b in zip(got_caches, want_caches))
+    one, one_caches = run_step(layer, one_launch_for_the_context(meta), qkv, positions, caches)
+    assert launches == [(25, [1, 2, 5, 3])]
+    launches.clear()
+    want, want_caches = run_step(layer, paged_only(meta), qkv, positions, caches)
+    assert launches == [(37, None)]
+    assert rel_err(got, want) < 1e-5 and rel_err(one, want) < 1e-5
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(got_caches, want_caches, one_caches))
 
 
 @needs_interpreter
@@ -165,10 +149,10 @@ def test_fp8_cache_split_launches_equal_the_single_launch(monkeypatch):
     fp8_layer(layer)
     caches = layer.k_cache, layer.v_cache
     launches = record_launches(monkeypatch)
-    got, _ = run_step(monkeypatch, layer, meta, qkv, positions, caches, "contiguous", "split")
+    got, _ = run_step(layer, meta, qkv, positions, caches)
     assert launches == [(1, DECODE_IDS), (25, CHUNK_IDS), (37, FRESH_IDS)]
     launches.clear()
-    want, _ = run_step(monkeypatch, layer, meta, qkv, positions, caches, "contiguous", "single")
+    want, _ = run_step(layer, one_launch_for_the_context(meta), qkv, positions, caches)
     assert launches == [(37, None)]
     assert rel_err(got, want) < 1e-5 and not want.isnan().any()
 
@@ -206,10 +190,11 @@ class KernelSpy:
 
 
 @needs_interpreter
-@pytest.mark.parametrize("fp8,mixed_mode", [(False, "split"), (True, "split"), (True, "single")])
-def test_warm_up_compiles_every_paged_launch_of_a_mixed_step(monkeypatch, fp8, mixed_mode):
+@pytest.mark.parametrize("fp8,both_kinds", [(False, True), (True, True), (True, False)])
+def test_warm_up_compiles_every_paged_launch_of_a_mixed_step(monkeypatch, fp8, both_kinds):
     """Each paged kernel and merge variant a mixed step launches (decode tile with a seq_order subset,
-    chunk tile with a seq_order, split-KV merges) was launched by warm-up first."""
+    chunk tile with a seq_order, split-KV merges; one launch where the step lists one kind) was
+    launched by warm-up first."""
     from atom_core.model_ops.attention_backends import PagedMHABackend
 
     monkeypatch.setattr(attention, "choose_num_kv_splits", lambda *args: 2)
@@ -220,13 +205,11 @@ def test_warm_up_compiles_every_paged_launch_of_a_mixed_step(monkeypatch, fp8, m
     warm, step = set(), set()
     for name in ("_paged_attention_kernel", "_merge_splits_kernel"):
         monkeypatch.setattr(attention, name, KernelSpy(name, getattr(attention, name), warm))
-    monkeypatch.setattr(pa, "_mode", "contiguous")
-    monkeypatch.setattr(attention, "_mixed_mode", mixed_mode)
     PagedMHABackend("cuda").warm_up([layer], max_tokens=8, threads=1)
     for name in ("_paged_attention_kernel", "_merge_splits_kernel"):
         getattr(attention, name).keys = step
     caches = layer.k_cache, layer.v_cache
-    run_step(monkeypatch, layer, meta, qkv, positions, caches, "contiguous", mixed_mode)
+    run_step(layer, meta if both_kinds else one_launch_for_the_context(meta), qkv, positions, caches)
     assert step and step <= warm
 
 
@@ -235,8 +218,7 @@ def test_warm_up_compiles_every_paged_launch_of_a_mixed_step(monkeypatch, fp8, m
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("prefill_mode", ["contiguous", "paged"])
-def test_llama3_mixed_step_on_cuda_split_equals_single(monkeypatch, prefill_mode):
+def test_llama3_mixed_step_on_cuda_split_equals_single(monkeypatch):
     """Llama-3-8B heads in bf16: a fresh prompt, a 511-token chunk, five decodes (split-KV on their
     own launch: 5 x 8 programs fill no H100) and a one-token fresh prompt."""
     layer = make_layer(heads=32, kv_heads=8, head_dim=128, rot_dim=128, dtype=torch.bfloat16).cuda()
@@ -249,7 +231,7 @@ def test_llama3_mixed_step_on_cuda_split_equals_single(monkeypatch, prefill_mode
             module.cuda()
     caches = layer.k_cache.cuda(), layer.v_cache.cuda()
     launches = record_launches(monkeypatch)
-    got, _ = run_step(monkeypatch, layer, meta, qkv.cuda(), positions.cuda(), caches, prefill_mode, "split")
+    got, _ = run_step(layer, meta, qkv.cuda(), positions.cuda(), caches)
     assert launches[:2] == [(1, [2, 6, 3, 4, 7]), (511, [1])]
-    want, _ = run_step(monkeypatch, layer, meta, qkv.cuda(), positions.cuda(), caches, prefill_mode, "single")
+    want, _ = run_step(layer, paged_only(meta), qkv.cuda(), positions.cuda(), caches)
     assert rel_err(got, want) < TOL[torch.bfloat16]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import re
 import zlib
-from functools import partial
 
 import pytest
 import torch
@@ -21,7 +20,6 @@ triton = pytest.importorskip("triton")
 from atom_core.kernels import moe_ref  # noqa: E402
 from atom_core.kernels.triton import moe as tm  # noqa: E402
 from atom_core.kernels.triton import moe_decode as dec  # noqa: E402
-from tests.kernels.import_switch import run_with_env  # noqa: E402
 from tests.kernels.tolerances import INTERPRET, TOL, rel_err  # noqa: E402
 
 SMALL_TILES = dec.GemvTiles((4, 32, 1), (2, 32))  # several K steps with a tail, several row blocks with a tail
@@ -151,7 +149,6 @@ class TestExpertParallelLayer:
         logits = torch.randn(2, e, generator=torch.Generator().manual_seed(5)).to(device)
         weights, ids = moe_ref.moe_route(logits, k, renormalize=True)
         ids = torch.where(ids >= 3, ids, -1).to(torch.int32)  # other ranks' experts add nothing here
-        monkeypatch.setattr(dec, "_decode_path", "gemv")
         ran, real_gemv = [], dec.fused_moe_gemv
         monkeypatch.setattr(dec, "fused_moe_gemv", lambda *a: ran.append(1) or real_gemv(*a))
         out = layer.route_and_run(full["hidden"], logits, None)
@@ -236,11 +233,10 @@ def test_model_shapes_match_reference_and_the_tiled_path(shape, experts, num_tok
 
 @pytest.mark.gpu
 def test_routed_decode_replays_in_a_cuda_graph(monkeypatch):
-    """moe_route + fused_moe with the decode path on (auto -> gemv), captured once: replays equal eager
+    """moe_route + fused_moe on a decode batch (auto -> gemv), captured once: replays equal eager
     runs on new activations and new routing (skewed, and with a dropped slot), bit for bit."""
     if INTERPRET or not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    monkeypatch.setattr(dec, "_decode_path", "gemv")
     num_tokens, experts, (hidden, inter, top_k, _, _) = 2, 128, MODEL_SHAPES["qwen3-30b-a3b"]
     assert dec.select_path(num_tokens, top_k) == "gemv"
     args = make_inputs("graph", num_tokens, experts, top_k, hidden, inter, torch.bfloat16, "cuda")
@@ -273,12 +269,8 @@ def test_routed_decode_replays_in_a_cuda_graph(monkeypatch):
 
 
 class TestPathChoice:
-    def test_auto_gives_gemv_to_at_most_two_tokens_on_the_gemv_decode_path(self, monkeypatch):
+    def test_auto_gives_gemv_to_at_most_two_tokens(self):
         assert dec.GEMV_MAX_ASSIGNMENTS == 32 and dec.GEMV_MAX_TOKENS == 2
-        monkeypatch.setattr(dec, "_decode_path", "tiled")
-        assert [dec.select_path(t, 8) for t in (1, 2, 3)] == ["tiled"] * 3
-        dec.set_decode_path("gemv")
-        assert dec.decode_path() == "gemv"
         assert [dec.select_path(t, 8) for t in (1, 2, 3, 5)] == ["gemv", "gemv", "tiled", "tiled"]
         assert dec.select_path(2, 16) == "gemv" and dec.select_path(2, 17) == "tiled"  # and T * K <= 32
         assert dec.select_path(1, 8, tm.default_moe_config(1, 8, 128, torch.bfloat16)) == "tiled"  # a tile config
@@ -287,13 +279,10 @@ class TestPathChoice:
     def test_unknown_paths_are_clear_errors(self):
         with pytest.raises(ValueError, match="unknown MoE path 'fast'; expected one of: auto, gemv, tiled"):
             dec.select_path(1, 8, path="fast")
-        with pytest.raises(ValueError, match="unknown MoE decode path 'auto'; expected one of: tiled, gemv"):
-            dec.set_decode_path("auto")
 
-    @pytest.mark.parametrize("decode_path,num_tokens,path,expected", [
-        ("gemv", 2, "auto", "gemv"), ("gemv", 3, "auto", "tiled"), ("tiled", 1, "auto", "tiled"),
-        ("tiled", 1, "gemv", "gemv"), ("gemv", 1, "tiled", "tiled")])
-    def test_launch_fused_moe_dispatches(self, monkeypatch, decode_path, num_tokens, path, expected):
+    @pytest.mark.parametrize("num_tokens,path,expected", [
+        (2, "auto", "gemv"), (3, "auto", "tiled"), (1, "gemv", "gemv"), (1, "tiled", "tiled")])
+    def test_launch_fused_moe_dispatches(self, monkeypatch, num_tokens, path, expected):
         """What launch_fused_moe runs (kernels replaced by recorders: no GPU or interpreter)."""
         ran = []
 
@@ -304,7 +293,6 @@ class TestPathChoice:
             ran.append("tiled")
             raise TiledRan
 
-        monkeypatch.setattr(dec, "_decode_path", decode_path)
         monkeypatch.setattr(dec, "fused_moe_gemv", lambda *args: ran.append("gemv") or args[9])
         monkeypatch.setattr(tm, "moe_align_block_size", align)
         args = make_inputs(("dispatch", num_tokens), num_tokens, 16, 8, 32, 16, torch.bfloat16, "cpu")
@@ -315,20 +303,6 @@ class TestPathChoice:
         assert ran == [expected]
         with pytest.raises(ValueError, match="unknown MoE path"):
             tm.launch_fused_moe(**args, path="fast")
-
-    def test_env_var_parses(self):
-        from atom_core.envs import read_envs
-
-        assert read_envs({}).moe_decode_path == "gemv"
-        assert read_envs({"ATOM_MOE_DECODE_PATH": " TILED "}).moe_decode_path == "tiled"
-
-    def test_env_var_sets_the_decode_path_at_import_and_bad_values_fail_clearly(self):
-        code = "from atom_core.kernels.triton import moe; print(moe.moe_decode.decode_path())"
-        run = partial(run_with_env, code, "ATOM_MOE_DECODE_PATH")
-        assert run("tiled").stdout.strip() == "tiled"
-        assert run("").stdout.strip() == "gemv"
-        bad = run("fast")
-        assert bad.returncode != 0 and "invalid ATOM_MOE_DECODE_PATH='fast'; expected one of: tiled, gemv" in bad.stderr
 
 
 class TestBench:

@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("triton")
 
 from atom_core.envs import read_envs  # noqa: E402
+from atom_core.kernel_config import KernelConfig  # noqa: E402
 from atom_core.kernels.triton import common  # noqa: E402
 
 
@@ -50,9 +51,6 @@ def direct(monkeypatch):
     monkeypatch.setattr(common, "_is_compiled", lambda kernel: isinstance(kernel, FakeCompiled))
     monkeypatch.setattr(common, "_current_stream", lambda device: 7)
     monkeypatch.setattr(common, "_launch_hooks_set", lambda: False)
-    common.set_fast_launch(True)
-    yield
-    common.set_fast_launch(read_envs().triton_fast_launch)
 
 
 def aligned(n=8):
@@ -63,8 +61,8 @@ def misaligned(n=8):
     return torch.zeros(n + 1)[1:]  # 4 bytes past a 16-byte boundary
 
 
-def call(launch, x, out):
-    launch((x, out), lambda: ((x, out, 8), dict(scale=0.5, BLOCK=32, num_warps=4)))
+def call(launch, x, out, direct: bool = True):
+    launch((x, out), lambda: ((x, out, 8), dict(scale=0.5, BLOCK=32, num_warps=4)), direct)
 
 
 def test_later_launches_call_the_compiled_kernel_with_values_in_parameter_order(direct):
@@ -90,13 +88,12 @@ def test_a_new_alignment_pattern_goes_through_the_jit_once(direct):
     assert [entry[0] for entry in fn.log] == ["jit", "jit", "direct", "direct"]
 
 
-def test_switch_off_hooks_or_no_compiled_kernel_keep_the_jit_path(direct, monkeypatch):
+def test_direct_off_hooks_or_no_compiled_kernel_keep_the_jit_path(direct, monkeypatch):
     fn = FakeJit()
     launch = common.PlannedLaunch(fn, (3,), ("x_ptr", "out_ptr"))
-    common.set_fast_launch(False)
     for _ in range(2):
-        call(launch, aligned(), aligned())
-    common.set_fast_launch(True)
+        call(launch, aligned(), aligned(), direct=False)
+    assert not launch.kernels  # nothing kept for later direct calls either
     monkeypatch.setattr(common, "_launch_hooks_set", lambda: True)
     for _ in range(2):
         call(launch, aligned(), aligned())
@@ -109,11 +106,19 @@ def test_switch_off_hooks_or_no_compiled_kernel_keep_the_jit_path(direct, monkey
     assert [entry[0] for entry in interpreted.log] == ["jit"] * 2
 
 
-def test_the_switch_reads_its_environment_variable():
-    assert read_envs({}).triton_fast_launch is True
+def test_the_option_reads_its_environment_variable():
+    assert read_envs({}).triton_fast_launch is None and KernelConfig().triton_fast_launch is True
     assert read_envs({"ATOM_TRITON_FAST_LAUNCH": "0"}).triton_fast_launch is False
     with pytest.raises(ValueError, match="ATOM_TRITON_FAST_LAUNCH"):
         read_envs({"ATOM_TRITON_FAST_LAUNCH": "maybe"})
+
+
+def test_the_attention_backend_passes_its_config_to_the_triton_wrappers():
+    from atom_core.model_ops.attention_backends import PagedMHABackend
+
+    assert PagedMHABackend("cuda").launch == {"direct_launch": True}
+    assert PagedMHABackend("cuda", KernelConfig(triton_fast_launch=False)).launch == {"direct_launch": False}
+    assert PagedMHABackend("cpu", KernelConfig(triton_fast_launch=False)).launch == {}  # torch_ref takes no option
 
 
 class HookChain:  # Triton >= 3.5 keeps launch hooks in one of these, never None

@@ -3,11 +3,9 @@
 Runs on the CPU under Triton's interpreter (tiny shapes) and on a GPU (`gpu` cases, Llama-3-8B /
 Qwen3 shapes; written in a session without a GPU, NOT yet run there):
     TRITON_INTERPRET=1 python -m pytest tests/kernels/test_prefill_attention.py -q
-Without the interpreter the CPU runs the metadata, env and offline sm_90 compile checks.
+Without the interpreter the CPU runs the metadata and offline sm_90 compile checks.
 """
 from __future__ import annotations
-
-from functools import partial
 
 import numpy as np
 import pytest
@@ -17,7 +15,6 @@ triton = pytest.importorskip("triton")
 
 from atom_core.kernels.triton import prefill_attention as pa  # noqa: E402
 from atom_core.kernels.triton.attention import launch_paged_attention  # noqa: E402
-from tests.kernels.import_switch import run_with_env  # noqa: E402
 from tests.kernels.tolerances import INTERPRET, TOL, rel_err  # noqa: E402
 
 SMALL_TILES = pa.PrefillTileConfig(32, 16, 4, 2)  # several q and key tiles even at interpreter sizes
@@ -217,9 +214,25 @@ def test_paged_kernel_attends_only_a_listed_subset(device, splits, listed_ids, m
     assert out[~owned].isnan().all()
 
 
+def contiguous_prefill_on_the_cpu(monkeypatch) -> None:
+    """Backends built from now on take the contiguous prefill path on the CPU too (the Triton kernels
+    under the interpreter); the CPU reference path otherwise stays paged."""
+    from atom_core.model_ops import attention_backends as ab
+
+    real = ab.PagedMHABackend.__init__
+
+    def init(self, device_type, kernel=None):
+        real(self, device_type, kernel)
+        self.prefill = pa
+
+    monkeypatch.setattr(ab.PagedMHABackend, "__init__", init)
+    monkeypatch.setattr(ab, "_INSTANCES", {})
+
+
 def split_and_paged_only(layer, meta, qkv, positions):
-    """(output, caches) of one step through the Triton backend with the split path on, then the
-    output of the same step with the paged kernel alone (one launch), from the same starting caches."""
+    """(output, caches) of one step through the Triton backend (the split path), then the output of
+    the same step with the paged kernel alone (one launch: no split lists), from the same starting
+    caches."""
     import dataclasses
 
     from atom_core.model_ops.attention_backends import PagedMHABackend
@@ -227,12 +240,8 @@ def split_and_paged_only(layer, meta, qkv, positions):
 
     backend = PagedMHABackend("cuda")  # the Triton provider (CPU tensors run under the interpreter)
     caches = layer.k_cache.clone(), layer.v_cache.clone()
-    pa.set_prefill_attention_mode("contiguous")
-    try:
-        with set_attention_metadata(meta):
-            split = backend.forward(layer, qkv, positions)
-    finally:
-        pa.set_prefill_attention_mode("paged")
+    with set_attention_metadata(meta):
+        split = backend.forward(layer, qkv, positions)
     split_caches = layer.k_cache, layer.v_cache
     layer.k_cache, layer.v_cache = caches
     single = dataclasses.replace(meta, fresh_seq_ids=None, paged_seq_ids=None, decode_seq_ids=None,
@@ -265,20 +274,17 @@ def test_mixed_step_through_the_backend_equals_the_paged_only_path(monkeypatch, 
     assert torch.equal(split_caches[0], layer.k_cache) and torch.equal(split_caches[1], layer.v_cache)
 
 
-def test_split_path_is_off_by_default_and_stays_off_on_the_cpu(monkeypatch):
+def test_the_backend_takes_the_split_path_on_cuda_only():
     from atom_core.model_ops.attention_backends import PagedMHABackend
 
-    monkeypatch.setattr(pa, "_mode", "paged")
-    assert PagedMHABackend("cuda")._contiguous_prefill() is None
-    monkeypatch.setattr(pa, "_mode", "contiguous")
-    assert PagedMHABackend("cuda")._contiguous_prefill() is pa
-    assert PagedMHABackend("cpu")._contiguous_prefill() is None  # the reference path stays paged
+    assert PagedMHABackend("cuda").prefill is pa
+    assert PagedMHABackend("cpu").prefill is None  # the reference path stays paged
 
 
 @pytest.mark.skipif(not INTERPRET, reason="runs the Triton kernels under the interpreter (TRITON_INTERPRET=1)")
 def test_fp8_kv_layers_keep_the_paged_kernel(monkeypatch):
-    """An FP8 cache holds codes and the reference attends over them: with the switch on, the step
-    still runs the paged kernel alone (the contiguous rows hold the exact values)."""
+    """An FP8 cache holds codes and the reference attends over them: the step runs the paged kernel
+    alone (the contiguous rows hold the exact values)."""
     import dataclasses
 
     from atom_core.model_ops.attention_backends import PagedMHABackend
@@ -289,7 +295,6 @@ def test_fp8_kv_layers_keep_the_paged_kernel(monkeypatch):
     fp8 = torch.float8_e4m3fn
     layer.k_cache, layer.v_cache = layer.k_cache.to(fp8), layer.v_cache.to(fp8)
     layer.kv_spec = dataclasses.replace(layer.kv_spec, dtype=fp8)
-    monkeypatch.setattr(pa, "_mode", "contiguous")
     monkeypatch.setattr(pa, "prefill_attention", lambda *a, **kw: pytest.fail("FP8 KV took the contiguous path"))
     with set_attention_metadata(meta):
         out = PagedMHABackend("cuda").forward(layer, qkv, positions)
@@ -297,20 +302,19 @@ def test_fp8_kv_layers_keep_the_paged_kernel(monkeypatch):
 
 
 @pytest.mark.skipif(not INTERPRET, reason="runs the Triton kernels under the interpreter (TRITON_INTERPRET=1)")
-def test_warm_up_compiles_the_split_path_only_when_it_is_on(monkeypatch):
-    """With the switch on, warm-up adds the paged prefill tiles launched with a seq_order, the K-rows
-    kernel and the contiguous kernel (launched without touching the cache: slots are -1)."""
+def test_warm_up_compiles_the_split_path(monkeypatch):
+    """Warm-up adds to the paged variants the paged prefill tiles launched with a seq_order, the
+    K-rows kernel and the contiguous kernel (launched without touching the cache: slots are -1)."""
+    from atom_core.kernels.triton.attention import warm_up_variants
     from atom_core.model_ops.attention_backends import PagedMHABackend
 
     layer = make_layer(norms=True, window=9, sinks=True)
     layer.k_cache, layer.v_cache = torch.zeros(40, 16, 2, 32), torch.zeros(40, 16, 2, 32)
     backend = PagedMHABackend("cuda")
     ran = []
+    paged_only = warm_up_variants(layer.k_cache, layer.v_cache, layer.num_heads, layer.dtype, 8, sliding_window=9,
+                                  sinks=layer.sinks)
     monkeypatch.setattr(pa, "prefill_attention", recording(pa.prefill_attention, ran))
-    monkeypatch.setattr(pa, "_mode", "paged")
-    paged_only = backend.warm_up([layer], max_tokens=8, threads=1)
-    assert not ran
-    monkeypatch.setattr(pa, "_mode", "contiguous")
     assert backend.warm_up([layer], max_tokens=8, threads=1) > paged_only
     assert len(ran) == 1 and ran[0]["sliding_window"] == 9 and ran[0]["sinks"] is layer.sinks
     assert not layer.k_cache.any() and not layer.v_cache.any()
@@ -355,7 +359,6 @@ class TestContextSplitMetadata:
             return flat
 
         monkeypatch.setattr(model_runner, "build_flat_batch", spy)
-        monkeypatch.setattr(pa, "_mode", "contiguous")
         engine = LLMEngine(str(tiny_llama), max_num_batched_tokens=16)
         prompts, params = [[5] * 12, [7] * 30, [9] * 5], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
         engine.generate(prompts, params)
@@ -363,44 +366,17 @@ class TestContextSplitMetadata:
             assert (fresh or []) == expect
             assert sorted((fresh or []) + (paged or [])) == (list(range(num_seqs)) if fresh else [])
         assert any(fresh and paged for _, (fresh, paged), _ in steps)
-        # The paged mode reads no split: the builder leaves it out (no lists, no copies).
-        steps.clear()
-        monkeypatch.setattr(pa, "_mode", "paged")
-        engine.generate(prompts, params)
-        assert steps and all(fresh is None and paged is None for _, (fresh, paged), _ in steps)
-
-
-class TestSwitch:
-    def test_env_var_parses(self):
-        from atom_core.envs import read_envs
-
-        assert read_envs({}).prefill_attention == "contiguous"
-        assert read_envs({"ATOM_PREFILL_ATTENTION": " Paged "}).prefill_attention == "paged"
-
-    def test_env_var_sets_the_mode_at_import_and_bad_values_fail_clearly(self):
-        code = "from atom_core.kernels.triton import prefill_attention as p; print(p.prefill_attention_mode())"
-        run = partial(run_with_env, code, "ATOM_PREFILL_ATTENTION")
-        assert run("paged").stdout.strip() == "paged"
-        assert run("").stdout.strip() == "contiguous"
-        bad = run("flash")
-        assert bad.returncode != 0
-        assert "invalid ATOM_PREFILL_ATTENTION='flash'; expected one of: contiguous, paged" in bad.stderr
-
-    def test_setter_refuses_unknown_modes(self):
-        with pytest.raises(ValueError, match="unknown prefill attention 'flash'; expected one of: contiguous, paged"):
-            pa.set_prefill_attention_mode("flash")
 
 
 @pytest.mark.skipif(not INTERPRET, reason="runs the Triton kernels under the interpreter (TRITON_INTERPRET=1)")
 @pytest.mark.parametrize("budget", [None, 48])
-def test_engine_with_the_switch_on_equals_hf_greedy(tiny_llama, monkeypatch, budget):
-    """A tiny Llama in float32 with the split path forced on (the backend told this CPU runs the
-    Triton prefill kernels, interpreted): greedy tokens equal HF's. budget=48 chunks the prompts,
+def test_engine_with_the_split_path_equals_hf_greedy(tiny_llama, monkeypatch, budget):
+    """A tiny Llama in float32 with the split path on the CPU (the backend given the Triton prefill
+    kernels, interpreted): greedy tokens equal HF's. budget=48 chunks the prompts,
     so steps mix fresh prompts, chunks with context and decodes."""
     import json
 
     from atom_core import LLMEngine, SamplingParams
-    from atom_core.model_ops.attention_backends import PagedMHABackend
     from tests.models.harness import hf_greedy
     from transformers import AutoModelForCausalLM
 
@@ -409,8 +385,7 @@ def test_engine_with_the_switch_on_equals_hf_greedy(tiny_llama, monkeypatch, bud
     prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (1, 9, 40, 75)]
     want = hf_greedy(AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval(), prompts, 8)
     calls = []
-    monkeypatch.setattr(PagedMHABackend, "_contiguous_prefill", lambda self: pa)
-    monkeypatch.setattr(pa, "_mode", "contiguous")  # the batch builder splits only in this mode
+    contiguous_prefill_on_the_cpu(monkeypatch)
     monkeypatch.setattr(pa, "prefill_attention", recording(pa.prefill_attention, calls))
     engine = LLMEngine(str(tiny_llama), **({"max_num_batched_tokens": budget} if budget else {}))
     got = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
@@ -538,7 +513,7 @@ def test_mixed_step_on_cuda_equals_the_paged_only_path(options):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("budget", [None, 48])
-def test_engine_on_cuda_with_the_switch_on_equals_hf_greedy(tiny_llama, budget):
+def test_engine_on_cuda_with_the_split_path_equals_hf_greedy(tiny_llama, budget):
     import json
 
     from atom_core import LLMEngine, SamplingParams
@@ -549,13 +524,9 @@ def test_engine_on_cuda_with_the_switch_on_equals_hf_greedy(tiny_llama, budget):
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (1, 9, 40, 75, 300)]
     want = hf_greedy(AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval(), prompts, 8)
-    pa.set_prefill_attention_mode("contiguous")
-    try:
-        engine = LLMEngine(str(tiny_llama), device="cuda", dtype="float32", num_kv_blocks=512,
-                           **({"max_num_batched_tokens": budget} if budget else {}))
-        got = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    finally:
-        pa.set_prefill_attention_mode("paged")
+    engine = LLMEngine(str(tiny_llama), device="cuda", dtype="float32", num_kv_blocks=512,
+                       **({"max_num_batched_tokens": budget} if budget else {}))
+    got = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert [o["token_ids"] for o in got] == want
 
 

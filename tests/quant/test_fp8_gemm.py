@@ -7,7 +7,8 @@
   Llama-3-8B and DeepSeek-V3 projection shapes, a CUDA-graph replay, and the custom ops running the
   kernel on CUDA;
 - the e4m3 rounding the fused quantizer uses under the interpreter equals torch's cast;
-- which kernel `fp8_linear` picks (ATOM_FP8_SMALL_M_KERNEL) and the default tiles;
+- the FP8 linears' per-M kernel tables (`fp8_linear_table`, `fp8_block_linear_table`), the ops' use of
+  them, and the default tiles;
 - the GEMM compiles for sm_90 offline (Triton's bundled ptxas) at each tile tier without spills.
 
     TRITON_INTERPRET=1 python -m pytest tests/quant/test_fp8_gemm.py -q
@@ -22,8 +23,6 @@ float32 value once (the interpreter truncates to bf16: TOL[bfloat16]).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import zlib
 from dataclasses import replace
 
@@ -35,9 +34,10 @@ import triton.language as tl
 from atom_core.kernels.triton.fp8_gemm import _quantize_tile
 from atom_core.quant import fp8_ops
 from atom_core.quant.fp8_ops import (
-    FP8_DTYPE, fp8_block_linear, fp8_block_linear_ref, fp8_linear, fp8_linear_kernel, fp8_linear_ref,
-    quantize_fp8_block, quantize_fp8_per_token,
+    FP8_DTYPE, fp8_block_linear, fp8_block_linear_ref, fp8_block_linear_table, fp8_linear, fp8_linear_ref,
+    fp8_linear_table, quantize_fp8_block, quantize_fp8_per_token,
 )
+from atom_core.kernel_config import KernelTable
 from tests.kernels.conftest import device  # noqa: F401  (the cpu-interpreter / cuda fixture)
 from tests.kernels.tolerances import INTERPRET, TOL, rel_err, widen_fp8_dot_on_cuda
 from tests.quant.test_fp8_ops import _oracle_w_block, _oracle_x
@@ -228,31 +228,89 @@ def test_interpreter_e4m3_rounding_equals_torch_cast():
     assert torch.equal(q.float(), x.clamp(-448, 448).to(FP8_DTYPE).float())
 
 
+CUDA = torch.device("cuda", 0)  # never touched: the tables read only its type and capability
+
+
+def as_sm90(monkeypatch, hip: bool = False) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.version, "hip", "6.0" if hip else None)
+
+
+def table_names(table: KernelTable, ms=(1, 2, 16, 17, 32, 33, 4096)) -> list[str]:
+    return [table(m).__name__ for m in ms]
+
+
+def triton_gemm_tables(monkeypatch) -> None:
+    """FP8 layers built from now on run the Triton GEMMs at every M (the GEMV and weight-only GEMM
+    tested in their own files): the per-channel GEMM, and the block GEMM."""
+    from atom_core.quant import fp8
+
+    monkeypatch.setattr(fp8, "fp8_linear_table", lambda device, n, k, dtype, static: KernelTable(
+        ((None, fp8_ops.fp8_triton_gemm),), dtype))
+    monkeypatch.setattr(fp8, "fp8_block_linear_table", lambda device, dtype, block: KernelTable(
+        ((None, fp8_ops.fp8_block_gemm),), dtype))
+
+
 class TestDispatch:
-    def test_fp8_linear_kernel_choice(self):
-        """triton takes M <= 16 when selected, and every shape _scaled_mm refuses on a GPU that runs
-        the Triton GEMM; the reference otherwise (auto, the default: test_fp8_gemv.py)."""
-        pick = fp8_linear_kernel
-        assert pick(1, True, True, "scaled_mm") == "scaled_mm"
-        assert pick(1, True, True, "triton") == "triton"
-        assert pick(16, True, True, "triton") == "triton"
-        assert pick(17, True, True, "triton") == "scaled_mm"
-        assert pick(300, False, True, "scaled_mm") == "triton"
-        assert pick(1, True, False, "triton") == "scaled_mm"
-        assert pick(1, False, False, "triton") == "reference"
+    def test_per_channel_tables_on_sm90(self, monkeypatch):
+        """Dynamic activations: the GEMV at 1 token, the weight-only GEMM to 32 tokens for outputs of at
+        most 8,192 columns (to 16 for wider ones), then _scaled_mm where the shape allows it, else the
+        Triton GEMM; a static input_scale keeps _scaled_mm (or the Triton GEMM) at every M."""
+        as_sm90(monkeypatch)
+        w8a16_to_32 = ["fp8_gemv"] + ["fp8_w8a16"] * 4 + ["fp8_scaled_mm"] * 2
+        assert table_names(fp8_linear_table(CUDA, 4096, 4096, torch.bfloat16, False)) == w8a16_to_32
+        assert table_names(fp8_linear_table(CUDA, 8192, 4096, torch.float16, False)) == w8a16_to_32
+        wide = ["fp8_gemv", "fp8_w8a16", "fp8_w8a16"] + ["fp8_scaled_mm"] * 4
+        assert table_names(fp8_linear_table(CUDA, 28672, 4096, torch.bfloat16, False)) == wide
+        assert table_names(fp8_linear_table(CUDA, 200, 520, torch.bfloat16, False))[-1] == "fp8_triton_gemm"  # N % 16
+        assert table_names(fp8_linear_table(CUDA, 4096, 4096, torch.float32, False))[-1] == "fp8_triton_gemm"
+        assert set(table_names(fp8_linear_table(CUDA, 4096, 4096, torch.bfloat16, True))) == {"fp8_scaled_mm"}
+        assert set(table_names(fp8_linear_table(CUDA, 4096, 4096, torch.float32, True))) == {"fp8_triton_gemm"}
 
-    def test_switch_rejects_unknown_kernels(self):
-        with pytest.raises(ValueError, match="expected one of: auto, scaled_mm, triton"):
-            fp8_ops.set_small_m_kernel("cublas")
+    def test_per_channel_tables_elsewhere(self, monkeypatch):
+        """Before SM89, on the CPU: the reference; on ROCm: _scaled_mm where the shape allows it."""
+        assert set(table_names(fp8_linear_table(torch.device("cpu"), 4096, 4096, torch.bfloat16, False))) == {
+            "fp8_reference"}
+        as_sm90(monkeypatch, hip=True)
+        assert set(table_names(fp8_linear_table(CUDA, 4096, 4096, torch.bfloat16, False))) == {"fp8_scaled_mm"}
+        assert set(table_names(fp8_linear_table(CUDA, 4096, 4096, torch.float32, False))) == {"fp8_reference"}
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+        monkeypatch.setattr(torch.version, "hip", None)
+        assert set(table_names(fp8_linear_table(CUDA, 4096, 4096, torch.bfloat16, False))) == {"fp8_reference"}
 
-    def test_env_var_sets_the_switch_at_import_and_bad_values_fail_clearly(self):
-        code = "from atom_core.quant import fp8_ops; print(fp8_ops.small_m_kernel())"
-        run = lambda value: subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,  # noqa: E731
-                                           env={**_clean_env(), "ATOM_FP8_SMALL_M_KERNEL": value})
-        assert run("triton").stdout.strip() == "triton"
-        assert run("").stdout.strip() == "auto"
-        bad = run("cutlass")
-        assert bad.returncode != 0 and "invalid ATOM_FP8_SMALL_M_KERNEL='cutlass'" in bad.stderr
+    def test_block_tables(self, monkeypatch):
+        assert set(table_names(fp8_block_linear_table(torch.device("cpu"), torch.bfloat16, [1, 128]))) == {
+            "fp8_block_reference"}
+        as_sm90(monkeypatch)
+        assert table_names(fp8_block_linear_table(CUDA, torch.bfloat16, [1, 128]), (1, 2, 4096)) == [
+            "fp8_block_gemv", "fp8_block_gemm", "fp8_block_gemm"]
+        from atom_core.kernels.triton.fp8_gemm import block_gemm_supported
+
+        unsupported = next(b for b in ([1, 96], [1, 48], [1, 100]) if not block_gemm_supported(b))
+        assert table_names(fp8_block_linear_table(CUDA, torch.bfloat16, unsupported), (1, 2)) == [
+            "fp8_block_gemv", "fp8_block_reference"]
+
+    def test_built_layers_hold_their_table_and_pass_its_key(self, monkeypatch):
+        from atom_core.quant.fp8 import Fp8BlockLinearMethod, Fp8OnlineLinearMethod, Fp8ScaledLinearMethod
+
+        seen = []
+        real = KernelTable.from_key
+        monkeypatch.setattr(KernelTable, "from_key", staticmethod(lambda key: seen.append(int(key)) or real(key)))
+        for method in (Fp8BlockLinearMethod((128, 128)), Fp8OnlineLinearMethod(), Fp8ScaledLinearMethod(False, True)):
+            layer = torch.nn.Module()
+            method.create_weights(layer, input_size=256, output_sizes=[64], weight_loader=None)
+            assert isinstance(layer.kernel_table, KernelTable) and layer.kernel_table.dtype == torch.float32
+            gen = seeded("layer", type(method).__name__)
+            if isinstance(method, Fp8BlockLinearMethod):
+                layer.weight.data, layer.weight_scale_inv.data, _ = block_weight(gen, 64, 256)
+            else:
+                layer.weight.data.copy_(torch.randn(64, 256, generator=gen))
+                method.process_weights_after_loading(layer)
+                if isinstance(method, Fp8ScaledLinearMethod):
+                    layer.weight_scale.data.fill_(0.01)
+                    layer.input_scale.data.fill_(0.02)
+            method.apply(layer, torch.randn(3, 256, generator=gen))
+            assert seen[-1] == id(layer.kernel_table)
 
     def test_custom_ops_stay_on_the_reference_on_cpu(self):
         gen = seeded("cpu-ops")
@@ -260,12 +318,25 @@ class TestDispatch:
         x = torch.randn(3, 256, generator=gen)
         assert torch.equal(fp8_block_linear(x, w, s, block), fp8_block_linear_ref(x, w, s, block))
         wc, sc = channel_weight(gen, 64, 256)
-        before = fp8_ops.small_m_kernel()
-        fp8_ops.set_small_m_kernel("triton")
-        try:
-            assert torch.equal(fp8_linear(x, wc, sc), fp8_linear_ref(x, wc, sc))
-        finally:
-            fp8_ops.set_small_m_kernel(before)
+        assert torch.equal(fp8_linear(x, wc, sc), fp8_linear_ref(x, wc, sc))
+        table = fp8_linear_table(torch.device("cpu"), 64, 256, torch.float32, False)
+        assert torch.equal(fp8_linear(x, wc, sc, None, None, table.key), fp8_linear_ref(x, wc, sc))
+        with pytest.raises(AssertionError, match="made for torch.float32 activations"):
+            fp8_linear(x.double(), wc, sc, None, None, table.key)
+
+    def test_ops_compile_with_a_table_key_in_one_graph(self):
+        """The key is a graph input: layers with different tables share one compiled graph."""
+        gen = seeded("compile")
+        wc, sc = channel_weight(gen, 64, 256)
+        tables = [fp8_linear_table(torch.device("cpu"), 64, 256, torch.float32, False) for _ in range(2)]
+        graphs = []
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda x, key: fp8_linear(x, wc, sc, None, None, key),
+                                 backend=lambda gm, _: graphs.append(gm) or gm, fullgraph=True)
+        x = torch.randn(3, 256, generator=gen)
+        for table in tables:
+            assert torch.equal(compiled(x, table.key), fp8_linear_ref(x, wc, sc))
+        assert len(graphs) == 1
 
     def test_default_tiles(self):
         from atom_core.kernels.triton.fp8_gemm import default_fp8_gemm_config
@@ -284,9 +355,8 @@ class TestDispatch:
 @pytest.mark.parametrize("quantization", [None, "fp8"])
 def test_engine_through_the_triton_gemm_equals_the_reference_path(tmp_path, monkeypatch, quantization):
     """The ops wired into a model: a tiny Llama as a block-FP8 checkpoint, or bf16 with --quantization
-    fp8, generates the same greedy tokens with the Triton GEMM forced in (interpreter, the dispatch
-    told this CPU runs it; small-M switch on) as on the reference path: same codes and scales, float32
-    sums in another order."""
+    fp8, generates the same greedy tokens with the Triton GEMMs in every layer's table (interpreter) as
+    on the reference path: same codes and scales, float32 sums in another order."""
     from atom_core import LLMEngine
     from atom_core.kernels.triton import fp8_gemm
     from tests.quant.test_fp8_models import GREEDY, prompts, write_block_fp8
@@ -302,8 +372,7 @@ def test_engine_through_the_triton_gemm_equals_the_reference_path(tmp_path, monk
     for fn in ("fp8_block_gemm", "fp8_channel_gemm"):
         real = getattr(fp8_gemm, fn)
         monkeypatch.setattr(fp8_gemm, fn, lambda *a, _r=real, **kw: calls.append(1) or _r(*a, **kw))
-    monkeypatch.setattr(fp8_ops, "_triton_fp8_ok", lambda x2: True)
-    monkeypatch.setattr(fp8_ops, "_small_m_kernel", "triton")
+    triton_gemm_tables(monkeypatch)
     got = [o["token_ids"] for o in LLMEngine(str(path), quantization=quantization).generate(plist, GREEDY)]
     assert calls and got == want
 
@@ -320,25 +389,6 @@ def test_bench_refuses_bad_arguments_and_runs_only_on_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         fp8_bench.main()
-
-
-def test_bench_refuses_an_unknown_w8a16_widening(monkeypatch):
-    from atom_core.kernels.triton import fp8_bench
-
-    monkeypatch.setattr("sys.argv", ["fp8_bench", "--w8a16-widen", "convert,fast"])
-    with pytest.raises(SystemExit, match="unknown widening in --w8a16-widen 'convert,fast'; expected some of: "
-                                         "convert, ptx"):
-        fp8_bench.main()
-    monkeypatch.setattr("sys.argv", ["fp8_bench", "--w8a16-widen", "convert,ptx"])
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(SystemExit, match="needs a CUDA GPU"):  # both values parse
-        fp8_bench.main()
-
-
-def _clean_env() -> dict:
-    import os
-
-    return {k: v for k, v in os.environ.items() if not k.startswith("ATOM_")}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -401,8 +451,8 @@ class TestOnCuda:
         assert rel_err(outs[0], fp8_block_linear_ref(x, wb, sb, [1, 128])) < TOL[torch.bfloat16]
 
     def test_custom_ops_run_the_kernels(self, monkeypatch):
-        """fp8_block_linear takes the block GEMM on CUDA; fp8_linear takes _scaled_mm by default and
-        the Triton GEMM at M <= 16 under the triton switch (and for shapes _scaled_mm refuses)."""
+        """fp8_block_linear takes the block GEMM on CUDA above 1 token; fp8_linear takes _scaled_mm above
+        32 tokens, the Triton GEMM where its table holds it and for shapes _scaled_mm refuses."""
         from atom_core.kernels.triton import fp8_gemm
 
         calls = []
@@ -414,11 +464,10 @@ class TestOnCuda:
         assert rel_err(fp8_block_linear(x, wb, sb, [1, 128]), fp8_block_linear_ref(x, wb, sb, [1, 128])) < 2e-2
         assert calls == ["fp8_block_gemm"]
         wc, sc = random_fp8(256, 512, block=False)
-        fp8_linear(x, wc, sc)
-        assert calls == ["fp8_block_gemm"]  # scaled_mm by default
-        monkeypatch.setattr(fp8_ops, "_small_m_kernel", "triton")
-        assert rel_err(fp8_linear(x, wc, sc), fp8_linear_ref(x, wc, sc)) < 2e-2
-        fp8_linear(torch.randn(17, 512, device="cuda").bfloat16(), wc, sc)  # M > 16: scaled_mm
+        fp8_linear(torch.randn(33, 512, device="cuda").bfloat16(), wc, sc)
+        assert calls == ["fp8_block_gemm"]  # scaled_mm above 32 tokens
+        triton = KernelTable(((None, fp8_ops.fp8_triton_gemm),), torch.bfloat16)
+        assert rel_err(fp8_linear(x, wc, sc, None, None, triton.key), fp8_linear_ref(x, wc, sc)) < 2e-2
         assert calls == ["fp8_block_gemm", "fp8_channel_gemm"]
         wo, so = random_fp8(200, 520, block=False)  # K, N not multiples of 16: _scaled_mm refuses
         xo = torch.randn(40, 520, device="cuda").bfloat16()
@@ -426,16 +475,15 @@ class TestOnCuda:
 
     @pytest.mark.parametrize("quantization", [None, "fp8"])
     def test_tiny_llama_engine_on_cuda_is_near_greedy_on_the_cpu_model(self, tmp_path, quantization, monkeypatch):
-        """An engine run on the GPU (graphs on): a tiny Llama as a block-FP8 checkpoint (the block GEMM
-        for every linear), or its bf16 checkpoint with --quantization fp8 and the triton switch (float32
-        x: the Triton GEMM at every M). Oracle: our CPU model of the same files (checked against HF in
+        """An engine run on the GPU (graphs on): a tiny Llama as a block-FP8 checkpoint, or its bf16
+        checkpoint with --quantization fp8, the Triton GEMMs in every layer's table (float32 x). Oracle: our CPU model of the same files (checked against HF in
         test_fp8_models); each CUDA token must be near-greedy under it (that file's FLIP bound)."""
         from atom_core import LLMEngine
         from tests.models.harness import prompt_logits
         from tests.quant.test_fp8_models import FLIP, GREEDY, _build, prompts, write_block_fp8
         from tests.tiny_models import build_tiny_model
 
-        monkeypatch.setattr(fp8_ops, "_small_m_kernel", "triton")
+        triton_gemm_tables(monkeypatch)
         path = build_tiny_model(tmp_path / "bf16", "llama")
         if quantization is None:
             write_block_fp8(path, tmp_path / "fp8")

@@ -5,8 +5,9 @@
   non-multiples of 128 and of the tiles, per-tensor / per-channel / block row-expanded and compact
   scales, split-K forced on and off, bias, x in float32/bf16/fp16); the reference against a float64
   loop oracle; `cuda` cases (marker `gpu`) at Llama-3-8B and DeepSeek-V3 shapes, CUDA-graph replay,
-  and the custom ops taking the GEMV under the switch;
-- which kernel the ops pick (ATOM_FP8_SMALL_M_KERNEL=gemv; a static input_scale keeps its path);
+  and the custom ops taking the GEMV at 1 token;
+- that the ops run the GEMV where a table holds it (a static input_scale keeps its path; the tables
+  themselves: test_fp8_gemm.py);
 - the default tiles, and offline sm_90 compiles of them without spills or in-loop layout changes.
 
     TRITON_INTERPRET=1 python -m pytest tests/quant/test_fp8_gemv.py -q
@@ -20,19 +21,14 @@ TOL; on CUDA both round to nearest: BF16_ON_CUDA).
 """
 from __future__ import annotations
 
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
 import torch
 import triton
 
-from atom_core.envs import read_envs
 from atom_core.quant import fp8_ops
-from atom_core.quant.fp8_ops import (
-    FP8_DTYPE, fp8_block_linear, fp8_block_linear_kernel, fp8_linear, fp8_linear_kernel, fp8_linear_ref,
-)
+from atom_core.quant.fp8_ops import FP8_DTYPE, fp8_block_linear, fp8_linear, fp8_linear_ref
 from tests.kernels.conftest import device  # noqa: F401  (the cpu-interpreter / cuda fixture)
 from tests.kernels.tolerances import INTERPRET, TOL, rel_err
 from tests.quant.test_fp8_gemm import _gpu_shapes, block_weight, channel_weight, random_fp8, seeded, to
@@ -192,89 +188,44 @@ class TestDefaultTiles:
 
 
 class TestDispatch:
-    def test_gemv_takes_up_to_four_dynamic_tokens_only(self):
-        pick = fp8_linear_kernel
-        for m in (0, 1, 4):
-            assert pick(m, True, True, "gemv") == "gemv"
-        assert pick(5, True, True, "gemv") == "scaled_mm"
-        assert pick(5, False, True, "gemv") == "triton"  # shapes _scaled_mm refuses: the GEMM, as before
-        assert pick(1, True, True, "gemv", static_input=True) == "scaled_mm"  # the checkpoint's static scale
-        assert pick(1, False, True, "gemv", static_input=True) == "triton"
-        assert pick(1, True, False, "gemv") == "scaled_mm"  # no Triton FP8 on this device
-        assert pick(1, False, False, "gemv") == "reference"
-        assert pick(1, True, True, "scaled_mm") == "scaled_mm" and pick(1, True, True, "triton") == "triton"
-
-    def test_auto_takes_the_channel_gemv_at_one_token_only(self):
-        pick = fp8_linear_kernel
-        assert pick(1, True, True, "auto") == "gemv"
-        # 2-16 tokens: the weight-only GEMM (fp8_w8a16.py); 17-32: it on outputs of <= 8,192 columns only
-        assert pick(2, True, True, "auto", out_features=28672) == pick(16, True, True, "auto", out_features=28672) \
-            == "w8a16"
-        assert pick(17, True, True, "auto", out_features=28672) == "scaled_mm"  # gate_up lost at 32 tokens
-        assert pick(2, True, True, "auto", out_features=4096) == pick(32, True, True, "auto", out_features=8192) \
-            == "w8a16"
-        assert pick(33, True, True, "auto", out_features=4096) == "scaled_mm"
-        assert pick(1, True, True, "auto", static_input=True) == "scaled_mm"
-        assert pick(1, True, False, "auto") == "scaled_mm"
-        assert fp8_block_linear_kernel(1, True, "auto") == "gemv"  # the block GEMV won 10 of 11 shapes at 1 token
-        assert fp8_block_linear_kernel(2, True, "auto") == "triton"
-
-    def test_block_linear_takes_the_gemv_under_the_switch(self):
-        pick = fp8_block_linear_kernel
-        assert pick(4, True, "gemv") == "gemv"
-        assert pick(5, True, "gemv") == "triton"
-        assert pick(1, True, "scaled_mm") == "triton" and pick(1, True, "triton") == "triton"
-        assert pick(1, False, "gemv") == "reference"
-
-    def test_env_var_parses_gemv_and_bad_values_fail_clearly(self):
-        assert read_envs({"ATOM_FP8_SMALL_M_KERNEL": " GEMV "}).fp8_small_m_kernel == "gemv"
-        with pytest.raises(ValueError, match="invalid ATOM_FP8_SMALL_M_KERNEL='gemm'; expected one of: "
-                                             "auto, scaled_mm, triton, gemv, w8a16"):
-            read_envs({"ATOM_FP8_SMALL_M_KERNEL": "gemm"})
-        code = "from atom_core.quant import fp8_ops; print(fp8_ops.small_m_kernel())"
-        env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("ATOM_")}
-        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             env={**env, "ATOM_FP8_SMALL_M_KERNEL": "gemv"})
-        assert run.stdout.strip() == "gemv", run.stderr
-        before = fp8_ops.small_m_kernel()
-        fp8_ops.set_small_m_kernel("gemv")
-        fp8_ops.set_small_m_kernel(before)
-
-    def test_custom_ops_stay_on_the_reference_on_cpu(self, monkeypatch):
-        monkeypatch.setattr(fp8_ops, "_small_m_kernel", "gemv")
+    def test_custom_ops_stay_on_the_reference_on_cpu(self):
         gen = seeded("gemv-cpu-ops")
         w, s, block = block_weight(gen, 64, 256)
-        x = torch.randn(3, 256, generator=gen)
+        x = torch.randn(1, 256, generator=gen)
         assert torch.equal(fp8_block_linear(x, w, s, block), fp8_ops.fp8_block_linear_ref(x, w, s, block))
         wc, sc = channel_weight(gen, 64, 256)
         assert torch.equal(fp8_linear(x, wc, sc), fp8_linear_ref(x, wc, sc))
 
 
 @pytest.mark.skipif(not INTERPRET, reason="runs the GEMV under the interpreter (TRITON_INTERPRET=1)")
-def test_custom_ops_run_the_gemv_under_the_switch(monkeypatch):
-    """The ops with the gemv switch on a device told it runs Triton FP8 (interpreter): dynamic
-    per-channel and block linears run the GEMV (W8A16: equal to fp8_gemv_ref, not to the
-    activation-quantizing references); a static input_scale and 5 tokens keep the Triton GEMM."""
-    gemv = _gemv()
+def test_custom_ops_run_the_gemv_at_one_token(monkeypatch):
+    """The ops on a device told it is an SM90 GPU (interpreter): at 1 token dynamic per-channel and
+    block linears run the GEMV (W8A16: equal to fp8_gemv_ref, not to the activation-quantizing
+    references); a static input_scale keeps the Triton GEMM (float32 x: no _scaled_mm)."""
     from atom_core.kernels.triton import fp8_gemm
+    from tests.quant.test_fp8_gemm import CUDA, as_sm90
 
+    gemv = _gemv()
     calls = []
     for module, fn in ((gemv, "fp8_channel_gemv"), (gemv, "fp8_block_gemv"), (fp8_gemm, "fp8_channel_gemm")):
         real = getattr(module, fn)
         monkeypatch.setattr(module, fn, lambda *a, _f=fn, _r=real, **kw: calls.append(_f) or _r(*a, **kw))
-    monkeypatch.setattr(fp8_ops, "_triton_fp8_ok", lambda x2: True)
-    monkeypatch.setattr(fp8_ops, "_small_m_kernel", "gemv")
+    as_sm90(monkeypatch)
+    channel = fp8_ops.fp8_linear_table(CUDA, 64, 256, torch.float32, False)
+    static = fp8_ops.fp8_linear_table(CUDA, 64, 256, torch.float32, True)
+    block_table = fp8_ops.fp8_block_linear_table(CUDA, torch.float32, [1, 128])
     gen = seeded("gemv-ops")
     wc, sc = channel_weight(gen, 64, 256)
     w, s, block = block_weight(gen, 64, 256)
-    x, bias = torch.randn(1, 2, 256, generator=gen), torch.randn(64, generator=gen)
-    assert rel_err(fp8_linear(x, wc, sc, None, bias), gemv.fp8_gemv_ref(x, wc, sc, None, bias)) < F32_TOL
-    assert rel_err(fp8_block_linear(x, w, s, block), gemv.fp8_gemv_ref(x, w, s, block)) < F32_TOL
+    x, bias = torch.randn(1, 1, 256, generator=gen), torch.randn(64, generator=gen)
+    got = fp8_linear(x, wc, sc, None, bias, channel.key)
+    assert rel_err(got, gemv.fp8_gemv_ref(x, wc, sc, None, bias)) < F32_TOL
+    got = fp8_block_linear(x, w, s, block, None, block_table.key)
+    assert rel_err(got, gemv.fp8_gemv_ref(x, w, s, block)) < F32_TOL
     assert calls == ["fp8_channel_gemv", "fp8_block_gemv"]
     in_s = torch.tensor(x.abs().max().item() / 448)
-    assert rel_err(fp8_linear(x, wc, sc, in_s), fp8_linear_ref(x, wc, sc, in_s)) < F32_TOL
-    fp8_linear(torch.randn(5, 256, generator=gen), wc, sc)
-    assert calls[2:] == ["fp8_channel_gemm", "fp8_channel_gemm"]
+    assert rel_err(fp8_linear(x, wc, sc, in_s, None, static.key), fp8_linear_ref(x, wc, sc, in_s)) < F32_TOL
+    assert calls[2:] == ["fp8_channel_gemm"]
 
 
 def test_bench_refuses_both_sweeps_at_once(monkeypatch):
@@ -337,20 +288,19 @@ class TestOnCuda:
             assert torch.equal(out, call())
         assert rel_err(outs[0], gemv.fp8_gemv_ref(x, wb, sb, [1, 128])) < BF16_ON_CUDA
 
-    def test_custom_ops_run_the_gemv_under_the_switch(self, monkeypatch):
+    def test_custom_ops_run_the_gemv_at_one_token(self, monkeypatch):
         gemv = _gemv()
         calls = []
         for fn in ("fp8_channel_gemv", "fp8_block_gemv"):
             real = getattr(gemv, fn)
             monkeypatch.setattr(gemv, fn, lambda *a, _f=fn, _r=real, **kw: calls.append(_f) or _r(*a, **kw))
-        monkeypatch.setattr(fp8_ops, "_small_m_kernel", "gemv")
-        x = torch.randn(4, 512, device="cuda").bfloat16()
+        x = torch.randn(1, 512, device="cuda").bfloat16()
         wc, sc = random_fp8(256, 512, block=False)
         wb, sb = random_fp8(256, 512, block=True)
         assert rel_err(fp8_linear(x, wc, sc), gemv.fp8_gemv_ref(x, wc, sc)) < BF16_ON_CUDA
         assert rel_err(fp8_block_linear(x, wb, sb, [1, 128]), gemv.fp8_gemv_ref(x, wb, sb, [1, 128])) < BF16_ON_CUDA
         fp8_linear(x, wc, sc, torch.tensor(0.01, device="cuda"))  # static input scale: _scaled_mm
-        fp8_linear(torch.randn(5, 512, device="cuda").bfloat16(), wc, sc)  # 5 tokens: _scaled_mm
+        fp8_linear(torch.randn(33, 512, device="cuda").bfloat16(), wc, sc)  # 33 tokens: _scaled_mm
         assert calls == ["fp8_channel_gemv", "fp8_block_gemv"]
 
 

@@ -4,7 +4,7 @@
   fresh random inputs: `cpu` cases under Triton's interpreter (M 2-64, N and K multiples and
   non-multiples of the tiles, per-tensor and per-channel scales, split-K by the grid and forced,
   bias, x in float32/bf16); `cuda` cases (marker `gpu`) at Llama-3-8B shapes;
-- bad input fails clearly; which kernel `fp8_linear` picks under ATOM_FP8_SMALL_M_KERNEL=w8a16;
+- bad input fails clearly (which M the linears give it: test_fp8_gemm.py's tables);
 - an offline sm_90 compile of the default tiles without spills.
 
 Tolerances: float32 sums of the same products in another order (1e-5 relative) for float32 x; bf16
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from atom_core.kernels.triton.fp8_gemv import fp8_gemv_ref
-from atom_core.quant.fp8_ops import FP8_DTYPE, fp8_linear_kernel
+from atom_core.quant.fp8_ops import FP8_DTYPE
 from tests.kernels.conftest import device  # noqa: F401  (the cpu-interpreter / cuda fixture)
 from tests.kernels.tolerances import INTERPRET, TOL, rel_err
 from tests.quant.test_fp8_gemm import channel_weight, seeded
@@ -77,18 +77,6 @@ def test_bad_input_fails_clearly():
         _run(torch.randn(2, 32), w, torch.ones(3))
     with pytest.raises(ValueError, match="x has 31 columns"):
         _run(torch.randn(2, 31), w, s)
-
-
-def test_dispatch_takes_it_between_2_and_64_tokens_under_the_switch():
-    pick = fp8_linear_kernel
-    assert pick(1, True, True, "w8a16") == "gemv"  # one token: the GEMV, as under auto
-    assert pick(2, True, True, "w8a16") == pick(64, True, True, "w8a16") == "w8a16"
-    assert pick(65, True, True, "w8a16") == "scaled_mm"
-    assert pick(32, True, True, "w8a16", static_input=True) == "scaled_mm"  # a static scale keeps its arithmetic
-    assert pick(32, False, False, "w8a16") == "reference"
-    assert pick(32, True, True, "auto", out_features=28672) == "scaled_mm"  # auto above 16 tokens: narrow outputs
-    assert pick(16, True, True, "auto", out_features=28672) == "w8a16"
-    assert pick(32, True, True, "auto", out_features=4096) == "w8a16"
 
 
 @pytest.mark.skipif(INTERPRET, reason="the interpreter replaces the compiled kernels")

@@ -1,15 +1,15 @@
-"""The packed-half2 W4A16 GEMV (`kernels/triton/w4a16_gemv_f16x2.py`) and its switch (ATOM_W4A16_GEMV).
+"""The packed-half2 W4A16 GEMV (`kernels/triton/w4a16_gemv_f16x2.py`) and where it runs.
 
 - CPU: the kernel's own inline PTX, run by a small numpy interpreter of the instructions it uses
   (`_run_ptx`): the dequant gives (u - 8) * 2**-W_EXP exactly for every nibble value in every
   position, the x pairs are the right values in the right halves, a chunk meets the columns of its
   nibbles (exact sums on small-integer x), and the whole GEMV emulated through the PTX lands
-  within the GPU tests' tolerance of `w4a16_gemm_ref`; which kernel the switch picks;
+  within the GPU tests' tolerance of `w4a16_gemm_ref`; which layouts and dtypes take it;
 - offline sm_90 compiles of every tile: no spills, no layout change in the K loop, and the loop's
   SASS instructions per weight it loads under a bound (the float32 GEMV's: 5.1-5.8 at M = 1);
 - GPU (marker `gpu`): against `w4a16_gemm_ref` on Llama-3-8B's shapes and odd ones, M 1-4,
   bf16/fp16, group sizes 32/64/128 and per channel, bias, every tile, split-K, CUDA-graph replay,
-  and `atom::w4a16_gemm` under ATOM_W4A16_GEMV=f16x2.
+  and `atom::w4a16_gemm` running it.
 
     python -m pytest tests/quant/test_w4a16_f16x2.py -q
     python -m pytest -m gpu tests/quant/test_w4a16_f16x2.py -q          (H100, 2026-11-26: 32 bf16 + 26 fp16 passed)
@@ -30,11 +30,9 @@ import numpy as np
 import pytest
 import torch
 
-from atom_core.envs import read_envs
 from atom_core.kernels.triton import w4a16
 from atom_core.kernels.triton import w4a16_gemv_f16x2 as f16x2
 from atom_core.quant.int_ops import INT4_INTERLEAVE, interleave_int4, pack_int4, w4a16_gemm_ref
-from tests.kernels.import_switch import run_with_env
 from tests.kernels.tolerances import INTERPRET, rel_err
 
 GPU_TOL = {torch.bfloat16: 6e-3, torch.float16: 2.5e-3}
@@ -236,23 +234,9 @@ class TestPtx:
         assert rel_err(y, ref) < GPU_TOL[dtype] / 2, rel_err(y, ref)
 
 
-class TestSwitch:
-    def test_env_var_and_setter(self):
-        assert read_envs({}).w4a16_gemv == "f16x2"
-        assert read_envs({"ATOM_W4A16_GEMV": "Triton"}).w4a16_gemv == "triton"
-        with pytest.raises(ValueError, match="invalid ATOM_W4A16_GEMV='half'; expected one of: triton, f16x2"):
-            read_envs({"ATOM_W4A16_GEMV": "half"})
-        with pytest.raises(ValueError, match="unknown W4A16 GEMV 'half'; expected one of: triton, f16x2"):
-            w4a16.set_w4a16_gemv("half")
-        code = "from atom_core.kernels.triton import w4a16; print(w4a16._gemv_kind)"
-        run = run_with_env(code, "ATOM_W4A16_GEMV", "triton")
-        assert run.stdout.strip() == "triton", run.stderr
-
-    def test_f16x2_only_for_symmetric_kernel_layout_half_x(self, monkeypatch):
+class TestWhereItRuns:
+    def test_f16x2_only_for_symmetric_kernel_layout_half_x(self):
         consts = dict(V=INT4_INTERLEAVE, HAS_ZERO=False)
-        monkeypatch.setattr(w4a16, "_gemv_kind", "triton")
-        assert w4a16._tuned_gemv(torch.bfloat16, consts) is w4a16._w4a16_gemv_tuned
-        w4a16.set_w4a16_gemv("f16x2")  # monkeypatch restores the module's value
         assert w4a16._tuned_gemv(torch.bfloat16, consts) is f16x2._w4a16_gemv_f16x2_tuned
         assert w4a16._tuned_gemv(torch.float16, consts) is f16x2._w4a16_gemv_f16x2_tuned
         assert w4a16._tuned_gemv(torch.float32, consts) is w4a16._w4a16_gemv_tuned
@@ -338,16 +322,11 @@ def test_masked_split_and_bias_variants_compile_for_hopper(dtype):
 
 
 # ---------------------------------------------------------------------------------------------
-# GPU: the kernel through w4a16_gemm's dispatch with the switch on (random words are random
-# nibbles, read in the kernel layout; the reference deinterleaves them)
+# GPU: the kernel through w4a16_gemm's dispatch (random words are random nibbles, read in the kernel
+# layout; the reference deinterleaves them)
 
 LLAMA_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, gate_up, down
 ODD_SHAPES = [(72, 11008), (1000, 1376)]  # N off every tile; K off the 1,024-column step (masked)
-
-
-@pytest.fixture
-def f16x2_on(monkeypatch):
-    monkeypatch.setattr(w4a16, "_gemv_kind", "f16x2")
 
 
 def _pin(monkeypatch, config) -> None:
@@ -367,7 +346,6 @@ def _check(n, k, m, group, dtype, bias=False, gemv_split=1, seed=0):
 
 
 @pytest.mark.gpu
-@pytest.mark.usefixtures("f16x2_on")
 class TestOnGpu:
     @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
     @pytest.mark.parametrize("m", [1, 2, 3, 4])
@@ -417,17 +395,14 @@ class TestOnGpu:
 
 
 @pytest.mark.gpu
-def test_custom_op_takes_the_f16x2_gemv_under_the_env_switch():
-    code = (
-        "import torch\n"
-        "from atom_core.kernels.triton import w4a16_gemv_f16x2 as f\n"
-        "from atom_core.quant.int_ops import w4a16_gemm, w4a16_gemm_ref\n"
-        "q = torch.randint(-2**31, 2**31 - 1, (4096, 512), dtype=torch.int32, device='cuda')\n"
-        "s = (torch.rand(4096, 32, device='cuda') * 0.02).to(torch.bfloat16)\n"
-        "x = torch.randn(2, 4096, device='cuda', dtype=torch.bfloat16)\n"
-        "y, ref = w4a16_gemm(x, q, s, None, 128, None, 4), w4a16_gemm_ref(x, q, s, None, 128, None, 4)\n"
-        "print(len(f._w4a16_gemv_f16x2_tuned.cache), ((y.float() - ref.float()).norm() / ref.float().norm()).item())\n")
-    run = run_with_env(code, "ATOM_W4A16_GEMV", "f16x2")
-    assert run.returncode == 0, run.stderr
-    runs, err = run.stdout.split()
-    assert int(runs) == 1 and float(err) < GPU_TOL[torch.bfloat16], run.stdout
+def test_custom_op_takes_the_f16x2_gemv():
+    if INTERPRET or not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from atom_core.quant.int_ops import w4a16_gemm
+
+    q = torch.randint(-2**31, 2**31 - 1, (4096, 512), dtype=torch.int32, device="cuda")
+    s = (torch.rand(4096, 32, device="cuda") * 0.02).to(torch.bfloat16)
+    x = torch.randn(2, 4096, device="cuda", dtype=torch.bfloat16)
+    before = len(f16x2._w4a16_gemv_f16x2_tuned.cache)
+    y, ref = w4a16_gemm(x, q, s, None, 128, None, 4), w4a16_gemm_ref(x, q, s, None, 128, None, 4)
+    assert len(f16x2._w4a16_gemv_f16x2_tuned.cache) >= max(before, 1) and rel_err(y, ref) < GPU_TOL[torch.bfloat16]

@@ -102,19 +102,23 @@ def test_padding_rows_store_no_kv_and_tables_cover_their_positions():
     assert meta.block_tables.tolist() == [[7, 8], [9, 0]]  # seq_len 5 needs 2 blocks: padded with block 0
 
 
-def test_switch_parses_and_bad_values_fail_clearly():
+def test_the_option_parses_and_bad_values_fail_clearly(monkeypatch):
+    from atom_core.config import EngineConfig
     from atom_core.envs import read_envs
 
-    assert read_envs({}).mtp_graphs is False  # until the graphs have run on a GPU
+    assert read_envs({}).mtp_graphs is None and EngineConfig.from_kwargs("m").kernel.mtp_graphs is False
     assert read_envs({"ATOM_MTP_GRAPHS": "1"}).mtp_graphs is True
     with pytest.raises(ValueError, match="ATOM_MTP_GRAPHS"):
         read_envs({"ATOM_MTP_GRAPHS": "maybe"})
-
-
-def test_the_cpu_engine_captures_no_graphs(v3_mtp, monkeypatch):
-    """The switch asks for graphs only where the engine captures them (CUDA): on the CPU it is inert."""
     monkeypatch.setenv("ATOM_MTP_GRAPHS", "1")
-    engine = LLMEngine(str(v3_mtp[0]), method="mtp", num_speculative_tokens=2)
+    assert EngineConfig.from_kwargs("m").kernel.mtp_graphs is True
+    assert EngineConfig.from_kwargs("m", mtp_graphs=False).kernel.mtp_graphs is False  # the keyword wins
+
+
+def test_the_cpu_engine_captures_no_graphs(v3_mtp):
+    """The option asks for graphs only where the engine captures them (CUDA): on the CPU it is inert."""
+    engine = LLMEngine(str(v3_mtp[0]), method="mtp", num_speculative_tokens=2, mtp_graphs=True)
+    assert engine.config.kernel.mtp_graphs
     proposer = engine.core.executor.runner.proposer
     assert proposer.graphs is None and not proposer.pad_catch_up
 

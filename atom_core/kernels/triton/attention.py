@@ -29,7 +29,6 @@ import torch
 import triton
 import triton.language as tl
 
-from atom_core.envs import MIXED_ATTENTION_MODES, MixedAttentionMode, read_envs
 from atom_core.kernels.torch_ref import FP8_KV_DTYPES
 from atom_core.kernels.triton.common import (
     LaunchPlans, PlannedLaunch, check_dim, check_float, check_int, check_last_dim_contiguous, check_same_device,
@@ -45,27 +44,6 @@ SPLIT_TARGET_PROGRAMS_PER_SM = 2
 MAX_KV_SPLITS = 32
 # Scratch for split partials is fp32 [splits, T, H, D]; beyond this, use fewer splits.
 MAX_SPLIT_SCRATCH_BYTES = 256 << 20
-
-# The switch (ATOM_MIXED_ATTENTION, read when this module is imported). With one launch for a
-# step holding a long chunk and decodes, the decode rows run in the chunk's tile (BLOCK_M 64 of
-# which GROUP rows are used, no split-KV) over a grid mostly of programs that exit at once.
-_mixed_mode: MixedAttentionMode = read_envs().mixed_attention
-
-
-def mixed_attention_mode() -> MixedAttentionMode:
-    """'split' (default): a step's decodes and chunks with cached context go to two launches, each
-    with its own tile and split-KV choice; 'single': one launch sized by the longest query."""
-    return _mixed_mode
-
-
-def set_mixed_attention_mode(mode: MixedAttentionMode) -> None:
-    """Process-wide choice (benchmarks, tests; an engine takes ATOM_MIXED_ATTENTION).
-    Read by the attention backend at every forward."""
-    global _mixed_mode
-    if mode not in MIXED_ATTENTION_MODES:
-        raise ValueError(f"unknown mixed attention {mode!r}; expected one of: {', '.join(MIXED_ATTENTION_MODES)}")
-    _mixed_mode = mode
-
 
 @triton.jit
 def _attend_tile(
@@ -472,6 +450,7 @@ def launch_paged_attention(
     max_seq_len: int, out: torch.Tensor | None = None, *, num_kv_splits: int | None = None,
     seq_order: torch.Tensor | None = None, heads_inner: bool | None = None, sliding_window: int | None = None,
     sinks: torch.Tensor | None = None, k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0,
+    direct_launch: bool = True,
 ) -> torch.Tensor:
     """`paged_attention` with overrides of the split count and launch order (tests, benchmarks)."""
     plan = _paged_plan(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale, max_query_len,
@@ -496,6 +475,7 @@ def launch_paged_attention(
                   block_tables, query_start_loc, seq_lens, seq_order if seq_order is not None else seq_lens,
                   *layout, out.stride(0), out.stride(1), block_tables.stride(0)),
                  dict(k_scales_ptr=k_scales, v_scales_ptr=v_scales, **kernel_kwargs)),
+        direct_launch,
     )
     if plan.merge is not None:
         merge_rows, subset, merge_kwargs, max_q = plan.merge
@@ -504,6 +484,7 @@ def launch_paged_attention(
             lambda: ((part_out, part_lse, out, query_start_loc, seq_order if subset else query_start_loc,
                       plan.num_seqs, num_tokens, plan.num_kv_splits, max_q, out.stride(0), out.stride(1)),
                      merge_kwargs),
+            direct_launch,
         )
     return out
 
@@ -524,6 +505,7 @@ def paged_attention(
     sinks: torch.Tensor | None = None,  # [H] float: a per-head logit in the softmax denominator, no value
     k_scale: float | torch.Tensor = 1.0,  # FP8 caches: stored K times k_scale is K,
     v_scale: float | torch.Tensor = 1.0,  # or [NB, BS, KH] float32 per-token-head scales
+    direct_launch: bool = True,  # False: through Triton's JIT call path every time (PlannedLaunch)
 ) -> torch.Tensor:
     """Causal paged attention; same contract as `torch_ref.paged_attention`.
 
@@ -536,7 +518,8 @@ def paged_attention(
     """
     return launch_paged_attention(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
                                   scale, max_query_len, max_seq_len, out, seq_order=seq_order,
-                                  sliding_window=sliding_window, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+                                  sliding_window=sliding_window, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+                                  direct_launch=direct_launch)
 
 
 def warm_up_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, dtype: torch.dtype,

@@ -86,25 +86,6 @@ class LaunchPlans(dict):
         return plan
 
 
-# Whether PlannedLaunch may call compiled kernels directly (ATOM_TRITON_FAST_LAUNCH; read once).
-_fast_launch: bool | None = None
-
-
-def fast_launch_enabled() -> bool:
-    global _fast_launch
-    if _fast_launch is None:
-        from atom_core.envs import read_envs
-
-        _fast_launch = read_envs().triton_fast_launch
-    return _fast_launch
-
-
-def set_fast_launch(enabled: bool) -> None:
-    """Turn direct launches on or off for this process (tests, benchmarks)."""
-    global _fast_launch
-    _fast_launch = bool(enabled)
-
-
 def _launch_hooks_set() -> bool:
     """Whether a launch hook (Proton) is registered: Triton >= 3.5 keeps them in a HookChain that
     is never None (empty: no hook), older versions a callable or None."""
@@ -132,8 +113,9 @@ class PlannedLaunch:
     Safe because Triton specializes a kernel only on argument dtypes, pointer alignment (16
     bytes) and integer value classes: the plan's key fixes every argument but the per-call
     tensors, and their dtypes; their alignment picks the compiled kernel (a new pattern goes
-    through the JIT once). Launch hooks (Proton) or ATOM_TRITON_FAST_LAUNCH=0 take the JIT path
-    every time; so does the interpreter (TRITON_INTERPRET=1), which compiles nothing.
+    through the JIT once). Launch hooks (Proton), or a call with direct=False (the wrappers'
+    `direct_launch`, KernelConfig.triton_fast_launch), take the JIT path every time; so does the
+    interpreter (TRITON_INTERPRET=1), which compiles nothing.
     """
 
     def __init__(self, fn, grid: tuple, per_call: tuple[str, ...]):
@@ -143,14 +125,14 @@ class PlannedLaunch:
         self.kernels: dict[tuple, object] = {}  # alignment pattern of the per-call tensors -> compiled kernel
         self.device: int | None = None
 
-    def __call__(self, tensors: tuple, make_call) -> None:
+    def __call__(self, tensors: tuple, make_call, direct: bool = True) -> None:
         """tensors: the per-call tensors (or None), in `per_call` order; make_call() -> (args, kwargs):
         the whole call as `kernel[grid](*args, **kwargs)` takes it, those tensors included (built only
-        when the JIT path runs)."""
+        when the JIT path runs); direct=False: always the JIT path."""
         key = tuple(None if t is None else t.data_ptr() % 16 == 0 for t in tensors)
         kernel = self.kernels.get(key)
-        if kernel is None or not fast_launch_enabled() or _launch_hooks_set():
-            self._jit_launch(key, tensors, *make_call())
+        if kernel is None or not direct or _launch_hooks_set():
+            self._jit_launch(key, tensors, *make_call(), direct)
             return
         values = self.values.copy()
         for slot, t in zip(self.slots, tensors):
@@ -159,9 +141,9 @@ class PlannedLaunch:
         kernel.run(g[0], g[1], g[2], _current_stream(self.device), kernel.function, kernel.packed_metadata,
                    None, None, None, *values)
 
-    def _jit_launch(self, key: tuple, tensors: tuple, args: tuple, kwargs: dict) -> None:
+    def _jit_launch(self, key: tuple, tensors: tuple, args: tuple, kwargs: dict, direct: bool) -> None:
         kernel = self.fn[self.grid](*args, **kwargs)
-        if not fast_launch_enabled() or not _is_compiled(kernel):
+        if not direct or not _is_compiled(kernel):
             return
         if self.values is None:
             names = list(self.fn.arg_names)

@@ -19,7 +19,7 @@ loaded 16 bytes a thread (8 bf16: the same register layout as x's), under a unit
 Status: GPU tests pass on the H100 (2026-11-26, fourth session). At 1 token it streams the weights
 at 2.1-3.1 TB/s against cuBLAS's 1.7-2.9 (faster on most Llama shapes and the LM head, slower on a
 few: `python -m atom_core.kernels.triton.dense_gemv_bench`) and cut batch-1 steps by 3.8-6.1%, so
-ATOM_DENSE_SMALL_M_KERNEL=auto (the default, quant/unquantized.py) sends 1-token linears here.
+the linears' tables (quant/unquantized.py) send 1-token linears here.
 The fifth session's tile sweep moved 1-token bf16 to one row a program in 1,024-column steps
 (`default_dense_gemv_config`): batch-1 TPOT Llama-3-8B 5.83 ms, Qwen3-0.6B 1.30, V2-Lite 3.19.
 """
@@ -70,7 +70,7 @@ def default_dense_gemv_config(m: int, n: int, k: int, elem_bytes: int, num_sms: 
     fastest on every Llama-3-8B shape at TP=1 and 2 (qkv 21.9 -> 18.5 us, down 44.4 -> 39.8, the LM
     head 337.5 -> 329.9), where the FP8 GEMV's 32 weights a thread over BLOCK_K 512 had been used."""
     cfg = default_fp8_gemv_config(m, n, k, elem_bytes, None, num_sms, w_bytes=elem_bytes)
-    if m != 1 or elem_bytes != 2:  # not swept: M 2-4 (only ATOM_DENSE_SMALL_M_KERNEL=gemv sends them here), fp32
+    if m != 1 or elem_bytes != 2:  # not swept: M 2-4 (no linear sends them here), fp32
         return cfg
     bk = max(16, min(1024, triton.next_power_of_2(k)))
     bn = max(1, 8 * 32 * cfg.num_warps // bk)

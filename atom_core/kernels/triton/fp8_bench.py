@@ -3,17 +3,17 @@ tokens (default 1 and 32), CUDA-graph medians in us, against the bytes-read floo
 (e4m3 weights + their float32 scales; activations are noise at these M):
 
   bf16         F.linear on a bf16 weight of the shape (what FP8 must beat)
-  scaled_mm    fp8_linear's default CUDA path: Triton per-token quantizer + torch._scaled_mm row-wise
-  tr-channel   the Triton GEMM, per-channel scales (fp8_channel_gemm; what fp8_linear runs at
-               M <= 16 under ATOM_FP8_SMALL_M_KERNEL=triton)
+  scaled_mm    fp8_linear's CUDA path above 32 tokens: Triton per-token quantizer + torch._scaled_mm
+               row-wise (fp8_ops.fp8_scaled_mm)
+  tr-channel   the Triton GEMM, per-channel scales (fp8_channel_gemm; what fp8_linear runs for shapes
+               _scaled_mm refuses)
   tr-block     the Triton GEMM, row-expanded 128x128 block scales (fp8_block_gemm: block-FP8
                checkpoints, the CUDA default of fp8_block_linear)
   quant        the per-token quantizer alone (the launch the Triton small-M path fuses away)
   gemv ch/blk  the weight-only FP8 GEMV (kernels/triton/fp8_gemv.py, x not quantized), per-channel
-               and row-expanded block scales; M <= 4 only (blank above): ATOM_FP8_SMALL_M_KERNEL=gemv
+               and row-expanded block scales; M <= 4 only (blank above; the linears take it at 1 token)
   w8a16        the weight-only FP8 GEMM (kernels/triton/fp8_w8a16.py), per-channel, 2 <= M <= 64
-               (blank elsewhere): ATOM_FP8_SMALL_M_KERNEL=w8a16; `--w8a16-widen convert,ptx` times it under
-               each ATOM_W8A16_WIDEN value side by side (columns `w8a16`, `w8a16 ptx`)
+               (blank elsewhere; the linears take it at 2-32 tokens, fp8_ops.fp8_linear_table)
 
 `--sweep` times a few small-M tiles (BLOCK_N x split-K x stages) per shape for both Triton kinds;
 `--sweep-w8a16` the weight-only GEMM's (BLOCK_N x BLOCK_K x stages, split by the grid) at 2 <= M <= 64;
@@ -21,17 +21,14 @@ tokens (default 1 and 32), CUDA-graph medians in us, against the bytes-read floo
 Weight values do not affect speed (random e4m3). Results: docs/PERFORMANCE.md (H100, 2026-11-26).
 `python -m atom_core.kernels.triton.fp8_bench [--shapes llama-3-8b,deepseek-v3,qwen3-30b-a3b] [--m 1,32]
 [--sweep | --sweep-gemv]`. Issue 16 (Qwen3-30B-A3B-FP8 batch 1): `--shapes qwen3-30b-a3b --m 1,2`, where
-tr-block is the old block path, gemv blk the block GEMV (ATOM_FP8_SMALL_M_KERNEL=gemv), bf16 the baseline.
+tr-block is the block GEMM, gemv blk the block GEMV (what block-FP8 linears run at 1 token), bf16 the baseline.
 """
 from __future__ import annotations
 
 import argparse
 from dataclasses import replace
-from functools import partial
 
 import torch
-
-from atom_core.envs import W8A16_WIDENS
 
 # model -> projection -> (N, K), one GPU (TP 1)
 SHAPES = {
@@ -67,20 +64,15 @@ def _weights(n: int, k: int):
     return w, torch.full((n, 1), 1e-3, device="cuda"), torch.full((n, -(-k // 128)), 1e-3, device="cuda")
 
 
-def _table(names: list[str], ms: list[int], widens: list[str]) -> None:
+def _table(names: list[str], ms: list[int]) -> None:
     from atom_core.kernels.triton.fp8 import quantize_fp8_per_token
     from atom_core.kernels.triton.fp8_gemm import fp8_block_gemm, fp8_channel_gemm
     from atom_core.kernels.triton.fp8_gemv import fp8_block_gemv, fp8_channel_gemv
-    from atom_core.kernels.triton.fp8_w8a16 import W8A16_MAX_TOKENS, fp8_w8a16_gemm, set_w8a16_widen
-    from atom_core.quant.fp8_ops import GEMV_MAX_TOKENS, fp8_linear, set_small_m_kernel
+    from atom_core.kernels.triton.fp8_w8a16 import W8A16_MAX_TOKENS, fp8_w8a16_gemm
+    from atom_core.quant.fp8_ops import GEMV_MAX_TOKENS, fp8_scaled_mm
 
-    def w8a16_us(x, w, s, widen: str) -> float:
-        set_w8a16_widen(widen)  # read at launch: the graph captures this variant
-        return _time_us(lambda: fp8_w8a16_gemm(x, w, s))
-
-    set_small_m_kernel("scaled_mm")
-    cols = ("bf16", "scaled_mm", "tr-channel", "tr-block", "quant", "gemv ch", "gemv blk",
-            *("w8a16" if v == "convert" else f"w8a16 {v}" for v in widens), "floor ch", "floor blk")
+    cols = ("bf16", "scaled_mm", "tr-channel", "tr-block", "quant", "gemv ch", "gemv blk", "w8a16", "floor ch",
+            "floor blk")
     print(f"{'model':>12} {'shape':>8} {'M':>4} " + " ".join(f"{c:>10}" for c in cols))
     for model in names:
         for name, (n, k) in SHAPES[model].items():
@@ -89,7 +81,7 @@ def _table(names: list[str], ms: list[int], widens: list[str]) -> None:
             for m in ms:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 times = [_time_us(lambda: torch.nn.functional.linear(x, wb)),
-                         _time_us(lambda: fp8_linear(x, w, s_channel)),
+                         _time_us(lambda: fp8_scaled_mm(x, w, s_channel, None, None)),
                          _time_us(lambda: fp8_channel_gemm(x, w, s_channel)),
                          _time_us(lambda: fp8_block_gemm(x, w, s_block, [1, 128])),
                          _time_us(lambda: quantize_fp8_per_token(x))]
@@ -98,7 +90,7 @@ def _table(names: list[str], ms: list[int], widens: list[str]) -> None:
                               _time_us(lambda: fp8_block_gemv(x, w, s_block, [1, 128]))]
                 else:
                     times += [None, None]
-                times += [w8a16_us(x, w, s_channel, v) if 2 <= m <= W8A16_MAX_TOKENS else None for v in widens]
+                times += [_time_us(lambda: fp8_w8a16_gemm(x, w, s_channel)) if 2 <= m <= W8A16_MAX_TOKENS else None]
                 times += [floor_us(n, k, False), floor_us(n, k, True)]
                 print(f"{model:>12} {name:>8} {m:>4} " + " ".join(" " * 10 if t is None else f"{t:10.1f}" for t in times),
                       flush=True)
@@ -191,9 +183,6 @@ def main() -> None:
     parser.add_argument("--sweep-gemv", action="store_true", help="time the FP8 GEMV's tiles (M <= 4) instead")
     parser.add_argument("--sweep-w8a16", action="store_true",
                         help="time the weight-only FP8 GEMM's tiles (2 <= M <= 64) instead")
-    parser.add_argument("--w8a16-widen", default="convert",
-                        help=f"comma-separated ATOM_W8A16_WIDEN values to time the w8a16 column under, from: "
-                             f"{', '.join(W8A16_WIDENS)}")
     args = parser.parse_args()
     if args.sweep + args.sweep_gemv + args.sweep_w8a16 > 1:
         raise SystemExit("--sweep, --sweep-gemv and --sweep-w8a16 are separate runs; pass one")
@@ -207,14 +196,9 @@ def main() -> None:
         raise SystemExit(f"--m takes comma-separated positive integers, got {args.m!r}") from None
     if not ms or min(ms) < 1:
         raise SystemExit(f"--m takes comma-separated positive integers, got {args.m!r}")
-    widens = [v for v in args.w8a16_widen.split(",") if v]
-    if not widens or any(v not in W8A16_WIDENS for v in widens):
-        raise SystemExit(f"unknown widening in --w8a16-widen {args.w8a16_widen!r}; expected some of: "
-                         f"{', '.join(W8A16_WIDENS)}")
     if not torch.cuda.is_available():
         raise SystemExit("fp8_bench needs a CUDA GPU")
-    table = partial(_table, widens=widens)
-    run = _sweep if args.sweep else _sweep_gemv if args.sweep_gemv else _sweep_w8a16 if args.sweep_w8a16 else table
+    run = _sweep if args.sweep else _sweep_gemv if args.sweep_gemv else _sweep_w8a16 if args.sweep_w8a16 else _table
     run(names, ms)
 
 

@@ -50,7 +50,7 @@ split's second launch (a last-arriving-split sum would save it); at M = 4 the in
 Status: the per-channel kernel's GPU tests pass on the H100 (2026-11-26, fourth session); at 1 token
 it runs at 1.04-1.32x the bytes floor on Llama-3-8B's shapes (`_scaled_mm` with its activation
 quantizer: 1.3-3.0x), so fp8_ops dispatches 1-token per-channel linears here by default
-(ATOM_FP8_SMALL_M_KERNEL=auto; Llama-3-8B fp8 batch-1 TPOT 5.71 -> 4.27 ms). The block kernel as
+(fp8_ops.fp8_linear_table; Llama-3-8B fp8 batch-1 TPOT 5.71 -> 4.27 ms). The block kernel as
 rewritten here (chunk scales, prefetched; 2026-11-26, seventh session) passes its GPU tests and at 1
 token beats the Triton block GEMM on 10 of 11 measured shapes (Qwen3-30B-A3B qkv 7.0 vs 11.7 us,
 DeepSeek-V3 o 73.4 vs 86.3; it loses Llama-3-8B's down, K = 14,336: 52.3 vs 42.8), at 1.3-4.5x

@@ -25,12 +25,6 @@ wins on the narrow shapes (17.0 / 11.4 / 32.8 vs 19.3 / 14.9 / 48.2) but loses o
 51.0), and at 64 tokens everywhere. fp8_ops' `auto` takes it at 2-16 tokens, and at 17-32 for
 outputs of at most 8,192 columns: Llama-3-8B fp8 TPOT at batch 8 5.70 -> 4.38 ms, batch 32 5.92 ->
 5.33 ms. Narrow shapes still run at 1.3-2.0x their bytes floor.
-
-ATOM_W8A16_WIDEN=ptx (default convert; not yet timed on a GPU) runs `_w8a16_ptx_kernel` for bf16 x:
-the same loop with the weights widened in inline PTX (WIDEN_ASM). Offline sm_90 SASS of the K loop at
-the default tiles (N 4,096, K 14,336): 4.17 / 4.08 / 4.77 instructions a weight at M <= 16 / 32 / 64
-against 4.84 / 5.84 / 4.83, mostly from the dot's operand layout (`_widen_ptx`), and 0.5 conversions
-a weight instead of 1.5.
 """
 from __future__ import annotations
 
@@ -40,7 +34,6 @@ import torch
 import triton
 import triton.language as tl
 
-from atom_core.envs import W8A16_WIDENS, W8a16Widen, check_choice, read_envs
 from atom_core.kernels.triton.common import sm_count
 from atom_core.kernels.triton.fp8_gemm import channel_scales, check_operands, split_k_target, sum_splits
 
@@ -48,63 +41,11 @@ W8A16_MAX_TOKENS = 64  # tokens the kernel takes (BLOCK_M up to 64: one M tile)
 PROGRAMS_PER_SM = 2
 MAX_SPLIT_K = 8
 
-# The PTX widening (ATOM_W8A16_WIDEN=ptx, `_w8a16_ptx_kernel`: bf16 x on CUDA). Triton widens e4m3 ->
-# f16 -> bf16 in an F2FP a pair, an F2F a weight and a PRMT a pair: 2 instructions a weight, 1.5 of
-# them conversions (16 results a clock an SM against logic ops' 64, CUDA guide, cc 9.0). Here
-# `cvt.rn.f16x2.e4m3x2` gives a pair as fp16 exactly (every e4m3 value, subnormals too, is a normal
-# fp16 or zero) and the fp16 bits become bf16 bits by moving exponent and mantissa right by SHIFT
-# under the sign: the bf16 exponent field is the fp16 one, so the bf16 value is the fp16 value *
-# 2**-WIDEN_EXP (biases 15 and 127) exactly. The 32-bit shift drops each lane's sign (and the high
-# lane's 3 low mantissa bits, zero here) into bits 12-15 of the lane below: MAGNITUDE keeps a lane's
-# (h & 0x7FFF) >> 3, SIGNS puts the signs back. Still 2 instructions a weight (one LOP3 after the
-# shift cannot clear bit 12 and keep bit 15), but 0.5 of them conversions.
-# Range: the float32 sums carry 2**-WIDEN_EXP, undone in the per-channel scale; scale * 2**112 is
-# finite for scales below 2**16 (an e4m3 scale is amax / 448: weights of 3e7). Products below float32's
-# normal range, |x * w| < 2**-14 in e4m3 units, may be flushed by the tensor cores; a row's weights
-# reach 448, so its products are of order |x| * 100 and few fall under 2**-14: emulated worst case,
-# 1e-5 of the output at rms(x) = 1e-3, 1e-2 at rms(x) = 1e-5 (tests/quant/test_w8a16_widen.py).
-# NaN weights (0x7F, 0xFF) become finite: fp16 NaN bits read this way are bf16 exponent 31, a
-# weight of magnitude [2**16, 2**17) once unscaled (quantizers saturate at 448: checkpoints hold none).
-WIDEN_EXP = 112
-SHIFT = 3  # fp16 exponent bits 10-14 -> bf16 exponent bits 7-11
-MAGNITUDE = 0x0FFF0FFF
-SIGNS = 0x80008000
-LOP3_AND_OR = 0xF0 & 0xCC | 0xAA  # lop3 truth table of (a & b) | c
-_UNSCALE = tl.constexpr(2.0 ** WIDEN_EXP)
-# 4 e4m3 bytes (element i in byte i) -> 2 bf16x2 registers, element 2j + i in half i of $j: the cvt
-# puts a 16-bit source's low byte in the low half
-WIDEN_ASM = tl.constexpr(f"""{{
-.reg .b16 lo, hi;
-.reg .b32 h0, h1, s0, s1;
-mov.b32 {{lo, hi}}, $2;
-cvt.rn.f16x2.e4m3x2 h0, lo;
-cvt.rn.f16x2.e4m3x2 h1, hi;
-shr.b32 s0, h0, {SHIFT};
-shr.b32 s1, h1, {SHIFT};
-and.b32 s0, s0, {MAGNITUDE:#x};
-and.b32 s1, s1, {MAGNITUDE:#x};
-lop3.b32 $0, h0, {SIGNS:#x}, s0, {LOP3_AND_OR:#x};
-lop3.b32 $1, h1, {SIGNS:#x}, s1, {LOP3_AND_OR:#x};
-}}""")
 
-
-@triton.jit
-def _widen_ptx(w):
-    """e4m3 [BN, BK] -> bf16, the value * 2**-WIDEN_EXP. Not pure on purpose: Triton sizes the dot's
-    operand registers by the narrowest type it finds upstream through pure elementwise ops; stopping
-    at the asm keeps the bf16 operand layout (kWidth 2: x through ldmatrix, not LDS.64 + register
-    moves; the widened tile goes through shared memory once instead)."""
-    return tl.inline_asm_elementwise(WIDEN_ASM, "=r,=r,r", [w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16,
-                                     is_pure=False, pack=4)
-
-
-@triton.jit
-def _w8a16_body(x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, steps_per_split, stride_xm, stride_wn, stride_ws,
-                stride_om, stride_os, HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr, MASK_K: tl.constexpr,
-                IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                WIDEN_PTX: tl.constexpr):
-    """Both kernels' loop (thin wrappers keep the convert kernel's signature and code as before);
-    WIDEN_PTX: the weights through `_widen_ptx` and 2**WIDEN_EXP into the scale."""
+@triton.jit(do_not_specialize=["M", "steps_per_split"])
+def _w8a16_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, steps_per_split, stride_xm, stride_wn, stride_ws,
+                  stride_om, stride_os, HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr, MASK_K: tl.constexpr,
+                  IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     split = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -126,15 +67,11 @@ def _w8a16_body(x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, steps_per_split, 
             w = tl.load(w_ptrs)
         if IEEE:  # float32 x, and the interpreter (whose bf16 dot is wrong): the same products in float32
             acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-        elif WIDEN_PTX:
-            acc = tl.dot(a, tl.trans(_widen_ptx(w)), acc)  # exact, times 2**-WIDEN_EXP
         else:
             acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc)  # e4m3 -> x's dtype: exact
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     scale = tl.load(ws_ptr + rows * stride_ws)
-    if WIDEN_PTX:
-        scale = scale * _UNSCALE
     acc = acc * scale[None, :]
     out_ptrs = out_ptr + split * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
     out_ok = m_ok & (offs_n[None, :] < N)
@@ -144,25 +81,6 @@ def _w8a16_body(x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, steps_per_split, 
         if HAS_BIAS:
             acc += tl.load(b_ptr + rows).to(tl.float32)[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
-
-
-@triton.jit(do_not_specialize=["M", "steps_per_split"])
-def _w8a16_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, steps_per_split, stride_xm, stride_wn, stride_ws,
-                  stride_om, stride_os, HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr, MASK_K: tl.constexpr,
-                  IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    _w8a16_body(x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, steps_per_split, stride_xm, stride_wn, stride_ws,
-                stride_om, stride_os, HAS_BIAS, IS_SPLIT, MASK_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, False)
-
-
-@triton.jit(do_not_specialize=["M", "steps_per_split"])
-def _w8a16_ptx_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, steps_per_split, stride_xm, stride_wn,
-                      stride_ws, stride_om, stride_os, HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr,
-                      MASK_K: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
-    """`_w8a16_kernel` with WIDEN_ASM's widening (ATOM_W8A16_WIDEN=ptx): bf16 x on CUDA only."""
-    tl.static_assert(x_ptr.dtype.element_ty == tl.bfloat16 and not IEEE, "the PTX widening feeds a bf16 dot")
-    _w8a16_body(x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, steps_per_split, stride_xm, stride_wn, stride_ws,
-                stride_om, stride_os, HAS_BIAS, IS_SPLIT, MASK_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, True)
 
 
 def default_tiles(m: int, n: int, k: int, num_sms: int, x_bytes: int) -> tuple[int, int, int, int, int, int]:
@@ -180,23 +98,6 @@ def default_tiles(m: int, n: int, k: int, num_sms: int, x_bytes: int) -> tuple[i
     tiles = triton.cdiv(n, block_n)
     split = max(1, min(MAX_SPLIT_K, triton.cdiv(k, block_k), triton.cdiv(PROGRAMS_PER_SM * num_sms, tiles)))
     return block_m, block_n, block_k, split, 4, 3
-
-
-_widen_kind: W8a16Widen = read_envs().w8a16_widen  # ATOM_W8A16_WIDEN, read when this module is imported
-
-
-def set_w8a16_widen(kind: W8a16Widen) -> None:
-    """Process-wide widening choice (benchmarks, tests; an engine takes ATOM_W8A16_WIDEN), read at every launch."""
-    global _widen_kind
-    _widen_kind = check_choice(kind, W8A16_WIDENS, "W8A16 widening")
-
-
-def _kernel_for(dtype: torch.dtype, interpret: bool):
-    """The PTX-widening sibling under ATOM_W8A16_WIDEN=ptx for bf16 x on CUDA (the interpreter runs no
-    inline asm; fp16/fp32 x convert), else `_w8a16_kernel`."""
-    if _widen_kind == "ptx" and dtype == torch.bfloat16 and not interpret:
-        return _w8a16_ptx_kernel
-    return _w8a16_kernel
 
 
 def fp8_w8a16_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -228,7 +129,7 @@ def fp8_w8a16_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
         bn, bk = 16, 32
         split = min(split, triton.cdiv(k, bk))
     steps_per_split, split, target = split_k_target(out, k, bk, split if split_k is None else split_k)
-    _kernel_for(x.dtype, interpret)[(triton.cdiv(n, bn), split)](
+    _w8a16_kernel[(triton.cdiv(n, bn), split)](
         x2, weight, w_scale, bias if bias is not None else w_scale, target, m, n, k, steps_per_split, x2.stride(0),
         weight.stride(0), stride_ws, target.stride(-2), target.stride(0) if split > 1 else 0,
         HAS_BIAS=bias is not None, IS_SPLIT=split > 1, MASK_K=k % bk != 0, IEEE=x.dtype == torch.float32 or interpret,

@@ -32,9 +32,8 @@ tiled path and the reference do), the weighted sum over k in float32, rounded on
 The kernels' names start with `_moe_` so that a profile of CUDA-graph replays files them under MoE
 (profiling/module_types.py matches kernel names) and tells them from the MXFP4 GEMVs.
 
-Status: written and checked under the Triton interpreter and an offline sm_90 compile only; NOT yet
-run on a GPU. So `auto` keeps the tiled path unless ATOM_MOE_DECODE_PATH=gemv (envs.py) or
-`set_decode_path("gemv")`; `python -m atom_core.kernels.triton.moe_decode_bench` measures both.
+`select_path`'s `auto` gives decode batches these GEMVs and everything else the tiled path;
+`python -m atom_core.kernels.triton.moe_decode_bench` measures both (path="gemv" / "tiled").
 """
 from __future__ import annotations
 
@@ -45,7 +44,6 @@ import torch
 import triton
 import triton.language as tl
 
-from atom_core.envs import MOE_DECODE_PATHS, MoeDecodePath, read_envs
 from atom_core.kernels.triton.moe_common import ACTIVATIONS, MoeConfig, activate
 
 # T * top_k up to this may run the GEMVs (the MXFP4 GEMVs' measured bound: past it, experts repeat
@@ -74,33 +72,17 @@ class GemvTiles:
 DEFAULT_TILES = GemvTiles()
 FP32_TILES = GemvTiles((8, 64, 2), (4, 128))  # 4-byte values: the same bytes a row, the same registers
 
-_decode_path: MoeDecodePath = read_envs().moe_decode_path
-
-
-def set_decode_path(path: MoeDecodePath) -> None:
-    """Process-wide choice of `auto` for decode batches (benchmarks, tests; an engine takes
-    ATOM_MOE_DECODE_PATH). A captured CUDA graph keeps the kernels it recorded."""
-    global _decode_path
-    if path not in MOE_DECODE_PATHS:
-        raise ValueError(f"unknown MoE decode path {path!r}; expected one of: {', '.join(MOE_DECODE_PATHS)}")
-    _decode_path = path
-
-
-def decode_path() -> MoeDecodePath:
-    return _decode_path
-
-
 def select_path(num_tokens: int, top_k: int, config: MoeConfig | None = None, path: MoePath = "auto") -> str:
-    """'gemv' or 'tiled'. An explicit path wins; `auto` gives decode-sized batches (T <=
-    GEMV_MAX_TOKENS and T * top_k <= GEMV_MAX_ASSIGNMENTS, no tile config given) the process-wide
-    decode path (gemv by default), everything else the tiled path."""
+    """'gemv' or 'tiled'. An explicit path wins (tests, benchmarks); `auto` gives decode-sized batches
+    (T <= GEMV_MAX_TOKENS and T * top_k <= GEMV_MAX_ASSIGNMENTS, no tile config given) the GEMVs,
+    everything else the tiled path."""
     if path not in MOE_PATHS:
         raise ValueError(f"unknown MoE path {path!r}; expected one of: {', '.join(MOE_PATHS)}")
     if path != "auto":
         return path
     if config is not None or num_tokens > GEMV_MAX_TOKENS or num_tokens * top_k > GEMV_MAX_ASSIGNMENTS:
         return "tiled"
-    return _decode_path
+    return "gemv"
 
 
 @triton.jit(do_not_specialize=["num_assignments", "num_experts", "limit"])

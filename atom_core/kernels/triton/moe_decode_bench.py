@@ -4,8 +4,8 @@ shapes at M = 1, 2, 4, 8 tokens, against the bytes-read floor (weights and biase
 tokens touch, at 3.0 TB/s: the H100 read rate in DESIGN.md). Routing is fixed and spread (token t,
 slot k -> expert (t*K + k) mod E), so the touched experts are min(E, M*K) and the floor is known.
 Times are medians of CUDA-graph replays (the same weights every replay; every case's touched experts
-are over 50 MB, the H100's L2). `auto` says what `select_path` picks under this process's
-ATOM_MOE_DECODE_PATH. `--sweep` times GEMV tiles (GEMM1's with GEMM2 at its default, then GEMM2's)
+are over 50 MB, the H100's L2). `auto` says what `select_path` picks
+(the GEMVs for decode batches). `--sweep` times GEMV tiles (GEMM1's with GEMM2 at its default, then GEMM2's)
 at the smallest and largest M and prints the best (to set moe_decode.DEFAULT_TILES).
 
     python -m atom_core.kernels.triton.moe_decode_bench [--shapes qwen3-30b-a3b,...] [--m 1,2,4,8] [--sweep]
@@ -94,11 +94,11 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("moe_decode_bench needs a CUDA GPU")
     from atom_core.kernels import moe_ref
     from atom_core.kernels.triton.moe import launch_fused_moe
-    from atom_core.kernels.triton.moe_decode import GEMV_MAX_ASSIGNMENTS, decode_path, select_path
+    from atom_core.kernels.triton.moe_decode import GEMV_MAX_ASSIGNMENTS, GEMV_MAX_TOKENS, select_path
 
     print(f"{torch.cuda.get_device_name()}; median us of CUDA-graph replays; floor = bf16 bytes of the touched experts "
           f"at {READ_BYTES_PER_S / 1e12:.1f} TB/s; gemv / tiled = launch_fused_moe's two paths; auto = the path "
-          f"select_path picks (decode path {decode_path()!r}, gemv only up to M*K = {GEMV_MAX_ASSIGNMENTS}); "
+          f"select_path picks (gemv up to M = {GEMV_MAX_TOKENS} and M*K = {GEMV_MAX_ASSIGNMENTS}); "
           f"err = relative L2 error vs moe_ref.fused_moe")
     print(f"{'case':>17} {'M':>3} {'M*K':>4} {'experts':>7} {'MB':>7} {'floor us':>8} {'gemv us':>8} {'x floor':>7} "
           f"{'tiled us':>8} {'x floor':>7} {'auto':>5} {'gemv err':>8} {'tiled err':>9}")

@@ -39,7 +39,6 @@ import torch
 import triton
 import triton.language as tl
 
-from atom_core.envs import PREFILL_ATTENTION_MODES, PrefillAttentionMode, read_envs
 from atom_core.kernels.triton.common import (
     LaunchPlans, PlannedLaunch, check_dim, check_float, check_int, check_last_dim_contiguous, check_same_device,
     next_pow2,
@@ -47,27 +46,6 @@ from atom_core.kernels.triton.common import (
 from atom_core.kernels.triton.qkv_prep import norm_rope, store_heads
 
 LOG2E = 1.4426950408889634
-
-# ---------------------------------------------------------------------------------------------
-# the switch (ATOM_PREFILL_ATTENTION, read when this module is imported)
-
-_mode: PrefillAttentionMode = read_envs().prefill_attention
-
-
-def prefill_attention_mode() -> PrefillAttentionMode:
-    """'contiguous' (default; faster on the H100, docs/PERFORMANCE.md 2026-11-26): sequences without
-    cached context through this kernel; 'paged': every sequence through the paged kernel."""
-    return _mode
-
-
-def set_prefill_attention_mode(mode: PrefillAttentionMode) -> None:
-    """Process-wide choice (benchmarks, tests; an engine takes ATOM_PREFILL_ATTENTION).
-    Read by the attention backend at every forward."""
-    global _mode
-    if mode not in PREFILL_ATTENTION_MODES:
-        raise ValueError(f"unknown prefill attention {mode!r}; expected one of: {', '.join(PREFILL_ATTENTION_MODES)}")
-    _mode = mode
-
 
 # ---------------------------------------------------------------------------------------------
 # K rows: the same norm + RoPE arithmetic as qkv_rope_store's cache store, to contiguous rows
@@ -100,6 +78,7 @@ def rope_k_rows(
     num_kv_heads: int,
     k_norm_weight: torch.Tensor | None = None,  # [D] (Qwen3's per-head k norm)
     eps: float = 1e-6,
+    direct_launch: bool = True,  # False: through Triton's JIT call path every time (PlannedLaunch)
 ) -> torch.Tensor:
     """K [T, KH, D] after the optional per-head RMSNorm and neox RoPE: bit for bit what
     qkv_rope_store writes to a cache in the model dtype (same helpers, same roundings).
@@ -117,7 +96,7 @@ def rope_k_rows(
     norm = k_norm_weight if k_norm_weight is not None else k
     kernel((qkv, positions, cos_sin_cache, norm, k),
            lambda: ((qkv, positions, cos_sin_cache, norm, k, eps, qkv.stride(0), cos_sin_cache.stride(0),
-                     k.stride(0)), kwargs))
+                     k.stride(0)), kwargs), direct_launch)
     return k
 
 
@@ -328,6 +307,7 @@ def prefill_attention(
     sliding_window: int | None = None,  # a row at position p sees keys (p - window, p]
     sinks: torch.Tensor | None = None,  # [H] float: a per-head logit in the softmax denominator, no value
     config: PrefillTileConfig | None = None,  # launch shape override (benchmarks)
+    direct_launch: bool = True,  # False: through Triton's JIT call path every time (PlannedLaunch)
 ) -> torch.Tensor:
     """Causal attention of each listed sequence over its own rows, position = row - cu[s].
 
@@ -346,7 +326,8 @@ def prefill_attention(
     if kernel is None:
         return out
     kernel((query, key, value, out),
-           lambda: ((query, key, value, out, cu_seqlens, seq_ids, *layout, out.stride(0), out.stride(1)), kwargs))
+           lambda: ((query, key, value, out, cu_seqlens, seq_ids, *layout, out.stride(0), out.stride(1)), kwargs),
+           direct_launch)
     return out
 
 

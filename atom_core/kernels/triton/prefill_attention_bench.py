@@ -7,7 +7,7 @@ One layer's causal attention over `tokens` new tokens split into `seqs` equal se
 cached context (a prompt's first chunk), bf16. Times (median of 3 do_bench medians, us) and
 TFLOP/s against the H100's ~785 TFLOP/s bf16 peak (docs: DESIGN.md performance model):
   paged       launch_paged_attention over a shuffled block-16 cache holding the same K/V (today's path)
-  contiguous  prefill_attention over the contiguous rows (ATOM_PREFILL_ATTENTION=contiguous)
+  contiguous  prefill_attention over the contiguous rows (the CUDA backend's path for prompts without cached context)
   +rope_k     the contiguous path's extra launch that writes roped K rows (rope_k_rows)
   sdpa-flash  torch SDPA pinned to its flash backend, K/V heads repeated to the query heads
   flash-attn  flash_attn_varlen_func, only where the flash-attn package imports

@@ -138,6 +138,7 @@ def qkv_rope_store(
     eps: float = 1e-6,
     k_scale: float | torch.Tensor = 1.0,  # FP8 caches: K / k_scale and V / v_scale are stored, or
     v_scale: float | torch.Tensor = 1.0,  # [NB, BS, KH] float32 per-token-head scales, written here
+    direct_launch: bool = True,  # False: through Triton's JIT call path every time (PlannedLaunch)
 ) -> torch.Tensor:
     """Same contract as `torch_ref.qkv_rope_store`: returns q [T, H, D]; K/V go to the cache."""
     has_norm = q_norm_weight is not None
@@ -162,7 +163,7 @@ def qkv_rope_store(
            lambda: ((qkv, positions, cos_sin_cache, weights[0], weights[1], q_out,
                      k_cache, v_cache, slot_mapping, eps, k_cache.shape[1],
                      qkv.stride(0), cos_sin_cache.stride(0), q_out.stride(0), *layout),
-                    dict(kwargs, num_warps=4)))
+                    dict(kwargs, num_warps=4)), direct_launch)
     return q_out
 
 

@@ -8,7 +8,7 @@ Two programs:
     of x (`_w4a16_gemv_kernel`: the arithmetic, why the kernel layout, the instruction count). On a
     GPU the tile is autotuned per shape on first use (a warm-up before any CUDA-graph capture).
     Where it applies (symmetric, the kernel layout, bf16/fp16 x) its packed-half2 sibling runs
-    instead (w4a16_gemv_f16x2.py, autotuned the same way; ATOM_W4A16_GEMV=triton keeps this one).
+    instead (w4a16_gemv_f16x2.py, autotuned the same way): the weights' layout picks the program.
   * GEMM (larger M, prefill): BLOCK_M x BLOCK_N tiles, the dequantized BLOCK_K x BLOCK_N weight
     tile fed to tl.dot in the activation dtype. BLOCK_K divides the group size, so a K step
     reads one scale (and zero) per column.
@@ -27,7 +27,6 @@ import torch
 import triton
 import triton.language as tl
 
-from atom_core.envs import W4A16_GEMVS, W4a16Gemv, check_choice, read_envs
 from atom_core.kernels.int4_layout import INT4_INTERLEAVE, check_interleave
 from atom_core.kernels.triton.common import (
     check_dim, check_float, check_last_dim_contiguous, check_same_device, next_pow2,
@@ -176,19 +175,10 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, k_split, strid
 # N and K are runtime values (one compile a config, not a shape: start-up time), autotuning keys
 _w4a16_gemv_tuned = triton.autotune(configs=_GEMV_CONFIGS, key=["M", "N", "K", "GROUP", "V", "HAS_ZERO"])(_w4a16_gemv_kernel)
 
-_gemv_kind: W4a16Gemv = read_envs().w4a16_gemv  # ATOM_W4A16_GEMV, read when this module is imported
-
-
-def set_w4a16_gemv(kind: W4a16Gemv) -> None:
-    """Process-wide GEMV choice (benchmarks, tests; an engine takes ATOM_W4A16_GEMV), read at every launch."""
-    global _gemv_kind
-    _gemv_kind = check_choice(kind, W4A16_GEMVS, "W4A16 GEMV")
-
-
 def _tuned_gemv(dtype: torch.dtype, consts: dict):
-    """The autotuned GEMV a CUDA launch takes: the f16x2 sibling under ATOM_W4A16_GEMV=f16x2 where it
-    applies (symmetric, the kernel layout, bf16/fp16 x), else `_w4a16_gemv_tuned`."""
-    if (_gemv_kind == "f16x2" and consts["V"] == INT4_INTERLEAVE and not consts["HAS_ZERO"]
+    """The autotuned GEMV a CUDA launch takes, fixed by the weights' layout and x's dtype: the f16x2
+    sibling where it applies (symmetric, the kernel layout, bf16/fp16 x), else `_w4a16_gemv_tuned`."""
+    if (consts["V"] == INT4_INTERLEAVE and not consts["HAS_ZERO"]
             and dtype in (torch.bfloat16, torch.float16)):
         from atom_core.kernels.triton.w4a16_gemv_f16x2 import _w4a16_gemv_f16x2_tuned
 

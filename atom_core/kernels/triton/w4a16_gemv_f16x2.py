@@ -1,7 +1,7 @@
 """W4A16 decode GEMV in packed half2 arithmetic (CUDA only): the sibling of w4a16.py's
 `_w4a16_gemv_kernel` (same arguments and contract) for symmetric weights (zero 8) in the kernel
-layout (INT4_INTERLEAVE = 4) with bf16 / fp16 x, taken under ATOM_W4A16_GEMV=f16x2 (the default;
-w4a16._tuned_gemv). H100 (docs/PERFORMANCE.md, 2026-11-26, eighth session): GPU tests pass; 5-7% faster
+layout (INT4_INTERLEAVE = 4) with bf16 / fp16 x, taken wherever the layout allows
+(w4a16._tuned_gemv). H100 (docs/PERFORMANCE.md, 2026-11-26, eighth session): GPU tests pass; 5-7% faster
 than the float32 GEMV a linear at 1 token, 15-37% at 4; Llama-3-8B W4A16 batch 1 3.91 -> 3.65 ms.
 
 Why: the float32 GEMV issues ~5 SASS instructions a weight (an AND and two FFMAs each, plus x
