@@ -1,5 +1,6 @@
-"""The worker's side of a verify step: per-row sampling inputs for the rejection sampler, and
-the emitted tokens' logprobs. A request that samples owns 1 + k logit rows (k: its drafts)."""
+"""The worker's side of a verify step: the padded batch the verify graphs replay, per-row sampling
+inputs for the rejection sampler, and the emitted tokens' logprobs. A request that samples owns
+1 + k logit rows (k: its drafts)."""
 from __future__ import annotations
 
 import random
@@ -10,8 +11,7 @@ import torch
 
 from atom_core.model_ops.sampler import SamplingBatch
 from atom_core.scheduler_output import SchedulerOutput
-from atom_core.worker.batch_builder import (FlatBatch, _to_device, assemble_flat_batch, build_sampling_batch,
-                                            slot_of)
+from atom_core.worker.batch_builder import FlatBatch, assemble_flat_batch, build_sampling_batch, slot_of, to_device
 from atom_core.worker.input_batch import RequestState
 
 
@@ -45,7 +45,7 @@ def verify_rows(out: SchedulerOutput, states: list[RequestState], flat: FlatBatc
         rows_out.grammar_req_ids, rows_out.grammar_bitmask = out.grammar_req_ids, out.grammar_bitmask
     batch = build_sampling_batch(rows_out, row_states, list(range(len(row_states))), vocab_size, eos_token_ids,
                                  device, rng)
-    return VerifyRows(batch, _to_device(np.array(draft_ids, dtype=np.int64), device), logit_rows, first_rows,
+    return VerifyRows(batch, to_device(np.array(draft_ids, dtype=np.int64), device), logit_rows, first_rows,
                       drafts)
 
 
