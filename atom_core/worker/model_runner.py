@@ -1,8 +1,8 @@
 """ModelRunner: owns the model, the KV cache tensors and the sampler; runs one step.
 
 `launch(out)` updates the worker's request states from the SchedulerOutput, builds the flat
-batch, runs the forward (eager, compiled, or a CUDA graph replay for decode-only batches),
-computes logits only for rows that need them, samples, and returns without waiting;
+batch, runs the forward (eager or compiled, or a CUDA graph replay: worker/graph_dispatch.py
+chooses), computes logits only for rows that need them, samples, and returns without waiting;
 `resolve` waits for the samples (the step's one host-device sync, plus logprobs when a request
 asked for them) and returns a ModelRunnerOutput. A multi-step decode window is a second
 producer of several tokens per request (`_launch_window`).
@@ -25,14 +25,15 @@ from atom_core.loader import build_model
 from atom_core.model_ops.kv_spec import (allocate_kv_cache, attention_layers, check_attention_supported,
                                          finalize_kv_scales, release_kv_cache, set_kv_cache_dtype, warm_up_attention)
 from atom_core.model_ops.sampler import Sampler
-from atom_core.scheduler_output import PLACEHOLDER, ModelRunnerOutput, SchedulerOutput
-from atom_core.spec_decode.proposer import NoProposer, TargetHidden, build_proposer, check_proposer
+from atom_core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from atom_core.spec_decode.proposer import NoProposer, build_proposer, check_proposer
 from atom_core.spec_decode.rejection_sampler import RejectionSampler, emitted_tokens
 from atom_core.worker.batch_builder import FlatBatch, build_flat_batch, build_sampling_batch
 from atom_core.worker.graph_dispatch import GraphDispatcher, graph_sets
 from atom_core.worker.input_batch import InputBatch, RequestState
-from atom_core.worker.memory import num_kv_blocks
-from atom_core.worker.verify_batch import build_padded_verify_batch, emitted_logprobs, verify_rows
+from atom_core.worker.logprobs import emitted_logprobs, sampled_logprobs, token_logprobs
+from atom_core.worker.memory import check_weights_fit, dummy_step, model_weight_bytes, num_kv_blocks
+from atom_core.worker.verify_batch import build_padded_verify_batch, target_hidden, verify_rows
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class PendingStep:
     event: object = None
     row_of: dict = field(default_factory=dict)  # request id -> flat index of its last sample
     prompt_logprobs: dict = field(default_factory=dict)
-    verify: object = None  # spec_decode.verify.VerifyRows of a step that verifies drafts
+    verify: object = None  # verify_batch.VerifyRows of a step that verifies drafts
     verify_logits: torch.Tensor | None = None  # its logit rows, kept when a request wants logprobs
     hidden: torch.Tensor | None = None  # the forward's hidden states, for a proposer that drafts from them
 
@@ -84,7 +85,7 @@ class ModelRunner:
         self._build_step_parts()
         self._compile()
         self._size_and_allocate_kv()
-        self.warm_up_seconds = self._warm_up_kernels()
+        self._warm_up_kernels()
         self._capture_graphs()
 
     # ---- setup, in the order __init__ runs it -------------------------------------------
@@ -93,7 +94,6 @@ class ModelRunner:
         config, model = self.config, self.model_info
         if self.device.type == "cuda":
             from atom_core.kernels.triton.common import pin_triton_cache_dir
-            from atom_core.worker.memory import check_weights_fit, model_weight_bytes
 
             pin_triton_cache_dir(self.device.index or 0)
             check_weights_fit(model_weight_bytes(model.hf_config, model.dtype, model.quant_config),
@@ -157,8 +157,6 @@ class ModelRunner:
 
     def _run_peak_step(self) -> int:
         """A max-size step on a scratch KV cache (for memory profiling); returns the scratch bytes."""
-        from atom_core.worker.memory import dummy_step
-
         sched = self.config.scheduler
         out, num_blocks = dummy_step(sched.max_num_batched_tokens, sched.max_num_seqs, self.max_model_len,
                                      self.block_size)
@@ -175,11 +173,12 @@ class ModelRunner:
         release_kv_cache(self.attention_layers)
         return scratch
 
-    def _warm_up_kernels(self) -> float:
+    def _warm_up_kernels(self) -> None:
         """Compile every attention kernel variant now, not inside the first steps that need one
         (a cold Triton cache otherwise costs seconds in the middle of a run)."""
+        self.warm_up_seconds = 0.0
         if self.device.type != "cuda":
-            return 0.0
+            return
         start = time.perf_counter()
         longest = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
         # Threads: compiles overlap (8 threads took 2.5 s where one took 11.8 s, cold, on the H100 host).
@@ -188,9 +187,8 @@ class ModelRunner:
         logits = torch.zeros(2, self.vocab_size, dtype=self.dtype, device=self.device)
         kernel_ops(self.device).gumbel_argmax(logits, torch.ones(2, device=self.device), 0, 0)  # the sampler's
         torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
-        logger.info("warmed up %d attention kernel variants and the sampler in %.1f s", count, seconds)
-        return seconds
+        self.warm_up_seconds = time.perf_counter() - start
+        logger.info("warmed up %d attention kernel variants and the sampler in %.1f s", count, self.warm_up_seconds)
 
     def _capture_graphs(self) -> None:
         """Full decode graphs (with verify graphs when speculating), the proposer's own graphs in
@@ -286,7 +284,7 @@ class ModelRunner:
         for i, row, first, count in flat.prompt_logprob_spans:  # rare (echo + logprobs): synchronous
             k = states[i].sampling_params.prompt_logprobs
             targets = torch.tensor(states[i].tokens(first, first + count), device=self.device)
-            pending.prompt_logprobs[i] = _token_logprobs(logits[row : row + count], targets, k)
+            pending.prompt_logprobs[i] = token_logprobs(logits[row : row + count], targets, k)
         return pending
 
     def _launch_window(self, out: SchedulerOutput, states: list[RequestState], flat: FlatBatch) -> PendingStep:
@@ -348,23 +346,9 @@ class ModelRunner:
 
     def _propose(self, result: ModelRunnerOutput, pending: PendingStep) -> None:
         """Drafts for every request that just gained tokens (its state is up to date now)."""
-        target = self._target_hidden(pending, result) if pending.hidden is not None else None
+        target = (target_hidden(pending.out, pending.flat, pending.hidden, pending.states, result.sampled)
+                  if pending.hidden is not None else None)
         result.draft_token_ids = self.proposer.draft(result, self.input_batch.requests, target)
-
-    @staticmethod
-    def _target_hidden(pending: PendingStep, result: ModelRunnerOutput) -> TargetHidden:
-        """Where each request's verified rows sit in the step's hidden states: its scheduled
-        tokens plus the drafts it accepted (the rows after them saw rejected tokens)."""
-        out, flat = pending.out, pending.flat
-        assert not out.is_window, "speculative decoding replaces multi-step windows"
-        q = flat.verify_query_len  # a padded verify step: request i's rows start at i * q
-        row_starts, num_rows, offset = [], [], 0
-        for i, (n, extra, sampled) in enumerate(zip(out.num_scheduled_tokens, out.extra_tokens, result.sampled)):
-            num_drafts = len(extra) if extra and extra[0] != PLACEHOLDER else 0
-            row_starts.append(i * q if q else offset)
-            offset += n + num_drafts
-            num_rows.append(n + max(len(sampled) - 1, 0))
-        return TargetHidden(pending.hidden, pending.states, row_starts, list(out.num_computed_tokens), num_rows)
 
     def _record(self, pending: PendingStep) -> None:
         pending.sampled_host = _to_host_async(pending.sampled)
@@ -403,7 +387,7 @@ class ModelRunner:
             for i, tok in zip(flat.sample_seq_idx, pending.sampled_host.tolist()):
                 result.sampled[i] = [tok]
             if pending.sampler_out.logprobs is not None:
-                self._collect_logprobs(result, pending.states, flat, pending.sampler_out)
+                result.logprobs.update(sampled_logprobs(pending.sampler_out, pending.states, flat.sample_seq_idx))
         self.input_batch.append_sampled(out.req_ids, result.sampled)
         self._propose(result, pending)
         return result
@@ -423,24 +407,3 @@ class ModelRunner:
     def _forward(self, flat: FlatBatch, out: SchedulerOutput, inputs_only: bool = False) -> torch.Tensor:
         """inputs_only: the block tables are those of the last replay (later steps of a window)."""
         return self.dispatcher.forward(flat, out, inputs_only)
-
-    def _collect_logprobs(self, result: ModelRunnerOutput, states: list[RequestState], flat: FlatBatch,
-                          sampled) -> None:
-        chosen = sampled.logprobs.tolist()
-        tops = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
-        top_ids = sampled.top_token_ids.tolist() if sampled.top_token_ids is not None else None
-        for r, i in enumerate(flat.sample_seq_idx):
-            k = states[i].sampling_params.logprobs
-            if k is None:
-                continue
-            top = dict(zip(top_ids[r][:k], tops[r][:k])) if tops is not None and k > 0 else {}
-            result.logprobs[i] = [(chosen[r], top)]
-
-
-def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> list:
-    logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)
-    chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
-    if k <= 0:
-        return [(c, {}) for c in chosen]
-    top_vals, top_ids = logprobs.topk(k, dim=-1)
-    return [(c, dict(zip(ids, vals))) for c, ids, vals in zip(chosen, top_ids.tolist(), top_vals.tolist())]

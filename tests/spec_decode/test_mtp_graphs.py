@@ -160,3 +160,5 @@ def test_graph_replays_through_the_runners_buffers_draft_the_same(v3_mtp, monkey
     runner.proposer.capture_graphs((1, 2, 4, 8, 16), runner.dispatcher.capture_forward)
     assert _run(engine, prompts) == expected
     assert 1 + k in replays and (1 in replays) == (k > 1)
+    runner.release_graphs()  # the runner's release reaches the proposer's graphs too
+    assert runner.proposer.graphs is None and runner.proposer.graph_capture_seconds == 0.0

@@ -152,7 +152,8 @@ class TestEngineSteps:
         runner = engine.core.executor.runner
         params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
         good = engine.generate([[5, 6, 7]], params)[0]["token_ids"]
-        runner.dispatcher.piecewise.input_ids = torch.zeros_like(runner.dispatcher.piecewise.input_ids)  # no longer the captured one
+        piecewise = runner.dispatcher.piecewise
+        piecewise.input_ids = torch.zeros_like(piecewise.input_ids)  # no longer the captured one
         assert engine.generate([[5, 6, 7]], params)[0]["token_ids"] != good
 
 
