@@ -114,7 +114,7 @@ class LockstepEngineCore(EngineCore):
 
     def _launch_next(self, previous):
         out = self.scheduler.schedule()
-        graphs = getattr(self.executor.runner, "graphs", None)
+        graphs = self.executor.runner.dispatcher.full
         graphable = not out.req_ids or (graphs is not None and out.is_decode_only and out.total_tokens == len(out)
                                         and graphs.can_run(len(out)))
         counts, all_graphable = self._agree(out.total_tokens, graphable)

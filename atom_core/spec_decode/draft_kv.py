@@ -17,7 +17,7 @@ from atom_core.model_ops.forward_context import AttentionMetadata
 from atom_core.model_ops.kv_spec import allocate_kv_cache
 
 if TYPE_CHECKING:
-    from atom_core.worker.input_batch import RequestState
+    from atom_core.spec_decode.proposer import RequestView
 
 NUM_SCRATCH_BLOCKS = 2  # k <= 8 <= block_size draft positions span at most two new blocks
 
@@ -52,7 +52,7 @@ class DraftKV:
             if (index := self.scratch.pop(rid, None)) is not None:
                 self.free_scratch.append(index)
 
-    def table(self, state: "RequestState", num_real: int) -> list[int]:
+    def table(self, state: "RequestView", num_real: int) -> list[int]:
         """Block ids for a request whose positions < num_real are the target's: its real blocks
         covering them, then its scratch blocks (if it holds a slot)."""
         real = state.block_ids[: -(-num_real // self.block_size)]

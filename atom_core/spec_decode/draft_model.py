@@ -14,11 +14,10 @@ import torch
 from atom_core.model_ops.forward_context import set_attention_metadata
 from atom_core.model_ops.kv_spec import attention_layers
 from atom_core.spec_decode.draft_kv import DraftKV
-from atom_core.spec_decode.proposer import Proposer
+from atom_core.spec_decode.proposer import Proposer, RequestView
 
 if TYPE_CHECKING:
     from atom_core.config import ResolvedModel, SpeculativeConfig
-    from atom_core.worker.input_batch import RequestState
 
 
 class DraftModelProposer(Proposer):
@@ -55,7 +54,7 @@ class DraftModelProposer(Proposer):
         self.kv.release(req_ids)
 
     @torch.inference_mode()
-    def propose(self, states: list["RequestState"], target=None) -> list[list[int]]:
+    def propose(self, states: list[RequestView], target=None) -> list[list[int]]:
         live = []
         for i, s in enumerate(states):
             if s.num_known_tokens + self.num_draft_tokens > self.max_model_len:

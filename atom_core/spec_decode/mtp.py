@@ -41,11 +41,10 @@ from atom_core.model_ops.layernorm import RMSNorm
 from atom_core.model_ops.linear import ReplicatedLinear
 from atom_core.spec_decode.draft_kv import NUM_SCRATCH_BLOCKS, DraftKV
 from atom_core.spec_decode.mtp_graphs import MTPGraphs, padded_catch_up
-from atom_core.spec_decode.proposer import Proposer, TargetHidden, can_speculate
+from atom_core.spec_decode.proposer import CaptureGraphs, Proposer, RequestView, TargetHidden, can_speculate
 
 if TYPE_CHECKING:
     from atom_core.config import ResolvedModel, SpeculativeConfig
-    from atom_core.worker.input_batch import RequestState
 
 
 def num_nextn_layers(hf_config) -> int:
@@ -207,7 +206,7 @@ class MTPProposer(Proposer):
         self.kv.release(req_ids)
 
     @torch.inference_mode()
-    def propose(self, states: list["RequestState"], target: TargetHidden | None = None) -> list[list[int]]:
+    def propose(self, states: list[RequestView], target: TargetHidden | None = None) -> list[list[int]]:
         assert target is not None, "the MTP proposer drafts from the target's hidden states"
         wanted = {s.req_id for s in states}
         tokens_of, counts, starts, tables, first_rows = [], [], [], [], []
@@ -263,13 +262,19 @@ class MTPProposer(Proposer):
         return self._run(ids, positions, meta, previous_hidden, None)
 
     # ---- CUDA graphs (spec_decode/mtp_graphs.py explains the padded catch-up) ---------------
-    def capture_graphs(self, decode_sizes: tuple[int, ...], pool) -> None:
+    def capture_graphs(self, decode_sizes: tuple[int, ...], capture: CaptureGraphs) -> None:
         """Graphs of the catch-up forward (q = 1 + K rows per request) and, for K >= 2, of the later
-        drafts (one row per request), in the target's graph memory pool."""
+        drafts (one row per request), made by `capture` (proposer.CaptureGraphs) in the target's pool."""
         self.graphs = MTPGraphs(self.layer, self.embed, decode_sizes, 1 + self.num_draft_tokens,
-                                self.max_model_len + NUM_SCRATCH_BLOCKS * self.kv.block_size, self.kv.block_size,
-                                self.device, pool)
+                                self.max_model_len + NUM_SCRATCH_BLOCKS * self.kv.block_size, self.device, capture)
         self.pad_catch_up = True
+
+    def release_graphs(self) -> None:
+        self.graphs = None
+
+    @property
+    def graph_capture_seconds(self) -> float:
+        return 0.0 if self.graphs is None else self.graphs.capture_seconds
 
     @property
     def draft_graphs(self):

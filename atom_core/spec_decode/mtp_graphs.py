@@ -6,14 +6,14 @@ overhead of its few dozen small kernels, twice the whole model's 3.4 ms decode s
 a step replay graphs here:
 
   catch-up: after a decode or verify step every request has 1 <= n <= q = 1 + K verified rows. They
-    run padded to q rows a request, as the target's padded verify batches (spec_decode/verify.py):
+    run padded to q rows a request, as the target's padded verify batches (worker/verify_batch.py):
     padding rows take token 0, the hidden state of the request's last real row and slot -1 (no
     KV stored); seq_len is first + q, so the causal rows line up and real rows attend only to
     positions that this forward or an earlier one wrote. Their outputs are never read.
   later drafts (K >= 2): one row per request, decode-shaped.
 
 Both graphs read the previous hidden states from one persistent buffer (the forward's other
-inputs go through CUDAGraphRunner's own). Steps that hold a prefill chunk (more than q rows for a
+inputs go through the graph runner's own). Steps that hold a prefill chunk (more than q rows for a
 request) and batches larger than the largest graph run eagerly, as before.
 """
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from atom_core.model_ops.forward_context import AttentionMetadata
+from atom_core.spec_decode.proposer import CaptureGraphs
 
 
 def padded_catch_up(tokens_of: list[list[int]], counts: list[int], first_rows: list[int], q: int):
@@ -48,13 +49,12 @@ class _Step:
 
 
 class MTPGraphs:
-    """Contract: built after the draft KV cache exists (captures at once); `replay(runner, ...)`
-    for `runner.can_run(requests)`; its output is a view valid until the next replay."""
+    """Contract: built after the draft KV cache exists (captures at once, through `capture`:
+    proposer.CaptureGraphs); `replay(runner, ...)` for `runner.can_run(requests)`; its output is a
+    view valid until the next replay."""
 
     def __init__(self, layer: nn.Module, embed: nn.Module, decode_sizes: tuple[int, ...], q: int, span: int,
-                 block_size: int, device: torch.device, pool):
-        from atom_core.worker.cuda_graph import CUDAGraphRunner
-
+                 device: torch.device, capture: CaptureGraphs):
         largest = max(decode_sizes)
         hidden_size = layer.enorm.weight.shape[0]
         self.previous = torch.zeros(largest, hidden_size, dtype=layer.enorm.weight.dtype, device=device)
@@ -64,14 +64,8 @@ class MTPGraphs:
 
         # span: draft tables reach past max_model_len into the scratch blocks (spec_decode/draft_kv.py)
         sizes = tuple(s for s in decode_sizes if s * q <= largest) or (1,)  # as the verify graphs
-        self.catch_up = CUDAGraphRunner(forward, sizes, span, block_size, device, query_len=q)
-        self.catch_up.pool = pool
-        self.catch_up.capture_all()
-        self.drafts = None
-        if q > 2:
-            self.drafts = CUDAGraphRunner(forward, decode_sizes, span, block_size, device)
-            self.drafts.pool = pool
-            self.drafts.capture_all()
+        self.catch_up = capture(forward, sizes, span, query_len=q)
+        self.drafts = capture(forward, decode_sizes, span) if q > 2 else None
 
     @property
     def capture_seconds(self) -> float:

@@ -5,18 +5,43 @@ target's state) and travel to the scheduler in ModelRunnerOutput.draft_token_ids
 lets the request verify them in its next step, as far as budget, blocks and token limit allow.
 A proposer that drafts from the target's hidden states (MTP) sets `uses_target_hidden`: the runner
 then also hands it every step's verified hidden rows (`TargetHidden`), prefill chunks included.
+Without speculative decoding the runner holds a `NoProposer`, which drafts nothing.
+
+spec_decode/ sits below worker/: it reads the worker's request states through `RequestView`
+and captures CUDA graphs through the `CaptureGraphs` callable the runner hands it.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Protocol
 
 if TYPE_CHECKING:
     import torch
 
     from atom_core.config import SpeculativeConfig
-    from atom_core.worker.input_batch import RequestState
+    from atom_core.sampling_params import SamplingParams
+    from atom_core.scheduler_output import ModelRunnerOutput
+
+
+class RequestView(Protocol):
+    """What a proposer reads of a request: the worker's RequestState (worker/input_batch.py)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: "SamplingParams"
+    block_ids: list[int]
+
+    @property
+    def num_known_tokens(self) -> int: ...
+
+    def tokens(self, start: int, end: int) -> list[int]: ...
+
+
+# capture(forward, sizes, max_model_len, query_len) -> a captured graph runner (worker/cuda_graph.py's
+# CUDAGraphRunner: can_run(requests), replay(step), query_len, capture_seconds) in the target's graph pool.
+CaptureGraphs = Callable[..., object]
 
 
 @dataclass
@@ -27,7 +52,7 @@ class TargetHidden:
     out) at hidden[row_starts[i]:], for positions first_positions[i] onwards."""
 
     hidden: "torch.Tensor"  # [rows of the step, hidden_size]
-    states: list["RequestState"]
+    states: list[RequestView]
     row_starts: list[int]
     first_positions: list[int]
     num_rows: list[int]
@@ -37,7 +62,9 @@ class Proposer(ABC):
     """Contract: `propose(states, target)` returns, per request state (all tokens known, the
     newest last), up to `num_draft_tokens` draft ids; an empty list means no speculation next
     step. It must not change the states. `target` is the step's TargetHidden when the proposer
-    `uses_target_hidden` (then it is called after every step, with `states` possibly empty)."""
+    `uses_target_hidden` (then it is called after every step, with `states` possibly empty).
+    `draft(result, requests, target)` is what the runner calls once a step's tokens are known.
+    The other methods default to "nothing": no KV, no graphs, nothing to forget."""
 
     uses_target_hidden = False
 
@@ -45,7 +72,18 @@ class Proposer(ABC):
         self.num_draft_tokens = num_draft_tokens
 
     @abstractmethod
-    def propose(self, states: list["RequestState"], target: TargetHidden | None = None) -> list[list[int]]: ...
+    def propose(self, states: list[RequestView], target: TargetHidden | None = None) -> list[list[int]]: ...
+
+    def draft(self, result: "ModelRunnerOutput", requests: dict[str, RequestView],
+              target: TargetHidden | None) -> dict[int, list[int]]:
+        """Drafts (batch index -> ids) for every request of `result` that just gained tokens and
+        may speculate; `requests`: the worker's states by id, already holding those tokens."""
+        idx = [i for i, (rid, toks) in enumerate(zip(result.req_ids, result.sampled))
+               if toks and rid in requests and can_speculate(requests[rid].sampling_params)]
+        if not idx and target is None:
+            return {}
+        drafts = self.propose([requests[result.req_ids[i]] for i in idx], target)
+        return {i: d for i, d in zip(idx, drafts) if d}
 
     # A proposer with a model of its own also keeps KV (sized with the target's blocks).
     def kv_layers(self) -> list:
@@ -56,6 +94,32 @@ class Proposer(ABC):
 
     def forget(self, req_ids) -> None:
         """The worker dropped these requests (finished or aborted)."""
+
+    # A proposer whose own forwards replay CUDA graphs (MTP) captures them beside the target's.
+    def capture_graphs(self, decode_sizes: tuple[int, ...], capture: CaptureGraphs) -> None:
+        pass
+
+    def release_graphs(self) -> None:
+        pass
+
+    @property
+    def graph_capture_seconds(self) -> float:
+        return 0.0
+
+
+class NoProposer(Proposer):
+    """Speculative decoding off: drafts nothing, so no step verifies and no verify graphs exist
+    (num_draft_tokens 0); it has no KV and no graphs."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+
+    def propose(self, states: list[RequestView], target: TargetHidden | None = None) -> list[list[int]]:
+        return [[] for _ in states]
+
+    def draft(self, result: "ModelRunnerOutput", requests: dict[str, RequestView],
+              target: TargetHidden | None) -> dict[int, list[int]]:
+        return {}  # without the per-request scan of Proposer.draft: plain decoding pays nothing
 
 
 def can_speculate(params) -> bool:
@@ -75,11 +139,11 @@ def check_proposer(config: "SpeculativeConfig", target) -> None:
 
 
 def build_proposer(config: "SpeculativeConfig", target=None, block_size: int = 16,
-                   max_num_seqs: int = 1, target_model=None) -> Proposer | None:
+                   max_num_seqs: int = 1, target_model=None) -> Proposer:
     """target: the ResolvedModel (a draft model takes its dtype, device and vocabulary);
     target_model: the built target (MTP reuses its decoder-layer class, embedding and head)."""
     if config.method is None:
-        return None
+        return NoProposer()
     if config.method == "ngram":
         from atom_core.spec_decode.ngram import NgramProposer
 

@@ -34,7 +34,8 @@ class FlatBatch:
     verify_query_len: int = 0  # > 0: a speculative verify step padded to this many rows per request (graphs)
 
 
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """One host array to the device: a non-blocking copy from pinned memory on CUDA, the array itself on the CPU."""
     tensor = torch.from_numpy(array)
     if device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
@@ -95,8 +96,8 @@ def assemble_flat_batch(input_ids: list[int], positions: list[int], slot_mapping
     logit_rows_dev = dev.pop("logit_rows")
     attn = AttentionMetadata(max_query_len=max_query_len, max_seq_len=int(seq_lens.max()), **dev, **extra)
     return FlatBatch(  # ids and positions stay separate allocations: torch.compile guards on their storage offset
-        input_ids=_to_device(np.array(input_ids, dtype=np.int64), device),
-        positions=_to_device(np.array(positions, dtype=np.int64), device),
+        input_ids=to_device(np.array(input_ids, dtype=np.int64), device),
+        positions=to_device(np.array(positions, dtype=np.int64), device),
         attn=attn,
         logit_rows=logit_rows_dev,
         num_tokens=len(input_ids),
@@ -231,22 +232,23 @@ def build_sampling_batch(out: SchedulerOutput, states: list[RequestState], seq_i
     temps = np.array([p.temperature if not p.is_greedy else 0.0 for p in params], dtype=np.float32)
     all_greedy = bool((temps == 0).all())
     sb = SamplingBatch(
-        temperatures=_to_device(temps, device), top_ks=None, top_ps=None, min_ps=None, seeds=None,
+        temperatures=to_device(temps, device), top_ks=None, top_ps=None, min_ps=None, seeds=None,
         positions=None, all_greedy=all_greedy, any_greedy=bool((temps == 0).any()),
     )
     logprob_ks = [p.logprobs for p in params if p.logprobs is not None]
     sb.max_num_logprobs = max(logprob_ks) if logprob_ks else -1
     if not all_greedy:
         if any(p.top_k > 0 for p in params):
-            sb.top_ks = _to_device(np.array([p.top_k if p.top_k > 0 else vocab_size for p in params], dtype=np.int64), device)
+            top_ks = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+            sb.top_ks = to_device(np.array(top_ks, dtype=np.int64), device)
         if any(p.top_p < 1 for p in params):
-            sb.top_ps = _to_device(np.array([p.top_p for p in params], dtype=np.float32), device)
+            sb.top_ps = to_device(np.array([p.top_p for p in params], dtype=np.float32), device)
         if any(p.min_p > 0 for p in params):
-            sb.min_ps = _to_device(np.array([p.min_p for p in params], dtype=np.float32), device)
+            sb.min_ps = to_device(np.array([p.min_p for p in params], dtype=np.float32), device)
         if any(p.seed is not None for p in params):
             seeds = [p.seed if p.seed is not None else rng.getrandbits(63) for p in params]
-            sb.seeds = _to_device(np.array(seeds, dtype=np.int64), device)
-            sb.positions = _to_device(np.array(num_outputs, dtype=np.int64), device)
+            sb.seeds = to_device(np.array(seeds, dtype=np.int64), device)
+            sb.positions = to_device(np.array(num_outputs, dtype=np.int64), device)
     if any(p.has_penalties for p in params):
         _add_penalties(sb, seqs, vocab_size, device)
     banned = [(r, s) for r, (s, k) in enumerate(zip(seqs, num_outputs)) if k < s.sampling_params.min_tokens]
@@ -255,9 +257,9 @@ def build_sampling_batch(out: SchedulerOutput, states: list[RequestState], seq_i
         for r, s in banned:
             ids = [t for t in (*eos_token_ids, *s.sampling_params.stop_token_ids) if t < vocab_size]
             mask[r, ids] = True
-        sb.banned_mask = _to_device(mask, device)
+        sb.banned_mask = to_device(mask, device)
     if out.grammar_req_ids:
-        sb.grammar_bitmask = _to_device(_grammar_rows(out, seq_idx), device)
+        sb.grammar_bitmask = to_device(_grammar_rows(out, seq_idx), device)
     return sb
 
 
@@ -279,8 +281,8 @@ def _add_penalties(sb: SamplingBatch, seqs, vocab_size: int, device: torch.devic
         prompt_mask[r, s.prompt_token_ids] = True
         np.add.at(counts[r], np.asarray(s.output_token_ids, dtype=np.int64), 1.0)
     params = [s.sampling_params for s in seqs]
-    sb.prompt_mask = _to_device(prompt_mask, device)
-    sb.output_counts = _to_device(counts, device)
-    sb.repetition_penalties = _to_device(np.array([p.repetition_penalty for p in params], dtype=np.float32), device)
-    sb.presence_penalties = _to_device(np.array([p.presence_penalty for p in params], dtype=np.float32), device)
-    sb.frequency_penalties = _to_device(np.array([p.frequency_penalty for p in params], dtype=np.float32), device)
+    sb.prompt_mask = to_device(prompt_mask, device)
+    sb.output_counts = to_device(counts, device)
+    sb.repetition_penalties = to_device(np.array([p.repetition_penalty for p in params], dtype=np.float32), device)
+    sb.presence_penalties = to_device(np.array([p.presence_penalty for p in params], dtype=np.float32), device)
+    sb.frequency_penalties = to_device(np.array([p.frequency_penalty for p in params], dtype=np.float32), device)

@@ -7,12 +7,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from atom_core.distributed.communication import all_reduce_min_host
+from atom_core.model_ops.kv_spec import kv_bytes_per_block
 from atom_core.sampling_params import SamplingParams
 from atom_core.scheduler_output import NewRequest, SchedulerOutput
+
+if TYPE_CHECKING:
+    from atom_core.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +36,35 @@ class MemoryPlan:
     @property
     def kv_budget(self) -> int:
         return int(self.total * self.utilization) - self.used_by_others - self.weights - self.peak_activations - self.graph_reserve
+
+
+def num_kv_blocks(config: "EngineConfig", layers: list, max_model_len: int, device: torch.device,
+                  run_peak_step: Callable[[], int]) -> int:
+    """KV blocks for `layers` (the target's and a proposer's, sharing block ids): the configured
+    count, else what the memory budget holds (on a GPU: profiled with `run_peak_step`, see
+    profile_kv_budget), at most what max_num_seqs full-length sequences use and the same on every
+    tensor-parallel rank. ValueError when one max_model_len sequence does not fit."""
+    cache, sched = config.cache, config.scheduler
+    if cache.num_kv_blocks is not None:
+        return cache.num_kv_blocks
+    block_size = cache.block_size
+    per_block = kv_bytes_per_block(layers, block_size)
+    if device.type == "cuda":
+        reserve = GRAPH_RESERVE_BYTES if config.use_cuda_graphs else 0
+        budget = profile_kv_budget(run_peak_step, cache.gpu_memory_utilization, reserve)
+    else:
+        budget = int(cache.kv_cache_memory_gb * (1 << 30))
+    # More blocks than max_num_seqs full-length sequences can use only serve the prefix cache.
+    useful = sched.max_num_seqs * ((max_model_len + block_size - 1) // block_size)
+    num = all_reduce_min_host(min(budget // per_block, useful))  # tensor parallel: what every rank fits
+    needed = (max_model_len + block_size - 1) // block_size
+    if num < needed:
+        raise ValueError(
+            f"KV cache too small: {num} blocks of {block_size} tokens cannot hold one "
+            f"{max_model_len}-token sequence; raise the memory budget or lower max_model_len"
+        )
+    logger.info("KV cache: %d blocks x %d tokens = %d tokens", num, block_size, num * block_size)
+    return num
 
 
 def dummy_step(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,

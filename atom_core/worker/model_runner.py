@@ -1,8 +1,8 @@
 """ModelRunner: owns the model, the KV cache tensors and the sampler; runs one step.
 
 `launch(out)` updates the worker's request states from the SchedulerOutput, builds the flat
-batch, runs the forward (eager, compiled, or a CUDA graph replay for decode-only batches),
-computes logits only for rows that need them, samples, and returns without waiting;
+batch, runs the forward (eager or compiled, or a CUDA graph replay: worker/graph_dispatch.py
+chooses), computes logits only for rows that need them, samples, and returns without waiting;
 `resolve` waits for the samples (the step's one host-device sync, plus logprobs when a request
 asked for them) and returns a ModelRunnerOutput. A multi-step decode window is a second
 producer of several tokens per request (`_launch_window`).
@@ -19,21 +19,21 @@ from dataclasses import dataclass, field
 import torch
 
 from atom_core.config import EngineConfig, ResolvedModel, kv_cache_format
-from atom_core.distributed.communication import agreed_graph_size, agreed_token_counts, all_reduce_min_host
+from atom_core.kernel_config import building
 from atom_core.kernels import kernel_ops
 from atom_core.loader import build_model
-from atom_core.model_ops.forward_context import AttentionMetadata, set_attention_metadata
 from atom_core.model_ops.kv_spec import (allocate_kv_cache, attention_layers, check_attention_supported,
-                                         finalize_kv_scales, kv_bytes_per_block, release_kv_cache,
-                                         set_kv_cache_dtype, warm_up_attention)
+                                         finalize_kv_scales, release_kv_cache, set_kv_cache_dtype, warm_up_attention)
 from atom_core.model_ops.sampler import Sampler
-from atom_core.scheduler_output import PLACEHOLDER, ModelRunnerOutput, SchedulerOutput
-from atom_core.kernel_config import building
-from atom_core.spec_decode.proposer import TargetHidden, build_proposer, can_speculate, check_proposer
+from atom_core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from atom_core.spec_decode.proposer import NoProposer, build_proposer, check_proposer
 from atom_core.spec_decode.rejection_sampler import RejectionSampler, emitted_tokens
-from atom_core.spec_decode.verify import build_padded_verify_batch, emitted_logprobs, verify_rows
 from atom_core.worker.batch_builder import FlatBatch, build_flat_batch, build_sampling_batch
+from atom_core.worker.graph_dispatch import GraphDispatcher, graph_sets
 from atom_core.worker.input_batch import InputBatch, RequestState
+from atom_core.worker.logprobs import emitted_logprobs, sampled_logprobs, token_logprobs
+from atom_core.worker.memory import check_weights_fit, dummy_step, model_weight_bytes, num_kv_blocks
+from atom_core.worker.verify_batch import build_padded_verify_batch, target_hidden, verify_rows
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class PendingStep:
     event: object = None
     row_of: dict = field(default_factory=dict)  # request id -> flat index of its last sample
     prompt_logprobs: dict = field(default_factory=dict)
-    verify: object = None  # spec_decode.verify.VerifyRows of a step that verifies drafts
+    verify: object = None  # verify_batch.VerifyRows of a step that verifies drafts
     verify_logits: torch.Tensor | None = None  # its logit rows, kept when a request wants logprobs
     hidden: torch.Tensor | None = None  # the forward's hidden states, for a proposer that drafts from them
 
@@ -70,6 +70,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model: ResolvedModel, profiler=None):
         self.config = config
         self.model_info = model
+        self.profiler = profiler
         self.device = model.device
         self.dtype = model.dtype
         self.max_model_len = model.max_model_len
@@ -78,84 +79,137 @@ class ModelRunner:
         self.eos_token_ids = model.eos_token_ids
         self.rng = random.Random(model.seed)
         torch.manual_seed(model.seed)
+        self._check_before_loading()
+        self._load_model()
+        self._choose_kv_format()
+        self._build_step_parts()
+        self._compile()
+        self._size_and_allocate_kv()
+        self._warm_up_kernels()
+        self._capture_graphs()
+
+    # ---- setup, in the order __init__ runs it -------------------------------------------
+    def _check_before_loading(self) -> None:
+        """Refuse a model that cannot fit, or a proposer that cannot work, before loading any weights."""
+        config, model = self.config, self.model_info
         if self.device.type == "cuda":
             from atom_core.kernels.triton.common import pin_triton_cache_dir
 
             pin_triton_cache_dir(self.device.index or 0)
-        if self.device.type == "cuda":  # refuse a model that cannot fit before loading any of it
-            from atom_core.worker.memory import check_weights_fit, model_weight_bytes
-
             check_weights_fit(model_weight_bytes(model.hf_config, model.dtype, model.quant_config),
                               torch.cuda.mem_get_info(self.device)[1], config.cache.gpu_memory_utilization,
                               tp_size=config.parallel.tensor_parallel_size, quantized=model.quant_config is not None)
         check_proposer(config.speculative, model)
+
+    def _load_model(self) -> None:
+        model = self.model_info
         start = time.perf_counter()
-        with building(config.kernel):  # layers take their kernel choices as they are built
+        with building(self.config.kernel):  # layers take their kernel choices as they are built
             self.model = build_model(model.hf_config, model.path, model.dtype, model.device, model.load_format,
                                      model.seed, model.quant_config)
         self.load_seconds = time.perf_counter() - start
+
+    def _choose_kv_format(self) -> None:
+        """Each attention layer's KV dtype and scales, checked against max_model_len on this device."""
         self.attention_layers = attention_layers(self.model)
-        set_kv_cache_dtype(self.attention_layers, kv_cache_format(config.cache.kv_cache_dtype, self.dtype))
+        set_kv_cache_dtype(self.attention_layers, kv_cache_format(self.config.cache.kv_cache_dtype, self.dtype))
         finalize_kv_scales(self.attention_layers)
         check_attention_supported(self.attention_layers, self.max_model_len, self.device)
         summary = self.model_summary
         logger.info("model loaded in %.1f s: format %s, weights %.2f GiB, KV cache %d bytes/token (this rank)",
                     self.load_seconds, summary["format"], summary["weight_bytes"] / (1 << 30),
                     summary["kv_bytes_per_token"])
+
+    def _build_step_parts(self) -> None:
+        """Samplers, the proposer (NoProposer without speculative decoding), the request states
+        and the graph dispatcher, which runs every forward eagerly until graphs are captured."""
+        config = self.config
         if config.profiler.mark_trace:  # before graph capture, so capture traces carry module ranges
             from atom_core.profiling.profiler import mark_modules
 
             mark_modules(self.model)
         self.sampler = Sampler()
         with building(config.kernel):
-            self.proposer = build_proposer(config.speculative, model, self.block_size, config.scheduler.max_num_seqs,
-                                           target_model=self.model)
-        self.rejection_sampler = RejectionSampler() if self.proposer is not None else None
-        self.profiler = profiler
+            self.proposer = build_proposer(config.speculative, self.model_info, self.block_size,
+                                           config.scheduler.max_num_seqs, target_model=self.model)
+        self.rejection_sampler = RejectionSampler()
         self.input_batch = InputBatch()
-        self.graphs = None
-        self.spans_replicas = config.parallel.experts_span_replicas  # graphs replay at the size the replicas agree on
-        self.verify_graphs = None  # speculative decoding: graphs of 1 + k tokens per request
-        self.piecewise = None  # cudagraph_mode piecewise / full_and_piecewise: graphs split at attention
+        self.dispatcher = GraphDispatcher(self.model, self.max_model_len, self.block_size, self.device,
+                                          spans_replicas=config.parallel.experts_span_replicas,
+                                          profiler=self.profiler)
+
+    def _compile(self) -> None:
         self.compile_seconds = 0.0
-        if config.use_compile:
+        if self.config.use_compile:
             from atom_core.worker.compile import compile_model
 
             start = time.perf_counter()
             compile_model(self.model)
             self.compile_seconds = time.perf_counter() - start
+
+    def _size_and_allocate_kv(self) -> None:
+        """On a GPU sizing runs a max-size dummy step (which compiles, if compiling); the proposer's
+        layers share the target's block count."""
         start = time.perf_counter()
-        self.num_kv_blocks = self._num_kv_blocks()  # on a GPU: a max-size dummy step (compiles, if compiling)
+        self.num_kv_blocks = num_kv_blocks(self.config, self.attention_layers + self.proposer.kv_layers(),
+                                           self.max_model_len, self.device, self._run_peak_step)
         self.kv_cache = allocate_kv_cache(self.attention_layers, self.num_kv_blocks, self.block_size, self.device)
-        if self.proposer is not None:
-            self.proposer.allocate_kv(self.num_kv_blocks)
+        self.proposer.allocate_kv(self.num_kv_blocks)
         self.sizing_seconds = time.perf_counter() - start
-        self.warm_up_seconds = self._warm_up_kernels()
-        mode = config.compile.cudagraph_mode
-        if config.use_cuda_graphs and mode != "piecewise":
-            from atom_core.worker.cuda_graph import CUDAGraphRunner
 
-            replicas = config.parallel.data_parallel_size
-            # Replicas sharing experts capture each size together, their MoE all-gathers sized for it.
-            context = (lambda tokens: agreed_token_counts([tokens] * replicas)) if self.spans_replicas else None
-            self.graphs = CUDAGraphRunner(self.model, config.capture_sizes, self.max_model_len, self.block_size,
-                                          self.device, profiler, capture_context=context)
-            self.graphs.capture_all()
-            if self.proposer is not None:
-                self._capture_verify_graphs(CUDAGraphRunner)
-                if hasattr(self.proposer, "capture_graphs") and config.kernel.mtp_graphs:  # MTP's own forwards
-                    self.proposer.capture_graphs(config.capture_sizes, self.graphs.pool)
-        if config.use_cuda_graphs and mode != "full_decode_only" and not self.spans_replicas:
-            from atom_core.worker.piecewise import CudaGraphKit
+    def _run_peak_step(self) -> int:
+        """A max-size step on a scratch KV cache (for memory profiling); returns the scratch bytes."""
+        sched = self.config.scheduler
+        out, num_blocks = dummy_step(sched.max_num_batched_tokens, sched.max_num_seqs, self.max_model_len,
+                                     self.block_size)
+        tensors = allocate_kv_cache(self.attention_layers, num_blocks, self.block_size, self.device)
+        # The target alone: a proposer's layers get their KV after sizing (its peak is one MTP
+        # layer or a small draft model's, next to the target's; not profiled).
+        proposer, self.proposer = self.proposer, NoProposer()
+        try:
+            self.execute(out)
+        finally:
+            self.proposer = proposer
+        self.input_batch.remove(out.req_ids)
+        scratch = sum(t.numel() * t.element_size() for t in tensors)
+        release_kv_cache(self.attention_layers)
+        return scratch
 
-            self.capture_piecewise(CudaGraphKit(self.device, self.graphs.pool if self.graphs is not None else None))
+    def _warm_up_kernels(self) -> None:
+        """Compile every attention kernel variant now, not inside the first steps that need one
+        (a cold Triton cache otherwise costs seconds in the middle of a run)."""
+        self.warm_up_seconds = 0.0
+        if self.device.type != "cuda":
+            return
+        start = time.perf_counter()
+        longest = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
+        # Threads: compiles overlap (8 threads took 2.5 s where one took 11.8 s, cold, on the H100 host).
+        threads = min(8, os.cpu_count() or 1)
+        count = warm_up_attention(self.attention_layers, longest, threads)
+        logits = torch.zeros(2, self.vocab_size, dtype=self.dtype, device=self.device)
+        kernel_ops(self.device).gumbel_argmax(logits, torch.ones(2, device=self.device), 0, 0)  # the sampler's
+        torch.cuda.synchronize()
+        self.warm_up_seconds = time.perf_counter() - start
+        logger.info("warmed up %d attention kernel variants and the sampler in %.1f s", count, self.warm_up_seconds)
+
+    def _capture_graphs(self) -> None:
+        """Full decode graphs (with verify graphs when speculating), the proposer's own graphs in
+        their pool, then piecewise graphs: the sets cudagraph_mode asks for (graph_dispatch.py)."""
+        config = self.config
+        sets = graph_sets(config.use_cuda_graphs, config.compile.cudagraph_mode, self.dispatcher.spans_replicas)
+        if sets.full:
+            self.dispatcher.capture_decode(config.capture_sizes, self.proposer.num_draft_tokens,
+                                           config.parallel.data_parallel_size)
+            if config.kernel.mtp_graphs:  # MTP's own forwards
+                self.proposer.capture_graphs(config.capture_sizes, self.dispatcher.capture_forward)
+        if sets.piecewise:
+            self.dispatcher.capture_piecewise(config.piecewise_sizes, self.attention_layers)
 
     def release_graphs(self) -> None:
         """Free every captured CUDA graph. Before leaving an NCCL group: a live graph that captured
         NCCL kernels makes ncclCommDestroy wait forever (pytorch/pytorch#115388)."""
-        self.graphs = self.verify_graphs = self.piecewise = None
-        if self.proposer is not None and getattr(self.proposer, "graphs", None) is not None:
-            self.proposer.graphs = None
+        self.dispatcher.release()
+        self.proposer.release_graphs()
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -179,105 +233,8 @@ class ModelRunner:
             "compile_setup": self.compile_seconds,  # importing Dynamo/Inductor; compiling is lazy
             "kv_sizing": self.sizing_seconds,
             "kernel_warm_up": self.warm_up_seconds,
-            "graph_capture": sum(g.capture_seconds for g in (self.graphs, self.verify_graphs, self.piecewise,
-                                                             getattr(self.proposer, "graphs", None))
-                                 if g is not None),
+            "graph_capture": self.dispatcher.capture_seconds + self.proposer.graph_capture_seconds,
         }
-
-    def capture_piecewise(self, kit) -> None:
-        """Piecewise graphs for every step of up to the largest bucket's tokens (mixed batches;
-        decode-only ones too when no full decode graphs exist). `kit` makes the graphs: CUDA
-        graphs here; the CPU tests pass a recording stand-in."""
-        from atom_core.worker.piecewise import PiecewiseGraphRunner
-
-        self.piecewise = PiecewiseGraphRunner(self.model, self.attention_layers, self.config.piecewise_sizes,
-                                              self.device, kit)
-        self.piecewise.capture_all()
-
-    def _capture_verify_graphs(self, runner_cls) -> None:
-        """Verify steps replay graphs too; their sizes count tokens: requests x (1 + k) up to the
-        largest decode capture size, in the decode graphs' memory pool."""
-        q = 1 + self.config.speculative.num_draft_tokens
-        largest = max(self.config.capture_sizes)
-        sizes = tuple(s for s in self.config.capture_sizes if s * q <= largest) or (1,)
-        self.verify_graphs = runner_cls(self.model, sizes, self.max_model_len, self.block_size, self.device,
-                                        self.profiler, query_len=q)
-        self.verify_graphs.pool = self.graphs.pool
-        self.verify_graphs.capture_all()
-
-    def _can_replay_verify(self, out: SchedulerOutput, states: list[RequestState]) -> bool:
-        """A verify step runs as a graph when every request decodes its one known pending token
-        (plus drafts) and its padded rows stay inside max_model_len."""
-        graphs = self.verify_graphs
-        if graphs is None or not out.has_drafts or not graphs.can_run(len(out)):
-            return False
-        q = graphs.query_len
-        return all(n == 1 and s.num_computed_tokens + 1 == s.num_known_tokens
-                   and s.num_computed_tokens + q <= self.max_model_len and s.sampling_params.prompt_logprobs is None
-                   for n, s in zip(out.num_scheduled_tokens, states))
-
-    # ---- setup ----------------------------------------------------------------------
-    def _num_kv_blocks(self) -> int:
-        cache, sched = self.config.cache, self.config.scheduler
-        if cache.num_kv_blocks is not None:
-            return cache.num_kv_blocks
-        draft_layers = self.proposer.kv_layers() if self.proposer is not None else []
-        per_block = kv_bytes_per_block(self.attention_layers + draft_layers, self.block_size)
-        if self.device.type == "cuda":
-            from atom_core.worker.memory import GRAPH_RESERVE_BYTES, profile_kv_budget
-
-            reserve = GRAPH_RESERVE_BYTES if self.config.use_cuda_graphs else 0
-            budget = profile_kv_budget(self._run_peak_step, cache.gpu_memory_utilization, reserve)
-        else:
-            budget = int(cache.kv_cache_memory_gb * (1 << 30))
-        # More blocks than max_num_seqs full-length sequences can use only serve the prefix cache.
-        useful = sched.max_num_seqs * ((self.max_model_len + self.block_size - 1) // self.block_size)
-        num = all_reduce_min_host(min(budget // per_block, useful))  # tensor parallel: what every rank fits
-        needed = (self.max_model_len + self.block_size - 1) // self.block_size
-        if num < needed:
-            raise ValueError(
-                f"KV cache too small: {num} blocks of {self.block_size} tokens cannot hold one "
-                f"{self.max_model_len}-token sequence; raise the memory budget or lower max_model_len"
-            )
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens", num, self.block_size, num * self.block_size)
-        return num
-
-    def _run_peak_step(self) -> int:
-        """A max-size step on a scratch KV cache (for memory profiling); returns the scratch bytes."""
-        from atom_core.worker.memory import dummy_step
-
-        sched = self.config.scheduler
-        out, num_blocks = dummy_step(sched.max_num_batched_tokens, sched.max_num_seqs, self.max_model_len,
-                                     self.block_size)
-        tensors = allocate_kv_cache(self.attention_layers, num_blocks, self.block_size, self.device)
-        # The target alone: a proposer's layers get their KV after sizing (its peak is one MTP
-        # layer or a small draft model's, next to the target's; not profiled).
-        proposer, self.proposer = self.proposer, None
-        try:
-            self.execute(out)
-        finally:
-            self.proposer = proposer
-        self.input_batch.remove(out.req_ids)
-        scratch = sum(t.numel() * t.element_size() for t in tensors)
-        release_kv_cache(self.attention_layers)
-        return scratch
-
-    def _warm_up_kernels(self) -> float:
-        """Compile every attention kernel variant now, not inside the first steps that need one
-        (a cold Triton cache otherwise costs seconds in the middle of a run)."""
-        if self.device.type != "cuda":
-            return 0.0
-        start = time.perf_counter()
-        longest = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
-        # Threads: compiles overlap (8 threads took 2.5 s where one took 11.8 s, cold, on the H100 host).
-        threads = min(8, os.cpu_count() or 1)
-        count = warm_up_attention(self.attention_layers, longest, threads)
-        logits = torch.zeros(2, self.vocab_size, dtype=self.dtype, device=self.device)
-        kernel_ops(self.device).gumbel_argmax(logits, torch.ones(2, device=self.device), 0, 0)  # the sampler's
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
-        logger.info("warmed up %d attention kernel variants and the sampler in %.1f s", count, seconds)
-        return seconds
 
     # ---- one step -------------------------------------------------------------------
     @torch.inference_mode()
@@ -293,10 +250,11 @@ class ModelRunner:
         the step launched just before, whose samples have not reached the host yet.
         """
         states = self.input_batch.update(out)
-        if self.proposer is not None and out.finished_req_ids:
+        if out.finished_req_ids:
             self.proposer.forget(out.finished_req_ids)
-        if self._can_replay_verify(out, states):
-            flat = build_padded_verify_batch(out, states, self.verify_graphs.query_len, self.block_size, self.device)
+        if self.dispatcher.uses_verify_layout(out, states):
+            flat = build_padded_verify_batch(out, states, self.dispatcher.verify.query_len, self.block_size,
+                                             self.device)
         else:
             flat = build_flat_batch(out, states, self.block_size, self.device)
         if flat.placeholder_rows:
@@ -305,7 +263,7 @@ class ModelRunner:
             return self._launch_window(out, states, flat)
         hidden = self._forward(flat, out)
         pending = PendingStep(out, states, flat)
-        if self.proposer is not None and self.proposer.uses_target_hidden:
+        if self.proposer.uses_target_hidden:
             # A graph replay's output buffer is safe until the next launch: speculative steps
             # resolve (and propose) before it (EngineCore._needs_known_tokens).
             pending.hidden = hidden
@@ -328,7 +286,7 @@ class ModelRunner:
         for i, row, first, count in flat.prompt_logprob_spans:  # rare (echo + logprobs): synchronous
             k = states[i].sampling_params.prompt_logprobs
             targets = torch.tensor(states[i].tokens(first, first + count), device=self.device)
-            pending.prompt_logprobs[i] = _token_logprobs(logits[row : row + count], targets, k)
+            pending.prompt_logprobs[i] = token_logprobs(logits[row : row + count], targets, k)
         return pending
 
     def _launch_window(self, out: SchedulerOutput, states: list[RequestState], flat: FlatBatch) -> PendingStep:
@@ -390,29 +348,9 @@ class ModelRunner:
 
     def _propose(self, result: ModelRunnerOutput, pending: PendingStep) -> None:
         """Drafts for every request that just gained tokens (its state is up to date now)."""
-        requests = self.input_batch.requests
-        idx = [i for i, (rid, toks) in enumerate(zip(result.req_ids, result.sampled))
-               if toks and rid in requests and can_speculate(requests[rid].sampling_params)]
-        target = self._target_hidden(pending, result) if pending.hidden is not None else None
-        if not idx and target is None:
-            return
-        drafts = self.proposer.propose([requests[result.req_ids[i]] for i in idx], target)
-        result.draft_token_ids = {i: d for i, d in zip(idx, drafts) if d}
-
-    @staticmethod
-    def _target_hidden(pending: PendingStep, result: ModelRunnerOutput) -> TargetHidden:
-        """Where each request's verified rows sit in the step's hidden states: its scheduled
-        tokens plus the drafts it accepted (the rows after them saw rejected tokens)."""
-        out, flat = pending.out, pending.flat
-        assert not out.is_window, "speculative decoding replaces multi-step windows"
-        q = flat.verify_query_len  # a padded verify step: request i's rows start at i * q
-        row_starts, num_rows, offset = [], [], 0
-        for i, (n, extra, sampled) in enumerate(zip(out.num_scheduled_tokens, out.extra_tokens, result.sampled)):
-            num_drafts = len(extra) if extra and extra[0] != PLACEHOLDER else 0
-            row_starts.append(i * q if q else offset)
-            offset += n + num_drafts
-            num_rows.append(n + max(len(sampled) - 1, 0))
-        return TargetHidden(pending.hidden, pending.states, row_starts, list(out.num_computed_tokens), num_rows)
+        target = (target_hidden(pending.out, pending.flat, pending.hidden, pending.states, result.sampled)
+                  if pending.hidden is not None else None)
+        result.draft_token_ids = self.proposer.draft(result, self.input_batch.requests, target)
 
     def _record(self, pending: PendingStep) -> None:
         pending.sampled_host = _to_host_async(pending.sampled)
@@ -451,10 +389,9 @@ class ModelRunner:
             for i, tok in zip(flat.sample_seq_idx, pending.sampled_host.tolist()):
                 result.sampled[i] = [tok]
             if pending.sampler_out.logprobs is not None:
-                self._collect_logprobs(result, pending.states, flat, pending.sampler_out)
+                result.logprobs.update(sampled_logprobs(pending.sampler_out, pending.states, flat.sample_seq_idx))
         self.input_batch.append_sampled(out.req_ids, result.sampled)
-        if self.proposer is not None:
-            self._propose(result, pending)
+        self._propose(result, pending)
         return result
 
     @torch.inference_mode()
@@ -463,57 +400,12 @@ class ModelRunner:
         dropped: an idle data-parallel replica joins the MoE collectives of a step the other
         replicas run (engine/lockstep.py). When they agreed to replay a decode graph, this replica
         replays it too, with padding rows only."""
-        size = agreed_graph_size()
-        if size is not None and self.graphs is not None:
-            self.graphs.replay_padding(size)
-            return
-        one = torch.ones(1, dtype=torch.int32, device=self.device)
-        attn = AttentionMetadata(query_start_loc=torch.arange(2, dtype=torch.int32, device=self.device),
-                                 seq_lens=one, block_tables=torch.zeros(1, 1, dtype=torch.int32, device=self.device),
-                                 slot_mapping=torch.full((1,), -1, dtype=torch.int64, device=self.device),
-                                 max_query_len=1, max_seq_len=1, seq_order=torch.zeros_like(one))
-        token = torch.zeros(1, dtype=torch.int64, device=self.device)
-        with set_attention_metadata(attn):
-            self.model(token, token)  # token 0 at position 0
+        self.dispatcher.forward_padding()
 
     def graph_batch_size(self, out: SchedulerOutput) -> int | None:
         """The captured size a decode batch would replay with, or None when it runs eagerly."""
-        if self.graphs is None or not out.is_decode_only or not self.graphs.can_run(len(out)):
-            return None
-        return agreed_graph_size() if self.spans_replicas else self.graphs.padded_size(len(out))
+        return self.dispatcher.graph_batch_size(out)
 
     def _forward(self, flat: FlatBatch, out: SchedulerOutput, inputs_only: bool = False) -> torch.Tensor:
         """inputs_only: the block tables are those of the last replay (later steps of a window)."""
-        if flat.verify_query_len:
-            return self.verify_graphs.replay(flat)
-        if self.graphs is not None and out.is_decode_only and self.graphs.can_run(len(out)):
-            if not self.spans_replicas:
-                return self.graphs.replay(flat, inputs_only)
-            size = agreed_graph_size()  # None: another replica's step runs eagerly, so this one does too
-            if size is not None:
-                return self.graphs.replay(flat, inputs_only, size=size)
-        if self.piecewise is not None and self.piecewise.can_run(flat.num_tokens):
-            return self.piecewise.replay(flat)
-        with set_attention_metadata(flat.attn):
-            return self.model(flat.input_ids, flat.positions)
-
-    def _collect_logprobs(self, result: ModelRunnerOutput, states: list[RequestState], flat: FlatBatch,
-                          sampled) -> None:
-        chosen = sampled.logprobs.tolist()
-        tops = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
-        top_ids = sampled.top_token_ids.tolist() if sampled.top_token_ids is not None else None
-        for r, i in enumerate(flat.sample_seq_idx):
-            k = states[i].sampling_params.logprobs
-            if k is None:
-                continue
-            top = dict(zip(top_ids[r][:k], tops[r][:k])) if tops is not None and k > 0 else {}
-            result.logprobs[i] = [(chosen[r], top)]
-
-
-def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> list:
-    logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)
-    chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
-    if k <= 0:
-        return [(c, {}) for c in chosen]
-    top_vals, top_ids = logprobs.topk(k, dim=-1)
-    return [(c, dict(zip(ids, vals))) for c, ids, vals in zip(chosen, top_ids.tolist(), top_vals.tolist())]
+        return self.dispatcher.forward(flat, out, inputs_only)

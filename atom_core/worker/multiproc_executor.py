@@ -238,7 +238,7 @@ def run_worker(setup: WorkerSetup) -> None:
                 runner.resolve(last)
             pending = runner.launch(step.out, None)
         last = pending
-        if runner.proposer is not None:
+        if runner.proposer.num_draft_tokens:
             # Speculative steps resolve right after their launch on rank 0 (drafts come from
             # their tokens), and a proposer with a model (MTP, draft) runs collectives in
             # resolve: resolve now too, or rank 0 would wait in them for the next message.

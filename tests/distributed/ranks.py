@@ -263,7 +263,7 @@ def lockstep_decode(path: str, prompts_by_rank: list, max_tokens_by_rank: list[i
     for _ in range(steps):
         for o in core.step():
             tokens[o.request_id] += o.new_token_ids
-    captured = runner.graphs is not None
+    captured = runner.dispatcher.full is not None
     core.shutdown()
-    assert runner.graphs is None  # released before the group's teardown
+    assert runner.dispatcher.full is None  # released before the group's teardown
     return {"tokens": [tokens[f"r{i}"] for i in range(len(prompts))], "graphs": captured, **calls}

@@ -19,9 +19,10 @@ from atom_core import LLMEngine, SamplingParams
 from atom_core.bench.offline import run_latency
 from atom_core.sampling_params import SamplingParams as SP
 from atom_core.scheduler_output import SchedulerOutput
-from atom_core.spec_decode.verify import build_padded_verify_batch
+from atom_core.spec_decode.proposer import NoProposer
 from atom_core.worker.cuda_graph import CUDAGraphRunner
 from atom_core.worker.input_batch import RequestState
+from atom_core.worker.verify_batch import build_padded_verify_batch
 
 
 def parity(engine, runner, vocab: int) -> dict:
@@ -32,7 +33,7 @@ def parity(engine, runner, vocab: int) -> dict:
     before = engine.spec_decode_stats()["num_accepted_tokens"]
     spec = [o["token_ids"] for o in engine.generate(prompts, params)]
     accepted = engine.spec_decode_stats()["num_accepted_tokens"] - before
-    proposer, runner.proposer = runner.proposer, None
+    proposer, runner.proposer = runner.proposer, NoProposer()
     plain_out = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=128, ignore_eos=True, logprobs=5))
     runner.proposer = proposer
     plain = [o["token_ids"] for o in plain_out]
@@ -52,7 +53,7 @@ def parity(engine, runner, vocab: int) -> dict:
 def latency(engine, runner, spec: bool, output_len: int) -> dict:
     proposer = runner.proposer
     if not spec:
-        runner.proposer = None
+        runner.proposer = NoProposer()
     r = run_latency(engine, 1, 512, output_len, num_iters=2, num_warmup=1, prompt_period=16)
     runner.proposer = proposer
     return {"tpot_ms": r.tpot_s * 1e3, "ttft_ms": r.ttft_s["median"] * 1e3, "spec_decode": r.spec_decode}
@@ -64,7 +65,7 @@ def verify_cost(runner, max_k: int, context: int = 512, iters: int = 100) -> dic
     for q in range(1, max_k + 2):
         graphs = CUDAGraphRunner(runner.model, (1,), runner.max_model_len, runner.block_size, runner.device,
                                  query_len=q)
-        graphs.pool = runner.graphs.pool
+        graphs.pool = runner.dispatcher.pool
         graphs.capture_all()
         num_blocks = -(-(context + q) // runner.block_size)
         state = RequestState("bench", [1] * context, [], SP(), block_ids=list(range(num_blocks)),

@@ -46,7 +46,8 @@ def test_graphs_and_compile_equal_eager(level, tiny_qwen3):
     fast = engine.generate(prompts, GREEDY)
     assert [o["token_ids"] for o in fast] == [o["token_ids"] for o in eager]
     if level in (1, 3):
-        assert engine.core.executor.runner.graphs is not None and engine.core.executor.runner.graphs.graphs
+        full = engine.core.executor.runner.dispatcher.full
+        assert full is not None and full.graphs
 
 
 def test_memory_sizing_fills_budget():

@@ -27,8 +27,8 @@ def test_tiny_fp32_mixed_steps_equal_eager(arch, level, mode, request):
     engine = LLMEngine(str(path), level=level, cudagraph_mode=mode, piecewise_capture_sizes=SIZES,
                        cudagraph_capture_sizes=(1, 2, 4, 8), **common)
     runner = engine.core.executor.runner
-    assert sorted(runner.piecewise.plans) == list(SIZES)
-    assert (runner.graphs is None) == (mode == "piecewise")
+    assert sorted(runner.dispatcher.piecewise.plans) == list(SIZES)
+    assert (runner.dispatcher.full is None) == (mode == "piecewise")
     outputs, steps = _run(engine)
     assert outputs == expected
     paths = {(decode_only, path) for _, decode_only, path, *_ in steps}

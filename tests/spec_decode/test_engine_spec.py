@@ -203,10 +203,11 @@ def test_padded_verify_layout_of_the_graphs_is_exact(tiny_llama, reference):
     ps, plain = reference
     engine = LLMEngine(str(tiny_llama), **NGRAM)
     runner = engine.core.executor.runner
-    runner.verify_graphs = _EagerReplay(runner.model, 1 + NGRAM["num_speculative_tokens"])
+    dispatcher = runner.dispatcher
+    dispatcher.verify = _EagerReplay(runner.model, 1 + NGRAM["num_speculative_tokens"])
     calls = []
-    build = runner._can_replay_verify
-    runner._can_replay_verify = lambda out, states: calls.append(build(out, states)) or calls[-1]
+    build = dispatcher.uses_verify_layout
+    dispatcher.uses_verify_layout = lambda out, states: calls.append(build(out, states)) or calls[-1]
     assert [o["token_ids"] for o in engine.generate(ps, GREEDY)] == plain
     assert any(calls) and engine.spec_decode_stats()["num_accepted_tokens"] > 0
     assert engine.core.kv.num_free_blocks == engine.core.kv.num_blocks

@@ -245,7 +245,7 @@ class TestCuda:
         path, prompts, hf = v3_mtp
         engine = LLMEngine(str(path), device="cuda", dtype="float32", method="mtp", num_speculative_tokens=k)
         runner = engine.core.executor.runner
-        assert runner.verify_graphs is not None and (runner.proposer.graphs is not None) == (mtp_graphs == "1")
+        assert runner.dispatcher.verify is not None and (runner.proposer.graphs is not None) == (mtp_graphs == "1")
         if mtp_graphs == "1":
             assert (runner.proposer.graphs.drafts is not None) == (k > 1)
         assert _tokens(engine, prompts) == hf
@@ -261,8 +261,8 @@ class TestCuda:
                            max_num_batched_tokens=16, cudagraph_mode="full_and_piecewise",
                            piecewise_capture_sizes=(4, 8, 16))
         runner = engine.core.executor.runner
-        replay, replays = runner.piecewise.replay, []
-        runner.piecewise.replay = lambda flat: replays.append(flat.num_tokens) or replay(flat)
+        replay, replays = runner.dispatcher.piecewise.replay, []
+        runner.dispatcher.piecewise.replay = lambda flat: replays.append(flat.num_tokens) or replay(flat)
         assert _tokens(engine, prompts) == hf
         assert replays and engine.spec_decode_stats()["num_drafts"] > 0, replays
         assert engine.core.kv.num_free_blocks == engine.core.kv.num_blocks

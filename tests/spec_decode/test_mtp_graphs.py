@@ -160,6 +160,9 @@ def test_graph_replays_through_the_runners_buffers_draft_the_same(v3_mtp, monkey
     monkeypatch.setattr(CUDAGraphRunner, "replay", lambda self, flat, **kw: replays.append(self.query_len)
                         or real_replay(self, flat, **kw))
     engine = LLMEngine(str(path), method="mtp", num_speculative_tokens=k)
-    engine.core.executor.runner.proposer.capture_graphs((1, 2, 4, 8, 16), None)
+    runner = engine.core.executor.runner
+    runner.proposer.capture_graphs((1, 2, 4, 8, 16), runner.dispatcher.capture_forward)
     assert _run(engine, prompts) == expected
     assert 1 + k in replays and (1 in replays) == (k > 1)
+    runner.release_graphs()  # the runner's release reaches the proposer's graphs too
+    assert runner.proposer.graphs is None and runner.proposer.graph_capture_seconds == 0.0

@@ -14,6 +14,7 @@ from atom_core.model_ops.kv_spec import release_kv_cache
                          ids=["mtp", "draft"])
 def test_peak_step_runs_before_the_proposer_has_kv(spec):
     runner = LLMEngine(str(DEMO_MODEL_DIR), max_num_batched_tokens=64, max_num_seqs=4, **spec).core.executor.runner
-    release_kv_cache(runner.proposer.kv_layers())  # as on a GPU before sizing: the proposer has no cache yet
+    proposer = runner.proposer
+    release_kv_cache(proposer.kv_layers())  # as on a GPU before sizing: the proposer has no cache yet
     assert runner._run_peak_step() > 0
-    assert runner.proposer is not None  # restored after the step
+    assert runner.proposer is proposer  # restored after the step

@@ -52,7 +52,7 @@ def _record_forwards(engine: LLMEngine) -> list:
     steps, forward = [], runner._forward
 
     def recording(flat, out, inputs_only=False):
-        pw, full = runner.piecewise, runner.graphs
+        pw, full = runner.dispatcher.piecewise, runner.dispatcher.full
         path, eager = "eager", None
         if full is not None and out.is_decode_only and full.can_run(len(out)):
             path = "full"
@@ -104,7 +104,7 @@ def _piecewise_engine(path, kit) -> LLMEngine:
     engine = _engine(path)
     runner = engine.core.executor.runner
     runner.config = runner.config.replace(cudagraph_mode="full_and_piecewise", piecewise_capture_sizes=SIZES)
-    runner.capture_piecewise(kit)
+    runner.dispatcher.capture_piecewise(runner.config.piecewise_sizes, runner.attention_layers, kit)
     return engine
 
 
@@ -136,7 +136,7 @@ class TestEngineSteps:
         only the 3 real rows of its static output (the padded row keeps what it held)."""
         engine = _piecewise_engine(tiny_llama, RecordingGraphKit())
         runner = engine.core.executor.runner
-        output = runner.piecewise.plans[4].calls[-1].output
+        output = runner.dispatcher.piecewise.plans[4].calls[-1].output
         with torch.inference_mode():
             output[3].fill_(7.0)
         before = [layer.k_cache.clone() for layer in runner.attention_layers]
@@ -152,7 +152,8 @@ class TestEngineSteps:
         runner = engine.core.executor.runner
         params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
         good = engine.generate([[5, 6, 7]], params)[0]["token_ids"]
-        runner.piecewise.input_ids = torch.zeros_like(runner.piecewise.input_ids)  # no longer the captured one
+        piecewise = runner.dispatcher.piecewise
+        piecewise.input_ids = torch.zeros_like(piecewise.input_ids)  # no longer the captured one
         assert engine.generate([[5, 6, 7]], params)[0]["token_ids"] != good
 
 
@@ -176,7 +177,7 @@ class TestOtherStepProducers:
         runner = engine.core.executor.runner
         runner.config = runner.config.replace(cudagraph_mode="piecewise", piecewise_capture_sizes=SIZES)
         kit = RecordingGraphKit()
-        runner.capture_piecewise(kit)
+        runner.dispatcher.capture_piecewise(runner.config.piecewise_sizes, runner.attention_layers, kit)
         assert _generate(engine, REPETITIVE, 12) == expected
         assert kit.num_replays > 0
         if "method" in options:
@@ -279,7 +280,7 @@ class TestAttentionCallOutput:
     def test_paged_backend_writes_into_the_static_output(self, tiny_llama):
         """The paged MHA backend takes `out`: every captured call of a piecewise engine runs that way."""
         engine = _piecewise_engine(tiny_llama, RecordingGraphKit())
-        calls = engine.core.executor.runner.piecewise.plans[SIZES[-1]].calls
+        calls = engine.core.executor.runner.dispatcher.piecewise.plans[SIZES[-1]].calls
         assert calls and all(call.backend.writes_out for call in calls)
 
 
@@ -288,7 +289,7 @@ class TestModeOnTheCPU:
         """As every graph level: the CPU runs eagerly (CompileConfig's doc); no graphs are made."""
         engine = LLMEngine(str(tiny_llama), device="cpu", num_kv_blocks=64, cudagraph_mode="full_and_piecewise")
         runner = engine.core.executor.runner
-        assert runner.piecewise is None and runner.graphs is None
+        assert runner.dispatcher.piecewise is None and runner.dispatcher.full is None
         assert len(_generate(engine, [[5, 6, 7]], 3)[0]) == 3
 
 
@@ -321,10 +322,10 @@ class TestRunnerWiring:
         engine = LLMEngine(str(tiny_llama), device="cpu", dtype="float32", num_kv_blocks=64, cudagraph_mode=mode,
                            max_num_batched_tokens=16)
         runner = engine.core.executor.runner
-        assert (runner.graphs is not None) == (mode != "piecewise")
-        assert (runner.piecewise is not None) == (mode != "full_decode_only")
+        assert (runner.dispatcher.full is not None) == (mode != "piecewise")
+        assert (runner.dispatcher.piecewise is not None) == (mode != "full_decode_only")
         assert kits == {"full_decode_only": [], "piecewise": [None], "full_and_piecewise": ["decode-pool"]}[mode]
-        if runner.piecewise is not None:
-            assert runner.piecewise.sizes == (1, 2, 4, 8, 16)  # the default ladder capped at the budget
-            assert runner.startup_breakdown["graph_capture"] == runner.piecewise.capture_seconds > 0
+        if runner.dispatcher.piecewise is not None:
+            assert runner.dispatcher.piecewise.sizes == (1, 2, 4, 8, 16)  # the default ladder capped at the budget
+            assert runner.startup_breakdown["graph_capture"] == runner.dispatcher.piecewise.capture_seconds > 0
             assert len(_generate(engine, [[5, 6, 7, 8, 9]], 4)[0]) == 4

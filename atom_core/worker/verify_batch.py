@@ -1,5 +1,7 @@
-"""The worker's side of a verify step: per-row sampling inputs for the rejection sampler, and
-the emitted tokens' logprobs. A request that samples owns 1 + k logit rows (k: its drafts)."""
+"""The worker's side of speculative decoding: the padded batch the verify graphs replay, per-row
+sampling inputs for the rejection sampler (a request that samples owns 1 + k logit rows, k: its
+drafts), and where a step's verified rows sit in its hidden states, for a proposer that drafts
+from them."""
 from __future__ import annotations
 
 import random
@@ -9,9 +11,9 @@ import numpy as np
 import torch
 
 from atom_core.model_ops.sampler import SamplingBatch
-from atom_core.scheduler_output import SchedulerOutput
-from atom_core.worker.batch_builder import (FlatBatch, _to_device, assemble_flat_batch, build_sampling_batch,
-                                            slot_of)
+from atom_core.scheduler_output import PLACEHOLDER, SchedulerOutput
+from atom_core.spec_decode.proposer import TargetHidden
+from atom_core.worker.batch_builder import FlatBatch, assemble_flat_batch, build_sampling_batch, slot_of, to_device
 from atom_core.worker.input_batch import RequestState
 
 
@@ -45,27 +47,8 @@ def verify_rows(out: SchedulerOutput, states: list[RequestState], flat: FlatBatc
         rows_out.grammar_req_ids, rows_out.grammar_bitmask = out.grammar_req_ids, out.grammar_bitmask
     batch = build_sampling_batch(rows_out, row_states, list(range(len(row_states))), vocab_size, eos_token_ids,
                                  device, rng)
-    return VerifyRows(batch, _to_device(np.array(draft_ids, dtype=np.int64), device), logit_rows, first_rows,
+    return VerifyRows(batch, to_device(np.array(draft_ids, dtype=np.int64), device), logit_rows, first_rows,
                       drafts)
-
-
-def emitted_logprobs(logits: torch.Tensor, rows: VerifyRows, tokens: list[list[int]], states: list[RequestState],
-                     seq_idx: list[int]) -> dict[int, list]:
-    """Raw-model logprobs of each emitted token (and the top-k), for requests that asked."""
-    result = {}
-    for r0, toks, i in zip(rows.first_rows, tokens, seq_idx):
-        k = states[i].sampling_params.logprobs
-        if k is None:
-            continue
-        raw = logits[r0 : r0 + len(toks)].log_softmax(dim=-1, dtype=torch.float32)
-        chosen = raw.gather(1, torch.tensor(toks, device=raw.device).unsqueeze(1)).squeeze(1).tolist()
-        if k > 0:
-            vals, ids = raw.topk(k, dim=-1)
-            tops = [dict(zip(i_, v_)) for i_, v_ in zip(ids.tolist(), vals.tolist())]
-        else:
-            tops = [{} for _ in toks]
-        result[i] = list(zip(chosen, tops))
-    return result
 
 
 def build_padded_verify_batch(out: SchedulerOutput, states: list[RequestState], query_len: int, block_size: int,
@@ -104,3 +87,19 @@ def build_padded_verify_batch(out: SchedulerOutput, states: list[RequestState], 
         placeholder_seqs=[],
         verify_query_len=q,
     )
+
+
+def target_hidden(out: SchedulerOutput, flat: FlatBatch, hidden: torch.Tensor, states: list[RequestState],
+                  sampled: list[list[int]]) -> TargetHidden:
+    """Where each request's verified rows sit in the step's hidden states: its scheduled tokens
+    plus the drafts it accepted (the rows after them saw rejected tokens). sampled: the tokens
+    each request emitted this step."""
+    assert not out.is_window, "speculative decoding replaces multi-step windows"
+    q = flat.verify_query_len  # a padded verify step: request i's rows start at i * q
+    row_starts, num_rows, offset = [], [], 0
+    for i, (n, extra, toks) in enumerate(zip(out.num_scheduled_tokens, out.extra_tokens, sampled)):
+        num_drafts = len(extra) if extra and extra[0] != PLACEHOLDER else 0
+        row_starts.append(i * q if q else offset)
+        offset += n + num_drafts
+        num_rows.append(n + max(len(toks) - 1, 0))
+    return TargetHidden(hidden, states, row_starts, list(out.num_computed_tokens), num_rows)
