@@ -26,7 +26,8 @@ from atom_core.model_ops.kv_spec import (allocate_kv_cache, attention_layers, ch
                                          finalize_kv_scales, release_kv_cache, set_kv_cache_dtype, warm_up_attention)
 from atom_core.model_ops.sampler import Sampler
 from atom_core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from atom_core.spec_decode.proposer import NoProposer, build_proposer, check_proposer
+from atom_core.spec_decode.factory import build_proposer, check_proposer
+from atom_core.spec_decode.proposer import NoProposer
 from atom_core.spec_decode.rejection_sampler import RejectionSampler, emitted_tokens
 from atom_core.worker.batch_builder import FlatBatch, build_flat_batch, build_sampling_batch
 from atom_core.worker.graph_dispatch import GraphDispatcher, graph_sets

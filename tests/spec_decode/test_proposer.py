@@ -6,7 +6,8 @@ from atom_core.config import SpeculativeConfig
 from atom_core.sampling_params import SamplingParams
 from atom_core.scheduler_output import ModelRunnerOutput
 from atom_core.spec_decode.ngram import NgramProposer
-from atom_core.spec_decode.proposer import NoProposer, build_proposer
+from atom_core.spec_decode.factory import build_proposer
+from atom_core.spec_decode.proposer import NoProposer
 from atom_core.worker.input_batch import RequestState
 
 LOOP = [1, 2, 3, 1, 2, 3, 1, 2]  # prompt lookup drafts 3, 1, ... after it
