@@ -2,7 +2,7 @@
 for each multi-step setting, plus the startup breakdown. Same workloads as `atomctl bench
 offline` / `bench latency` (atom_core.bench.offline); prints a table and writes JSON.
 
-`python tests/gpu/bench_matrix.py MODEL --level 3 --steps 1,8 --latency-bs 1,32 --out results.json`
+`python -m benchmarks.engine.bench_matrix MODEL --level 3 --steps 1,8 --latency-bs 1,32 --out results.json`
 """
 from __future__ import annotations
 

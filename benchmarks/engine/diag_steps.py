@@ -1,6 +1,6 @@
 """Where the wall time of an offline run goes, per engine phase (diagnostic, not a test).
 
-`python tests/gpu/diag_steps.py MODEL [--level 1] [--num-prompts 256] [engine options as k=v]`
+`python -m benchmarks.engine.diag_steps MODEL [--level 1] [--num-prompts 256] [engine options as k=v]`
 wraps the scheduler, runner and output functions with wall-clock timers, runs the nano-vllm
 workload (bench offline's default) and prints seconds and ms per step for each phase. Time in
 `event.synchronize` is the host waiting for the GPU: when it is small the run is host-bound.

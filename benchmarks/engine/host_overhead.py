@@ -1,6 +1,6 @@
 """Host-side cost of one engine step, with the model and sampler stubbed out.
 
-`python -m atom_core.bench.host_overhead MODEL_DIR [--batch 256] [--steps 200] [--runs 6]`
+`python -m benchmarks.engine.host_overhead MODEL_DIR [--batch 256] [--steps 200] [--runs 6]`
 runs the real scheduler, KV manager, batch builder, async stepping and output processing on the
 CPU while the forward and the sampler return instantly, and prints the minimum CPU time per step
 over several runs. On a GPU this is the work that async scheduling must hide behind each step.

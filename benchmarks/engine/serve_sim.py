@@ -11,7 +11,7 @@ eleventh sessions): a 512-token mixed step 17.8 ms on the device (16.0 of kernel
 and 10 within 1-5% and overstates R = 6 (by 10%); c256 at R = 8 it put at 3,657 tok/s, served 3,667-3,677
 with fresh prompts. Host time is free unless --host-overhead-ms says otherwise.
 
-    python -m atom_core.bench.serve_sim --concurrency 64 --num-prompts 320 --input-len 1024 \
+    python -m benchmarks.engine.serve_sim --concurrency 64 --num-prompts 320 --input-len 1024 \
         --output-len 128 --mixed-step-tokens-per-seq 8 [--max-num-batched-tokens 8192] \
         [--cost-json '{"gemm_ms_per_token": 0.02}'] [--sweep 0,6,8,10] [--json]
 """

@@ -4,7 +4,7 @@ with and without drafts, and the verify step's cost at k = 1..4 against a plain 
 
 Plain decoding reuses the same engine with its proposer off (no drafts: decode graphs, one
 host round trip per step, no windows). Usage:
-  python3 tests/gpu/spec_decode_bench.py preset:Llama-3-8B --k 4 --out specdec.json
+  python -m benchmarks.engine.spec_decode_bench preset:Llama-3-8B --k 4 --out specdec.json
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 idle between its own kernels (launch gaps: host issue slower than the kernels), grouped by the
 step's kind and token count. Under the profiler each step is synchronized at its end, so gaps
 between steps are not meaningful; gaps inside a step are (a little inflated by the profiler's
-own per-launch cost). `python3 tests/gpu/trace_gaps.py TRACE.json.gz [--top-kernels 12]`
+own per-launch cost). `python -m benchmarks.engine.trace_gaps TRACE.json.gz [--top-kernels 12]`
 """
 from __future__ import annotations
 

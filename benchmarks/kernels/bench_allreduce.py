@@ -5,7 +5,7 @@ captured in a CUDA graph and replayed, as a decode step would. Median microsecon
 `symm_engine` is the engine's own path (distributed/symm_all_reduce.py: the input copied into the
 buffer, two-shot written to a new tensor), the others the bare ops on a buffer already filled.
 
-  python3 tests/gpu/bench_allreduce.py --gpus 2 --hidden 4096,8192 --tokens 1,8,32,64,128,256,1024,8192
+  python -m benchmarks.kernels.bench_allreduce --gpus 2 --hidden 4096,8192 --tokens 1,8,32,64,128,256,1024,8192
 
 A method that cannot run here (symmetric memory not supported by this build or machine) prints
 its error instead of a time. Not a test: it only measures.

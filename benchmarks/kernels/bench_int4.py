@@ -1,8 +1,8 @@
 """W4A16 and INT8 W8A8 GEMMs against bf16 (cuBLAS through F.linear) on Llama-3-8B's linear
 shapes, timed in CUDA graphs (launch gaps excluded), each checked against its torch reference.
 
-    python tests/gpu/bench_int4.py [--out FILE.json]
-    python tests/gpu/bench_int4.py --m 1 --kernels triton,f16x2     (the GEMV kernels side by side)
+    python -m benchmarks.kernels.bench_int4 [--out FILE.json]
+    python -m benchmarks.kernels.bench_int4 --m 1 --kernels triton,f16x2     (the GEMV kernels side by side)
 
 Prints one row per (shape, M): microseconds of bf16 / W4A16 / W8A8 and, for W4A16, the weight
 bytes read per microsecond (GB/s; the H100's HBM reads ~3.0 TB/s). `w4 split` is the W4A16 GEMV

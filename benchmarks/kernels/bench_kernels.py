@@ -1,4 +1,4 @@
-"""Time the Triton kernels against torch on a GPU: `python -m atom_core.kernels.bench_kernels`.
+"""Time the Triton kernels against torch on a GPU: `python -m benchmarks.kernels.bench_kernels`.
 
 First checks each kernel against `torch_ref` (max relative L2 error), then prints, per case,
 the median time (triton.testing.do_bench) of the Triton kernel, the torch reference and, for

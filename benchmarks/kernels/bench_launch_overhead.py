@@ -5,7 +5,7 @@ steps the host issuing them was the bound (docs/PERFORMANCE.md, ninth session). 
 host microseconds a call for: our wrapper (`paged_attention`, its launch plan cached), the raw
 `kernel[grid](...)` JIT path, the compiled kernel's `[grid](*args)` runner, and its bare `run`
 with everything but the arguments precomputed; a torch op as the reference. Tiny inputs, so the
-device never becomes the bound: `python3 tests/gpu/bench_launch_overhead.py`.
+device never becomes the bound: `python -m benchmarks.kernels.bench_launch_overhead`.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """MLA decode attention bandwidth on the latent cache (DeepSeek-V2-Lite shapes by default:
 16 heads, latent 512 + rope 64, bf16), over a sweep of tile shapes and KV splits.
 
-    python tests/gpu/bench_mla.py --bs 64 --ctx 2048 [--heads 16] [--sweep] [--out f.json]
+    python -m benchmarks.kernels.bench_mla --bs 64 --ctx 2048 [--heads 16] [--sweep] [--out f.json]
 
 Bytes counted: the latent rows every sequence reads (bs x ctx x 576 x 2) plus q and out;
 time: CUDA-graph replays of one launch (so launch overhead is not counted), median of 5 runs.
@@ -35,7 +35,7 @@ def make_inputs(bs: int, ctx: int, heads: int, latent: int, rope: int, block_siz
 
 def time_graph(fn) -> float:
     """Seconds per call: median of CUDA-graph replays."""
-    from atom_core.kernels.bench_kernels import bench_ms
+    from benchmarks.kernels.bench_kernels import bench_ms
 
     return bench_ms(fn) / 1e3
 

@@ -3,7 +3,7 @@
 de-interleave cats, the rotary kernel, the cache-row cat, the store), both timed as CUDA-graph
 replays, so the per-launch gaps a decode graph pays are counted and Python's are not.
 
-    python tests/gpu/bench_mla_prep.py [--bs 1 32] [--heads 16 128] [--out f.json]
+    python -m benchmarks.kernels.bench_mla_prep [--bs 1 32] [--heads 16 128] [--out f.json]
 
 Widths are DeepSeek-V2-Lite's / V3's (nope 128, latent 512, rope 64, interleaved pairs, bf16);
 16 heads is V2-Lite, 128 V3 (per rank: 128 / TP). Also checks the fused result against the
@@ -17,7 +17,7 @@ import json
 import torch
 
 from atom_core.kernels import triton as tk
-from atom_core.kernels.bench_kernels import bench_ms
+from benchmarks.kernels.bench_kernels import bench_ms
 from atom_core.kernels.mla_ref import deinterleave
 from atom_core.model_ops.rotary import RotaryEmbedding
 

@@ -3,7 +3,7 @@ dense_gemv.py, at M = 1, 2, 4 tokens on Llama-3-8B and Llama-3.1-70B projection 
 and per rank at TP=2. CUDA-graph medians in us and the weight stream's TB/s (bf16 weights; x and
 the output are noise at these M), against the bytes floor at --floor-tbs.
 
-  python -m atom_core.kernels.triton.dense_gemv_bench [--m 1,2,4] [--floor-tbs 3.0] [--sweep]
+  python -m benchmarks.kernels.dense_gemv_bench [--m 1,2,4] [--floor-tbs 3.0] [--sweep]
       [--model llama-3-8b,llama-3.1-70b] [--tp 1,2]
 
 Weight values do not affect speed. Each timed call runs over enough weight copies (>= 160 MB
@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import torch
 
-from atom_core.kernels.triton.fp8_bench import SHAPES as FP8_SHAPES
+from benchmarks.kernels.fp8_bench import SHAPES as FP8_SHAPES
 
 # model -> projection -> (N, K) at TP=1; TP=2 halves N of the column-parallel ones (qkv, gate_up)
 # and K of the row-parallel ones (o, down)
@@ -70,7 +70,7 @@ def sweep_configs(base):
 
 
 def _sweep(ms: list[int], floor_tbs: float, tps: tuple[int, ...], models: tuple[str, ...] | None) -> None:
-    from atom_core.kernels.bench_kernels import bench_ms
+    from benchmarks.kernels.bench_kernels import bench_ms
     from atom_core.kernels.triton.common import sm_count
     from atom_core.kernels.triton.dense_gemv import default_dense_gemv_config, dense_gemv, dense_gemv_ref
 
@@ -90,7 +90,7 @@ def _sweep(ms: list[int], floor_tbs: float, tps: tuple[int, ...], models: tuple[
 
 
 def main() -> None:
-    from atom_core.kernels.bench_kernels import bench_ms
+    from benchmarks.kernels.bench_kernels import bench_ms
     from atom_core.kernels.triton.dense_gemv import dense_gemv
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

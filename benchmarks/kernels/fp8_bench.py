@@ -19,7 +19,7 @@ tokens (default 1 and 32), CUDA-graph medians in us, against the bytes-read floo
 `--sweep-w8a16` the weight-only GEMM's (BLOCK_N x BLOCK_K x stages, split by the grid) at 2 <= M <= 64;
 `--sweep-gemv` the GEMV's (BLOCK_K x weights a thread x split-K) at M <= 4.
 Weight values do not affect speed (random e4m3). Results: docs/PERFORMANCE.md (H100, 2026-11-26).
-`python -m atom_core.kernels.triton.fp8_bench [--shapes llama-3-8b,deepseek-v3,qwen3-30b-a3b] [--m 1,32]
+`python -m benchmarks.kernels.fp8_bench [--shapes llama-3-8b,deepseek-v3,qwen3-30b-a3b] [--m 1,32]
 [--sweep | --sweep-gemv]`. Issue 16 (Qwen3-30B-A3B-FP8 batch 1): `--shapes qwen3-30b-a3b --m 1,2`, where
 tr-block is the old block path, gemv blk the block GEMV (ATOM_FP8_SMALL_M_KERNEL=gemv), bf16 the baseline.
 """
@@ -51,7 +51,7 @@ FLOOR_BYTES_PER_S = 3.0e12
 
 def _time_us(fn) -> float:
     """Median of CUDA-graph replays (launch overhead as in a captured decode step)."""
-    from atom_core.kernels.bench_kernels import bench_ms
+    from benchmarks.kernels.bench_kernels import bench_ms
 
     return bench_ms(fn) * 1000
 

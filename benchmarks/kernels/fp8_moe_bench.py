@@ -7,7 +7,7 @@ the touched experts are min(E, M*K) and the floor is known. Times are medians of
 `--sweep` also times a grid of tile configs at M = 1 and 32 and prints the best three (to set
 `default_fp8_moe_config`). Written in a session without a GPU: not run yet.
 
-    python -m atom_core.kernels.triton.fp8_moe_bench [--sweep] [--shapes qwen3-30b-a3b,deepseek-v3]
+    python -m benchmarks.kernels.fp8_moe_bench [--sweep] [--shapes qwen3-30b-a3b,deepseek-v3]
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ GROUP = 128
 
 
 def _time_us(fn) -> float:
-    from atom_core.kernels.bench_kernels import bench_ms
+    from benchmarks.kernels.bench_kernels import bench_ms
 
     return bench_ms(fn) * 1000
 

@@ -8,7 +8,7 @@ are over 50 MB, the H100's L2). `auto` says what `select_path` picks under this 
 ATOM_MOE_DECODE_PATH. `--sweep` times GEMV tiles (GEMM1's with GEMM2 at its default, then GEMM2's)
 at the smallest and largest M and prints the best (to set moe_decode.DEFAULT_TILES).
 
-    python -m atom_core.kernels.triton.moe_decode_bench [--shapes qwen3-30b-a3b,...] [--m 1,2,4,8] [--sweep]
+    python -m benchmarks.kernels.moe_decode_bench [--shapes qwen3-30b-a3b,...] [--m 1,2,4,8] [--sweep]
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ GEMV2_SWEEP = [(2, 256), (4, 256), (8, 256), (4, 128), (8, 128), (2, 512)]
 
 
 def _time_us(fn) -> float:
-    from atom_core.kernels.bench_kernels import bench_ms
+    from benchmarks.kernels.bench_kernels import bench_ms
 
     return bench_ms(fn) * 1000
 

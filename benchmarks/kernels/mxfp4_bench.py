@@ -9,7 +9,7 @@ replay: a working set under the 50 MB L2 would flatter the times; gpt-oss's 4 ex
 `--sweep` also times a grid of tile configs of the tiled path at M = 1 and 32 and prints the best
 (to set `default_mxfp4_config`).
 
-    python -m atom_core.kernels.triton.mxfp4_bench [--sweep]
+    python -m benchmarks.kernels.mxfp4_bench [--sweep]
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ READ_BYTES_PER_S = 3.0e12
 
 
 def _time_us(fn) -> float:
-    from atom_core.kernels.bench_kernels import bench_ms
+    from benchmarks.kernels.bench_kernels import bench_ms
 
     return bench_ms(fn) * 1000
 

@@ -1,6 +1,6 @@
 """Prefill attention on the GPU: paged kernel vs contiguous kernel vs torch SDPA (flash) [vs flash-attn].
 
-    python -m atom_core.kernels.triton.prefill_attention_bench [--shapes llama-3-8b,qwen3-0.6b]
+    python -m benchmarks.kernels.prefill_attention_bench [--shapes llama-3-8b,qwen3-0.6b]
         [--tokens 2048,8192] [--seqs 1] [--sweep] [--output-json FILE]
 
 One layer's causal attention over `tokens` new tokens split into `seqs` equal sequences with no

@@ -1,6 +1,6 @@
 """Decode paged-attention schedule sweep on the GPU: KV splits x sequence order per batch size.
 
-Diagnostic, not a test: `python3 tests/gpu/sweep_attention.py` prints one line per shape with
+Diagnostic, not a test: `python -m benchmarks.kernels.sweep_attention` prints one line per shape with
 the time of each choice and the best one's KV bandwidth (against the ~3.0 TB/s HBM ceiling).
 (The tile sweep of the first probe run, docs/PERFORMANCE.md, found BLOCK_N/warps/stages flat.)
 """

@@ -1,8 +1,8 @@
 """Tune fused_moe's tile configs on this GPU and write the table the kernel reads.
 
-    python -m atom_core.kernels.tune_moe --num-experts 128 --hidden 2048 --intermediate 768 \\
+    python -m benchmarks.kernels.tune_moe --num-experts 128 --hidden 2048 --intermediate 768 \\
         --top-k 8 --dtype bfloat16 --batch-sizes 1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192
-    python -m atom_core.kernels.tune_moe --preset NAME   # sizes from atom_core/presets/NAME/config.json
+    python -m benchmarks.kernels.tune_moe --preset NAME   # sizes from atom_core/presets/NAME/config.json
 
 Search, per batch size: for each BLOCK_M candidate, align once, then time GEMM1 over its tile
 candidates and GEMM2 over its own (the GEMMs share only BLOCK_M, so they are tuned apart:
@@ -33,8 +33,8 @@ from triton.runtime.errors import OutOfResources
 
 from atom_core.kernels.triton import moe as tm
 from atom_core.kernels.triton.common import next_pow2
+from atom_core.loader.model_dir import PRESET_DIR
 
-PRESET_DIR = Path(__file__).resolve().parent.parent / "presets"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 2048, 4096, 8192)
 FLUSH_BYTES = 256 << 20  # > the 50 MB L2 of an H100
@@ -205,7 +205,7 @@ def check_config(prob: Problem, config: tm.MoeConfig, baseline: tm.MoeConfig) ->
 
 
 def parse_args(argv: list[str] | None) -> tuple[MoeShape, list[int], Path, int]:
-    p = argparse.ArgumentParser(prog="python -m atom_core.kernels.tune_moe", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kernels.tune_moe", description=__doc__.split("\n")[0])
     p.add_argument("--preset", help="read the sizes from atom_core/presets/NAME/config.json")
     p.add_argument("--num-experts", type=int)
     p.add_argument("--hidden", type=int)

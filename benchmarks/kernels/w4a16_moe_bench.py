@@ -4,7 +4,7 @@ on Qwen3-30B-A3B and DeepSeek-V3 expert shapes at M = 1 to 256 tokens, against t
 and against the bf16 fused MoE on the same weights dequantized. Routing, timing and the table as in
 `fp8_moe_bench`. Written in a session without a GPU: not run yet.
 
-    python -m atom_core.kernels.triton.w4a16_moe_bench [--group 128] [--shapes qwen3-30b-a3b,deepseek-v3]
+    python -m benchmarks.kernels.w4a16_moe_bench [--group 128] [--shapes qwen3-30b-a3b,deepseek-v3]
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import argparse
 
 import torch
 
-from atom_core.kernels.triton.fp8_moe_bench import READ_BYTES_PER_S, SHAPES, TOKENS, _route, _time_us
+from benchmarks.kernels.fp8_moe_bench import READ_BYTES_PER_S, SHAPES, TOKENS, _route, _time_us
 
 GROUPS = (32, 64, 128)
 

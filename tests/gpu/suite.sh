@@ -71,7 +71,7 @@ serve_profile() {  # serve_profile NUM_PROMPTS [SERVER FLAGS...]: the c64 run un
     --ignore-eos --num-prompts "$n" --max-concurrency 64 --profile
   kill $spid; wait $spid
   trace=$(ls -t /tmp/serve_traces/rank_0/*.json.gz 2>/dev/null | head -1)
-  step trace-gaps 120 python3 tests/gpu/trace_gaps.py "$trace"
+  step trace-gaps 120 python -m benchmarks.engine.trace_gaps "$trace"
   step parse-trace-serve 120 python3 -m atomctl.main parse-trace "$trace" --top 25 --out-dir "$OUT"
 }
 profile_l8_tp2() {  # profile_l8_tp2 NAME [VAR=VALUE...]: a Llama-3-8B TP=2 batch-1 decode profile, then rank 0's breakdown in $OUT/NAME
@@ -130,7 +130,7 @@ case $mode in
       "tests/kernels/test_prefill_attention.py" "tests/kernels/test_moe_decode.py tests/kernels/test_moe_kernels.py" ;;
   spec)  # issue 15 on one engine start each: n-gram on Llama-3-8B (bf16 parity with the logprob gap where a sequence diverges, TPOT with/without drafts, verify cost k=0..4), then DeepSeek-V2-Lite-MTP batch-1 TPOT without and with --method mtp K=1, 3 (dummy weights: verify + draft cost)
     dsm=(--model preset:DeepSeek-V2-Lite-MTP --load-format dummy --max-model-len 4096)
-    step specdec-l8 230 python3 tests/gpu/spec_decode_bench.py preset:Llama-3-8B --k 4 --out "$OUT/specdec_l8.json"
+    step specdec-l8 230 python -m benchmarks.engine.spec_decode_bench preset:Llama-3-8B --k 4 --out "$OUT/specdec_l8.json"
     step lat-dsv2lm-bs1 90 python3 -m atomctl.main bench latency "${dsm[@]}" --bs 1 --num-iters 2 --output-json "$OUT/lat_dsv2lm_bs1.json"
     for k in 1 3; do
       step lat-dsv2lm-mtp$k-bs1 90 python3 -m atomctl.main bench latency "${dsm[@]}" --bs 1 --num-iters 2 --method mtp --num-speculative-tokens $k --output-json "$OUT/lat_dsv2lm_mtp${k}_bs1.json"
@@ -166,8 +166,8 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
     step fp8-moe-bench 80 python3 -m atom_core.kernels.triton.fp8_moe_bench
     step w4a16-moe-bench 80 python3 -m atom_core.kernels.triton.w4a16_moe_bench
     step moe-gemv-bench 100 python3 -m atom_core.kernels.triton.moe_decode_bench
-    step mla-prep-bench 60 python3 tests/gpu/bench_mla_prep.py --out "$OUT/mla_prep_bench.json"
-    step mla-decode-bench 40 python3 tests/gpu/bench_mla.py --bs 64 --ctx 2048 --out "$OUT/mla_decode_bench.json"
+    step mla-prep-bench 60 python -m benchmarks.kernels.bench_mla_prep --out "$OUT/mla_prep_bench.json"
+    step mla-decode-bench 40 python -m benchmarks.kernels.bench_mla --bs 64 --ctx 2048 --out "$OUT/mla_decode_bench.json"
     step prefill-attn-bench 120 python3 -m atom_core.kernels.triton.prefill_attention_bench --shapes llama-3-8b --tokens 2048,8192 --output-json "$OUT/prefill_attn_bench.json" ;;
   lat-new)  # batch-1/32 TPOT through the CLI where a new kernel is now the CUDA default or a switch waits on a measurement
     dsl=(--model preset:DeepSeek-V2-Lite --load-format dummy --max-model-len 4096)
@@ -187,8 +187,8 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
     step engine-gpu-tests 300 python3 -m pytest -q --tb=short tests/gpu -p no:cacheprovider
     wait $tpid; rm -rf "$OUT/model/work"; tail -n 25 "$OUT/train.log" ;;
   diag)  # where an offline run's wall time goes, per engine phase
-    step diag-q06-l1 240 python3 tests/gpu/diag_steps.py preset:Qwen3-0.6B --level 1
-    step diag-q06-l3 300 python3 tests/gpu/diag_steps.py preset:Qwen3-0.6B --level 3 ;;
+    step diag-q06-l1 240 python -m benchmarks.engine.diag_steps preset:Qwen3-0.6B --level 1
+    step diag-q06-l3 300 python -m benchmarks.engine.diag_steps preset:Qwen3-0.6B --level 3 ;;
   small-l3)  # Qwen3-0.6B at level 3: multi-step windows off/on, then the kernel tests
     step off-q06-k1 150 python3 -m atomctl.main bench offline "${q06[@]}" --output-json "$OUT/off_q06_k1.json"
     step off-q06-k4 150 python3 -m atomctl.main bench offline "${q06[@]}" --num-scheduler-steps 4 --output-json "$OUT/off_q06_k4.json"
@@ -196,10 +196,10 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
     step lat-q06-bs1-k8 100 python3 -m atomctl.main bench latency "${q06[@]}" --bs 1 --num-scheduler-steps 8 --output-json "$OUT/lat_q06_bs1_k8.json"
     step kernel-tests 200 python3 -m pytest -q --tb=short tests/kernels -p no:cacheprovider ;;
   big-l3)  # level 3, one engine per model: latency and nano throughput with windows off/on
-    step matrix-l8 300 python3 tests/gpu/bench_matrix.py preset:Llama-3-8B --level 3 --steps 1,8 --latency-bs 1,32 --out "$OUT/matrix_l8.json"
-    step matrix-q06 240 python3 tests/gpu/bench_matrix.py preset:Qwen3-0.6B --level 3 --steps 1,8 --latency-bs 1,32 --out "$OUT/matrix_q06.json" ;;
+    step matrix-l8 300 python -m benchmarks.engine.bench_matrix preset:Llama-3-8B --level 3 --steps 1,8 --latency-bs 1,32 --out "$OUT/matrix_l8.json"
+    step matrix-q06 240 python -m benchmarks.engine.bench_matrix preset:Qwen3-0.6B --level 3 --steps 1,8 --latency-bs 1,32 --out "$OUT/matrix_q06.json" ;;
   serve-l8)  # Qwen3 matrix with the defaults, then online serving (Llama-3-8B, dummy) windows on/off, then GPU tests
-    step matrix-q06 150 python3 tests/gpu/bench_matrix.py preset:Qwen3-0.6B --level 3 --steps 8 --latency-bs 1,32 --out "$OUT/matrix_q06.json"
+    step matrix-q06 150 python -m benchmarks.engine.bench_matrix preset:Qwen3-0.6B --level 3 --steps 8 --latency-bs 1,32 --out "$OUT/matrix_q06.json"
     for K in 8 1; do
       python3 -m atomctl.main serve "${l8[@]}" --num-scheduler-steps $K --port 8011 > /tmp/serve$K.log 2>&1 &
       spid=$!
@@ -214,65 +214,65 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
     step engine-gpu-tests 230 python3 -m pytest -q --tb=short tests/gpu -p no:cacheprovider ;;
   final2)  # GPU tests, then both models at the defaults (level 3), then a warm start of Llama-3-8B
     step engine-gpu-tests 170 python3 -m pytest -q --tb=short tests/gpu -p no:cacheprovider
-    step matrix-l8 210 python3 tests/gpu/bench_matrix.py preset:Llama-3-8B --level 3 --steps 1,8 --latency-bs 1,32 --out "$OUT/matrix_l8.json"
-    step matrix-q06 120 python3 tests/gpu/bench_matrix.py preset:Qwen3-0.6B --level 3 --steps 8 --latency-bs 1,32 --out "$OUT/matrix_q06.json"
+    step matrix-l8 210 python -m benchmarks.engine.bench_matrix preset:Llama-3-8B --level 3 --steps 1,8 --latency-bs 1,32 --out "$OUT/matrix_l8.json"
+    step matrix-q06 120 python -m benchmarks.engine.bench_matrix preset:Qwen3-0.6B --level 3 --steps 8 --latency-bs 1,32 --out "$OUT/matrix_q06.json"
     step warm-start-l8 70 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-len 8 --num-iters 1 --output-json "$OUT/warm_start_l8.json" ;;
   levels)  # the GPU tests final2 did not reach, then batch-1/32 decode of Qwen3-0.6B at levels 0-2
     step gpu-tests-rest 150 python3 -m pytest -q --tb=short tests/gpu -p no:cacheprovider -k "bf16_sampling or multi_step"
     for L in 0 1 2; do
-      step lat-q06-level$L 90 python3 tests/gpu/bench_matrix.py preset:Qwen3-0.6B --level $L --steps 1 --latency-bs 1,32 --no-throughput --out "$OUT/levels_q06_l$L.json"
+      step lat-q06-level$L 90 python -m benchmarks.engine.bench_matrix preset:Qwen3-0.6B --level $L --steps 1 --latency-bs 1,32 --no-throughput --out "$OUT/levels_q06_l$L.json"
     done ;;
   verify)  # Triton cache + threaded warm-up, kernel tests (4 processes), attention sweep, Qwen3-0.6B at levels 3 and 1
     step warmup-cache-1 100 python3 tests/gpu/diag_warmup.py 32 --cold
     step warmup-cache-2 40 python3 tests/gpu/diag_warmup.py 32
     kernel_tests
-    step sweep-attention 120 python3 tests/gpu/sweep_attention.py
-    step matrix-q06-l3 170 python3 tests/gpu/bench_matrix.py preset:Qwen3-0.6B --level 3 --steps 8 --latency-bs 1 --out "$OUT/matrix_q06_l3.json"
-    step lat-q06-l1 80 python3 tests/gpu/bench_matrix.py preset:Qwen3-0.6B --level 1 --steps 1 --latency-bs 1 --no-throughput --out "$OUT/lat_q06_l1.json" ;;
+    step sweep-attention 120 python -m benchmarks.kernels.sweep_attention
+    step matrix-q06-l3 170 python -m benchmarks.engine.bench_matrix preset:Qwen3-0.6B --level 3 --steps 8 --latency-bs 1 --out "$OUT/matrix_q06_l3.json"
+    step lat-q06-l1 80 python -m benchmarks.engine.bench_matrix preset:Qwen3-0.6B --level 1 --steps 1 --latency-bs 1 --no-throughput --out "$OUT/lat_q06_l1.json" ;;
   final3)  # engine GPU tests, Llama-3-8B at the defaults (cold start), then a second (warm) start
     step engine-gpu-tests 230 python3 -m pytest -q --tb=short tests/gpu -p no:cacheprovider
-    step matrix-l8 250 python3 tests/gpu/bench_matrix.py preset:Llama-3-8B --level 3 --steps 8 --latency-bs 1,32 --out "$OUT/matrix_l8.json"
+    step matrix-l8 250 python -m benchmarks.engine.bench_matrix preset:Llama-3-8B --level 3 --steps 8 --latency-bs 1,32 --out "$OUT/matrix_l8.json"
     step warm-start-l8 80 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-len 8 --num-iters 1 --output-json "$OUT/warm_start_l8.json" ;;
   final3-q06)  # Qwen3-0.6B at the defaults and at level 1
-    step matrix-q06-l3 200 python3 tests/gpu/bench_matrix.py preset:Qwen3-0.6B --level 3 --steps 8 --latency-bs 1,32 --out "$OUT/matrix_q06_l3.json"
-    step matrix-q06-l1 150 python3 tests/gpu/bench_matrix.py preset:Qwen3-0.6B --level 1 --steps 8 --latency-bs 1,32 --out "$OUT/matrix_q06_l1.json" ;;
+    step matrix-q06-l3 200 python -m benchmarks.engine.bench_matrix preset:Qwen3-0.6B --level 3 --steps 8 --latency-bs 1,32 --out "$OUT/matrix_q06_l3.json"
+    step matrix-q06-l1 150 python -m benchmarks.engine.bench_matrix preset:Qwen3-0.6B --level 1 --steps 8 --latency-bs 1,32 --out "$OUT/matrix_q06_l1.json" ;;
   diag-l8)  # why Llama-3-8B's nano run fell from 9,991 to 7,062 tok/s: phases, preemptions, order A/B
-    step diag-l8-l3 200 python3 tests/gpu/diag_steps.py preset:Llama-3-8B --level 3
-    step diag-l8-l3-no-order 150 python3 tests/gpu/diag_steps.py preset:Llama-3-8B --level 3 --no-order
-    step matrix-q06-l3 200 python3 tests/gpu/bench_matrix.py preset:Qwen3-0.6B --level 3 --steps 8 --latency-bs 1,32 --out "$OUT/matrix_q06_l3.json" ;;
+    step diag-l8-l3 200 python -m benchmarks.engine.diag_steps preset:Llama-3-8B --level 3
+    step diag-l8-l3-no-order 150 python -m benchmarks.engine.diag_steps preset:Llama-3-8B --level 3 --no-order
+    step matrix-q06-l3 200 python -m benchmarks.engine.bench_matrix preset:Qwen3-0.6B --level 3 --steps 8 --latency-bs 1,32 --out "$OUT/matrix_q06_l3.json" ;;
   ab-l8)  # Llama-3-8B nano: fused vs separate q/k-norm/RoPE/KV-store kernels, then a decode profile with distinct prompts
-    step diag-l8-fused 150 python3 tests/gpu/diag_steps.py preset:Llama-3-8B --level 3
+    step diag-l8-fused 150 python -m benchmarks.engine.diag_steps preset:Llama-3-8B --level 3
     step profile-l8-bs128 150 python3 -m atomctl.main profile "${l8[@]}" --mark-trace --random-input --bs 128 --input-length 900 --output-length 4 --torch-profiler-dir /tmp/traces-l8
     step parse-trace-l8 90 python3 -m atomctl.main parse-trace "$(ls -t /tmp/traces-l8/rank_0/Llama*.json.gz | head -1)" --layer 3 --out-dir "$OUT" ;;
   final4)  # all GPU tests, mid-run compile check, then both models at the defaults and a warm Llama-3-8B start
     kernel_tests
     step engine-gpu-tests 150 python3 -m pytest -q --tb=short tests/gpu -p no:cacheprovider
-    step diag-q06-l3 90 python3 tests/gpu/diag_steps.py preset:Qwen3-0.6B --level 3
-    step matrix-q06 100 python3 tests/gpu/bench_matrix.py preset:Qwen3-0.6B --level 3 --steps 8 --latency-bs 1,32 --out "$OUT/matrix_q06.json"
-    step matrix-l8 130 python3 tests/gpu/bench_matrix.py preset:Llama-3-8B --level 3 --steps 8 --latency-bs 1,32 --out "$OUT/matrix_l8.json"
+    step diag-q06-l3 90 python -m benchmarks.engine.diag_steps preset:Qwen3-0.6B --level 3
+    step matrix-q06 100 python -m benchmarks.engine.bench_matrix preset:Qwen3-0.6B --level 3 --steps 8 --latency-bs 1,32 --out "$OUT/matrix_q06.json"
+    step matrix-l8 130 python -m benchmarks.engine.bench_matrix preset:Llama-3-8B --level 3 --steps 8 --latency-bs 1,32 --out "$OUT/matrix_l8.json"
     step warm-start-l8 60 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-len 8 --num-iters 1 --output-json "$OUT/warm_start_l8.json" ;;
   final5)  # the kernel tests touched since final4, Llama-3-8B device timeline, both models at K=8 and 16, a warm start
     ( timeout 200 python3 -m pytest -q --tb=short tests/kernels -p no:cacheprovider -k "test_triton_kernels and not TestPagedAttention" > /tmp/kA.log 2>&1 ) &
     ( timeout 200 python3 -m pytest -q --tb=short tests/kernels -p no:cacheprovider -k "TestPagedAttention and dtype0" > /tmp/kB.log 2>&1 ) &
     wait; tail -n 3 /tmp/kA.log /tmp/kB.log
-    step diag-l8 120 python3 tests/gpu/diag_steps.py preset:Llama-3-8B --level 3
-    step matrix-q06 120 python3 tests/gpu/bench_matrix.py preset:Qwen3-0.6B --level 3 --steps 8,16 --latency-bs 1,32 --out "$OUT/matrix_q06.json"
-    step matrix-l8 150 python3 tests/gpu/bench_matrix.py preset:Llama-3-8B --level 3 --steps 8,16 --latency-bs 1,32 --out "$OUT/matrix_l8.json"
+    step diag-l8 120 python -m benchmarks.engine.diag_steps preset:Llama-3-8B --level 3
+    step matrix-q06 120 python -m benchmarks.engine.bench_matrix preset:Qwen3-0.6B --level 3 --steps 8,16 --latency-bs 1,32 --out "$OUT/matrix_q06.json"
+    step matrix-l8 150 python -m benchmarks.engine.bench_matrix preset:Llama-3-8B --level 3 --steps 8,16 --latency-bs 1,32 --out "$OUT/matrix_l8.json"
     step warm-start-l8 60 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-len 8 --num-iters 1 --output-json "$OUT/warm_start_l8.json" ;;
   final6)  # the targets through the CLI itself, at the defaults; Llama-3-8B offline twice (cold, then warm caches)
     dense_targets ;;
   ab-old)  # this tree against 888fd10 (unpacked in old888/, not committed): Llama-3-8B nano, then Qwen3-0.6B phases
-    step old-l8-nano 150 env PYTHONPATH=$PWD/old888:/tmp/site python3 old888/tests/gpu/bench_matrix.py preset:Llama-3-8B --level 3 --steps 8 --latency-bs "" --out "$OUT/old_l8.json"
-    step new-l8-nano 150 python3 tests/gpu/bench_matrix.py preset:Llama-3-8B --level 3 --steps 8 --latency-bs "" --out "$OUT/new_l8.json"
-    step diag-q06-l3 120 python3 tests/gpu/diag_steps.py preset:Qwen3-0.6B --level 3 ;;
+    step old-l8-nano 150 env PYTHONPATH=$PWD/old888:/tmp/site python3 old888/benchmarks/engine/bench_matrix.py preset:Llama-3-8B --level 3 --steps 8 --latency-bs "" --out "$OUT/old_l8.json"
+    step new-l8-nano 150 python -m benchmarks.engine.bench_matrix preset:Llama-3-8B --level 3 --steps 8 --latency-bs "" --out "$OUT/new_l8.json"
+    step diag-q06-l3 120 python -m benchmarks.engine.diag_steps preset:Qwen3-0.6B --level 3 ;;
   sweep)  # decode attention schedule: splits x order per batch size, then a full-batch decode profile
-    step sweep-attention 300 python3 tests/gpu/sweep_attention.py
+    step sweep-attention 300 python -m benchmarks.kernels.sweep_attention
     step profile-q06-decode 150 python3 -m atomctl.main profile "${q06[@]}" --mark-trace --random-input --bs 128 --input-length 900 --output-length 48 --torch-profiler-dir /tmp/traces-dec
     step parse-trace-q06 90 python3 -m atomctl.main parse-trace "$(ls -t /tmp/traces-dec/rank_0/Qwen3*.json.gz | head -1)" --layer 3 --out-dir "$OUT" ;;
   probe)  # Triton cache across processes, decode attention tiles, then the large-batch decode profile
     step warmup-cache-1 60 python3 tests/gpu/diag_warmup.py 32
     step warmup-cache-2 60 python3 tests/gpu/diag_warmup.py 32
-    step sweep-attention 220 python3 tests/gpu/sweep_attention.py
+    step sweep-attention 220 python -m benchmarks.kernels.sweep_attention
     profile_big ;;
   last)  # compile/graph/window parity, the level-1 nano run, then the large-batch decode profile
     step gpu-tests-compile 200 python3 -m pytest -q --tb=short tests/gpu -p no:cacheprovider -k "multi_step or graphs_and_compile"
@@ -281,22 +281,22 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
   profile-big) profile_big ;;
   kernels-q06)  # kernel tests in 4 processes (Triton compiles are CPU-bound), then the Qwen3-0.6B matrix
     kernel_tests
-    step matrix-q06 270 python3 tests/gpu/bench_matrix.py preset:Qwen3-0.6B --level 3 --steps 1,8 --latency-bs 1 --out "$OUT/matrix_q06.json" ;;
+    step matrix-q06 270 python -m benchmarks.engine.bench_matrix preset:Qwen3-0.6B --level 3 --steps 1,8 --latency-bs 1 --out "$OUT/matrix_q06.json" ;;
   int4)  # INT4/INT8: kernel + engine GPU tests, kernel microbench vs bf16, Llama-3-8B W4A16 vs bf16 TPOT (dummy weights)
     step int-gpu-tests 110 python3 -m pytest -q --tb=short -m gpu tests/quant/test_int_kernels.py tests/quant/test_gptq_awq.py -p no:cacheprovider
-    step int4-kernel-bench 50 python3 tests/gpu/bench_int4.py --out "$OUT/int4_kernels.json"
+    step int4-kernel-bench 50 python -m benchmarks.kernels.bench_int4 --out "$OUT/int4_kernels.json"
     step lat-l8w4-bs1 90 python3 -m atomctl.main bench latency --model preset:Llama-3-8B-W4A16 --load-format dummy --max-model-len 4096 --bs 1 --output-json "$OUT/lat_l8w4_bs1.json"
     step lat-l8-bs1 70 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-json "$OUT/lat_l8_bs1.json"
     step lat-l8w4-bs32 50 python3 -m atomctl.main bench latency --model preset:Llama-3-8B-W4A16 --load-format dummy --max-model-len 4096 --bs 32 --output-json "$OUT/lat_l8w4_bs32.json" ;;
   w4-gemv)  # issue 16: the rewritten W4A16 GEMV (interleaved layout, no reshape, x rows a program; offline ~5 SASS instructions a weight): its GPU tests, the kernel micro-benchmark at M 1-16, Llama-3-8B W4A16 batch-1/32 TPOT vs bf16 batch 1 (the 0.4x target)
     step int-gpu-tests 110 python3 -m pytest -q --tb=short -m gpu tests/quant/test_int_kernels.py tests/quant/test_gptq_awq.py -p no:cacheprovider
-    step int4-kernel-bench 60 python3 tests/gpu/bench_int4.py --m 1,2,4,8,16 --out "$OUT/int4_kernels.json"
+    step int4-kernel-bench 60 python -m benchmarks.kernels.bench_int4 --m 1,2,4,8,16 --out "$OUT/int4_kernels.json"
     step lat-l8w4-bs1 90 python3 -m atomctl.main bench latency --model preset:Llama-3-8B-W4A16 --load-format dummy --max-model-len 4096 --bs 1 --output-json "$OUT/lat_l8w4_bs1.json"
     step lat-l8-bs1 70 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-json "$OUT/lat_l8_bs1.json"
     step lat-l8w4-bs4 60 python3 -m atomctl.main bench latency --model preset:Llama-3-8B-W4A16 --load-format dummy --max-model-len 4096 --bs 4 --output-json "$OUT/lat_l8w4_bs4.json"
     step lat-l8w4-bs32 60 python3 -m atomctl.main bench latency --model preset:Llama-3-8B-W4A16 --load-format dummy --max-model-len 4096 --bs 32 --output-json "$OUT/lat_l8w4_bs32.json" ;;
   w4-gemv-2)  # the W4A16 GEMV with runtime N/K (one compile a tile) and 4 tiles: micro-benchmark (split or not), batch-1 TPOT and its start-up
-    step int4-kernel-bench 100 python3 tests/gpu/bench_int4.py --m 1,4 --out "$OUT/int4_kernels.json"
+    step int4-kernel-bench 100 python -m benchmarks.kernels.bench_int4 --m 1,4 --out "$OUT/int4_kernels.json"
     step lat-l8w4-bs1 120 python3 -m atomctl.main bench latency --model preset:Llama-3-8B-W4A16 --load-format dummy --max-model-len 4096 --bs 1 --output-json "$OUT/lat_l8w4_bs1.json" ;;
   gpu-tests7)  # seventh session's GPU tests: W4A16 kernels + GPTQ/AWQ engines, the FP8 GEMVs, the attention kernels (prefill, paged incl. the mixed-step split of 680de18)
     parallel_tests 420 "tests/quant/test_int_kernels.py tests/quant/test_gptq_awq.py" "tests/quant/test_fp8_gemv.py tests/quant/test_fp8_ops.py" \
@@ -339,8 +339,8 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
     sizes='"piecewise_capture_sizes": ['$(python3 -c "from atom_core.config import SERVE_PIECEWISE_SIZES as s; print(','.join(map(str, s)))")']'
     step diag-r8-gaps-b 170 python3 tests/gpu/diag_mixed_steps.py --cuda-trace 80 --cprofile 30 --engine "{\"mixed_step_tokens_per_seq\": 8, $sizes}" ;;
   tiles12)  # eleventh session, issue 19: decode attention tiles (BLOCK_N x stages x warps) at D 128 for Llama-3-8B / Qwen3-0.6B heads, serving (1,024-1,152) and nano (100-1,600) contexts; then the attention kernels' and piecewise engine's GPU tests in 8 processes (pytest-xdist from .whl), through the direct launches and the piecewise static-output writes
-    step tile-sweep-serving 150 python3 tests/gpu/sweep_attention.py --tiles 128x3x4,64x3x2,64x4x2,128x2x4 --heads 32/8,16/8 --batches 1,8,32,48,64,128,256 --lo 1024 --hi 1152
-    step tile-sweep-nano 150 python3 tests/gpu/sweep_attention.py --tiles 128x3x4,64x3x2,64x4x2,128x2x4 --heads 32/8,16/8 --batches 1,8,32,64,128,256 --lo 100 --hi 1600
+    step tile-sweep-serving 150 python -m benchmarks.kernels.sweep_attention --tiles 128x3x4,64x3x2,64x4x2,128x2x4 --heads 32/8,16/8 --batches 1,8,32,48,64,128,256 --lo 1024 --hi 1152
+    step tile-sweep-nano 150 python -m benchmarks.kernels.sweep_attention --tiles 128x3x4,64x3x2,64x4x2,128x2x4 --heads 32/8,16/8 --batches 1,8,32,64,128,256 --lo 100 --hi 1600
     step gpu-tests-attention 330 python3 -m pytest -q --tb=short -m gpu -p no:cacheprovider -n 8 tests/kernels/test_triton_kernels.py tests/kernels/test_mixed_attention.py tests/kernels/test_prefill_attention.py tests/kernels/test_fp8_kv.py tests/kernels/test_attention_sinks.py tests/gpu/test_piecewise_gpu.py ;;
   gaps12)  # eleventh session, issue 19: the c64 closed loop at R = 8 with a CUDA-only trace of 80 steps (cuda_gaps.py: device idle before / inside / after each step, and the kernel pairs around it), then cap-sweep11's serves
     sizes='"piecewise_capture_sizes": ['$(python3 -c "from atom_core.config import SERVE_PIECEWISE_SIZES as s; print(','.join(map(str, s)))")']'
@@ -357,18 +357,18 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
     sizes='"piecewise_capture_sizes": ['$(python3 -c "from atom_core.config import SERVE_PIECEWISE_SIZES as s; print(','.join(map(str, s)))")']'
     step diag-r8-direct 150 python3 tests/gpu/diag_mixed_steps.py --engine "{\"mixed_step_tokens_per_seq\": 8, $sizes}" ;;
   launch11)  # tenth session, issue 19: PlannedLaunch (the step's layers relaunch attention / RoPE + store kernels through the compiled kernel's launcher): host us a launch by path; the kernels' GPU tests through it; then serve's defaults at c64 and c256, and c64 at R = 8 (host-bound before)
-    step launch-overhead 60 python3 tests/gpu/bench_launch_overhead.py
+    step launch-overhead 60 python -m benchmarks.kernels.bench_launch_overhead
     parallel_tests 200 "tests/kernels/test_triton_kernels.py -k attention" "tests/kernels/test_triton_kernels.py -k qkv" "tests/kernels/test_mixed_attention.py tests/kernels/test_fp8_kv.py tests/kernels/test_attention_sinks.py tests/kernels/test_prefill_attention.py" "tests/gpu/test_piecewise_gpu.py"
     SERVE_CONC="64 256" serve_l8 fast11
     serve_l8 fast11r8 --mixed-step-tokens-per-seq 8 ;;
   launch11b)  # tenth session, issue 19: launch11 again after two fixes (Triton 3.6's empty launch-hook chains had kept every launch on the JIT path; the plans' argument templates pinned the first call's tensors: c256 ran out of memory): host us by path, GPU tests through the direct launches, serve's defaults at c64 / c256, c64 at R = 8
-    step launch-overhead 60 python3 tests/gpu/bench_launch_overhead.py
+    step launch-overhead 60 python -m benchmarks.kernels.bench_launch_overhead
     parallel_tests 140 "tests/kernels/test_triton_kernels.py -k qkv" "tests/kernels/test_mixed_attention.py tests/kernels/test_prefill_attention.py" "tests/gpu/test_piecewise_gpu.py" "tests/kernels/test_triton_kernels.py -k Paged"
     SERVE_CONC="64 256" serve_l8 fast11b
     serve_l8 fast11br8 --mixed-step-tokens-per-seq 8 ;;
   profile11)  # tenth session, issue 19: the host cost of a Triton launch by path (bench_launch_overhead.py); decode attention at serving contexts (1,024-1,152) for 48-64 sequences by KV splits; the MoE families in piecewise graphs + the cap against eager (queued since the ninth); then the loaded server at its defaults (R = 10) under the profiler: per-step busy vs span (trace_gaps.py) and parse-trace
-    step launch-overhead 60 python3 tests/gpu/bench_launch_overhead.py
-    step sweep-attn-serving 90 python3 tests/gpu/sweep_attention.py --batches 40,48,56,64 --lo 1024 --hi 1152 --splits 1,2,3,4
+    step launch-overhead 60 python -m benchmarks.kernels.bench_launch_overhead
+    step sweep-attn-serving 90 python -m benchmarks.kernels.sweep_attention --batches 40,48,56,64 --lo 1024 --hi 1152 --splits 1,2,3,4
     step piecewise-moe 150 python3 -m pytest -q --tb=short -m gpu tests/gpu/test_piecewise_gpu.py -k moe -p no:cacheprovider
     serve_profile 96 ;;
   repeat9)  # ninth session, issue 19: serve's final default (R = 10, nearest 128) again at c64 and c256 (one more run each: the spread)
@@ -425,7 +425,7 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
     trace=$(ls -t /tmp/traces_fp8_32/rank_0/*.json.gz 2>/dev/null | grep -v capture | head -1)
     step parse-trace-l8fp8-bs32 90 python3 -m atomctl.main parse-trace "$trace" --top 30 --out-dir "$OUT/fp8_bs32" ;;
   w4-f16x2)  # eighth session, issue 16: the packed-half2 W4A16 GEMV (w4a16_gemv_f16x2.py, written without a GPU): micro-benchmark against the float32 GEMV (errors vs the reference), Llama-3-8B W4A16 batch-1 TPOT under ATOM_W4A16_GEMV=f16x2 and the default (3.88 ms in the seventh session), then its GPU tests (bf16)
-    step w4-kernels-bench 120 python3 tests/gpu/bench_int4.py --m 1,4 --kernels triton,f16x2
+    step w4-kernels-bench 120 python -m benchmarks.kernels.bench_int4 --m 1,4 --kernels triton,f16x2
     step lat-l8w4-f16x2-bs1 110 env ATOM_W4A16_GEMV=f16x2 python3 -m atomctl.main bench latency --model preset:Llama-3-8B-W4A16 --load-format dummy --max-model-len 4096 --bs 1 --output-json "$OUT/lat_l8w4_f16x2_bs1.json"
     step lat-l8w4-bs1 100 python3 -m atomctl.main bench latency --model preset:Llama-3-8B-W4A16 --load-format dummy --max-model-len 4096 --bs 1 --output-json "$OUT/lat_l8w4_bs1.json"
     step w4-f16x2-gpu-tests 200 python3 -m pytest -q -x --tb=short -m gpu tests/quant/test_w4a16_f16x2.py -k "not every_tile and not dtype1" -p no:cacheprovider ;;
@@ -452,11 +452,11 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
     done ;;
   deepseek|deepseek-a)  # issue 14: MLA kernel GPU tests, MLA decode bandwidth (bs 64, ctx 2048) over a tile sweep, V2-Lite bs1/bs32/nano/start on one engine
     step mla-kernel-tests 90 python3 -m pytest -q --tb=short -m gpu tests/kernels/test_mla.py -p no:cacheprovider
-    step mla-bw-sweep 70 python3 tests/gpu/bench_mla.py --bs 64 --ctx 2048 --sweep --out "$OUT/mla_sweep.json"
-    step matrix-dsv2l 200 python3 tests/gpu/bench_matrix.py preset:DeepSeek-V2-Lite --level 3 --steps 8 --latency-bs 1,32 --out "$OUT/matrix_dsv2l.json" ;;&
+    step mla-bw-sweep 70 python -m benchmarks.kernels.bench_mla --bs 64 --ctx 2048 --sweep --out "$OUT/mla_sweep.json"
+    step matrix-dsv2l 200 python -m benchmarks.engine.bench_matrix preset:DeepSeek-V2-Lite --level 3 --steps 8 --latency-bs 1,32 --out "$OUT/matrix_dsv2l.json" ;;&
   deepseek|deepseek-b)  # issue 14: MLA bandwidth at the defaults (V2-Lite and V3 head counts), tiny V2/V3 on CUDA vs HF (graphs+compile and eager), one V2-Lite batch-1 decode profile
-    step mla-bw 40 python3 tests/gpu/bench_mla.py --bs 64 --ctx 2048
-    step mla-bw-v3-heads 40 python3 tests/gpu/bench_mla.py --bs 64 --ctx 2048 --heads 128
+    step mla-bw 40 python -m benchmarks.kernels.bench_mla --bs 64 --ctx 2048
+    step mla-bw-v3-heads 40 python -m benchmarks.kernels.bench_mla --bs 64 --ctx 2048 --heads 128
     step deepseek-model-gpu-tests 140 python3 -m pytest -q --tb=short -m gpu tests/models/test_deepseek.py -p no:cacheprovider
     step profile-dsv2l 100 python3 -m atomctl.main profile --model preset:DeepSeek-V2-Lite --load-format dummy --max-model-len 4096 --mark-trace --random-input --bs 1 --input-length 512 --output-length 8 --torch-profiler-dir /tmp/traces
     trace=$(ls -t /tmp/traces/rank_0/*.json.gz 2>/dev/null | head -1)
@@ -519,7 +519,7 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
     mx=(--model preset:Mixtral-8x7B --load-format dummy --max-model-len 4096)
     step lat-mixtral-bs1 200 python3 -m atomctl.main bench latency "${mx[@]}" --bs 1 --output-json "$OUT/lat_mixtral_bs1.json"
     step off-mixtral 200 python3 -m atomctl.main bench offline "${mx[@]}" --output-json "$OUT/off_mixtral.json" ;;
-  tp|tp-tests)  # issue 18 on nvidia-h200-x2: the symmetric-memory all-reduce against its definition (eager, graphs); TP=2 vs TP=1 parity (symm all-reduce, eager, graphs, compile; MoE TP and EP; DP attention + EP), one engine start per case; Llama-3-8B TP=2 batch 1 with NCCL and with symm, TP=1 batch 1 (2026-11-26: NCCL vs symmetric-memory all-reduce in graphs measured, tests/gpu/bench_allreduce.py)
+  tp|tp-tests)  # issue 18 on nvidia-h200-x2: the symmetric-memory all-reduce against its definition (eager, graphs); TP=2 vs TP=1 parity (symm all-reduce, eager, graphs, compile; MoE TP and EP; DP attention + EP), one engine start per case; Llama-3-8B TP=2 batch 1 with NCCL and with symm, TP=1 batch 1 (2026-11-26: NCCL vs symmetric-memory all-reduce in graphs measured, benchmarks/kernels/bench_allreduce.py)
     step symm-gpu-test 90 python3 -m pytest -q --tb=short -m gpu tests/distributed/test_symm_all_reduce.py -p no:cacheprovider
     step tp-gpu-tests 260 python3 -m pytest -v --tb=short -m gpu tests/distributed/test_tp_gpu.py -p no:cacheprovider
     for ar in nccl symm; do
@@ -527,7 +527,7 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
     done
     step lat-l8-tp1-bs1 80 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-json "$OUT/lat_l8_tp1_bs1.json" ;;&
   tp-profile)  # issue 18: where a Llama-3-8B TP=2 batch-1 decode step's time goes, with NCCL and with ATOM_ALL_REDUCE=symm (the micro-benchmark says two-shot is 2x faster; the engine ran 4.70 vs 4.52 ms with it): rank 0's kernels, the top rows per phase; then TP=2 batch 1 with the dense GEMV
-    step allreduce-bench 60 python3 tests/gpu/bench_allreduce.py --gpus 2 --tokens 1,8,64,256  # symm_engine: the engine's copy-in + two-shot path
+    step allreduce-bench 60 python -m benchmarks.kernels.bench_allreduce --gpus 2 --tokens 1,8,64,256  # symm_engine: the engine's copy-in + two-shot path
     step lat-l8-tp2-bs1-gemv 90 env ATOM_DENSE_SMALL_M_KERNEL=gemv python3 -m atomctl.main bench latency "${l8[@]}" -tp 2 --bs 1 --output-json "$OUT/lat_l8_tp2_bs1_gemv.json"
     for ar in nccl symm; do
       profile_l8_tp2 $ar ATOM_ALL_REDUCE=$ar
@@ -538,7 +538,7 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
     profile_l8_tp2 tp2 ;;
   tp-gemv)  # issue 18 after the 1-token dense GEMV became the default (2026-11-26, fourth session): the all-reduce micro-benchmark (symm_engine row), Llama-3-8B TP=1 and TP=2 batch 1 with NCCL and symm, Llama-3.1-70B TP=2 batch 1; then the symmetric all-reduce GPU test (now through run_ranks) and the DP+EP compiled case (now level 2)
     l70=(--model preset:Llama-3.1-70B --load-format dummy --max-model-len 4096 --gpu-memory-utilization 0.97)
-    step allreduce-bench 60 python3 tests/gpu/bench_allreduce.py --gpus 2 --tokens 1,8,64,256
+    step allreduce-bench 60 python -m benchmarks.kernels.bench_allreduce --gpus 2 --tokens 1,8,64,256
     step lat-l8-tp1-bs1 70 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --output-json "$OUT/lat_l8_tp1_bs1.json"
     for ar in nccl symm; do
       step lat-l8-tp2-bs1-$ar 90 env ATOM_ALL_REDUCE=$ar python3 -m atomctl.main bench latency "${l8[@]}" -tp 2 --bs 1 --output-json "$OUT/lat_l8_tp2_bs1_$ar.json"
@@ -607,7 +607,7 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
     step off-l8-dp1 80 python3 -m atomctl.main bench offline "${l8[@]}" --output-json "$OUT/off_l8_dp1.json" ;;
   tp-tests) ;;  # (ends tp-tests' fall-through above)
   specdec)  # issue 15: n-gram speculation, Llama-3-8B (dummy): bf16 greedy parity in graphs, batch-1 TPOT on a repetitive workload with/without drafts, verify-step cost k=0..4; then the default engine on the same workload
-    step specdec-l8 230 python3 tests/gpu/spec_decode_bench.py preset:Llama-3-8B --k 4 --out "$OUT/specdec_l8.json"
+    step specdec-l8 230 python -m benchmarks.engine.spec_decode_bench preset:Llama-3-8B --k 4 --out "$OUT/specdec_l8.json"
     step lat-l8-period16 110 python3 -m atomctl.main bench latency "${l8[@]}" --bs 1 --input-len 512 --output-len 128 --prompt-period 16 --num-iters 2 --output-json "$OUT/lat_l8_period16.json" ;;
   mtp)  # issue 15 MTP: the MTP GPU tests (tiny DeepSeek-V3 + nextn layer in fp32 with verify and MTP-layer graphs vs HF; the demo model's trained MTP layer in bf16, acceptance >= 0.3), then DeepSeek-V2-Lite + one nextn layer (preset DeepSeek-V2-Lite-MTP, dummy weights: acceptance meaningless, this is the verify + draft cost per step; 2026-11-26 with the layer eager: 3.43 ms plain, 7.32 K=1, 12.69 K=3) batch-1 TPOT without and with --method mtp K=1..3
     dsm=(--model preset:DeepSeek-V2-Lite-MTP --load-format dummy --max-model-len 4096)
@@ -745,8 +745,8 @@ print(v.groupby('k').duration_us.agg(['sum', 'count', 'mean']).sort_values('sum'
   mla-prep)  # issue 14 fused MLA RoPE + latent RMSNorm + cache store (kernels/triton/mla_prep.py; written without a GPU, NOT yet run): its GPU tests with the MLA kernel's and tiny DeepSeek V2/V3 on CUDA (graphs + compile, eager) vs HF, fused vs unfused time per layer (V2-Lite/V3 heads, bs 1/32), MLA decode bandwidth, then DeepSeek-V2-Lite batch-1/32 TPOT (dummy weights; 2026-11-24 before the fusion: 3.83 / 12.51 ms). Steps sum to < 600 s
     dsl=(--model preset:DeepSeek-V2-Lite --load-format dummy --max-model-len 4096)
     step mla-prep-gpu-tests 200 python3 -m pytest -q --tb=short -m gpu tests/kernels/test_mla_prep.py tests/kernels/test_mla.py tests/models/test_deepseek.py -p no:cacheprovider
-    step mla-prep-bench 60 python3 tests/gpu/bench_mla_prep.py --out "$OUT/mla_prep_bench.json"
-    step mla-decode-bench 40 python3 tests/gpu/bench_mla.py --bs 64 --ctx 2048 --out "$OUT/mla_decode_bench.json"
+    step mla-prep-bench 60 python -m benchmarks.kernels.bench_mla_prep --out "$OUT/mla_prep_bench.json"
+    step mla-decode-bench 40 python -m benchmarks.kernels.bench_mla --bs 64 --ctx 2048 --out "$OUT/mla_decode_bench.json"
     step lat-dsv2l-bs1 150 python3 -m atomctl.main bench latency "${dsl[@]}" --bs 1 --output-json "$OUT/lat_dsv2l_bs1.json"
     step lat-dsv2l-bs32 120 python3 -m atomctl.main bench latency "${dsl[@]}" --bs 32 --output-json "$OUT/lat_dsv2l_bs32.json" ;;
   moe-gemv)  # bf16 fused MoE decode GEMVs (kernels/triton/moe_decode.py; written without a GPU, NOT yet run): GPU tests (Qwen3-30B-A3B, DeepSeek-V2-Lite, Mixtral, gpt-oss-20b bf16 shapes vs the reference and the tiled path, graph replay, an EP layer), then the micro-benchmark gemv vs tiled at M=1/2/4/8 vs the bytes floor. Then moe-gemv-sweep (tiles) and moe-gemv-lat (TPOT), one device call each

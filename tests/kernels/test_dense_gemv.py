@@ -16,6 +16,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -230,7 +231,7 @@ class TestRoutingByTokenCount:
 
 class TestBenchSweep:
     def test_sweep_tiles_are_valid_distinct_and_include_the_default(self):
-        from atom_core.kernels.triton.dense_gemv_bench import sweep_configs
+        from benchmarks.kernels.dense_gemv_bench import sweep_configs
         from atom_core.kernels.triton.fp8_gemv import _check_config
 
         base = _gemv().default_dense_gemv_config(1, 3072, 4096, 2, 132)
@@ -246,12 +247,12 @@ class TestBenchSweep:
         (["--tp", "1,4"], "--tp takes 1 and/or 2, got 1,4"),
     ])
     def test_bad_arguments_are_a_clear_error(self, args, message):
-        run = subprocess.run([sys.executable, "-m", "atom_core.kernels.triton.dense_gemv_bench", *args, "--sweep"],
-                             capture_output=True, text=True)
+        run = subprocess.run([sys.executable, "-m", "benchmarks.kernels.dense_gemv_bench", *args, "--sweep"],
+                             capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
         assert run.returncode != 0 and message in run.stderr
 
     def test_shapes_per_rank_and_the_model_filter(self):
-        from atom_core.kernels.triton.dense_gemv_bench import shapes
+        from benchmarks.kernels.dense_gemv_bench import shapes
 
         tp2 = {(model, name): (n, k) for model, name, n, k in shapes(2, ("llama-3-8b",))}
         assert {model for model, _ in tp2} == {"llama-3-8b"}
@@ -262,7 +263,7 @@ class TestBenchSweep:
 @pytest.mark.skipif(not INTERPRET, reason="runs the GEMV under the interpreter (TRITON_INTERPRET=1)")
 def test_every_sweep_tile_computes_the_product():
     """The sweep only times tiles; each must still be right (here on a small shape, M = 1 and 3)."""
-    from atom_core.kernels.triton.dense_gemv_bench import sweep_configs
+    from benchmarks.kernels.dense_gemv_bench import sweep_configs
 
     gemv = _gemv()
     for m in (1, 3):

@@ -34,7 +34,7 @@ The kernels' names start with `_moe_` so that a profile of CUDA-graph replays fi
 
 Status: written and checked under the Triton interpreter and an offline sm_90 compile only; NOT yet
 run on a GPU. So `auto` keeps the tiled path unless ATOM_MOE_DECODE_PATH=gemv (envs.py) or
-`set_decode_path("gemv")`; `python -m atom_core.kernels.triton.moe_decode_bench` measures both.
+`set_decode_path("gemv")`; `python -m benchmarks.kernels.moe_decode_bench` measures both.
 """
 from __future__ import annotations
 
