@@ -1,7 +1,7 @@
 """All-reduce through PyTorch symmetric memory (one-shot / two-shot), for the small all-reduces of decode.
 
 NCCL's all-reduce inside a CUDA graph costs ~13 us even for one token's 8 KB on two NVLinked
-H100s (tests/gpu/bench_allreduce.py): a protocol built for bandwidth. Tensor-parallel decode
+H100s (benchmarks/kernels/bench_allreduce.py): a protocol built for bandwidth. Tensor-parallel decode
 runs two all-reduces per layer (Llama-3-8B: 65 a step), so at batch 1 that latency is a large
 share of the step. Symmetric memory maps every rank's copy of one buffer into each GPU's address
 space (peer-to-peer, no multicast). The two-shot kernel has each rank sum its slice of all

@@ -1,5 +1,5 @@
 """The host-overhead harness runs the real engine path with a stubbed model."""
-from atom_core.bench.host_overhead import host_ms_per_step
+from benchmarks.engine.host_overhead import host_ms_per_step
 
 
 def test_reports_a_positive_step_time(tiny_llama):

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from atom_core.bench.serve_sim import StepCost, main, simulate, step_cost
+from benchmarks.engine.serve_sim import StepCost, main, simulate, step_cost
 from atom_core.config import SchedulerConfig
 from atom_core.scheduler_output import SchedulerOutput
 
@@ -96,7 +96,7 @@ def test_unknown_cost_field_is_rejected():
 
 
 class TestCommandLine:
-    """python -m atom_core.bench.serve_sim: a table row or a JSON line per R; bad input is a usage error."""
+    """python -m benchmarks.engine.serve_sim: a table row or a JSON line per R; bad input is a usage error."""
 
     ARGS = ["--concurrency", "4", "--num-prompts", "8", "--input-len", "64", "--output-len", "4"]
 

@@ -1,6 +1,6 @@
 """The `device` fixture every kernel test uses: `cuda` cases carry the `gpu` marker; `cpu` cases
-run the Triton kernels under its interpreter, only when the pytest process was started with
-TRITON_INTERPRET=1 (it must be set before triton is imported)."""
+run the Triton kernels under its interpreter, when TRITON_INTERPRET=1 was set before triton was
+imported (tests/conftest.py sets it where no CUDA device is present)."""
 import pytest
 
 from tests.kernels.tolerances import INTERPRET

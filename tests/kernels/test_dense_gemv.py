@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -210,7 +211,7 @@ class TestRoutingByTokenCount:
 
 class TestBenchSweep:
     def test_sweep_tiles_are_valid_distinct_and_include_the_default(self):
-        from atom_core.kernels.triton.dense_gemv_bench import sweep_configs
+        from benchmarks.kernels.dense_gemv_bench import sweep_configs
         from atom_core.kernels.triton.fp8_gemv import check_gemv_config
 
         base = _gemv().default_dense_gemv_config(1, 3072, 4096, 2, 132)
@@ -226,17 +227,28 @@ class TestBenchSweep:
         (["--tp", "1,4"], "--tp takes 1 and/or 2, got 1,4"),
     ])
     def test_bad_arguments_are_a_clear_error(self, args, message):
-        run = subprocess.run([sys.executable, "-m", "atom_core.kernels.triton.dense_gemv_bench", *args, "--sweep"],
-                             capture_output=True, text=True)
+        run = subprocess.run([sys.executable, "-m", "benchmarks.kernels.dense_gemv_bench", *args, "--sweep"],
+                             capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
         assert run.returncode != 0 and message in run.stderr
 
     def test_shapes_per_rank_and_the_model_filter(self):
-        from atom_core.kernels.triton.dense_gemv_bench import shapes
+        from benchmarks.kernels.dense_gemv_bench import shapes
 
         tp2 = {(model, name): (n, k) for model, name, n, k in shapes(2, ("llama-3-8b",))}
         assert {model for model, _ in tp2} == {"llama-3-8b"}
         assert tp2["llama-3-8b", "qkv"] == (3072, 4096) and tp2["llama-3-8b", "o"] == (4096, 2048)  # column / row split
         assert len(shapes(1)) == len(shapes(1, ("llama-3-8b",))) + len(shapes(1, ("llama-3.1-70b",)))
+
+
+def test_every_sweep_tile_computes_the_product():
+    """The sweep only times tiles; each must still be right (here on a small shape, M = 1 and 3)."""
+    from benchmarks.kernels.dense_gemv_bench import sweep_configs
+
+    gemv = _gemv()
+    for m in (1, 3):
+        x, w, b = _inputs(m, 24, 256, torch.float32, "cpu", seed=9, bias=True)
+        for cfg in sweep_configs(gemv.default_dense_gemv_config(m, 24, 256, 4, 8)):
+            assert rel_err(gemv.dense_gemv(x, w, b, config=cfg), gemv.dense_gemv_ref(x, w, b)) < F32_TOL, cfg
 
 
 @pytest.mark.skipif(not INTERPRET, reason="runs the GEMV under the interpreter (TRITON_INTERPRET=1)")

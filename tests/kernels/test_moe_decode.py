@@ -309,7 +309,7 @@ class TestBench:
     def test_floor_counts_the_touched_experts(self):
         """As the profiles count (docs/PERFORMANCE.md): 8 Qwen3-30B-A3B experts are 75.5 MB, 6 DeepSeek-V2-Lite
         ones 104 MB."""
-        from atom_core.kernels.triton.moe_decode_bench import SHAPES, floor_bytes
+        from benchmarks.kernels.moe_decode_bench import SHAPES, floor_bytes
 
         qwen3, dsv2 = SHAPES["qwen3-30b-a3b"], SHAPES["deepseek-v2-lite"]
         assert round(floor_bytes(*qwen3[:4], 1, qwen3[6]) / 1e6, 1) == 75.5
@@ -317,7 +317,7 @@ class TestBench:
         assert floor_bytes(*qwen3[:4], 16, False) == 128 * 3 * 2048 * 768 * 2 + 2 * 16 * 2048 * 2  # all 128 experts
 
     def test_refuses_bad_arguments_and_runs_only_on_cuda(self, monkeypatch, capsys):
-        from atom_core.kernels.triton import moe_decode_bench
+        from benchmarks.kernels import moe_decode_bench
 
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
         for argv, message in ((["--shapes", "llama"], "unknown shape 'llama'; expected one of: qwen3-30b-a3b"),

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 
-from atom_core.kernels import moe_ref, tune_moe  # noqa: E402
+from atom_core.kernels import moe_ref
+from benchmarks.kernels import tune_moe  # noqa: E402
 from atom_core.kernels.triton import moe as tm  # noqa: E402
 from tests.kernels.tolerances import DTYPES, TOL, rel_err  # noqa: E402
 

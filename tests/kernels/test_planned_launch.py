@@ -2,7 +2,7 @@
 and keeps the compiled kernel; later ones call the compiled kernel's launcher with the plan's argument
 values in parameter order and their own tensors put in, one compiled kernel per alignment pattern; the
 switch, launch hooks and the interpreter keep the JIT path. A stand-in kernel records what it gets (no
-GPU here); tests/gpu/bench_launch_overhead.py checks the direct launch computes what the JIT path does."""
+GPU here); benchmarks/kernels/bench_launch_overhead.py checks the direct launch computes what the JIT path does."""
 from __future__ import annotations
 
 import inspect

@@ -536,14 +536,14 @@ def test_engine_on_cuda_with_the_split_path_equals_hf_greedy(tiny_llama, budget)
 
 class TestBench:
     def test_causal_flops_count_visible_pairs(self):
-        from atom_core.kernels.triton.prefill_attention_bench import causal_flops
+        from benchmarks.kernels.prefill_attention_bench import causal_flops
 
         # Llama-3-8B, 2,048 tokens: 4 * 32 * 128 * 2048 * 2049 / 2 = 34.4 GFLOP (85 us would be 405 TFLOP/s)
         assert causal_flops([2048], 32, 128) == 4 * 32 * 128 * 2048 * 2049 / 2
         assert causal_flops([1, 2], 1, 1) == 4 * (1 + 3)
 
     def test_bad_arguments_and_no_gpu_are_clear_errors(self, monkeypatch, capsys):
-        from atom_core.kernels.triton import prefill_attention_bench as bench
+        from benchmarks.kernels import prefill_attention_bench as bench
 
         for argv, message in ((["--shapes", "llama-3-8b,mixtral"], "unknown shape 'mixtral'"),
                               (["--tokens", "2048,x"], "positive integers"), (["--tokens", "0"], "positive integers"),
@@ -559,7 +559,7 @@ class TestBench:
     def test_a_row_runs_on_the_cpu(self, monkeypatch):
         """The bench's own code (cache build, references, sweep bookkeeping) at a tiny shape, with a
         stand-in timer: the GPU session should find no bug in the script itself."""
-        from atom_core.kernels.triton import prefill_attention_bench as bench
+        from benchmarks.kernels import prefill_attention_bench as bench
 
         monkeypatch.setitem(bench.SHAPES, "tiny", (4, 2, 32))
         monkeypatch.setattr(pa, "TILE_CANDIDATES", (SMALL_TILES,))

@@ -378,7 +378,7 @@ def test_engine_through_the_triton_gemm_equals_the_reference_path(tmp_path, monk
 
 
 def test_bench_refuses_bad_arguments_and_runs_only_on_cuda(monkeypatch):
-    from atom_core.kernels.triton import fp8_bench
+    from benchmarks.kernels import fp8_bench
 
     for argv, message in ((["--shapes", "llama-3-8b,mixtral"], "unknown shape"), (["--m", "1,x"], "positive integers"),
                           (["--m", "0"], "positive integers")):
@@ -389,6 +389,12 @@ def test_bench_refuses_bad_arguments_and_runs_only_on_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         fp8_bench.main()
+
+
+def _clean_env() -> dict:
+    import os
+
+    return {k: v for k, v in os.environ.items() if not k.startswith("ATOM_")}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -407,7 +413,7 @@ def random_fp8(n: int, k: int, block: bool):
 
 
 def _gpu_shapes():
-    from atom_core.kernels.triton.fp8_bench import SHAPES
+    from benchmarks.kernels.fp8_bench import SHAPES
 
     return [pytest.param(model, name, id=f"{model}-{name}") for model, shapes in SHAPES.items() for name in shapes]
 
@@ -419,7 +425,7 @@ class TestOnCuda:
     @pytest.mark.parametrize("m", [1, 7, 16, 64, 300])
     def test_model_shapes_match_reference(self, model, name, m):
         """Llama-3-8B's projections per channel (online fp8) and block; DeepSeek-V3's block."""
-        from atom_core.kernels.triton.fp8_bench import SHAPES
+        from benchmarks.kernels.fp8_bench import SHAPES
         from atom_core.kernels.triton.fp8_gemm import fp8_block_gemm, fp8_channel_gemm
 
         n, k = SHAPES[model][name]

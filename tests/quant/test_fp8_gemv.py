@@ -229,7 +229,7 @@ def test_custom_ops_run_the_gemv_at_one_token(monkeypatch):
 
 
 def test_bench_refuses_both_sweeps_at_once(monkeypatch):
-    from atom_core.kernels.triton import fp8_bench
+    from benchmarks.kernels import fp8_bench
 
     monkeypatch.setattr("sys.argv", ["fp8_bench", "--sweep", "--sweep-gemv"])
     with pytest.raises(SystemExit, match="separate runs"):
@@ -247,7 +247,7 @@ class TestOnCuda:
     @pytest.mark.parametrize("m", [1, 2, 4])
     def test_model_shapes_match_reference(self, model, name, m):
         """Block (row-expanded) at every shape; per channel at Llama-3-8B's (online fp8); bf16 x."""
-        from atom_core.kernels.triton.fp8_bench import SHAPES
+        from benchmarks.kernels.fp8_bench import SHAPES
 
         gemv = _gemv()
         n, k = SHAPES[model][name]

@@ -298,7 +298,7 @@ def test_qwen3_30b_a3b_fp8_preset_builds_block_fp8_experts_with_dummy_weights():
 
 
 def test_bench_refuses_unknown_shapes_and_runs_only_on_cuda(monkeypatch):
-    from atom_core.kernels.triton import fp8_moe_bench
+    from benchmarks.kernels import fp8_moe_bench
 
     monkeypatch.setattr("sys.argv", ["fp8_moe_bench", "--shapes", "qwen3-30b-a3b,llama"])
     with pytest.raises(SystemExit, match="unknown shape"):

@@ -288,7 +288,7 @@ def test_qwen3_30b_a3b_w4a16_preset_builds_w4a16_experts_with_dummy_weights():
 
 
 def test_bench_refuses_bad_arguments_and_runs_only_on_cuda(monkeypatch):
-    from atom_core.kernels.triton import w4a16_moe_bench
+    from benchmarks.kernels import w4a16_moe_bench
 
     for argv, match in ((["--shapes", "llama"], "unknown shape"), (["--group", "96"], "expected one of"),
                         (["--shapes", "deepseek-v3"], "needs a CUDA GPU")):

@@ -411,7 +411,7 @@ def _make_paged_plan(query, k_cache, v_cache, block_tables, query_start_loc, seq
         # Decode: a sequence's kv heads run as neighbours, since they read interleaved slices
         # of the same cache rows ([block, slot, kv head, D]). With seq_order (longest first)
         # this was 5-15% faster at batch 48-128 on the H100 and equal at 8-32 and 256
-        # (tests/gpu/sweep_attention.py, docs/PERFORMANCE.md). Prefill keeps the 2-D grid.
+        # (benchmarks/kernels/sweep_attention.py, docs/PERFORMANCE.md). Prefill keeps the 2-D grid.
         heads_inner = max_query_len == 1
     if heads_inner:
         grid = (num_listed * num_q_blocks * num_kv_heads, 1, num_kv_splits)

@@ -18,7 +18,7 @@ loaded 16 bytes a thread (8 bf16: the same register layout as x's), under a unit
 
 Status: GPU tests pass on the H100 (2026-11-26, fourth session). At 1 token it streams the weights
 at 2.1-3.1 TB/s against cuBLAS's 1.7-2.9 (faster on most Llama shapes and the LM head, slower on a
-few: `python -m atom_core.kernels.triton.dense_gemv_bench`) and cut batch-1 steps by 3.8-6.1%, so
+few: `python -m benchmarks.kernels.dense_gemv_bench`) and cut batch-1 steps by 3.8-6.1%, so
 the linears' tables (quant/unquantized.py) send 1-token linears here.
 The fifth session's tile sweep moved 1-token bf16 to one row a program in 1,024-column steps
 (`default_dense_gemv_config`): batch-1 TPOT Llama-3-8B 5.83 ms, Qwen3-0.6B 1.30, V2-Lite 3.19.

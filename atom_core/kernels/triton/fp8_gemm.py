@@ -35,7 +35,7 @@ the separate path uses the torch quantizer (kernels/triton/fp8.py's `quantize_ac
 Tiles (`default_fp8_gemm_config`): M <= 16 (decode, a weight stream: each weight byte read once)
 uses BLOCK_M 16 (the MMA's minimum) with split-K until about 2 programs per SM; larger M uses
 wider tiles without split. Untuned (chosen from offline sm_90 compiles without spills,
-tests/quant/test_fp8_gemm.py); GPU tests pass on the H100, and `kernels/triton/fp8_bench.py` times
+tests/quant/test_fp8_gemm.py); GPU tests pass on the H100, and `benchmarks/kernels/fp8_bench.py` times
 them against bf16, `_scaled_mm` and the bytes floor: at 1 token the weight-only GEMV
 (fp8_gemv.py) is the faster path and the default there (docs/PERFORMANCE.md). Offline sm_90 code: BLOCK_M 16-32
 tiles run mma.sync on e4m3 widened to f16 (exact), 64+ use e4m3 wgmma; weight tiles stream by

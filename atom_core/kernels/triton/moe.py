@@ -21,7 +21,7 @@ Grids are sized from host ints only (T, K, E, BLOCK_M); programs past the used p
 aligned list read num_tokens_post_padded and return at once.
 
 Tile configs come from moe_configs/E={E},N={I},K={H},dtype={dtype},device={name}.json (written
-by `python -m atom_core.kernels.tune_moe`), a table from token count to MoeConfig; without a
+by `python -m benchmarks.kernels.tune_moe`), a table from token count to MoeConfig; without a
 file, default_moe_config. An activation is a code in ACTIVATIONS and a branch in moe_common.activate
 (silu, and GPT-OSS's clamped "swigluoai" with its `limit` a runtime argument); quantized weights
 would add scale pointers to the two GEMMs' B-tile loads.

@@ -33,7 +33,7 @@ The kernels' names start with `_moe_` so that a profile of CUDA-graph replays fi
 (profiling/module_types.py matches kernel names) and tells them from the MXFP4 GEMVs.
 
 `select_path`'s `auto` gives decode batches these GEMVs and everything else the tiled path;
-`python -m atom_core.kernels.triton.moe_decode_bench` measures both (path="gemv" / "tiled").
+`python -m benchmarks.kernels.moe_decode_bench` measures both (path="gemv" / "tiled").
 """
 from __future__ import annotations
 

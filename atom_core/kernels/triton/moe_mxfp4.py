@@ -28,7 +28,7 @@ top-4), all resident at once (BLOCK_K 128 keeps them at ~100 registers, 5-6 prog
 every SM streams weights with 3 stages of copies in flight. Offline SASS counts (sm_90, ptxas) of
 the inner loop: ~5 instructions a weight for GEMM1, ~6 for GEMM2; an H100 issues ~26 a clock per
 SM at that rate against ~24 weights a clock of HBM bandwidth, so decode sits near the bytes floor
-only if issue and loads overlap well (to be measured: `kernels/triton/mxfp4_bench.py --sweep`).
+only if issue and loads overlap well (to be measured: `benchmarks/kernels/mxfp4_bench.py --sweep`).
 """
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ reference does, times 2^X_SHIFT), which GEMM2 reads without conversion.
 
 Offline sm_90 SASS (ptxas), inner loop: ~6.2 instructions a weight for GEMM1 (72 registers),
 ~6.7 for GEMM2 (55 registers). Measured on an H100 (gpt-oss-20b shapes, CUDA-graph medians,
-`kernels/triton/mxfp4_bench.py`): M = 1: GEMM1 22.9 us + GEMM2 16.7 us alone, 48 us for the call
+`benchmarks/kernels/mxfp4_bench.py`): M = 1: GEMM1 22.9 us + GEMM2 16.7 us alone, 48 us for the call
 (2.7x the bytes floor; the tiled path 81 us); M = 4: 135 us (tiled 230); M = 8: 257 us (tiled 418).
 """
 from __future__ import annotations

@@ -29,7 +29,7 @@ Tiles (untuned; with them a Llama-3-8B layer reached 349-445 TFLOP/s on the H100
 is the CUDA default since 2026-11-26, docs/PERFORMANCE.md): `PrefillTileConfig` picks BLOCK_M 128 x
 BLOCK_N 64 (head_dim <= 128) from the Hopper FA2 Triton practice; `TILE_CANDIDATES` lists the
 BLOCK_M 64/128 x BLOCK_N 64/128 x warps x stages grid the GPU benchmark sweeps
-(`python -m atom_core.kernels.triton.prefill_attention_bench --sweep`).
+(`python -m benchmarks.kernels.prefill_attention_bench --sweep`).
 """
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""Benchmarks and diagnostics of atom_core that users never call (not installed)."""

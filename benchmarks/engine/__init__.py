@@ -1,0 +1,1 @@
+"""Engine-level diagnostics: `python -m benchmarks.engine.NAME`."""
