@@ -105,8 +105,8 @@ class PlannedLaunch:
     Why: Triton's `kernel[grid](...)` binds and specializes every argument and looks the kernel
     up on each call, several times the host cost of the compiled kernel's own launcher (measured:
     see docs/PERFORMANCE.md); a piecewise mixed step makes ~100-160 launches between its graphs,
-    outside any CUDA graph, so that host time is on the step's critical path. So the first call goes through the JIT (compiling if
-    needed) and keeps the compiled kernel and the argument values in parameter order; later
+    outside any CUDA graph, so that host time is on the step's critical path. So the first call
+    goes through the JIT (compiling if needed) and keeps the compiled kernel and the argument values in parameter order; later
     calls put their tensors into that list and call the compiled kernel directly.
 
     Safe because Triton specializes a kernel only on argument dtypes, pointer alignment (16

@@ -252,8 +252,8 @@ def default_fp8_gemv_config(m: int, n: int, k: int, x_bytes: int, group: int | N
                             w_bytes: int = 1) -> Fp8GemvConfig:
     """Chosen from offline sm_90 compiles (72-142 registers, no spills); `group` (the block scales'
     bk, None per channel) no longer changes the tile: any step suits any group. A tile sweep found
-    no tile better on every shape than these (see docs/PERFORMANCE.md): 16 bytes of x a thread load (VEC columns), BLOCK_K 512
-    (256 for float32 x), 32 weights a thread a step at M <= 2 and 16 at M 3-4 (the accumulators
+    no tile better on every shape than these (see docs/PERFORMANCE.md): 16 bytes of x a thread
+    load (VEC columns), BLOCK_K 512 (256 for float32 x), 32 weights a thread a step at M <= 2 and 16 at M 3-4 (the accumulators
     grow with M), 4 warps; split-K per IN_FLIGHT_BYTES_PER_SM (w_bytes: a weight's size, 2 for
     the bf16 GEMV of dense_gemv.py)."""
     bk = max(16, min(256 if x_bytes == 4 else 512, triton.next_power_of_2(k)))
