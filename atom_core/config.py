@@ -519,17 +519,18 @@ class EngineConfig:
 
 
 # serve's piecewise buckets: steps that carry a whole 1,024-token prompt chunk replay too (the
-# default ladder to 512, then every 64 tokens to 2,048). H100, c64 with random lengths: +3.0%
-# output tok/s over full_decode_only (docs/PERFORMANCE.md, 2026-11-26, sixth session).
+# default ladder to 512, then every 64 tokens to 2,048). A loaded server's steps mix prefill chunks
+# with decode, so without these buckets most of its steps would run eagerly; measured faster than
+# full_decode_only under concurrent load: see docs/PERFORMANCE.md.
 SERVE_PIECEWISE_SIZES = DEFAULT_PIECEWISE_SIZES + tuple(range(576, 2049, 64))
 
 
-# serve's mixed-step cap (SchedulerConfig.mixed_step_tokens_per_seq): tokens per live request. H100,
-# Llama-3-8B, 1,024 in / 128 out, with the step's Triton launches direct (PlannedLaunch): R = 8 c64
-# 3,028-3,055 output tok/s, TTFT 296-316 / 2,167-2,185 ms, TPOT 17.2-17.3 ms (two runs); R = 10 2,822,
-# 308 / 2,979 ms, 18.2 ms; c256 is the same at both (8 x 256 streams already fill the 2,048-token step:
-# 4,340 at R = 10). The cap off: c64 2,938-2,947, TTFT p50 763 ms, TPOT 15.3; c256 3,656
-# (docs/PERFORMANCE.md, 2026-11-27, ninth and tenth sessions).
+# serve's mixed-step cap (SchedulerConfig.mixed_step_tokens_per_seq): tokens per live request. A
+# step's prefill chunk grows with the number of live requests, so decode tokens keep their share of
+# the step and prompts are admitted while others decode (the cap off, time to first token rises and
+# throughput drops at moderate concurrency, for a shorter time per output token); at high
+# concurrency the streams alone fill the 2,048-token step and the cap changes nothing. 8 measured
+# the best throughput and time to first token among the values tried: see docs/PERFORMANCE.md.
 SERVE_MIXED_STEP_TOKENS_PER_SEQ = 8
 
 

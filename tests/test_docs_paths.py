@@ -12,16 +12,6 @@ TOP_LEVEL = ("atom_core/", "atomctl/", "tests/", "docs/", "recipes/", "benchmark
 # `path` or `path:name` (a name inside the file) in backticks, starting at a top-level folder of the repo.
 CITED = re.compile(r"`((?:" + "|".join(re.escape(t) for t in TOP_LEVEL) + r")[\w./-]*)(?::\w+)?`")
 
-# Cited paths that other branches of the same change create. A path here must not exist yet: once its
-# branch is merged, this test fails until the path is removed from this set (and so checked like the rest).
-PENDING_MERGE = {
-    "atom_core/kernel_config.py",
-    "atom_core/worker/graph_dispatch.py",
-    "atom_core/worker/verify_batch.py",
-    "benchmarks/",
-}
-
-
 def cited_paths(text: str) -> list[str]:
     return sorted({match.group(1) for match in CITED.finditer(text)})
 
@@ -31,16 +21,8 @@ class TestCitedPaths:
     def test_every_cited_path_exists(self, doc):
         paths = cited_paths((ROOT / doc).read_text())
         assert paths, f"{doc} cites no paths: the pattern no longer matches how it cites them"
-        missing = [p for p in paths if p not in PENDING_MERGE and not (ROOT / p).exists()]
+        missing = [p for p in paths if not (ROOT / p).exists()]
         assert not missing, f"{doc} cites paths that do not exist: {missing}"
-
-    def test_pending_paths_do_not_exist_yet(self):
-        merged = sorted(p for p in PENDING_MERGE if (ROOT / p).exists())
-        assert not merged, f"these now exist: remove them from PENDING_MERGE in {Path(__file__).name}: {merged}"
-
-    def test_pending_paths_are_cited(self):
-        text = "".join((ROOT / doc).read_text() for doc in DOCS)
-        assert PENDING_MERGE <= set(cited_paths(text))
 
 
 class TestPattern:

@@ -3,7 +3,7 @@
 LLMEngine drives one engine core; data parallelism is several cores behind one balancer
 (engine/dp_engine.py, what `atomctl serve -dp N` runs). This submits the whole workload to that
 balancer at once, as LLMEngine.generate does to its one core, and times it the same way, so the
-result compares with `bench offline` at DP=1 (issue 18: DP=2 at >= 1.8x DP=1).
+result compares with `bench offline` at DP=1 (the replicas' scaling is the quotient).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """A lean streaming client for measuring a server on the same machine: raw HTTP/1.1 over asyncio
 sockets, SSE events counted but not parsed.
 
-`bench serve`'s httpx client spends ~70-110 µs of CPU per streamed token (httpx/h11 framing, line
+`bench serve`'s httpx client spends CPU on every streamed token (httpx/h11 framing, line
 splitting, one JSON parse per event); on a small machine that competes with the server it
 measures, more than the server's own per-token work. This one reads the chunked body with two
 awaits per event and parses nothing, so the server's numbers are the server's.

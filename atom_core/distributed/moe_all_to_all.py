@@ -1,4 +1,4 @@
-"""MoE token exchange by all-to-all, for data-parallel replicas sharing experts (ATOM_EP_DISPATCH=alltoall).
+"""MoE token exchange by all-to-all, for data-parallel replicas sharing experts (--ep-dispatch alltoall).
 
 The default exchange (communication.dispatch_tokens / combine_tokens) all-gathers every replica's
 tokens to every rank and reduce-scatters the partial outputs back: fixed sizes, no per-peer
@@ -6,7 +6,7 @@ counts. This one sends a token only to the ranks that own one of its top-k exper
 experts' weights and local ids; each rank runs its experts on what it received and sends the
 outputs back, and the sender adds them up per token. It moves less when a token's experts sit on
 few ranks (many ranks, small top-k), and costs a count exchange and a device-to-host sync per
-layer; issue 18 asks which is faster here, so both exist and `suite.sh` measures them.
+layer; which of the two wins depends on the rank count and the model's top-k, so both exist.
 
 Experts are owned in contiguous blocks: rank r holds [r * per_rank, (r + 1) * per_rank).
 """

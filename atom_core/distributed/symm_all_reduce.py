@@ -1,13 +1,13 @@
 """All-reduce through PyTorch symmetric memory (one-shot / two-shot), for the small all-reduces of decode.
 
-NCCL's all-reduce inside a CUDA graph costs ~13 us even for one token's 8 KB on two NVLinked
-H100s (benchmarks/kernels/bench_allreduce.py): a protocol built for bandwidth. Tensor-parallel decode
+NCCL's all-reduce inside a CUDA graph has a latency floor even for one token's 8 KB on NVLinked
+GPUs: a protocol built for bandwidth. Tensor-parallel decode
 runs two all-reduces per layer (Llama-3-8B: 65 a step), so at batch 1 that latency is a large
 share of the step. Symmetric memory maps every rank's copy of one buffer into each GPU's address
 space (peer-to-peer, no multicast). The two-shot kernel has each rank sum its slice of all
-ranks' rows and write it to every rank (reduce-scatter then all-gather, one kernel): 7.4 us at
-one token, and faster than NCCL at every size measured up to 8,192 x 4,096 on two H100s
-(one-shot, every rank summing all rows, was between the two). Each rank's input is copied into
+ranks' rows and write it to every rank (reduce-scatter then all-gather, one kernel): one kernel,
+no protocol, so it is faster than NCCL from one token up to 8,192 x 4,096 (one-shot, every rank
+summing all rows, sits between the two; measured: see docs/PERFORMANCE.md). Each rank's input is copied into
 its copy of the buffer first (a copy kernel), so the gain shrinks with size: tensors up to
 MAX_BYTES take this path, larger ones NCCL; up to ONE_SHOT_MAX_BYTES the one-shot kernel that
 copies the input in itself runs instead (one launch, not two).
@@ -15,9 +15,9 @@ copies the input in itself runs instead (one launch, not two).
 KernelConfig.all_reduce (--all-reduce, ATOM_ALL_REDUCE) picks it: `auto` (the default) where it can,
 else NCCL (said in the log); `symm` always on a CUDA tensor-parallel group (an error where this build or machine cannot); `nccl` never.
 Peer-to-peer memory needs every rank on one host, so a group spanning nodes keeps NCCL under auto.
-Why auto is the default: on two H100s the engine's path (one-shot with the copy fused in) took
-8.7 us per decode all-reduce against NCCL's 10.9, and Llama-3-8B TP=2 batch-1 TPOT went 4.32 ->
-4.19 ms, the 65 all-reduces' saving (docs/PERFORMANCE.md 2026-11-26, fourth session).
+Why auto is the default: the engine's path (one-shot with the copy fused in) is faster than NCCL per
+decode all-reduce, and with 65 of them a step it shortens the TP=2 batch-1 step (measured: see
+docs/PERFORMANCE.md); where it cannot run, NCCL is the same as without it.
 """
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ logger = logging.getLogger(__name__)
 
 MAX_BYTES = 16 << 20  # 1,024 tokens x 8,192 bf16 values: decode batches and most mixed steps
 # Up to here one-shot with the copy-in fused into its kernel (one launch) instead of copy + two-shot
-# (two): on two H100s the bare ops were 8.6-11.9 us (one-shot) vs 7.4-9.5 us (two-shot) from 1 to
-# 64 x 4,096 values, before two-shot's separate copy kernel.
+# (two): for small tensors the bare two-shot op is only a little faster than one-shot, less than
+# the cost of its separate copy kernel (measured: see docs/PERFORMANCE.md).
 ONE_SHOT_MAX_BYTES = 256 << 10
 
 

@@ -110,8 +110,9 @@ class StartupError:
 @dataclass(frozen=True)
 class Outputs:
     """One step's CoreOutputs. Pickled as columns (ids, tokens, cached counts, and the few entries
-    with anything else): default pickling of 256 slotted dataclasses cost ~0.8 ms to dump in the
-    core and ~1.4 ms to load here per step; columns cost ~0.1 + 0.15 ms."""
+    with anything else): default pickling pays per object for every slotted dataclass of a large
+    batch, on the core's and the API process's critical paths each step; a few flat lists pickle
+    as a handful of objects whatever the batch size."""
 
     outputs: list[CoreOutput]
     sent_at: float  # time.monotonic() in the core when the step's tokens were known (one clock per host)

@@ -17,8 +17,9 @@ from atom_core.scheduler_output import PLACEHOLDER, ModelRunnerOutput, NewReques
 from atom_core.spec_decode.stats import SpecDecodeStats
 
 # A capped mixed step's token count is a multiple of this: it lands on a piecewise graph bucket and
-# on whole 128-row tiles of the GEMMs. cuBLAS on Llama-3-8B's linears (H100, tests/gpu/bench_gemm_rows.py):
-# 512 rows 306 us a layer, 448 rows 440 us (gate_up picks a slow kernel), 384 rows 272 us.
+# on whole 128-row tiles of the GEMMs. Row counts between multiples of 128 pay for a partial tile
+# and can make cuBLAS pick a slower kernel (it did for gate_up at 448 rows; measured: see
+# docs/PERFORMANCE.md).
 MIXED_STEP_GRANULE = 128
 
 

@@ -1,7 +1,9 @@
 """Quantization formats, detected once from the checkpoint's `quantization_config`.
 
-Only unquantized checkpoints run today: every format is a `QuantConfig` registered in
-`_QUANT_CONFIGS` by the quantization issue (fp8, int8, int4, mxfp4, ...).
+Every format is a `QuantConfig` registered in `_QUANT_CONFIGS` under its quant_method name
+(compressed-tensors, gptq, awq, fp8, mxfp4), imported on first use; a checkpoint without a
+`quantization_config` runs the unquantized methods. `--quantization fp8` quantizes an unquantized
+checkpoint at load (_ONLINE_QUANTIZATIONS).
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ Online FP8 (`--quantization fp8` on a bf16/fp16 checkpoint, as in vLLM): weights
   (torch._scaled_mm on CUDA). Loading holds the model-dtype weights until they are quantized.
 
 Block-FP8 MoE experts (FusedMoE): on CUDA the fused Triton kernel (kernels/triton/moe_fp8.py,
-e4m3 MMAs with the scales applied per 128 columns; GPU tests pass on the H100), elsewhere `fused_moe_fp8_block_ref`, a per-expert loop of the block product. Not here
+e4m3 MMAs with the scales applied per 128 columns), elsewhere `fused_moe_fp8_block_ref`, a per-expert loop of the block product. Not here
 yet: online FP8 for MoE experts and static activation scales (activation_scheme "static"): both
 fail at start with a message.
 """

@@ -216,8 +216,8 @@ def fp8_block_reference(x2, weight, weight_scale_inv, block_size, bias):
 
 
 def fp8_block_linear_table(device: torch.device, act_dtype: torch.dtype, block_size: list[int]) -> KernelTable:
-    """The kernels of a block-FP8 linear: on NVIDIA SM89+ the block GEMV at 1 token (it beat the block
-    GEMM on 10 of 11 measured shapes there), then the block GEMM where it supports the block, else the
+    """The kernels of a block-FP8 linear: on NVIDIA SM89+ the block GEMV at 1 token (faster than the
+    block GEMM on nearly every measured shape there, see docs/PERFORMANCE.md), then the block GEMM where it supports the block, else the
     reference; elsewhere the reference."""
     if not _triton_fp8_ok(device, act_dtype):
         return KernelTable(((None, fp8_block_reference),), act_dtype)

@@ -1,8 +1,8 @@
 """CUDA graphs for the MTP layer's forwards.
 
-Run eagerly, the nextn layer (a whole decoder block plus its head) cost DeepSeek-V2-Lite 3.9 ms a
-step at K=1 on the H100 and 2.7 ms per further draft (docs/PERFORMANCE.md, 2026-11-26): launch
-overhead of its few dozen small kernels, twice the whole model's 3.4 ms decode step. Two forwards
+Run eagerly, the nextn layer (a whole decoder block plus its head) costs more than the whole
+model's graph-replayed decode step: its time is the launch overhead of a few dozen small kernels
+(measured on DeepSeek-V2-Lite: see docs/PERFORMANCE.md). Two forwards
 a step replay graphs here:
 
   catch-up: after a decode or verify step every request has 1 <= n <= q = 1 + K verified rows. They

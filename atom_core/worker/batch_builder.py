@@ -47,8 +47,8 @@ STAGING_ALIGN = 16  # bytes: the pointer alignment Triton specialises on, as a f
 
 def _to_device_packed(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
     """Several host arrays to the device in ONE copy: packed into one pinned buffer, each at a
-    16-byte-aligned offset, and handed out as views of the device copy. Separate small copies left
-    the H100 idle ~16 us between each, ~10 a step (tests/gpu/cuda_gaps.py, docs/PERFORMANCE.md).
+    16-byte-aligned offset, and handed out as views of the device copy. Separate small copies
+    (~10 a step) each leave the GPU idle for a copy's launch and host round trip.
     The CPU packs alike (its views are of the host buffer), so the CPU tests run the packing."""
     pinned = device.type == "cuda"
     arrays = {name: np.ascontiguousarray(a) for name, a in arrays.items()}

@@ -33,9 +33,9 @@ def compile_model(model: nn.Module) -> None:
             module.use_custom_op = True
     # Per decoder layer, not the whole model: the layers share one code object, so Dynamo
     # compiles one layer graph (plus the first layer's, which has no residual yet) for all of
-    # them; a whole-model compile took ~55 s cold on the GPU machine. A 1-token step gets its
-    # own specialisation, compiled when the batch-1 CUDA graph is captured (an unbacked token
-    # dim avoided that but cost ~20% decode throughput, docs/PERFORMANCE.md). Each engine in a
+    # them, where a whole-model compile traces every layer and takes far longer cold. A 1-token
+    # step gets its own specialisation, compiled when the batch-1 CUDA graph is captured (an
+    # unbacked token dim avoided that but made decode measurably slower, see docs/PERFORMANCE.md). Each engine in a
     # process adds cache entries, and Dynamo's default limit (8) failed the third one.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for layer in model.model.layers:

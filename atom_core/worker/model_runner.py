@@ -184,7 +184,7 @@ class ModelRunner:
             return
         start = time.perf_counter()
         longest = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
-        # Threads: compiles overlap (8 threads took 2.5 s where one took 11.8 s, cold, on the H100 host).
+        # Threads: Triton compiles run in subprocesses and release the GIL, so they overlap.
         threads = min(8, os.cpu_count() or 1)
         count = warm_up_attention(self.attention_layers, longest, threads)
         logits = torch.zeros(2, self.vocab_size, dtype=self.dtype, device=self.device)

@@ -37,7 +37,7 @@ from atom_core.kernels.triton.common import (
 from atom_core.kernels.triton.kv_store import check_token_scales
 
 LOG2E = 1.4426950408889634
-# Split-KV tuning, measured on an H100 (bf16, Llama-3-8B heads, CUDA-graph timing): splitting
+# Split-KV tuning (bf16, Llama-3-8B heads, CUDA-graph timing; see docs/PERFORMANCE.md): splitting
 # only pays while the unsplit grid is under one program per SM (batch 32 x 8 kv heads = 256
 # programs ran fastest unsplit); then aim for ~2 programs per SM, each split >= one KV tile.
 SPLIT_TARGET_PROGRAMS_PER_SM = 2
@@ -118,7 +118,7 @@ def _attend_tile(
 
 
 # Per-step sizes are plain runtime ints: specialising on them (== 1, % 16) would JIT-compile
-# new variants in the middle of a run (the block-table width too: a width of 16 did, on the H100).
+# new variants in the middle of a run (the block-table width too: a width of 16 did).
 @triton.jit(do_not_specialize=["num_tokens", "num_q_blocks", "num_splits", "stride_bt", "window"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
@@ -276,7 +276,7 @@ class _TileConfig:
     """Launch shape for one (max_query_len, group, head_dim) class; see module docstring."""
 
     def __init__(self, max_query_len: int, group_p: int, head_dim: int):
-        # Chosen by sweeping BLOCK_N x warps x stages on an H100 (bench_kernels shapes).
+        # Chosen by sweeping BLOCK_N x warps x stages on bench_kernels' shapes (see docs/PERFORMANCE.md).
         self.block_d = max(16, next_pow2(head_dim))
         if max_query_len == 1:  # decode: one token x the whole head group per program
             self.block_q = 1
@@ -409,9 +409,9 @@ def _make_paged_plan(query, k_cache, v_cache, block_tables, query_start_loc, seq
     is_split = num_kv_splits > 1
     if heads_inner is None:
         # Decode: a sequence's kv heads run as neighbours, since they read interleaved slices
-        # of the same cache rows ([block, slot, kv head, D]). With seq_order (longest first)
-        # this was 5-15% faster at batch 48-128 on the H100 and equal at 8-32 and 256
-        # (benchmarks/kernels/sweep_attention.py, docs/PERFORMANCE.md). Prefill keeps the 2-D grid.
+        # of the same cache rows ([block, slot, kv head, D]), so the rows stay in L2 between
+        # them; with seq_order (longest first) this measured faster at mid-size batches and never
+        # slower (see docs/PERFORMANCE.md). Prefill keeps the 2-D grid.
         heads_inner = max_query_len == 1
     if heads_inner:
         grid = (num_listed * num_q_blocks * num_kv_heads, 1, num_kv_splits)

@@ -103,11 +103,10 @@ class PlannedLaunch:
     a few tensors change from call to call (a step's layers: their caches, query and output).
 
     Why: Triton's `kernel[grid](...)` binds and specializes every argument and looks the kernel
-    up on each call: ~32-51 us of host a launch against ~11-16 us for the compiled kernel's own
-    launcher, and the paged-attention wrapper went 43.8 -> 19.3 us with this (H100 hosts,
-    benchmarks/kernels/bench_launch_overhead.py); a piecewise mixed step makes ~100-160 launches between
-    its graphs. So the first call goes through the JIT (compiling if
-    needed) and keeps the compiled kernel and the argument values in parameter order; later
+    up on each call, several times the host cost of the compiled kernel's own launcher (measured:
+    see docs/PERFORMANCE.md); a piecewise mixed step makes ~100-160 launches between its graphs,
+    outside any CUDA graph, so that host time is on the step's critical path. So the first call
+    goes through the JIT (compiling if needed) and keeps the compiled kernel and the argument values in parameter order; later
     calls put their tensors into that list and call the compiled kernel directly.
 
     Safe because Triton specializes a kernel only on argument dtypes, pointer alignment (16

@@ -4,11 +4,10 @@ in x's dtype (bf16 / fp16 / fp32).
   dense_gemv(x, weight, bias)       the kernel
   dense_gemv_ref(x, weight, bias)   its torch reference (float32 matmul, rounded once)
 
-Why: at batch 1 a linear is a weight stream, and its speed is the decode step's. cuBLAS reaches
-~2.2 TB/s of the H100's ~3.0 on a 1 x 4,096 by 4,096 x 28,672 product (ANCHORS), and less on
-the half-width weights of tensor parallelism: Llama-3-8B TP=2 on two H100s streamed its weights
-at ~2.2 TB/s against ~2.5 at TP=1, and Llama-3.1-70B TP=2 on two H200s at ~75% of peak
-(docs/PERFORMANCE.md, 2026-11-26). Issue 18's batch-1 targets need ~4.3 TB/s on the H200.
+Why: at batch 1 a linear is a weight stream, and its speed is the decode step's. cuBLAS runs a
+one-row product on tiles built for many rows, so it streams weights well below the memory's
+bandwidth, and further below on the half-width weights of tensor parallelism (measured: see
+docs/PERFORMANCE.md). A GEMV makes one pass over the weights with no tensor-core tiles to fill.
 
 The kernel is the weight-only FP8 GEMV's (fp8_gemv._fp8_gemv_kernel): a program streams BLOCK_N
 weight rows once for all M rows of x, converts each weight to float32, FMAs in float32 in a fixed
@@ -16,12 +15,10 @@ order (deterministic), adds the bias in float32 and rounds once. Its weights her
 loaded 16 bytes a thread (8 bf16: the same register layout as x's), under a unit per-tensor scale
 (one float32 1.0: multiplying a sum by it is exact). Split-K counts 2-byte weights in flight.
 
-Status: GPU tests pass on the H100 (2026-11-26, fourth session). At 1 token it streams the weights
-at 2.1-3.1 TB/s against cuBLAS's 1.7-2.9 (faster on most Llama shapes and the LM head, slower on a
-few: `python -m benchmarks.kernels.dense_gemv_bench`) and cut batch-1 steps by 3.8-6.1%, so
-the linears' tables (quant/unquantized.py) send 1-token linears here.
-The fifth session's tile sweep moved 1-token bf16 to one row a program in 1,024-column steps
-(`default_dense_gemv_config`): batch-1 TPOT Llama-3-8B 5.83 ms, Qwen3-0.6B 1.30, V2-Lite 3.19.
+At 1 token it streams the weights faster than cuBLAS on most Llama shapes and the LM head (slower
+on a few) and shortens the whole batch-1 step, so the linears' tables (quant/unquantized.py) send
+1-token linears here (measured: see docs/PERFORMANCE.md). 1-token bf16 uses one row a program in
+1,024-column steps (`default_dense_gemv_config`).
 """
 from __future__ import annotations
 
@@ -65,10 +62,10 @@ def _check(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 @functools.lru_cache(maxsize=None)  # dense_gemv asks on every eager call; a few shapes per model
 def default_dense_gemv_config(m: int, n: int, k: int, elem_bytes: int, num_sms: int) -> Fp8GemvConfig:
     """The FP8 GEMV's tiles, except one row of 2-byte weights: 8 weights (one 16-byte load) a
-    thread a step over BLOCK_K 1,024, one weight row a program with 4 warps. The H100 sweep
-    (`dense_gemv_bench --sweep`, docs/PERFORMANCE.md 2026-11-26, fifth session) found that tile
-    fastest on every Llama-3-8B shape at TP=1 and 2 (qkv 21.9 -> 18.5 us, down 44.4 -> 39.8, the LM
-    head 337.5 -> 329.9), where the FP8 GEMV's 32 weights a thread over BLOCK_K 512 had been used."""
+    thread a step over BLOCK_K 1,024, one weight row a program with 4 warps. A tile sweep found it
+    fastest on every Llama-3-8B shape at TP=1 and 2, ahead of the FP8 GEMV's 32 weights a thread
+    over BLOCK_K 512 (measured: see docs/PERFORMANCE.md): a 2-byte weight row is twice as wide in
+    bytes, so fewer weights a thread keep the same bytes in flight with more rows in parallel."""
     cfg = default_fp8_gemv_config(m, n, k, elem_bytes, None, num_sms, w_bytes=elem_bytes)
     if m != 1 or elem_bytes != 2:  # not swept: M 2-4 (no linear sends them here), fp32
         return cfg

@@ -24,7 +24,7 @@ in IEEE division, clamped to +-448, rounded to nearest even):
   * fused (small M, `Fp8GemmConfig.fused_quant`): the GEMM reads x itself. Block: a step is one
     scale group (BLOCK_K == bk), so its absmax is the tile's. Per token: a prologue walks the
     row's whole K for the absmax (M <= 16 rows from L2: a few % of the weight bytes), so every
-    split sees the same scale. This saves the quantizer launch (2-7 us on an H100).
+    split sees the same scale. This saves the quantizer launch, a large share of a small GEMM.
   * separate (larger M, where re-quantizing x per N tile would cost more than a launch): the
     Triton quantizer (`kernels/triton/fp8.py`) first, or the torch per-tensor quantizer for a
     static scale.
@@ -35,9 +35,8 @@ the separate path uses the torch quantizer (kernels/triton/fp8.py's `quantize_ac
 Tiles (`default_fp8_gemm_config`): M <= 16 (decode, a weight stream: each weight byte read once)
 uses BLOCK_M 16 (the MMA's minimum) with split-K until about 2 programs per SM; larger M uses
 wider tiles without split. Untuned (chosen from offline sm_90 compiles without spills,
-tests/quant/test_fp8_gemm.py); GPU tests pass on the H100, and `benchmarks/kernels/fp8_bench.py` times
-them against bf16, `_scaled_mm` and the bytes floor: at 1 token the weight-only GEMV
-(fp8_gemv.py) is the faster path and the default there (docs/PERFORMANCE.md). Offline sm_90 code: BLOCK_M 16-32
+tests/quant/test_fp8_gemm.py); at 1 token the weight-only GEMV (fp8_gemv.py) is the faster path
+and the default there (measured: see docs/PERFORMANCE.md). Offline sm_90 code: BLOCK_M 16-32
 tiles run mma.sync on e4m3 widened to f16 (exact), 64+ use e4m3 wgmma; weight tiles stream by
 16-byte cp.async. Levers if the bench shows M = 1 far from the floor: the fused quantizer divides
 a BLOCK_M 16 tile (15 padded copies of the row at M = 1) per step, and the per-token prologue

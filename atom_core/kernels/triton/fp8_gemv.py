@@ -7,9 +7,9 @@ W e4m3 [N, K], x in bf16/fp16/fp32 and NOT quantized (W8A16, as Marlin-FP8 does)
   fp8_gemv_ref(x, weight, scale, block_size, bias)             the torch reference of both
 
 Why: at batch 1 a linear is a weight stream. The tl.dot GEMM (fp8_gemm.py) pads the one row to a
-BLOCK_M 16 MMA and quantizes x; cuBLAS `_scaled_mm` ran 1.3-3.2x the weight-bytes floor on an H100
-at Llama-3-8B shapes plus a quantizer launch per linear. Here each program streams BLOCK_N rows of W
-once for all M rows of x, in registers, like the bf16 MoE GEMVs (moe_decode.py: 1.05-1.4x the floor).
+BLOCK_M 16 MMA and quantizes x; cuBLAS `_scaled_mm` runs well above the weight-bytes floor at one
+row (its tiles are built for many) plus a quantizer launch per linear. Here each program streams
+BLOCK_N rows of W once for all M rows of x, in registers, like the bf16 MoE GEMVs (moe_decode.py).
 
 Precision (more accurate than fp8_linear_ref / fp8_block_linear_ref, which quantize x to e4m3):
 each weight becomes float32 exactly, times its block scale (block layout) or not (per channel:
@@ -33,8 +33,8 @@ over the chunk in registers and multiplies the sum by the chunk's scale, and the
 load with its weights. Offline sm_90 SASS (bf16 x, 1 token, Qwen3-30B-A3B's qkv and o, default
 tiles, instructions in the K loop per weight): per channel 5.94; block before 7.19 (a float32
 multiply per weight, and its 4 scale loads a step consumed in the step that issued them: a memory
-round trip in every step, where the weights' double buffer hides it; the likely cause of the
-measured ~2x), after 6.91 (12 float ops per 8 weights instead of 16, scales one step ahead, 72
+round trip in every step, where the weights' double buffer hides it; the likely cause of its
+slowness), after 6.91 (12 float ops per 8 weights instead of 16, scales one step ahead, 72
 registers, no spills). Both paths spend ~3 instructions a weight unpacking e4m3 (the loop carries
 the prefetched bytes one a register and re-pairs them for the e4m3x2 conversion): the next lever.
 
@@ -43,18 +43,16 @@ the whole grid reads N * BLOCK_K bytes, split when that is under IN_FLIGHT_BYTES
 split owns a run of whole K steps and stores float32 partials [SPLIT, M, N]; fp8_gemm's
 `_sum_splits_kernel` adds them in split order (deterministic), adds the bias and rounds once.
 
-Levers if the benchmark shows M = 1 far from the floor: tiles (fp8_bench --sweep-gemv); the
+Levers if the benchmark shows M = 1 far from the floor: tiles (a tile sweep); the
 split's second launch (a last-arriving-split sum would save it); at M = 4 the instruction issue
 (~10 a weight) and x's L1 traffic (2 bytes per weight and row) may bind before DRAM does.
 
-Status: the per-channel kernel's GPU tests pass on the H100 (2026-11-26, fourth session); at 1 token
-it runs at 1.04-1.32x the bytes floor on Llama-3-8B's shapes (`_scaled_mm` with its activation
-quantizer: 1.3-3.0x), so fp8_ops dispatches 1-token per-channel linears here by default
-(fp8_ops.fp8_linear_table; Llama-3-8B fp8 batch-1 TPOT 5.71 -> 4.27 ms). The block kernel as
-rewritten here (chunk scales, prefetched; 2026-11-26, seventh session) passes its GPU tests and at 1
-token beats the Triton block GEMM on 10 of 11 measured shapes (Qwen3-30B-A3B qkv 7.0 vs 11.7 us,
-DeepSeek-V3 o 73.4 vs 86.3; it loses Llama-3-8B's down, K = 14,336: 52.3 vs 42.8), at 1.3-4.5x
-its bytes floor: `auto` takes it at 1 token (Qwen3-30B-A3B-FP8 batch-1 TPOT 4.31 -> 4.0 ms).
+Where it runs: at 1 token the per-channel kernel runs close to the bytes floor on Llama-3-8B's
+shapes, well ahead of `_scaled_mm` with its activation quantizer, so fp8_ops dispatches 1-token
+per-channel linears here (fp8_ops.fp8_linear_table). The block kernel (chunk scales, prefetched)
+beats the Triton block GEMM at 1 token on all but one measured shape (Llama-3-8B's down, K =
+14,336, where the GEMM's longer K loop amortizes its tile), so the table takes it at 1 token too
+(measured: see docs/PERFORMANCE.md).
 """
 from __future__ import annotations
 
@@ -185,8 +183,8 @@ def _fp8_block_gemv_kernel(
     lies in one scale group, so a step sums w * x over a chunk in registers and multiplies that sum
     by the chunk's scale, a scale per VEC weights instead of one per weight. Scales of row r, group
     g: ws_ptr + (r // SCALE_BN) * stride_wsn + g * stride_wsk. The next step's scales load with its
-    weights: a scale loaded and used in the same step put a memory round trip in every step (the
-    first version ran at ~2x the per-channel kernel's time)."""
+    weights: a scale loaded and used in the same step puts a memory round trip in every step, one
+    the weights' double buffer hides but a same-step scale load does not."""
     split = tl.program_id(1)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(cols, N - 1)  # weight rows; past N: never stored
@@ -240,8 +238,9 @@ def _fp8_block_gemv_kernel(
 # host side
 
 # Split K until about this many weight bytes per SM are in flight: a step's loads (N * BLOCK_K bytes
-# over the whole grid) are what hides DRAM latency (Little's law: ~3 TB/s x ~0.6 us / 132 SMs ~ 14 KB
-# an SM on an H100). Llama-3-8B's narrowest projections (N 4096, BLOCK_K 512) pass without a split.
+# over the whole grid) are what hides DRAM latency (Little's law: bandwidth x latency / SMs; HBM3's
+# ~3 TB/s x ~0.6 microseconds / sm_90's 132 SMs ~ 14 KB an SM). Llama-3-8B's narrowest projections
+# (N 4096, BLOCK_K 512) pass without a split.
 IN_FLIGHT_BYTES_PER_SM = 12 * 1024
 
 
@@ -252,9 +251,9 @@ def _pow2_divisor(n: int, cap: int) -> int:
 def default_fp8_gemv_config(m: int, n: int, k: int, x_bytes: int, group: int | None, num_sms: int,
                             w_bytes: int = 1) -> Fp8GemvConfig:
     """Chosen from offline sm_90 compiles (72-142 registers, no spills); `group` (the block scales'
-    bk, None per channel) no longer changes the tile: any step suits any group. The H100 sweep (PERFORMANCE.md 2026-11-26) found no tile better on every
-    shape: 16 bytes of x a thread load (VEC columns), BLOCK_K 512
-    (256 for float32 x), 32 weights a thread a step at M <= 2 and 16 at M 3-4 (the accumulators
+    bk, None per channel) no longer changes the tile: any step suits any group. A tile sweep found
+    no tile better on every shape than these (see docs/PERFORMANCE.md): 16 bytes of x a thread
+    load (VEC columns), BLOCK_K 512 (256 for float32 x), 32 weights a thread a step at M <= 2 and 16 at M 3-4 (the accumulators
     grow with M), 4 warps; split-K per IN_FLIGHT_BYTES_PER_SM (w_bytes: a weight's size, 2 for
     the bf16 GEMV of dense_gemv.py)."""
     bk = max(16, min(256 if x_bytes == 4 else 512, triton.next_power_of_2(k)))

@@ -4,27 +4,25 @@ and NOT quantized (W8A16, the GEMM sibling of fp8_gemv.py's GEMV):
 
   fp8_w8a16_gemm(x, weight, weight_scale, bias, split_k=None)   ~ fp8_gemv_ref(x, weight, weight_scale)
 
-Why: at 2-64 tokens a linear still streams its weights once, but `_scaled_mm` ran at 2.1-2.4x the
-bytes floor on Llama-3-8B's N = 4,096 shapes at 32 tokens (docs/PERFORMANCE.md 2026-11-24) and
-needs a quantizer launch per linear (2.5-7.4 us). Here each program owns BLOCK_N output columns and
+Why: at 2-64 tokens a linear still streams its weights once, but `_scaled_mm` runs well above the
+bytes floor on narrow shapes (measured: see docs/PERFORMANCE.md) and needs a quantizer launch per
+linear. Here each program owns BLOCK_N output columns and
 one K split: per step it loads a BLOCK_M x BLOCK_K tile of x (all rows: L2-resident) and a
 BLOCK_N x BLOCK_K tile of e4m3 weights, widens the weights to x's dtype in registers (e4m3 values
 are exact in bf16, fp16 and fp32) and runs one tensor-core dot into float32; Triton's software
 pipeline keeps num_stages tiles in flight. The per-channel scale multiplies the float32 sums once.
 
 Split-K (grid axis 1) until the grid has about PROGRAMS_PER_SM programs per SM: N = 4,096 gives 64
-column tiles, too few to stream an H100's HBM, so K splits in 4; partials [SPLIT, M, N] (scaled,
+column tiles, too few to keep every SM streaming, so K splits in 4; partials [SPLIT, M, N] (scaled,
 float32) are added by fp8_gemm.sum_splits in split order (deterministic), with the bias, rounded
 once. Precision: more accurate than fp8_linear_ref (x is not quantized); bf16/fp16 x meets the
 weights in its own dtype on the tensor cores (float32 accumulation), float32 x in IEEE float32.
 
-Status (H100, 2026-11-26, seventh session; docs/PERFORMANCE.md): GPU tests pass. With the swept
-tiles (`default_tiles`) at 8 tokens it runs Llama-3-8B's qkv / o / gate_up / down in 12.1 / 9.0 /
-45.6 / 26.4 us against _scaled_mm + quantizer's 20.6 / 15.2 / 50.6 / 50.1; at 32 tokens it still
-wins on the narrow shapes (17.0 / 11.4 / 32.8 vs 19.3 / 14.9 / 48.2) but loses on gate_up (55.7 vs
-51.0), and at 64 tokens everywhere. fp8_ops' `auto` takes it at 2-16 tokens, and at 17-32 for
-outputs of at most 8,192 columns: Llama-3-8B fp8 TPOT at batch 8 5.70 -> 4.38 ms, batch 32 5.92 ->
-5.33 ms. Narrow shapes still run at 1.3-2.0x their bytes floor.
+Where it wins: with the swept tiles (`default_tiles`) it beats _scaled_mm + quantizer on every
+Llama-3-8B shape at 8 tokens; at 32 tokens only on the narrow shapes (the wide gate_up has enough
+rows for _scaled_mm's tensor-core tiles), and at 64 tokens nowhere. So fp8_ops' linear table takes
+it at 2-16 tokens, and at 17-32 for outputs of at most 8,192 columns (measured: see
+docs/PERFORMANCE.md). Narrow shapes still run above their bytes floor.
 """
 from __future__ import annotations
 
@@ -85,10 +83,10 @@ def _w8a16_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, steps_per_split
 
 def default_tiles(m: int, n: int, k: int, num_sms: int, x_bytes: int) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, split_k, num_warps, num_stages): one M tile (the MMA's minimum 16
-    rows up to 64), split-K to about PROGRAMS_PER_SM programs an SM, 3 stages. From the H100 sweep
-    (`fp8_bench --sweep-w8a16`, Llama-3-8B shapes at 8 and 32 tokens): up to 16 tokens 32 columns a
-    program and 256 K a step (128 for outputs wider than 8,192: gate_up 45.6 vs 58.5 us), above 64
-    columns and 128 K."""
+    rows up to 64), split-K to about PROGRAMS_PER_SM programs an SM, 3 stages. The fastest of a tile
+    sweep on Llama-3-8B shapes at 8 and 32 tokens (see docs/PERFORMANCE.md): up to 16 tokens 32
+    columns a program and 256 K a step (128 for outputs wider than 8,192, which have tiles enough
+    without deep K steps), above 64 columns and 128 K."""
     block_m = max(16, triton.next_power_of_2(m))
     if block_m <= 16:
         block_n, block_k = 32, (256 if n <= 8192 and x_bytes == 2 else 128)

@@ -192,8 +192,8 @@ def choose_num_kv_splits(num_programs: int, max_seq_len: int, device: torch.devi
         return 1
     target = SPLIT_TARGET_PROGRAMS_PER_SM * sms
     splits = min(triton.cdiv(target, num_programs), triton.cdiv(max_seq_len, block_n), MAX_KV_SPLITS)
-    # A power of two (rounded down): at batch 64, ctx 2,048 on the H100, 4 splits ran at 71% of
-    # HBM bandwidth and 5 (the unrounded value) at 55%, same tiles (docs/PERFORMANCE.md).
+    # A power of two (rounded down): an odd split count leaves the splits' KV runs misaligned with
+    # the tiles, and measured markedly slower than the power of two below it (see docs/PERFORMANCE.md).
     splits = 1 << (max(1, splits).bit_length() - 1)
     while splits > 1 and splits * scratch_per_split > MAX_SPLIT_SCRATCH_BYTES:
         splits //= 2

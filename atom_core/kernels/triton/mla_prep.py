@@ -3,8 +3,8 @@ query rope part and on k_pe, RMSNorm of the latent (kv_a_layernorm), and the cac
 [latent | roped k_pe] into the paged latent cache. Contract and oracle: `kernels.torch_ref.mla_rope_store`.
 
 Unfused these were five launches per layer at batch 1 (two cats de-interleaving the rope pairs,
-the rotary kernel, the cat of the cache row, the store) plus the norm: ~7.6 us of a 22.8 us MLA
-layer on the H100 (docs/PERFORMANCE.md), nearly all launch gaps. One program per token; the query
+the rotary kernel, the cat of the cache row, the store) plus the norm: about a third of an MLA
+layer's time at batch 1, nearly all launch gaps (measured: see docs/PERFORMANCE.md). One program per token; the query
 heads go through in tiles of BLOCK_H. Arithmetic follows the unfused kernels step by step
 (rope in fp32, rounded once; the norm rounded before the weight multiply, as rms_norm does).
 

@@ -11,8 +11,8 @@ fused_moe, launch by launch (static shapes, no host sync: CUDA-graph and torch.c
      I columns, gathers the rows' tokens from `hidden`, multiplies them by the gate and the up
      tile of the block's expert (two accumulators) and applies silu(gate) * up in the epilogue,
      writing [rows, I] in aligned order. Fused rather than a separate silu_and_mul launch: that
-     saves a launch and the [T*K, 2I] write and re-read, which we expect to win at every batch
-     size on an H100; the cost is the second accumulator, which the tuned BLOCK_N absorbs.
+     saves a launch and the [T*K, 2I] write and re-read, which should win at every batch
+     size; the cost is the second accumulator, which the tuned BLOCK_N absorbs.
   3. GEMM2: aligned activation rows (contiguous) times w2[e]; the epilogue adds the bias,
      multiplies by the row's top-k weight and writes row t*K + k of a [T*K, H] buffer.
   4. Sum: out[t] = sum_k buffer[t*K + k] in float32, cast once. A buffer and a second pass
@@ -209,7 +209,7 @@ def moe_sum(partial: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, out
 
 def default_moe_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype) -> MoeConfig:
     """Config when no tuned table exists, by the average rows per expert. The tiers generalise
-    the H100 tables in moe_configs/ (Qwen3-30B-A3B and Mixtral-8x7B shapes, bf16)."""
+    the tuned tables in moe_configs/ (Qwen3-30B-A3B and Mixtral-8x7B shapes, bf16)."""
     rows_per_expert = num_tokens * top_k / num_experts
     if rows_per_expert <= 8:  # decode: weight-bandwidth bound; long K tiles, narrow N for more programs
         cfg = MoeConfig(16, GemmTile(32, 256, 1, 4, 4), GemmTile(64, 256, 1, 4, 4))
@@ -324,7 +324,7 @@ def launch_fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
 
 
 # Opaque to torch.compile: Inductor sees one node with a fake (shape-only) implementation
-# instead of tracing into the Triton launches. Eager calls skip the dispatcher (~10 us each).
+# instead of tracing into the Triton launches. Eager calls skip the dispatcher (its per-call host cost).
 @torch.library.custom_op("atom::fused_moe", mutates_args=())
 def fused_moe_op(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                  topk_ids: torch.Tensor, activation: str = "silu", w13_bias: Optional[torch.Tensor] = None,

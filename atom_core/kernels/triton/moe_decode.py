@@ -2,9 +2,9 @@
 no alignment launch, no sum launch. `moe.launch_fused_moe` dispatches here (`select_path`).
 
 Why: at batch 1 the tiled path (moe.py) pads each expert's one row to a BLOCK_M = 16 tile and adds
-the alignment and sum launches. On an H100 it took 42 us a layer for 25 us of bytes (Qwen3-30B-A3B)
-and 52.5 us for 35 us (DeepSeek-V2-Lite, docs/PERFORMANCE.md). The MXFP4 family replaced the same
-pattern with GEMVs (moe_mxfp4_decode.py: 48 us vs 81 tiled at gpt-oss-20b M=1); these are their
+the alignment and sum launches, so a layer takes well over its bytes' time (measured on
+Qwen3-30B-A3B and DeepSeek-V2-Lite: see docs/PERFORMANCE.md). The MXFP4 family replaced the same
+pattern with GEMVs (moe_mxfp4_decode.py, faster than its tiled path at M = 1); these are their
 bf16 siblings, with the layout of the MXFP4 ones and the tiles of its sweep as the starting point:
 
 - GEMM1 `_moe_gemv1_kernel`: program (row block rb, assignment a = t*K + k): BLOCK_N gate rows and the
@@ -49,8 +49,8 @@ from atom_core.kernels.triton.moe_common import ACTIVATIONS, MoeConfig, activate
 # T * top_k up to this may run the GEMVs (the MXFP4 GEMVs' measured bound: past it, experts repeat
 # across tokens and the tiled path, which reads each expert once, won on gpt-oss-20b).
 GEMV_MAX_ASSIGNMENTS = 32
-# and T up to this (H100, bf16, moe_decode_bench 2026-11-26: the GEMVs beat the tiled path at 1-2
-# tokens on Qwen3-30B-A3B, DeepSeek-V2-Lite, Mixtral and gpt-oss-20b shapes, tie or lose from 4).
+# and T up to this (bf16: the GEMVs beat the tiled path at 1-2 tokens on Qwen3-30B-A3B,
+# DeepSeek-V2-Lite, Mixtral and gpt-oss-20b shapes, tie or lose from 4; see docs/PERFORMANCE.md).
 GEMV_MAX_TOKENS = 2
 MoePath = Literal["auto", "gemv", "tiled"]
 MOE_PATHS = ("auto", "gemv", "tiled")
@@ -59,7 +59,7 @@ MOE_PATHS = ("auto", "gemv", "tiled")
 @dataclass(frozen=True)
 class GemvTiles:
     """gemv1: (BLOCK_N gate rows and as many up rows, BLOCK_K, num_warps); gemv2: (BLOCK_N, BLOCK_K),
-    num_warps = next_pow2(top_k). Defaults, not yet swept on a GPU (moe_decode_bench --sweep): a thread
+    num_warps = next_pow2(top_k). Untuned defaults: a thread
     loads 16 bytes (8 bf16) of a row a step; sizes from offline sm_90 compiles at the four model shapes
     of the tests: the MXFP4 GEMVs' winners (8 rows, gemv1 on one warp) took ~166 registers here and
     spilled (gemv1 at Mixtral's shape, gemv2 at gpt-oss's); gemv1 on 2 warps and gemv2 with 4 rows take

@@ -19,16 +19,16 @@ accumulate in float32. Epilogue: bias, then silu(gate) * up or GPT-OSS's swigluo
 ((up + 1) * gate * sigmoid(1.702 gate), gate clamped above at the limit, up to +-limit).
 
 Decode batches (T * top_k <= 32) take the GEMV kernels of `moe_mxfp4_decode` instead (no tile
-padding, no alignment launch; 48 us against 81 us a gpt-oss-20b layer at batch 1 on an H100); the
+padding, no alignment launch; faster than this path at batch 1, see docs/PERFORMANCE.md); the
 tiled path below still serves them when a config or path="tiled" is given.
 
 Decode on the tiled path (M = 1 to a few tokens, each expert's rows one BLOCK_M=16 block): narrow N tiles (32 rows
 of gate and 32 of up; 32 of H) give ~360 programs per GEMM on GPT-OSS-20b's shapes (I = H = 2880,
 top-4), all resident at once (BLOCK_K 128 keeps them at ~100 registers, 5-6 programs an SM), so
 every SM streams weights with 3 stages of copies in flight. Offline SASS counts (sm_90, ptxas) of
-the inner loop: ~5 instructions a weight for GEMM1, ~6 for GEMM2; an H100 issues ~26 a clock per
-SM at that rate against ~24 weights a clock of HBM bandwidth, so decode sits near the bytes floor
-only if issue and loads overlap well (to be measured: `benchmarks/kernels/mxfp4_bench.py --sweep`).
+the inner loop: ~5 instructions a weight for GEMM1, ~6 for GEMM2; at that rate an sm_90 SM's
+issue width covers about as many weights a clock as HBM delivers, so decode sits near the bytes
+floor only if issue and loads overlap well.
 """
 from __future__ import annotations
 

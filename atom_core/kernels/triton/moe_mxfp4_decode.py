@@ -2,8 +2,8 @@
 alignment launch. `moe_mxfp4.fused_moe_mxfp4` dispatches here when T * top_k <= GEMV_MAX_ASSIGNMENTS.
 
 Why: at batch 1 the tl.dot path pads each expert's one row to a 16-row tile and round-trips the
-decoded tile through shared memory for the MMA operands; it ran at ~22% of HBM bandwidth
-(gpt-oss-20b, H100: 81 us a layer against a 17.7 us bytes floor). Here each program owns rows of
+decoded tile through shared memory for the MMA operands, so it runs at a small fraction of HBM
+bandwidth (measured: see docs/PERFORMANCE.md). Here each program owns rows of
 one expert and streams their packed bytes once, in registers:
 
 - GEMM1 `_gemv1_kernel`: program (row block rb, assignment a = t*K + k), BLOCK_N gate rows and the
@@ -29,9 +29,8 @@ double buffer). GEMM1 writes act in float32 (the activation rounded to hidden's 
 reference does, times 2^X_SHIFT), which GEMM2 reads without conversion.
 
 Offline sm_90 SASS (ptxas), inner loop: ~6.2 instructions a weight for GEMM1 (72 registers),
-~6.7 for GEMM2 (55 registers). Measured on an H100 (gpt-oss-20b shapes, CUDA-graph medians,
-`benchmarks/kernels/mxfp4_bench.py`): M = 1: GEMM1 22.9 us + GEMM2 16.7 us alone, 48 us for the call
-(2.7x the bytes floor; the tiled path 81 us); M = 4: 135 us (tiled 230); M = 8: 257 us (tiled 418).
+~6.7 for GEMM2 (55 registers). On gpt-oss-20b shapes the call is faster than the tiled path at
+M = 1, 4 and 8, though still above its bytes floor (measured: see docs/PERFORMANCE.md).
 """
 from __future__ import annotations
 
@@ -44,12 +43,12 @@ import triton.language as tl
 from atom_core.kernels.triton.moe_common import activate  # the tiled paths' activation (the same codes)
 
 # T * top_k up to this runs the GEMVs (top-4 decode batches up to 8 tokens). The GEMVs decode every
-# assignment's weights, the tiled path each expert's once: on an H100 the GEMVs win at M*K = 32 on
-# both gpt-oss models (257 us vs 418 on 20b); at 64, 20b's 32 experts repeat and tiled wins (391 vs
-# 429) while 120b's 128 do not (GEMV 507 vs 690).
+# assignment's weights, the tiled path each expert's once: the GEMVs win at M*K = 32 on both
+# gpt-oss models; at 64, 20b's 32 experts repeat (so the tiled path reads fewer bytes) and tiled
+# wins, while 120b's 128 rarely repeat (measured: see docs/PERFORMANCE.md).
 GEMV_MAX_ASSIGNMENTS = 32
 X_SHIFT = tl.constexpr(64)  # activations times 2^64: e2m1 * 2^-126 products stay normal floats
-# Tiles: the fastest of a sweep on an H100 (gpt-oss-20b, M = 1 and 8)
+# Tiles: the fastest of a sweep on gpt-oss-20b shapes at M = 1 and 8 (see docs/PERFORMANCE.md)
 GEMV1_TILE = (8, 128, 1)  # BLOCK_N (gate rows, and as many up rows), BLOCK_K, num_warps
 GEMV2_TILE = (8, 128)  # BLOCK_N, BLOCK_K; one warp per top-k slot
 

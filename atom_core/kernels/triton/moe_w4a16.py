@@ -15,9 +15,8 @@ are unpacked by shifts, (u - zero) * scale is formed in float32 and rounded once
 activation dtype (the reference's rounding), and one tl.dot accumulates in float32.
 
 Used by `quant/int4_moe.CompressedTensorsW4A16MoEMethod` on CUDA (llm-compressor W4A16 MoE
-checkpoints). GPU tests pass on the H100 (2026-11-26), but untuned it is 1.4x slower than the
-bf16 fused MoE there (5.5-8.4x its bytes floor, docs/PERFORMANCE.md); `suite.sh w4a16-moe` sweeps
-its tiles.
+checkpoints). Its tiles are untuned: it runs slower than the bf16 fused MoE despite a quarter of
+the weight bytes, far above its bytes floor (measured: see docs/PERFORMANCE.md).
 """
 from __future__ import annotations
 

@@ -25,11 +25,10 @@ plain cast of the same rounded values), so results equal the paged path's up to 
 order. FP8 caches hold codes (K / k_scale rounded to e4m3) and the reference attends over those,
 so FP8-KV layers stay on the paged kernel (the backend routes them there).
 
-Tiles (untuned; with them a Llama-3-8B layer reached 349-445 TFLOP/s on the H100, and the kernel
-is the CUDA default since 2026-11-26, docs/PERFORMANCE.md): `PrefillTileConfig` picks BLOCK_M 128 x
-BLOCK_N 64 (head_dim <= 128) from the Hopper FA2 Triton practice; `TILE_CANDIDATES` lists the
-BLOCK_M 64/128 x BLOCK_N 64/128 x warps x stages grid the GPU benchmark sweeps
-(`python -m benchmarks.kernels.prefill_attention_bench --sweep`).
+Tiles (untuned; fast enough with them to be the CUDA default, see docs/PERFORMANCE.md):
+`PrefillTileConfig` picks BLOCK_M 128 x BLOCK_N 64 (head_dim <= 128) from the Hopper FA2 Triton
+practice; `TILE_CANDIDATES` lists the BLOCK_M 64/128 x BLOCK_N 64/128 x warps x stages grid the
+GPU benchmark sweeps.
 """
 from __future__ import annotations
 
@@ -258,7 +257,7 @@ TILE_CANDIDATES: tuple[PrefillTileConfig, ...] = tuple(
 
 
 def default_tile_config(head_dim: int) -> PrefillTileConfig:
-    """Untuned defaults (the sweep below has not been run). D <= 64: wide key tiles, 4 warps; D 128: the FA2-Triton
+    """Untuned defaults (TILE_CANDIDATES is the grid to sweep). D <= 64: wide key tiles, 4 warps; D 128: the FA2-Triton
     Hopper shape 128 x 64 on 8 warps, 3 stages (two K/V tiles in flight: 64 KiB of shared memory
     in bf16); D 256: 64 x 32 to bound registers and shared memory."""
     block_d = max(16, next_pow2(head_dim))

@@ -13,10 +13,10 @@ Two programs:
     tile fed to tl.dot in the activation dtype. BLOCK_K divides the group size, so a K step
     reads one scale (and zero) per column.
 
-Why this GEMV (2026-11-26, seventh session): the previous one unpacked words into a [BN, BK/8, 8]
-tensor and reshaped it, which Triton lowered to per-step cross-thread shuffles and shared-memory
-layout conversions: 14-26 SASS instructions a weight (offline sm_90 compile) and 0.8-1.3 TB/s on
-the H100 (PERFORMANCE.md, fifth session). This one never reshapes: nibble J of a word tile is a
+Why this GEMV: unpacking words into a [BN, BK/8, 8] tensor and reshaping it makes Triton lower
+per-step cross-thread shuffles and shared-memory layout conversions, several times the
+instructions a weight (offline sm_90 compile), so such a kernel is issue-bound far below the
+memory's bandwidth. This one never reshapes: nibble J of a word tile is a
 tile of the same layout, and so are its x values in the kernel layout, so a weight costs an AND,
 two FFMAs and its share of the x conversion: ~5 instructions a weight at the default tiles
 (bf16, M = 1, offline sm_90 SASS), no barrier or shared memory in the loop.
@@ -230,8 +230,9 @@ def _w4a16_mm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_
 
 def _mm_config(m: int, group: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by M; BLOCK_K divides the group size
-    (a power of two >= 32). Small M: narrow N tiles, so N = 4096 still gives 128+ programs (the
-    first H100 run had 64 programs at batch 32, and a 1.7x slower step than bf16)."""
+    (a power of two >= 32). Small M: narrow N tiles, so N = 4096 still gives 128+ programs, at
+    least one an SM (with 64 programs at batch 32 half the SMs idled and the step ran slower than
+    bf16's)."""
     if m <= 16:
         return 16, 32, min(group, 128), 4, 4
     if m <= 32:
@@ -252,7 +253,7 @@ def gemv_split_k(n: int, k: int, step: int, num_sms: int) -> int:
     """Splits of K by the FP8 GEMV's bytes-in-flight rule (fp8_gemv.split_for_bytes_in_flight) on
     int4 weights, in runs of `step` columns (gemv_split_step: 1,024 on a GPU, where N = 4096 reads
     2 MB a step and does not split). The engine runs 1 split: forced splits measured slower on
-    Llama-3-8B's shapes except down (PERFORMANCE.md 2026-11-26, seventh session)."""
+    Llama-3-8B's shapes except down (see docs/PERFORMANCE.md), and each split adds a reduction."""
     from atom_core.kernels.triton.fp8_gemv import split_for_bytes_in_flight
 
     return split_for_bytes_in_flight(triton.cdiv(k, step), n * step // 2, num_sms)

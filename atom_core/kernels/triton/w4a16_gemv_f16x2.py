@@ -1,11 +1,11 @@
 """W4A16 decode GEMV in packed half2 arithmetic (CUDA only): the sibling of w4a16.py's
 `_w4a16_gemv_kernel` (same arguments and contract) for symmetric weights (zero 8) in the kernel
 layout (INT4_INTERLEAVE = 4) with bf16 / fp16 x, taken wherever the layout allows
-(w4a16._tuned_gemv). H100 (docs/PERFORMANCE.md, 2026-11-26, eighth session): GPU tests pass; 5-7% faster
-than the float32 GEMV a linear at 1 token, 15-37% at 4; Llama-3-8B W4A16 batch 1 3.91 -> 3.65 ms.
+(w4a16._tuned_gemv): faster than the float32 GEMV at 1 to 4 tokens (measured: see
+docs/PERFORMANCE.md).
 
 Why: the float32 GEMV issues ~5 SASS instructions a weight (an AND and two FFMAs each, plus x
-conversions) and is issue-bound at 1.0-1.5 TB/s on the H100. Here each instruction serves a pair
+conversions) and is issue-bound well below the memory's bandwidth. Here each instruction serves a pair
 of weights (Marlin's and FasterTransformer's trick), in inline PTX:
   * dequantize (DEQUANT_ASM): `lop3 (w & 0x000F000F) | 0x64006400` makes the fp16 pair 1024 + u of
     nibbles 0 and 4 (bits 0 and 16), and one `fma.rn.f16x2` maps it to (u - 8) * 2**-W_EXP exactly;
