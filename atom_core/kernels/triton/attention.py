@@ -135,11 +135,10 @@ def load_query_rows(q_ptr, q_start, q_idx, head, row_ok, offs_d, stride_qt, stri
 
 
 @triton.jit
-def split_lse(part_lse_ptr, token, head, num_tokens, num_splits, NUM_HEADS: tl.constexpr, SPLITS_P: tl.constexpr):
+def split_lse(part_lse_ptr, offs_s, token, head, num_tokens, num_splits, NUM_HEADS: tl.constexpr):
     """A split-KV merge's view of one (token, head): the rows of its partials in the [splits, T, H]
-    buffers, which of the SPLITS_P rows are real splits, their log2-sum-exps (-inf where padded or
-    empty) and the largest of them."""
-    offs_s = tl.arange(0, SPLITS_P)
+    buffers (offs_s: the caller's arange over the padded split count), which rows are real splits,
+    their log2-sum-exps (-inf where padded or empty) and the largest of them."""
     s_ok = offs_s < num_splits
     row = (offs_s.to(tl.int64) * num_tokens + token) * NUM_HEADS + head
     lse = tl.load(part_lse_ptr + row, mask=s_ok, other=float("-inf"))
@@ -270,8 +269,9 @@ def _merge_splits_kernel(
         end = tl.load(query_start_loc_ptr + num_seqs)
     if token >= end:
         return
+    offs_s = tl.arange(0, SPLITS_P)
     offs_d = tl.arange(0, BLOCK_D)
-    row, s_ok, lse, lse_max = split_lse(part_lse_ptr, token, head, num_tokens, num_splits, NUM_HEADS, SPLITS_P)
+    row, s_ok, lse, lse_max = split_lse(part_lse_ptr, offs_s, token, head, num_tokens, num_splits, NUM_HEADS)
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634  # log2 units, like lse
         lse_max = tl.maximum(lse_max, sink)

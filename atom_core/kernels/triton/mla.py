@@ -125,8 +125,9 @@ def _mla_merge_kernel(
     head = tl.program_id(1)
     if token >= tl.load(query_start_loc_ptr + num_seqs):  # graph padding rows own no partials
         return
+    offs_s = tl.arange(0, SPLITS_P)
     offs_c = tl.arange(0, LATENT)
-    row, s_ok, lse, lse_max = split_lse(part_lse_ptr, token, head, num_tokens, num_splits, NUM_HEADS, SPLITS_P)
+    row, s_ok, lse, lse_max = split_lse(part_lse_ptr, offs_s, token, head, num_tokens, num_splits, NUM_HEADS)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     w = tl.math.exp2(lse - lse_max)
     parts = tl.load(part_out_ptr + row[:, None] * LATENT + offs_c[None, :], mask=s_ok[:, None], other=0.0)
