@@ -32,6 +32,20 @@ def _fail(part, name: str, why: str) -> None:
     raise ValueError(f"invalid engine option {name}={getattr(part, name)!r} ({flag}): {why}")
 
 
+def _check_prompt_cap(part, cap: str, min_tokens: str, default_min: int, why_chunked: str) -> None:
+    """The rules both caps on the prompt tokens beside decodes (prefill pacing, the mixed-step cap)
+    share: the cap is >= 0 (0 = off) and needs chunked prefill; its minimum is >= 1 and may be
+    changed only with the cap on, so a minimum is never accepted and then ignored."""
+    if getattr(part, cap) < 0:
+        _fail(part, cap, "must be >= 0 (0 = off)")
+    if getattr(part, min_tokens) < 1:
+        _fail(part, min_tokens, "must be >= 1")
+    if getattr(part, cap) and not part.enable_chunked_prefill:
+        _fail(part, cap, f"needs chunked prefill ({why_chunked})")
+    if not getattr(part, cap) and getattr(part, min_tokens) != default_min:
+        _fail(part, min_tokens, f"applies only with {cap}: set it too")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which checkpoint, in which dtype, on which device. `model` is a local HF directory or
@@ -203,25 +217,13 @@ class SchedulerConfig:
             _fail(self, "max_num_batched_tokens", "must be >= 1")
         if not 1 <= self.num_scheduler_steps <= 64:
             _fail(self, "num_scheduler_steps", "must be between 1 and 64")
-        if self.prefill_pacing_steps < 0:
-            _fail(self, "prefill_pacing_steps", "must be >= 0 (0 = off)")
-        if self.prefill_pacing_min_tokens < 1:
-            _fail(self, "prefill_pacing_min_tokens", "must be >= 1")
-        if self.prefill_pacing_steps and not self.enable_chunked_prefill:
-            _fail(self, "prefill_pacing_steps", "needs chunked prefill (a paced prompt is admitted a chunk at a time)")
-        if not self.prefill_pacing_steps and self.prefill_pacing_min_tokens != PREFILL_PACING_MIN_TOKENS:
-            _fail(self, "prefill_pacing_min_tokens", "applies only with prefill pacing: set prefill_pacing_steps too")
-        if self.mixed_step_tokens_per_seq < 0:
-            _fail(self, "mixed_step_tokens_per_seq", "must be >= 0 (0 = off)")
-        if self.mixed_step_min_tokens < 1:
-            _fail(self, "mixed_step_min_tokens", "must be >= 1")
-        if self.mixed_step_tokens_per_seq and not self.enable_chunked_prefill:
-            _fail(self, "mixed_step_tokens_per_seq", "needs chunked prefill (a prompt shares a capped step a chunk at a time)")
+        _check_prompt_cap(self, "prefill_pacing_steps", "prefill_pacing_min_tokens", PREFILL_PACING_MIN_TOKENS,
+                          "a paced prompt is admitted a chunk at a time")
+        _check_prompt_cap(self, "mixed_step_tokens_per_seq", "mixed_step_min_tokens", MIXED_STEP_MIN_TOKENS,
+                          "a prompt shares a capped step a chunk at a time")
         if self.mixed_step_tokens_per_seq and self.prefill_pacing_steps:
             _fail(self, "mixed_step_tokens_per_seq", "cannot be combined with prefill_pacing_steps "
                   "(--prefill-pacing-steps): both cap the prompt tokens beside decodes; choose one")
-        if not self.mixed_step_tokens_per_seq and self.mixed_step_min_tokens != MIXED_STEP_MIN_TOKENS:
-            _fail(self, "mixed_step_min_tokens", "applies only with mixed_step_tokens_per_seq: set it too")
 
 
 @dataclass(frozen=True)

@@ -101,23 +101,23 @@ class OpenAIServing:
         text, ids = await self.tokenizer_pool.run(self._tokenize_chat, req)
         subs = _stamped(self._engine_requests("chatcmpl", req, [(text, ids)]), raw)
         self._add_output_parsers(req, subs)
-        response_id = subs[0].request_id.rsplit("-", 1)[0]
-        if req.stream:
-            return self._stream(self._chat_chunks(response_id, req, subs))
-        states = await _unless_disconnected(raw, self._run(subs))
-        choices = [self._chat_choice(sub, state, req) for sub, state in zip(subs, states)]
-        return JSONResponse(self._envelope(response_id, "chat.completion", choices) | {"usage": self._usage(subs, states)})
+        return await self._respond(req, raw, subs, "chat.completion", self._chat_chunks, self._chat_choice)
 
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
         self._check_model(req.model)
         prompts = await self.tokenizer_pool.run(lambda tok: [_completion_prompt(tok, p) for p in req.prompts])
         subs = _stamped(self._engine_requests("cmpl", req, prompts), raw)
+        return await self._respond(req, raw, subs, "text_completion", self._completion_chunks, self._completion_choice)
+
+    async def _respond(self, req, raw: Request, subs: list, object_name: str, chunks, choice) -> Response:
+        """Both endpoints' answer to their engine requests: an SSE stream of `chunks`, or, once all
+        have finished, one JSON body of an `object_name` envelope with a `choice` each and the usage."""
         response_id = subs[0].request_id.rsplit("-", 1)[0]
         if req.stream:
-            return self._stream(self._completion_chunks(response_id, req, subs))
+            return self._stream(chunks(response_id, req, subs))
         states = await _unless_disconnected(raw, self._run(subs))
-        choices = [self._completion_choice(sub, state, req) for sub, state in zip(subs, states)]
-        return JSONResponse(self._envelope(response_id, "text_completion", choices) | {"usage": self._usage(subs, states)})
+        choices = [choice(sub, state, req) for sub, state in zip(subs, states)]
+        return JSONResponse(self._envelope(response_id, object_name, choices) | {"usage": self._usage(subs, states)})
 
     # ---- requests ---------------------------------------------------------------------
     def _check_model(self, model: str | None) -> None:

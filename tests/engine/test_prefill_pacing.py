@@ -117,7 +117,7 @@ def test_pacing_lets_decodes_ride_along_prompt_chunks():
     ({"prefill_pacing_steps": -1}, "prefill_pacing_steps"),
     ({"prefill_pacing_min_tokens": 0}, "prefill_pacing_min_tokens"),
     ({"prefill_pacing_steps": 4, "enable_chunked_prefill": False}, "needs chunked prefill"),
-    ({"prefill_pacing_min_tokens": 256}, "applies only with prefill pacing"),  # not accepted and ignored
+    ({"prefill_pacing_min_tokens": 256}, "applies only with prefill_pacing_steps"),  # not accepted and ignored
 ])
 def test_bad_pacing_options_fail_with_the_flag_named(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -119,6 +119,33 @@ def _attend_tile(
 
 # Per-step sizes are plain runtime ints: specialising on them (== 1, % 16) would JIT-compile
 # new variants in the middle of a run (the block-table width too: a width of 16 did).
+@triton.jit
+def load_query_rows(q_ptr, q_start, q_idx, head, row_ok, offs_d, stride_qt, stride_qh, HEAD_DIM: tl.constexpr,
+                    DOT_IN_FP32: tl.constexpr):
+    """A query tile's rows [BLOCK_M, BLOCK_D] (row r: query row q_idx[r] of the sequence whose rows
+    start at q_start, head head[r]), their token (int64) and the row and dim mask the output store
+    reuses; upcast to float32 under DOT_IN_FP32 (the interpreter's bf16 dot, see _INTERPRETED)."""
+    token = (q_start + q_idx).to(tl.int64)
+    io_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=io_mask, other=0.0)
+    if DOT_IN_FP32:
+        q = q.to(tl.float32)
+    return token, io_mask, q
+
+
+@triton.jit
+def split_lse(part_lse_ptr, offs_s, token, head, num_tokens, num_splits, NUM_HEADS: tl.constexpr):
+    """A split-KV merge's view of one (token, head): the rows of its partials in the [splits, T, H]
+    buffers (offs_s: the caller's arange over the padded split count), which rows are real splits,
+    their log2-sum-exps (-inf where padded or empty) and the largest of them."""
+    s_ok = offs_s < num_splits
+    row = (offs_s.to(tl.int64) * num_tokens + token) * NUM_HEADS + head
+    lse = tl.load(part_lse_ptr + row, mask=s_ok, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    return row, s_ok, lse, lse_max
+
+
 @triton.jit(do_not_specialize=["num_tokens", "num_q_blocks", "num_splits", "stride_bt", "window"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
@@ -164,12 +191,8 @@ def _paged_attention_kernel(
     head = kv_head * GROUP + offs_m % GROUP_P
     row_ok = (q_idx < q_len) & (offs_m % GROUP_P < GROUP)
     q_pos = ctx_len + q_idx  # the row's absolute position: it sees KV positions <= q_pos
-    token = (q_start + q_idx).to(tl.int64)
-    io_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=io_mask, other=0.0)
-    if DOT_IN_FP32:
-        q = q.to(tl.float32)
+    token, io_mask, q = load_query_rows(q_ptr, q_start, q_idx, head, row_ok, offs_d, stride_qt, stride_qh, HEAD_DIM,
+                                        DOT_IN_FP32)
 
     # KV range of this program: up to the last row's position, cut into equal runs of tiles.
     first_pos = ctx_len + q_block * BLOCK_Q
@@ -248,10 +271,7 @@ def _merge_splits_kernel(
         return
     offs_s = tl.arange(0, SPLITS_P)
     offs_d = tl.arange(0, BLOCK_D)
-    s_ok = offs_s < num_splits
-    row = (offs_s.to(tl.int64) * num_tokens + token) * NUM_HEADS + head
-    lse = tl.load(part_lse_ptr + row, mask=s_ok, other=float("-inf"))
-    lse_max = tl.max(lse, 0)
+    row, s_ok, lse, lse_max = split_lse(part_lse_ptr, offs_s, token, head, num_tokens, num_splits, NUM_HEADS)
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634  # log2 units, like lse
         lse_max = tl.maximum(lse_max, sink)

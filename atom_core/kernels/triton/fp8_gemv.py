@@ -66,7 +66,7 @@ import triton.language as tl
 from atom_core.kernels.fp8_ref import GEMV_MAX_TOKENS, dequantize_fp8_block
 from atom_core.kernels.triton.common import sm_count
 from atom_core.kernels.triton.fp8_gemm import channel_scales, check_operands, split_k_target, sum_splits
-from atom_core.kernels.triton.tiles import store_gemv_row
+from atom_core.kernels.triton.tiles import store_gemv_row, store_gemv_rows
 
 MAX_SPLIT_K = 8
 
@@ -223,15 +223,8 @@ def _fp8_block_gemv_kernel(
         s = s_next
         w_ptrs += step
         x_ptrs += BLOCK_K
-    out_ptrs = out_ptr + split * stride_os + cols
-    col_ok = cols < N
-    store_gemv_row(tl.sum(acc0, axis=1), bias_ptr, out_ptrs, rows, col_ok, HAS_BIAS, IS_SPLIT)
-    if M > 1:
-        store_gemv_row(tl.sum(acc1, axis=1), bias_ptr, out_ptrs + stride_om, rows, col_ok, HAS_BIAS, IS_SPLIT)
-    if M > 2:
-        store_gemv_row(tl.sum(acc2, axis=1), bias_ptr, out_ptrs + 2 * stride_om, rows, col_ok, HAS_BIAS, IS_SPLIT)
-    if M > 3:
-        store_gemv_row(tl.sum(acc3, axis=1), bias_ptr, out_ptrs + 3 * stride_om, rows, col_ok, HAS_BIAS, IS_SPLIT)
+    store_gemv_rows(acc0, acc1, acc2, acc3, bias_ptr, out_ptr + split * stride_os, stride_om, cols, rows, N, M,
+                    HAS_BIAS, IS_SPLIT)
 
 
 # ---------------------------------------------------------------------------------------------

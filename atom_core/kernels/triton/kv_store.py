@@ -80,6 +80,16 @@ def _store_kv_cache_kernel(
     _store_rows(v, v_dst, v_scale_dst, stride_sh, v_inv_scale, offs_h, mask, NUM_KV_HEADS, FP8_MAX, TOKEN_SCALES)
 
 
+def check_kv_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """k_cache and v_cache [NB, BS, KH, D], float or FP8, contiguous in D: what every kernel that
+    writes the paged cache needs of them (their shapes against the inputs are the caller's check)."""
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_dim(name, t, 4)
+        if t.dtype not in FP8_KV_DTYPES:
+            check_float(name, t)
+        check_last_dim_contiguous(name, t)
+
+
 def check_token_scales(k_cache: torch.Tensor, k_scale, v_scale) -> bool:
     """True for per-token-head scales (float32 [NB, BS, KH] tensors with one stride set beside an
     FP8 cache), False for per-layer floats; ValueError for anything else."""
@@ -127,11 +137,7 @@ def store_kv_cache(
         check_dim(name, t, 3)
         check_float(name, t)
         check_last_dim_contiguous(name, t)
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        check_dim(name, t, 4)
-        if t.dtype not in FP8_KV_DTYPES:
-            check_float(name, t)
-        check_last_dim_contiguous(name, t)
+    check_kv_caches(k_cache, v_cache)
     check_int("slot_mapping", slot_mapping)
     num_tokens, num_kv_heads, head_dim = key.shape
     if value.shape != key.shape or k_cache.shape != v_cache.shape or k_cache.shape[2:] != key.shape[1:] \

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from atom_core.kernels.triton.attention import split_lse
 from atom_core.kernels.triton.common import (
     check_dim, check_float, check_int, check_last_dim_contiguous, check_same_device, next_pow2, sm_count,
 )
@@ -126,10 +127,7 @@ def _mla_merge_kernel(
         return
     offs_s = tl.arange(0, SPLITS_P)
     offs_c = tl.arange(0, LATENT)
-    s_ok = offs_s < num_splits
-    row = (offs_s.to(tl.int64) * num_tokens + token) * NUM_HEADS + head
-    lse = tl.load(part_lse_ptr + row, mask=s_ok, other=float("-inf"))
-    lse_max = tl.max(lse, 0)
+    row, s_ok, lse, lse_max = split_lse(part_lse_ptr, offs_s, token, head, num_tokens, num_splits, NUM_HEADS)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     w = tl.math.exp2(lse - lse_max)
     parts = tl.load(part_out_ptr + row[:, None] * LATENT + offs_c[None, :], mask=s_ok[:, None], other=0.0)

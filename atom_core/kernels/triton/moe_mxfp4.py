@@ -58,38 +58,26 @@ TWO_POW_126 = tl.constexpr(2.0 ** 126)  # a Triton global must be a constexpr
 # subnormal) and its sign to bit 15; one bf16x2 multiply (fma with -0.0: sm_80 has no bf16x2 mul)
 # by the scale gives the value, rounded once. $0 $1: low nibbles of bytes 0-1 and 2-3, $2 $3: high
 # nibbles; $4: the 4 bytes; $5 $6: the scales of bytes 0-1 and 2-3 (bf16x2).
+def _e2m1_pair_ptx(out: str, word: str, shift: int, scale: str) -> str:
+    """One output register's lines: the two nibbles of `word` whose magnitude bits reach bits 6-8
+    shifted left by `shift` (6: the low nibbles, 2: the high ones), their signs at bit 15, times `scale`."""
+    return f"""shl.b32 m, {word}, {shift};
+shl.b32 s, {word}, {shift + 6};
+and.b32 m, m, 0x01C001C0;
+and.b32 s, s, 0x80008000;
+or.b32 {out}, m, s;
+fma.rn.bf16x2 {out}, {out}, {scale}, nz;
+"""
+
+
 _E2M1_BF16_PTX = tl.constexpr("""
 {
 .reg .b32 t<2>, m, s, nz;
 mov.b32 nz, 0x80008000;
 prmt.b32 t0, $4, 0, 0x4140;
 prmt.b32 t1, $4, 0, 0x4342;
-shl.b32 m, t0, 6;
-shl.b32 s, t0, 12;
-and.b32 m, m, 0x01C001C0;
-and.b32 s, s, 0x80008000;
-or.b32 $0, m, s;
-fma.rn.bf16x2 $0, $0, $5, nz;
-shl.b32 m, t1, 6;
-shl.b32 s, t1, 12;
-and.b32 m, m, 0x01C001C0;
-and.b32 s, s, 0x80008000;
-or.b32 $1, m, s;
-fma.rn.bf16x2 $1, $1, $6, nz;
-shl.b32 m, t0, 2;
-shl.b32 s, t0, 8;
-and.b32 m, m, 0x01C001C0;
-and.b32 s, s, 0x80008000;
-or.b32 $2, m, s;
-fma.rn.bf16x2 $2, $2, $5, nz;
-shl.b32 m, t1, 2;
-shl.b32 s, t1, 8;
-and.b32 m, m, 0x01C001C0;
-and.b32 s, s, 0x80008000;
-or.b32 $3, m, s;
-fma.rn.bf16x2 $3, $3, $6, nz;
-}
-""")
+""" + _e2m1_pair_ptx("$0", "t0", 6, "$5") + _e2m1_pair_ptx("$1", "t1", 6, "$6")
+    + _e2m1_pair_ptx("$2", "t0", 2, "$5") + _e2m1_pair_ptx("$3", "t1", 2, "$6") + "}\n")
 # The PTX decode's values are 2^-PTX_SHIFT of the true ones: the scale multiply then also undoes
 # the 2^-126 (2^(s-127) * 2^126 * 2^-63 = 2^(s-64) fits bf16 for every s <= 191, where 2^(s-1)
 # would overflow past s = 128), and the GEMMs multiply their float32 sums by 2^PTX_SHIFT (exact).

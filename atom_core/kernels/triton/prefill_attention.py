@@ -38,11 +38,13 @@ import torch
 import triton
 import triton.language as tl
 
+from atom_core.kernels.triton.attention import load_query_rows
 from atom_core.kernels.triton.common import (
     LaunchPlans, PlannedLaunch, check_dim, check_float, check_int, check_last_dim_contiguous, check_same_device,
     next_pow2,
 )
 from atom_core.kernels.triton.qkv_prep import norm_rope, store_heads
+from atom_core.kernels.triton.rotary import token_cos_sin
 
 LOG2E = 1.4426950408889634
 
@@ -57,11 +59,7 @@ def _rope_k_rows_kernel(
     HALF: tl.constexpr, REST: tl.constexpr, HAS_NORM: tl.constexpr,
     BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
-    offs_i = tl.arange(0, BLOCK_HALF)[None, :]
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_i, mask=offs_i < HALF, other=0.0)
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_i, mask=offs_i < HALF, other=0.0)
+    token, cos, sin = token_cos_sin(positions_ptr, cos_sin_ptr, stride_cs, HALF, BLOCK_HALF)
     k_src = qkv_ptr + token * stride_t + NUM_HEADS * HEAD_DIM
     o1, o2, rest = norm_rope(k_src, HEAD_DIM, k_norm_ptr, eps, cos, sin, NUM_KV_HEADS, HEAD_DIM, HALF, REST,
                               BLOCK_KH, BLOCK_HALF, BLOCK_REST, HAS_NORM)
@@ -201,12 +199,8 @@ def _prefill_attention_kernel(
     q_idx = first_pos + offs_m // GROUP_P  # the row's position: no cached context, so position = index
     head = kv_head * GROUP + offs_m % GROUP_P
     row_ok = (q_idx < q_len) & (offs_m % GROUP_P < GROUP)
-    token = (q_start + q_idx).to(tl.int64)
-    io_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=io_mask, other=0.0)
-    if DOT_IN_FP32:
-        q = q.to(tl.float32)
+    token, io_mask, q = load_query_rows(q_ptr, q_start, q_idx, head, row_ok, offs_d, stride_qt, stride_qh, HEAD_DIM,
+                                        DOT_IN_FP32)
 
     kv_end = tl.minimum(q_len, first_pos + BLOCK_Q)  # one past the last row's position
     tile_hi = tl.cdiv(kv_end, BLOCK_N)

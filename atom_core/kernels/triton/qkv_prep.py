@@ -11,12 +11,14 @@ import torch
 import triton
 import triton.language as tl
 
-from atom_core.kernels.torch_ref import FP8_KV_DTYPES
 from atom_core.kernels.triton.common import (
     LaunchPlans, PlannedLaunch, check_dim, check_float, check_int, check_last_dim_contiguous, check_same_device,
     next_pow2,
 )
-from atom_core.kernels.triton.kv_store import check_token_scales, scale_kernel_args, to_cache, token_head_scale
+from atom_core.kernels.triton.kv_store import (
+    check_kv_caches, check_token_scales, scale_kernel_args, to_cache, token_head_scale,
+)
+from atom_core.kernels.triton.rotary import token_cos_sin
 
 
 @triton.jit
@@ -82,11 +84,7 @@ def _qkv_rope_store_kernel(
     BLOCK_D: tl.constexpr, k_inv_scale=1.0, v_inv_scale=1.0, FP8_MAX: tl.constexpr = 0.0,
     k_scales_ptr=None, v_scales_ptr=None, stride_sb=0, stride_ss=0, stride_sh=0, TOKEN_SCALES: tl.constexpr = False,
 ):
-    token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
-    offs_i = tl.arange(0, BLOCK_HALF)[None, :]
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_i, mask=offs_i < HALF, other=0.0)
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_i, mask=offs_i < HALF, other=0.0)
+    token, cos, sin = token_cos_sin(positions_ptr, cos_sin_ptr, stride_cs, HALF, BLOCK_HALF)
     q_src = qkv_ptr + token * stride_t
     k_src = q_src + NUM_HEADS * HEAD_DIM
     v_src = k_src + NUM_KV_HEADS * HEAD_DIM
@@ -177,11 +175,7 @@ def _qkv_plan(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num
     check_dim("qkv", qkv, 2)
     check_float("qkv", qkv)
     check_last_dim_contiguous("qkv", qkv)
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        check_dim(name, t, 4)
-        if t.dtype not in FP8_KV_DTYPES:
-            check_float(name, t)
-        check_last_dim_contiguous(name, t)
+    check_kv_caches(k_cache, v_cache)
     check_int("positions", positions)
     check_int("slot_mapping", slot_mapping)
     check_dim("cos_sin_cache", cos_sin_cache, 2)

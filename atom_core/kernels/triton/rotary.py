@@ -26,16 +26,24 @@ def _rotate_heads(x_ptr, stride_h, cos, sin, NUM_HEADS: tl.constexpr, HALF: tl.c
 
 
 @triton.jit
-def _rotary_kernel(
-    positions_ptr, q_ptr, k_ptr, cos_sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
-    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
-):
+def token_cos_sin(positions_ptr, cos_sin_ptr, stride_cs, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """A one-token-per-program kernel's token (int64) and the cos and sin of its position,
+    [1, BLOCK_HALF] float32 each, 0 past HALF."""
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     offs_i = tl.arange(0, BLOCK_HALF)[None, :]
     cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_i, mask=offs_i < HALF, other=0.0)
     sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_i, mask=offs_i < HALF, other=0.0)
+    return token, cos, sin
+
+
+@triton.jit
+def _rotary_kernel(
+    positions_ptr, q_ptr, k_ptr, cos_sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    token, cos, sin = token_cos_sin(positions_ptr, cos_sin_ptr, stride_cs, HALF, BLOCK_HALF)
     _rotate_heads(q_ptr + token * stride_qt, stride_qh, cos, sin, NUM_HEADS, HALF, BLOCK_H, BLOCK_HALF)
     _rotate_heads(k_ptr + token * stride_kt, stride_kh, cos, sin, NUM_KV_HEADS, HALF, BLOCK_KH, BLOCK_HALF)
 

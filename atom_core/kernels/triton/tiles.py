@@ -49,5 +49,23 @@ def store_gemv_row(y, bias_ptr, out_ptrs, rows, col_ok, HAS_BIAS: tl.constexpr, 
         tl.store(out_ptrs, y.to(out_ptrs.dtype.element_ty), mask=col_ok)
 
 
+
+@triton.jit
+def store_gemv_rows(acc0, acc1, acc2, acc3, bias_ptr, out_ptr, stride_om, cols, rows, N, M: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr):
+    """The epilogue of a GEMV that keeps one accumulator per x row (M <= 4): each of the first M
+    summed over its last axis and stored by store_gemv_row at out_ptr + m * stride_om + cols, the
+    columns past N dropped (their weight rows were clamped onto real ones: never stored)."""
+    out_ptrs = out_ptr + cols
+    col_ok = cols < N
+    store_gemv_row(tl.sum(acc0, axis=1), bias_ptr, out_ptrs, rows, col_ok, HAS_BIAS, IS_SPLIT)
+    if M > 1:
+        store_gemv_row(tl.sum(acc1, axis=1), bias_ptr, out_ptrs + stride_om, rows, col_ok, HAS_BIAS, IS_SPLIT)
+    if M > 2:
+        store_gemv_row(tl.sum(acc2, axis=1), bias_ptr, out_ptrs + 2 * stride_om, rows, col_ok, HAS_BIAS, IS_SPLIT)
+    if M > 3:
+        store_gemv_row(tl.sum(acc3, axis=1), bias_ptr, out_ptrs + 3 * stride_om, rows, col_ok, HAS_BIAS, IS_SPLIT)
+
+
 # Triton's CPU interpreter (TRITON_INTERPRET=1) replaces jit functions by plain Python ones.
 INTERPRETED = not isinstance(tile_ids, triton.runtime.jit.JITFunction)

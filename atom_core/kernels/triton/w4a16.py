@@ -31,7 +31,7 @@ from atom_core.kernels.int4_layout import INT4_INTERLEAVE, check_interleave
 from atom_core.kernels.triton.common import (
     check_dim, check_float, check_last_dim_contiguous, check_same_device, next_pow2,
 )
-from atom_core.kernels.triton.tiles import store_gemv_row
+from atom_core.kernels.triton.tiles import store_gemv_rows
 
 GEMV_MAX_M = 8
 GEMV_ROWS = 4  # x rows a GEMV launch holds (an accumulator each); M 5-8 runs two launches
@@ -161,15 +161,8 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, k_split, strid
         words = words_next
         w_ptrs += step
         x_ptrs += BLOCK_K
-    out_ptrs = y_ptr + split * stride_ys + cols
-    col_ok = cols < N
-    store_gemv_row(tl.sum(acc0, axis=1), b_ptr, out_ptrs, rows, col_ok, HAS_BIAS, PARTIAL)
-    if M > 1:
-        store_gemv_row(tl.sum(acc1, axis=1), b_ptr, out_ptrs + stride_ym, rows, col_ok, HAS_BIAS, PARTIAL)
-    if M > 2:
-        store_gemv_row(tl.sum(acc2, axis=1), b_ptr, out_ptrs + 2 * stride_ym, rows, col_ok, HAS_BIAS, PARTIAL)
-    if M > 3:
-        store_gemv_row(tl.sum(acc3, axis=1), b_ptr, out_ptrs + 3 * stride_ym, rows, col_ok, HAS_BIAS, PARTIAL)
+    store_gemv_rows(acc0, acc1, acc2, acc3, b_ptr, y_ptr + split * stride_ys, stride_ym, cols, rows, N, M, HAS_BIAS,
+                    PARTIAL)
 
 
 # N and K are runtime values (one compile a config, not a shape: start-up time), autotuning keys
