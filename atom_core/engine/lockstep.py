@@ -32,7 +32,7 @@ import torch.distributed as dist
 from atom_core.config import EngineConfig
 from atom_core.distributed import agreed_token_counts, destroy_distributed, init_replica_experts
 from atom_core.engine.core import EngineCore
-from atom_core.worker.cuda_graph import padded_batch_size
+from atom_core.worker.graph_sizes import padded_size
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def lockstep_graph_size(counts: list[int], graphable: list[bool], sizes: tuple[i
     tokens, and `sizes` (sorted) must hold the largest batch."""
     if not sizes or not all(graphable) or not any(counts):
         return None
-    return padded_batch_size(sizes, max(counts))
+    return padded_size(sizes, max(counts))
 
 
 class ReplicaLostError(RuntimeError):

@@ -12,7 +12,6 @@ runs bs * query_len tokens, and query_start_loc steps by query_len).
 """
 from __future__ import annotations
 
-import bisect
 import logging
 import time
 from contextlib import nullcontext
@@ -21,6 +20,7 @@ from typing import TYPE_CHECKING, Callable, ContextManager
 import torch
 
 from atom_core.model_ops.forward_context import AttentionMetadata, set_attention_metadata
+from atom_core.worker.graph_sizes import CapturedSizes
 
 if TYPE_CHECKING:
     from atom_core.worker.batch_builder import FlatBatch
@@ -28,13 +28,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def padded_batch_size(sizes: tuple[int, ...], batch_size: int) -> int | None:
-    """Smallest captured size >= batch_size (sizes sorted), or None when it is too large."""
-    i = bisect.bisect_left(sizes, batch_size)
-    return sizes[i] if i < len(sizes) else None
-
-
-class CUDAGraphRunner:
+class CUDAGraphRunner(CapturedSizes):
     """Captures `forward(input_ids, positions) -> hidden` for each decode batch size; replays
     with padding. `profiler` (optional) records each capture.
 
@@ -68,12 +62,6 @@ class CUDAGraphRunner:
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
         self.capture_seconds = 0.0
-
-    def can_run(self, batch_size: int) -> bool:
-        return batch_size <= self.max_bs
-
-    def padded_size(self, batch_size: int) -> int | None:
-        return padded_batch_size(self.sizes, batch_size)
 
     def _metadata(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(

@@ -35,7 +35,6 @@ on a GPU, a recording stand-in in the CPU tests.
 """
 from __future__ import annotations
 
-import bisect
 import logging
 import time
 from contextlib import contextmanager
@@ -46,6 +45,7 @@ import torch
 from torch import nn
 
 from atom_core.model_ops.forward_context import AttentionMetadata, set_attention_metadata
+from atom_core.worker.graph_sizes import CapturedSizes
 
 logger = logging.getLogger(__name__)
 
@@ -102,12 +102,6 @@ class CudaGraphKit:
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()
-
-
-def padded_token_count(sizes: tuple[int, ...], num_tokens: int) -> int | None:
-    """Smallest bucket >= num_tokens (sizes sorted), or None when the step is too large."""
-    i = bisect.bisect_left(sizes, num_tokens)
-    return sizes[i] if i < len(sizes) else None
 
 
 class StaticBuffers:
@@ -239,7 +233,7 @@ def _backends_replaced(layers: list[nn.Module], device: torch.device, stand_in):
             layer._backend = backend
 
 
-class PiecewiseGraphRunner:
+class PiecewiseGraphRunner(CapturedSizes):
     """Captures `model(input_ids, positions) -> hidden` per token bucket, split at attention;
     replays any flat batch of at most the largest bucket's tokens (prefill chunks, decodes, both).
 
@@ -261,12 +255,6 @@ class PiecewiseGraphRunner:
         self.buffers = StaticBuffers(self.max_tokens, device)
         self.plans: dict[int, BucketPlan] = {}
         self.capture_seconds = 0.0
-
-    def can_run(self, num_tokens: int) -> bool:
-        return num_tokens <= self.max_tokens
-
-    def padded_size(self, num_tokens: int) -> int | None:
-        return padded_token_count(self.sizes, num_tokens)
 
     def _padding_metadata(self, num_tokens: int) -> AttentionMetadata:
         """num_tokens one-token sequences whose KV goes nowhere (slot -1): valid for any count

@@ -7,7 +7,7 @@ import torch
 from typer.testing import CliRunner
 
 from atom_core.bench.offline import ThroughputWorkload
-from atom_core.worker.cuda_graph import padded_batch_size
+from atom_core.worker.graph_sizes import padded_size
 from atom_core.worker.memory import MemoryPlan, dummy_step
 from atomctl.main import app
 
@@ -181,7 +181,7 @@ class TestGraphPadding:
 
     @pytest.mark.parametrize("bs,padded", [(1, 1), (3, 4), (4, 4), (5, 8), (17, 32), (32, 32), (33, None)])
     def test_pads_up_to_the_next_captured_size(self, bs, padded):
-        assert padded_batch_size(self.SIZES, bs) == padded
+        assert padded_size(self.SIZES, bs) == padded
 
     def test_capture_sizes_are_capped_by_max_num_seqs(self):
         from atom_core.config import EngineConfig

@@ -14,7 +14,8 @@ import torch
 from atom_core import LLMEngine, SamplingParams
 from atom_core.config import EngineConfig
 from atom_core.model_ops.forward_context import set_attention_metadata
-from atom_core.worker.piecewise import AttentionCall, PiecewiseGraphRunner, padded_token_count
+from atom_core.worker.graph_sizes import padded_size
+from atom_core.worker.piecewise import AttentionCall, PiecewiseGraphRunner
 from tests.worker.graph_recorder import RecordingGraphKit
 
 SIZES = (1, 2, 4, 8, 16, 24)
@@ -22,10 +23,10 @@ SIZES = (1, 2, 4, 8, 16, 24)
 
 class TestBuckets:
     def test_smallest_bucket_that_fits(self):
-        assert [padded_token_count(SIZES, n) for n in (1, 3, 8, 9, 24)] == [1, 4, 8, 16, 24]
+        assert [padded_size(SIZES, n) for n in (1, 3, 8, 9, 24)] == [1, 4, 8, 16, 24]
 
     def test_over_the_largest_bucket_is_none(self):
-        assert padded_token_count(SIZES, 25) is None
+        assert padded_size(SIZES, 25) is None
 
     def test_default_ladder_is_capped_by_the_token_budget(self):
         cfg = EngineConfig.from_kwargs("m", max_num_batched_tokens=100, cudagraph_mode="piecewise")
