@@ -8,6 +8,8 @@ plain F.linear, and eager steps skip the op's dispatch.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -35,8 +37,14 @@ def _(x, weight, bias=None):
 
 
 def dense_linear_table(device: torch.device | str) -> KernelTable:
-    """The kernels of an unquantized linear whose weight lives on `device`."""
-    if torch.device(device).type == "cuda":
+    """The kernels of an unquantized linear whose weight lives on `device`: one table per device
+    type, shared by every such linear (it depends on nothing else)."""
+    return _dense_linear_table(torch.device(device).type)
+
+
+@functools.lru_cache(maxsize=None)
+def _dense_linear_table(device_type: str) -> KernelTable:
+    if device_type == "cuda":
         return KernelTable(((GEMV_TOKENS, dense_linear), (None, F.linear)))
     return KernelTable(((None, F.linear),))
 
