@@ -9,15 +9,7 @@ from rich.console import Console
 
 from atom_core.bench.datasets import SampleRequest
 from atom_core.bench.serve_client import RequestOutput
-from atom_core.bench.serve_metrics import (
-    calculate_metrics,
-    latency_result,
-    parse_goodput,
-    parse_metric_percentiles,
-    parse_percentile_metrics,
-    result_table,
-    throughput_result,
-)
+from atom_core.bench import serve_metrics
 
 
 def _ok(ttft, itl, tokens=None, text=""):
@@ -41,7 +33,7 @@ class TestCalculateMetrics:
         return inputs, outputs
 
     def test_counts_and_throughputs(self, case):
-        metrics, output_lens = calculate_metrics(*case, duration_s=2.0, tokenizer=None)
+        metrics, output_lens = serve_metrics.calculate_metrics(*case, duration_s=2.0, tokenizer=None)
         assert output_lens == [5, 3, 0, 1]
         assert (metrics.completed, metrics.total_input, metrics.total_output) == (3, 37, 9)
         assert metrics.request_throughput == pytest.approx(1.5)
@@ -50,7 +42,7 @@ class TestCalculateMetrics:
         assert metrics.request_goodput == 0.0  # no SLOs given
 
     def test_latency_stats(self, case):
-        metrics, _ = calculate_metrics(*case, duration_s=2.0, tokenizer=None, percentiles=(50, 99))
+        metrics, _ = serve_metrics.calculate_metrics(*case, duration_s=2.0, tokenizer=None, percentiles=(50, 99))
         ttft, tpot, itl, e2el = (metrics.latency[k] for k in ("ttft", "tpot", "itl", "e2el"))
         assert ttft.mean_ms == pytest.approx(150.0)
         assert ttft.median_ms == pytest.approx(100.0)
@@ -66,41 +58,44 @@ class TestCalculateMetrics:
         [({"ttft": 200}, 2), ({"tpot": 40}, 2), ({"ttft": 200, "tpot": 40}, 1), ({"e2el": 320}, 2), ({"ttft": 10}, 0)],
     )
     def test_goodput(self, case, slos, good):
-        metrics, _ = calculate_metrics(*case, duration_s=2.0, tokenizer=None, goodput=slos)
+        metrics, _ = serve_metrics.calculate_metrics(*case, duration_s=2.0, tokenizer=None, goodput=slos)
         assert metrics.request_goodput == pytest.approx(good / 2.0)
 
     def test_counts_tokens_by_retokenizing_without_usage(self, byte_bpe):
         text = " hello world hello"
-        metrics, lens = calculate_metrics([SampleRequest("p", 3, 8)], [_ok(0.1, [0.1, 0.1], text=text)], 1.0, byte_bpe)
+        metrics, lens = serve_metrics.calculate_metrics([SampleRequest("p", 3, 8)], [_ok(0.1, [0.1, 0.1], text=text)],
+                                                       1.0, byte_bpe)
         assert lens == [len(byte_bpe(text, add_special_tokens=False).input_ids)]
         with pytest.raises(ValueError, match="tokenizer is needed"):
-            calculate_metrics([SampleRequest("p", 3, 8)], [_ok(0.1, [0.1], text=text)], 1.0, None)
+            serve_metrics.calculate_metrics([SampleRequest("p", 3, 8)], [_ok(0.1, [0.1], text=text)], 1.0, None)
 
     def test_all_failed_gives_zeros(self):
-        metrics, lens = calculate_metrics([SampleRequest("p", 3, 8)], [RequestOutput(error="x")], 1.0, None)
+        metrics, lens = serve_metrics.calculate_metrics([SampleRequest("p", 3, 8)], [RequestOutput(error="x")],
+                                                       1.0, None)
         assert (metrics.completed, lens, metrics.latency["ttft"].mean_ms) == (0, [0], 0.0)
 
 
 class TestResultKeys:
     def test_vllm_key_names(self):
         outputs = [_ok(0.1, [0.05], tokens=2)]
-        metrics, _ = calculate_metrics([SampleRequest("p", 3, 2)], outputs, 1.0, None, percentiles=(50, 99.9))
-        keys = set(latency_result(metrics, ("ttft", "e2el")))
+        metrics, _ = serve_metrics.calculate_metrics([SampleRequest("p", 3, 2)], outputs, 1.0, None,
+                                                    percentiles=(50, 99.9))
+        keys = set(serve_metrics.latency_result(metrics, ("ttft", "e2el")))
         assert keys == {
             "mean_ttft_ms", "median_ttft_ms", "std_ttft_ms", "p50_ttft_ms", "p99.9_ttft_ms",
             "mean_e2el_ms", "median_e2el_ms", "std_e2el_ms", "p50_e2el_ms", "p99.9_e2el_ms",
         }
-        assert throughput_result(metrics, has_goodput=False)["request_goodput"] is None
-        assert throughput_result(metrics, has_goodput=True)["request_goodput"] == 0.0
+        assert serve_metrics.throughput_result(metrics, has_goodput=False)["request_goodput"] is None
+        assert serve_metrics.throughput_result(metrics, has_goodput=True)["request_goodput"] == 0.0
 
 
 class TestParsing:
     def test_goodput_spellings(self):
         expected = {"ttft": 200.0, "tpot": 50.0}
-        assert parse_goodput("ttft:200 tpot:50") == expected
-        assert parse_goodput(["ttft:200", "tpot:50"]) == expected
-        assert parse_goodput("ttft:200,tpot:50") == expected
-        assert parse_goodput(None) == {} and parse_goodput("") == {}
+        assert serve_metrics.parse_goodput("ttft:200 tpot:50") == expected
+        assert serve_metrics.parse_goodput(["ttft:200", "tpot:50"]) == expected
+        assert serve_metrics.parse_goodput("ttft:200,tpot:50") == expected
+        assert serve_metrics.parse_goodput(None) == {} and serve_metrics.parse_goodput("") == {}
 
     @pytest.mark.parametrize(
         "spec, match",
@@ -110,16 +105,16 @@ class TestParsing:
     )
     def test_goodput_errors(self, spec, match):
         with pytest.raises(ValueError, match=match):
-            parse_goodput(spec)
+            serve_metrics.parse_goodput(spec)
 
     def test_percentiles(self):
-        assert parse_percentile_metrics("ttft, e2el") == ("ttft", "e2el")
-        assert parse_metric_percentiles("50,90,99.9") == (50.0, 90.0, 99.9)
+        assert serve_metrics.parse_percentile_metrics("ttft, e2el") == ("ttft", "e2el")
+        assert serve_metrics.parse_metric_percentiles("50,90,99.9") == (50.0, 90.0, 99.9)
         for bad, match in [("5x", "bad percentile '5x'"), ("101", "out of range"), ("", "bad percentile")]:
             with pytest.raises(ValueError, match=match):
-                parse_metric_percentiles(bad)
+                serve_metrics.parse_metric_percentiles(bad)
         with pytest.raises(ValueError, match="unknown percentile metric 'foo'"):
-            parse_percentile_metrics("ttft,foo")
+            serve_metrics.parse_percentile_metrics("ttft,foo")
 
 
 def test_table_shows_failures_and_selected_metrics():
@@ -130,7 +125,7 @@ def test_table_shows_failures_and_selected_metrics():
         "p99_ttft_ms": 296.0, "p99.9_ttft_ms": math.pi,
     }
     console = Console(record=True, width=100)
-    console.print(result_table(result))
+    console.print(serve_metrics.result_table(result))
     text = console.export_text()
     assert "Failed requests" in text and "P99 TTFT (ms)" in text and "P99.9 TTFT (ms)" in text
     assert "TPOT" not in text and "goodput" not in text

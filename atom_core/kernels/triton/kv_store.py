@@ -119,13 +119,8 @@ def scale_kernel_args(k_cache: torch.Tensor, k_scale, v_scale, token_scales: boo
 
 
 def store_kv_cache(
-    key: torch.Tensor,  # [T, KH, D]
-    value: torch.Tensor,  # [T, KH, D]
-    k_cache: torch.Tensor,  # [NB, BS, KH, D]
-    v_cache: torch.Tensor,  # [NB, BS, KH, D]
-    slot_mapping: torch.Tensor,  # [T] int; slot = block * BS + offset; < 0 means skip (padding)
-    k_scale: float | torch.Tensor = 1.0,  # FP8 caches: K / k_scale is stored, or [NB, BS, KH]
-    v_scale: float | torch.Tensor = 1.0,  # float32 per-token-head scales, written here
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor, k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0,
 ) -> None:
     """Write each token's K and V into its cache slot, in place; slots < 0 are skipped.
     Same contract as `torch_ref.store_kv_cache`.

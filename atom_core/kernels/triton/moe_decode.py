@@ -184,19 +184,11 @@ def default_tiles(dtype: torch.dtype) -> GemvTiles:
 
 
 def fused_moe_gemv(
-    hidden: torch.Tensor,  # [T, H]
-    w13: torch.Tensor,  # [E, 2I, H]: gate rows then up rows
-    w2: torch.Tensor,  # [E, H, I]
-    topk_weights: torch.Tensor,  # [T, K] float32
-    topk_ids: torch.Tensor,  # [T, K] int
-    activation: str,
-    w13_bias: Optional[torch.Tensor],  # [E, 2I]
-    w2_bias: Optional[torch.Tensor],  # [E, H]
-    swiglu_limit: Optional[float],
-    out: torch.Tensor,  # [T, H]
-    tiles: GemvTiles | None = None,
+    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    activation: str, w13_bias: Optional[torch.Tensor], w2_bias: Optional[torch.Tensor],
+    swiglu_limit: Optional[float], out: torch.Tensor, tiles: GemvTiles | None = None,
 ) -> torch.Tensor:
-    """Arguments already checked by `moe.launch_fused_moe` (`_check_moe_args`). Two launches, grids
+    """Shapes as `moe_ref.fused_moe`, already checked by `moe.launch_fused_moe` (`_check_moe_args`). Two launches, grids
     from host ints only, no host sync (CUDA-graph safe)."""
     num_tokens, hidden_size = hidden.shape
     num_experts, inter, top_k = w13.shape[0], w13.shape[1] // 2, topk_ids.shape[1]

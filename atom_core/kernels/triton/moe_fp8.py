@@ -170,18 +170,9 @@ def _check_args(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, gr
 
 
 def fused_moe_fp8_block(
-    hidden: torch.Tensor,  # [T, H] bf16 / fp16 / fp32
-    w13: torch.Tensor,  # [E, 2I, H] e4m3: gate rows then up rows
-    w13_scale: torch.Tensor,  # [E, 2I, ceil(H/G)] float32, one row per weight row
-    w2: torch.Tensor,  # [E, H, I] e4m3
-    w2_scale: torch.Tensor,  # [E, H, ceil(I/G)] float32
-    topk_weights: torch.Tensor,  # [T, K] float32
-    topk_ids: torch.Tensor,  # [T, K] int32
-    group_size: int = 128,
-    activation: str = "silu",
-    swiglu_limit: Optional[float] = None,
-    *,
-    config: MoeConfig | None = None,
+    hidden: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor, group_size: int = 128, activation: str = "silu",
+    swiglu_limit: Optional[float] = None, *, config: MoeConfig | None = None,
 ) -> torch.Tensor:
     """Same contract as `quant.fp8.fused_moe_fp8_block_ref`; six launches (module docstring).
     Precision: e4m3 products exact, summed in float32 per scale group, the group's partial sum

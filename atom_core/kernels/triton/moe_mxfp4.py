@@ -370,20 +370,10 @@ def _check_args(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, ac
 
 
 def fused_moe_mxfp4(
-    hidden: torch.Tensor,  # [T, H]
-    w13: torch.Tensor,  # [E, 2I, H/2] uint8: gate rows then up rows
-    w13_scale: torch.Tensor,  # [E, 2I, H/32] uint8 (e8m0)
-    w2: torch.Tensor,  # [E, H, I/2] uint8
-    w2_scale: torch.Tensor,  # [E, H, I/32] uint8
-    topk_weights: torch.Tensor,  # [T, K] float32
-    topk_ids: torch.Tensor,  # [T, K] int32
-    activation: str = "silu",
-    w13_bias: Optional[torch.Tensor] = None,  # [E, 2I]
-    w2_bias: Optional[torch.Tensor] = None,  # [E, H]
-    swiglu_limit: Optional[float] = None,
-    *,
-    config: MoeConfig | None = None,
-    path: MoePath = "auto",
+    hidden: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str = "silu",
+    w13_bias: Optional[torch.Tensor] = None, w2_bias: Optional[torch.Tensor] = None,
+    swiglu_limit: Optional[float] = None, *, config: MoeConfig | None = None, path: MoePath = "auto",
 ) -> torch.Tensor:
     """Same contract as `quant.mxfp4.fused_moe_mxfp4_ref`; no host sync (CUDA-graph safe).
     `select_path` picks the kernels: decode batches run the two GEMVs of moe_mxfp4_decode (the sum

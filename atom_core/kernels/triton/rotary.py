@@ -49,12 +49,9 @@ def _rotary_kernel(
 
 
 def rotary_embedding(
-    positions: torch.Tensor,  # [T] int
-    query: torch.Tensor,  # [T, H, D]
-    key: torch.Tensor,  # [T, KH, D]
-    cos_sin_cache: torch.Tensor,  # [max_pos, rot_dim] float32: cos in [:rot_dim/2], sin after
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Neox rotary embedding on the first rot_dim dims of each head.
+    """Neox rotary embedding on the first rot_dim dims of each head (shapes as `torch_ref.rotary_embedding`).
 
     Rotates query and key IN PLACE (they may be strided views of a fused qkv buffer) and
     returns them; dims past rot_dim are untouched.
