@@ -23,6 +23,11 @@ DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp1
 DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8) + tuple(range(16, 513, 16))
 CudaGraphMode = Literal["full_decode_only", "piecewise", "full_and_piecewise"]
 CUDAGRAPH_MODES: tuple[str, ...] = get_args(CudaGraphMode)
+# The graphs an engine captures when the options name no mode: a lone prompt's prefill replays
+# piecewise graphs instead of launching every layer's kernels from Python (time to first token),
+# decode-only batches the full graphs. CPU, eager, level 0 / 2 and replicas sharing experts keep
+# full_decode_only (they capture no piecewise graphs).
+DEFAULT_GRAPH_MODE = "full_and_piecewise"
 # Piecewise graphs' token buckets (the ladder vLLM uses): fine steps where padding costs most.
 DEFAULT_PIECEWISE_SIZES = (1, 2, 4) + tuple(range(8, 256, 8)) + tuple(range(256, 513, 16))
 
@@ -232,11 +237,12 @@ class CompileConfig:
     split at attention); 3 (default) compile + CUDA graphs. enforce_eager forces level 0.
     Only GPUs compile or capture; the CPU always runs eagerly.
 
-    cudagraph_mode (vLLM's names), at levels 1 and 3: full_decode_only (default) captures whole
+    cudagraph_mode (vLLM's names), at levels 1 and 3: full_decode_only captures whole
     decode-only batches (cudagraph_capture_sizes, in requests); piecewise captures every step of
     up to max(piecewise_capture_sizes) tokens split at attention, which runs eagerly between the
     graphs (worker/piecewise.py); full_and_piecewise does both, decode-only batches taking the
-    full graphs. piecewise_capture_sizes: token buckets (default: a ladder up to 512, capped at
+    full graphs (EngineConfig.from_kwargs's default where graphs are captured: DEFAULT_GRAPH_MODE;
+    the field's own default is what an engine without graphs keeps). piecewise_capture_sizes: token buckets (default: a ladder up to 512, capped at
     max_num_batched_tokens); a step over the largest runs eagerly."""
 
     level: int = 3
@@ -494,6 +500,11 @@ class EngineConfig:
         return self.compile.capture_sizes(self.scheduler.max_num_seqs)
 
     @property
+    def piecewise_sizes_used(self) -> bool:
+        """Whether this engine captures piecewise graphs (its mode asks for them and it captures graphs)."""
+        return self.use_cuda_graphs and self.compile.cudagraph_mode != "full_decode_only"
+
+    @property
     def piecewise_sizes(self) -> tuple[int, ...]:
         return self.compile.piecewise_sizes(self.scheduler.max_num_batched_tokens)
 
@@ -513,11 +524,19 @@ class EngineConfig:
                 options[name] = tuple(options[name])
         options = {k: v for k, v in options.items() if v is not None or k in _NULLABLE}
         options = {**read_envs().kernel_options(), **options}
-        parts = _split_options({"model": os.fspath(model), **options})
-        config = cls(**{name: _PARTS[name](**values) for name, values in parts.items()})
+        if "cudagraph_mode" not in options:
+            probe = cls._build(model, {k: v for k, v in options.items() if k != "piecewise_capture_sizes"})
+            if probe.use_cuda_graphs and not probe.parallel.experts_span_replicas:
+                options["cudagraph_mode"] = DEFAULT_GRAPH_MODE
+        config = cls._build(model, options)
         if config.parallel.experts_span_replicas:
             _check_replica_graphs(config, options)
         return config
+
+    @classmethod
+    def _build(cls, model: str | os.PathLike, options: dict) -> "EngineConfig":
+        parts = _split_options({"model": os.fspath(model), **options})
+        return cls(**{name: _PARTS[name](**values) for name, values in parts.items()})
 
 
 # serve's piecewise buckets: steps that carry a whole 1,024-token prompt chunk replay too (the
@@ -538,25 +557,22 @@ SERVE_MIXED_STEP_TOKENS_PER_SEQ = 8
 
 def serving_config(**options) -> EngineConfig:
     """serve's engine: from_kwargs, with
-    - full_and_piecewise graphs to 2,048 tokens (SERVE_PIECEWISE_SIZES) so the mixed prefill + decode
-      steps of a loaded server replay graphs too; not where the options chose a mode, the engine
-      captures no graphs (CPU, eager, level 0 / 2) or its replicas share experts (they replay full
-      decode graphs only). --piecewise-capture-sizes alone sets the buckets; where no piecewise
-      graphs are made it fails as it does everywhere;
+    - piecewise buckets to 2,048 tokens (SERVE_PIECEWISE_SIZES) where the engine's default mode
+      captures piecewise graphs, so the mixed prefill + decode steps of a loaded server replay graphs
+      too; not where the options chose the mode or the buckets (--piecewise-capture-sizes alone sets
+      them);
     - the mixed-step cap at SERVE_MIXED_STEP_TOKENS_PER_SEQ, unless the options set it or pacing,
       or turn chunked prefill off."""
     if ("mixed_step_tokens_per_seq" not in options and not options.get("prefill_pacing_steps")
             and options.get("enable_chunked_prefill", True)):
         options = {**options, "mixed_step_tokens_per_seq": SERVE_MIXED_STEP_TOKENS_PER_SEQ}
-    base = EngineConfig.from_kwargs(**{k: v for k, v in options.items() if k != "piecewise_capture_sizes"})
-    if "cudagraph_mode" in options or not base.use_cuda_graphs or base.parallel.experts_span_replicas:
-        return EngineConfig.from_kwargs(**options)
-    sizes = options.get("piecewise_capture_sizes")
-    if not sizes:  # as the default ladder: a budget below 2,048 is the largest bucket (a full step replays)
-        budget = base.scheduler.max_num_batched_tokens
-        sizes = tuple(s for s in SERVE_PIECEWISE_SIZES if s < budget) + (min(budget, SERVE_PIECEWISE_SIZES[-1]),)
-    return EngineConfig.from_kwargs(**{**options, "cudagraph_mode": "full_and_piecewise",
-                                       "piecewise_capture_sizes": sizes})
+    config = EngineConfig.from_kwargs(**options)
+    if options.get("cudagraph_mode") or options.get("piecewise_capture_sizes") or not config.piecewise_sizes_used:
+        return config
+    # as the default ladder: a budget below 2,048 is the largest bucket (a full step replays)
+    budget = config.scheduler.max_num_batched_tokens
+    sizes = tuple(s for s in SERVE_PIECEWISE_SIZES if s < budget) + (min(budget, SERVE_PIECEWISE_SIZES[-1]),)
+    return EngineConfig.from_kwargs(**{**options, "piecewise_capture_sizes": sizes})
 
 
 def _check_replica_graphs(config: "EngineConfig", options: dict) -> None:

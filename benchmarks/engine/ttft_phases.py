@@ -27,6 +27,20 @@ def one_request(engine: LLMEngine, prompt: list[int]) -> float:
     return time.perf_counter() - start
 
 
+def _value(text: str) -> int | str:
+    return int(text) if text.lstrip("-").isdigit() else text
+
+
+def host_profile(engine: LLMEngine, prompt: list[int], rows: int = 40) -> None:
+    """Python-level host time of one request (cProfile), by cumulative time."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(one_request, engine, prompt)
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
@@ -34,9 +48,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--level", type=int, default=3)
     parser.add_argument("--trace", default=None, help="write the profiled request's chrome trace here")
-    parser.add_argument("options", nargs="*", help="extra engine options as key=value (ints)")
+    parser.add_argument("options", nargs="*", help="extra engine options as key=value (ints where they parse)")
     args = parser.parse_intermixed_args()
-    options = {"max_model_len": 4096, **{k: int(v) for k, v in (o.split("=") for o in args.options)}}
+    options = {"max_model_len": 4096, **{k: _value(v) for k, v in (o.split("=", 1) for o in args.options)}}
     engine = LLMEngine(args.model, load_format="dummy", level=args.level, **options)
     rng = random.Random(0)
     vocab = engine.core.model.vocab_size
@@ -57,6 +71,7 @@ def main() -> None:
         calls = diag_steps.counts[label] / args.reps
         print(f"  {label:48s} {total / args.reps * 1e3:8.2f} ms/request ({calls:.1f} calls)")
 
+    host_profile(engine, prompt())
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)

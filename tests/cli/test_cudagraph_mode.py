@@ -15,9 +15,30 @@ def _defaults(**overrides):
 
 
 class TestConfig:
-    def test_default_keeps_full_decode_graphs_only(self):
-        compile_ = EngineConfig.from_kwargs("m").compile
+    def test_an_engine_without_graphs_keeps_full_decode_only(self):
+        compile_ = EngineConfig.from_kwargs("m").compile  # the CPU captures no graphs
         assert compile_.cudagraph_mode == "full_decode_only" and compile_.piecewise_capture_sizes is None
+
+    def test_a_gpu_engine_replays_prefills_up_to_512_tokens_by_default(self):
+        from atom_core.config import DEFAULT_PIECEWISE_SIZES
+
+        cfg = EngineConfig.from_kwargs("m", device="cuda")
+        assert cfg.compile.cudagraph_mode == "full_and_piecewise" and cfg.piecewise_sizes == DEFAULT_PIECEWISE_SIZES
+
+    @pytest.mark.parametrize("options", [{"enforce_eager": True}, {"level": 0}, {"level": 2},
+                                         {"data_parallel_size": 2, "enable_expert_parallel": True,
+                                          "num_scheduler_steps": 1}],
+                             ids=["eager", "level0", "level2", "dp-ep"])
+    def test_no_graphs_or_replicas_sharing_experts_keep_full_decode_only(self, options):
+        assert EngineConfig.from_kwargs("m", device="cuda", **options).compile.cudagraph_mode == "full_decode_only"
+
+    def test_sizes_alone_are_the_buckets_of_the_default_mode(self):
+        cfg = EngineConfig.from_kwargs("m", device="cuda", piecewise_capture_sizes=[8, 16])
+        assert (cfg.compile.cudagraph_mode, cfg.piecewise_sizes) == ("full_and_piecewise", (8, 16))
+
+    def test_an_explicit_mode_wins(self):
+        assert EngineConfig.from_kwargs("m", device="cuda", cudagraph_mode="full_decode_only").compile.cudagraph_mode \
+            == "full_decode_only"
 
     @pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])
     @pytest.mark.parametrize("level", [1, 3])
