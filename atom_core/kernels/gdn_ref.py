@@ -29,7 +29,8 @@ def l2norm(x: torch.Tensor) -> torch.Tensor:
 def check_gdn_inputs(q, k, v, g, beta, state, state_indices, cu_seqlens, has_initial_state) -> None:
     """Shapes and dtypes shared by both gated-delta-rule ops (the Triton ones call it too)."""
     if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[0] != q.shape[0]:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must be [T, Hk, Dk], v {tuple(v.shape)} [T, Hv, Dv]")
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must be [T, Hk, Dk], "
+                         f"v {tuple(v.shape)} [T, Hv, Dv]")
     num_tokens, num_k_heads, k_dim = q.shape
     num_v_heads, v_dim = v.shape[1:]
     if num_v_heads % num_k_heads:
@@ -199,7 +200,8 @@ def check_conv_inputs(x, weight, bias, conv_state, state_indices, cu_seqlens, ha
     if bias is not None and bias.shape != (x.shape[1],):
         raise ValueError(f"bias {tuple(bias.shape)} must be [C] = [{x.shape[1]}]")
     if conv_state.dim() != 3 or conv_state.shape[1:] != (x.shape[1], weight.shape[1] - 1):
-        raise ValueError(f"conv_state {tuple(conv_state.shape)} must be [num_slots, {x.shape[1]}, {weight.shape[1] - 1}]")
+        raise ValueError(f"conv_state {tuple(conv_state.shape)} must be "
+                         f"[num_slots, {x.shape[1]}, {weight.shape[1] - 1}]")
     if conv_state.dtype != x.dtype:
         raise ValueError(f"conv_state dtype {conv_state.dtype} must be x's {x.dtype}")
     check_seq_meta(state_indices, cu_seqlens, has_initial_state, x.shape[0])

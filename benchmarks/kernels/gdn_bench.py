@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import torch
 
@@ -106,8 +107,7 @@ def main() -> None:
         tflops = f"{r['tflop_s']:8.1f}" if "tflop_s" in r else f"{'':8s}"
         print(f"{r['name']:48s} {r['us']:9.1f} {r['gb_s']:8.0f} {tflops} {r['floor_us']:9.1f} {r['of_floor']:8.2f}")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+        Path(args.out).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

@@ -28,8 +28,12 @@ _EPS = tl.constexpr(L2NORM_EPS)
 
 
 @triton.jit
-def _dot(a, b, DOT_DT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    return tl.dot(a.to(DOT_DT), b.to(DOT_DT), input_precision=DOT_PRECISION)
+def _dot(a, b, DT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr):
+    """a @ b with both operands rounded to DT (the input dtype), accumulated in fp32; DOT_IN_FP32 (the
+    interpreter, bf16) keeps them fp32, as its bf16 rounding truncates and would bias every product."""
+    if DOT_IN_FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a.to(DT), b.to(DT), input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -48,9 +52,10 @@ def _gdn_chunk_prep_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_gh, stride_bt, stride_bh,
     GROUP: tl.constexpr, NUM_V_HEADS: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_L2NORM: tl.constexpr,
-    DOT_DT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
     chunk, h = tl.program_id(0), tl.program_id(1)
+    DT = k_ptr.dtype.element_ty
     bos = tl.load(chunk_bounds_ptr + 2 * chunk)
     eos = tl.load(chunk_bounds_ptr + 2 * chunk + 1)
     if bos >= eos:  # past the last chunk of the batch
@@ -67,15 +72,16 @@ def _gdn_chunk_prep_kernel(
     cum = tl.cumsum(g, 0)  # masked rows add 0, so every exp below has a non-positive exponent
     lower = idx[:, None] > idx[None, :]
     decay = tl.exp(tl.where(lower, cum[:, None] - cum[None, :], float("-inf")))
-    a = beta[:, None] * _dot(k, tl.trans(k), DOT_DT, DOT_PRECISION) * decay  # [BT, BT], zero on and above the diagonal
+    # [BT, BT], zero on and above the diagonal
+    a = beta[:, None] * _dot(k, tl.trans(k), DT, DOT_PRECISION, DOT_IN_FP32) * decay
     # T = (I + A)^-1 row by row: T[i] = e_i - sum_{j<i} A[i, j] T[j] (rows j < i are final by then).
     t_inv = tl.where(idx[:, None] == idx[None, :], 1.0, 0.0)
     for i in range(1, BT):
         a_i = tl.sum(tl.where(idx[:, None] == i, a, 0.0), 0)  # row i of A, over j
         t_i = tl.sum(a_i[:, None] * t_inv, 0)
         t_inv = tl.where(idx[:, None] == i, t_inv - t_i[None, :], t_inv)
-    w = _dot(t_inv, k * (beta * tl.exp(cum))[:, None], DOT_DT, DOT_PRECISION)
-    u = _dot(t_inv, v * beta[:, None], DOT_DT, DOT_PRECISION)
+    w = _dot(t_inv, k * (beta * tl.exp(cum))[:, None], DT, DOT_PRECISION, DOT_IN_FP32)
+    u = _dot(t_inv, v * beta[:, None], DT, DOT_PRECISION, DOT_IN_FP32)
     out_rows = rows.to(tl.int64)[:, None] * NUM_V_HEADS + h
     tl.store(w_ptr + out_rows * K_DIM + kc[None, :], w.to(w_ptr.dtype.element_ty),
              mask=row_ok[:, None] & (kc < K_DIM)[None, :])
@@ -107,9 +113,10 @@ def _gdn_chunk_scan_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_gt, stride_gh, stride_ot, stride_oh,
     GROUP: tl.constexpr, NUM_V_HEADS: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_L2NORM: tl.constexpr,
-    DOT_DT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
     seq, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    DT = k_ptr.dtype.element_ty
     bos, eos, slot, from_slot = _seq_meta(cu_ptr, idx_ptr, has_init_ptr, seq)
     if bos >= eos:  # no tokens: the slot stays as it is
         return
@@ -123,20 +130,23 @@ def _gdn_chunk_scan_kernel(
         row_ok = rows < eos
         q = _load_qk(q_ptr, rows, row_ok, stride_qt, (h // GROUP) * stride_qh, kc, k_ok, USE_L2NORM) * scale
         k = _load_qk(k_ptr, rows, row_ok, stride_kt, (h // GROUP) * stride_kh, kc, k_ok, USE_L2NORM)
+        if not DOT_IN_FP32:  # every use rounds them to DT: hold them so, in half the registers
+            q, k = q.to(DT), k.to(DT)
         g = tl.load(g_ptr + rows * stride_gt + h * stride_gh, mask=row_ok, other=0.0)
         cum = tl.cumsum(g, 0)
         cum_last = tl.sum(g, 0)
         buf_rows = rows[:, None] * NUM_V_HEADS + h
         w = tl.load(w_ptr + buf_rows * K_DIM + kc[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         u = tl.load(u_ptr + buf_rows * V_DIM + vc[None, :], mask=row_ok[:, None] & v_ok[None, :], other=0.0)
-        v_new = u.to(tl.float32) - _dot(w, s, DOT_DT, DOT_PRECISION)  # [BT, BV]
+        v_new = u.to(tl.float32) - _dot(w, s, DT, DOT_PRECISION, DOT_IN_FP32)  # [BT, BV]
         decay = tl.exp(tl.where(causal, cum[:, None] - cum[None, :], float("-inf")))
-        attn = _dot(q, tl.trans(k), DOT_DT, DOT_PRECISION) * decay
-        o = _dot(q * tl.exp(cum)[:, None], s, DOT_DT, DOT_PRECISION) + _dot(attn, v_new, DOT_DT, DOT_PRECISION)
+        attn = _dot(q, tl.trans(k), DT, DOT_PRECISION, DOT_IN_FP32) * decay
+        o = _dot(q.to(tl.float32) * tl.exp(cum)[:, None], s, DT, DOT_PRECISION, DOT_IN_FP32)
+        o += _dot(attn, v_new, DT, DOT_PRECISION, DOT_IN_FP32)
         tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + vc[None, :], o.to(o_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & v_ok[None, :])
-        k_tail = k * tl.exp(cum_last - cum)[:, None]
-        s = s * tl.exp(cum_last) + _dot(tl.trans(k_tail), v_new, DOT_DT, DOT_PRECISION)
+        k_tail = k.to(tl.float32) * tl.exp(cum_last - cum)[:, None]
+        s = s * tl.exp(cum_last) + _dot(tl.trans(k_tail), v_new, DT, DOT_PRECISION, DOT_IN_FP32)
     if slot >= 0:
         tl.store(state_ptr + s_offs, s, mask=s_mask)
 
@@ -176,12 +186,12 @@ def _gdn_recurrent_kernel(
 
 
 _INTERPRETED = not isinstance(_gdn_chunk_scan_kernel, triton.runtime.jit.JITFunction)
-_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _check(q, k, v, g, beta, state, state_indices, cu_seqlens, has_initial_state) -> None:
     check_gdn_inputs(q, k, v, g, beta, state, state_indices, cu_seqlens, has_initial_state)
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _TL_DTYPES:
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"q, k, v must share one float dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_last_dim_contiguous(name, t)
@@ -192,8 +202,8 @@ def _check(q, k, v, g, beta, state, state_indices, cu_seqlens, has_initial_state
 
 
 def _dot_kwargs(dtype: torch.dtype) -> dict:
-    dot_dt = tl.float32 if dtype == torch.float32 or (_INTERPRETED and dtype == torch.bfloat16) else _TL_DTYPES[dtype]
-    return dict(DOT_DT=dot_dt, DOT_PRECISION="ieee" if dot_dt == tl.float32 else None)
+    return dict(DOT_PRECISION="ieee" if dtype == torch.float32 else None,
+                DOT_IN_FP32=_INTERPRETED and dtype == torch.bfloat16)
 
 
 def chunk_bounds(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -235,13 +245,14 @@ def chunk_gated_delta_rule(
     _gdn_chunk_prep_kernel[(bounds.shape[0], num_v_heads)](
         k, v, g, beta, w, u, bounds, bounds.shape[0], k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), BV=max(16, next_pow2(v_dim)), **shapes,
-        num_warps=4,
+        num_warps=8 if k_dim >= 128 else 4,  # 4 warps spill at head dim 128 (sm_90)
     )
-    block_v = min(64, max(16, next_pow2(v_dim)))
+    # Narrow v blocks and no software pipelining of the chunk loop: its tiles already fill the registers.
+    block_v = min(32, max(16, next_pow2(v_dim)))
     _gdn_chunk_scan_kernel[(num_seqs, num_v_heads, triton.cdiv(v_dim, block_v))](
         q, k, w, u, g, out, state, state_indices, cu_seqlens, has_initial_state, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1), out.stride(0), out.stride(1),
-        BV=block_v, **shapes, num_warps=8 if k_dim >= 128 else 4,
+        BV=block_v, **shapes, num_warps=8 if k_dim >= 128 else 4, num_stages=1,
     )
     return out
 

@@ -137,7 +137,7 @@ def fused_add_rms_norm(
 @triton.jit(do_not_specialize=["num_rows"])
 def _gated_rms_norm_kernel(
     x_ptr, z_ptr, w_ptr, out_ptr, num_rows, stride_x, stride_z, n_cols, eps,
-    PRODUCT_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    ROUND_PRODUCT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_N)
@@ -146,13 +146,11 @@ def _gated_rms_norm_kernel(
     rows64 = rows.to(tl.int64)
     x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + rows64[:, None] * stride_z + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    # HF rounds weight * normed to promote(weight, x) before the fp32 gate.
-    y = normalize(x, w_ptr, cols, col_ok, n_cols, eps, x_ptr.dtype.element_ty).to(PRODUCT_DTYPE).to(tl.float32)
+    y = normalize(x, w_ptr, cols, col_ok, n_cols, eps, x_ptr.dtype.element_ty)
+    if ROUND_PRODUCT:  # HF rounds weight * normed to promote(weight, x) = x's dtype before the fp32 gate
+        y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
     y = y * (z * tl.sigmoid(z))
     tl.store(out_ptr + rows64[:, None] * n_cols + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-_TL_FLOAT = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -172,7 +170,7 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     block_r, block_n, grid, num_warps = _launch_shape(num_rows, n_cols)
     _gated_rms_norm_kernel[(grid,)](
         x2, z2, weight, out, num_rows, x2.stride(0), z2.stride(0), n_cols, eps,
-        PRODUCT_DTYPE=_TL_FLOAT[torch.promote_types(x.dtype, weight.dtype)],
+        ROUND_PRODUCT=torch.promote_types(x.dtype, weight.dtype) == x.dtype,
         BLOCK_R=block_r, BLOCK_N=block_n, num_warps=num_warps,
     )
     return out
