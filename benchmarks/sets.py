@@ -115,6 +115,7 @@ SETS: dict[str, BenchSet] = {
         Step("decode-attention-splits", "python -m benchmarks.kernels.sweep_attention", 120),
         Step("mla-decode", "python -m benchmarks.kernels.bench_mla --bs 64 --ctx 2048 --out {out}/mla.json", 60),
         Step("mla-prep", "python -m benchmarks.kernels.bench_mla_prep --out {out}/mla_prep.json", 60),
+        Step("gated-deltanet", "python -m benchmarks.kernels.gdn_bench --out {out}/gdn.json", 120),
         Step("launch-overhead", "python -m benchmarks.kernels.bench_launch_overhead", 60),
     )),
     "host": BenchSet("host-side cost of engine steps: per-phase wall time offline, per-step host overhead", (

@@ -18,3 +18,8 @@ from atom_core.kernels.triton.mla import mla_attention  # noqa: E402
 from atom_core.kernels.triton.mla_prep import mla_rope_store  # noqa: E402
 
 __all__ += ["mla_attention", "mla_rope_store"]
+from atom_core.kernels.triton.causal_conv1d import causal_conv1d  # noqa: E402
+from atom_core.kernels.triton.gated_delta import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule  # noqa: E402
+from atom_core.kernels.triton.norm import gated_rms_norm  # noqa: E402
+
+__all__ += ["causal_conv1d", "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "gated_rms_norm"]

@@ -132,3 +132,45 @@ def fused_add_rms_norm(
         BLOCK_R=block_r, BLOCK_N=block_n, num_warps=num_warps,
     )
     return out, residual
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _gated_rms_norm_kernel(
+    x_ptr, z_ptr, w_ptr, out_ptr, num_rows, stride_x, stride_z, n_cols, eps,
+    ROUND_PRODUCT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < n_cols
+    mask = (rows < num_rows)[:, None] & col_ok[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + rows64[:, None] * stride_z + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = normalize(x, w_ptr, cols, col_ok, n_cols, eps, x_ptr.dtype.element_ty)
+    if ROUND_PRODUCT:  # HF rounds weight * normed to promote(weight, x) = x's dtype before the fp32 gate
+        y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
+    y = y * (z * tl.sigmoid(z))
+    tl.store(out_ptr + rows64[:, None] * n_cols + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's Qwen3NextRMSNormGated: (weight * rms_normalise(x)) * silu(z), a new tensor in x's dtype.
+    x, z [..., D] with rows reachable by one stride each (a view into a wider projection is fine)."""
+    _check_weight(x, weight)
+    check_float("z", z)
+    if z.shape != x.shape:
+        raise ValueError(f"z {tuple(z.shape)} must match x {tuple(x.shape)}")
+    n_cols = x.shape[-1]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    x2, z2 = x.reshape(-1, n_cols), z.reshape(-1, n_cols)
+    check_last_dim_contiguous("z", z2)
+    num_rows = x2.shape[0]
+    if num_rows == 0:
+        return out
+    block_r, block_n, grid, num_warps = _launch_shape(num_rows, n_cols)
+    _gated_rms_norm_kernel[(grid,)](
+        x2, z2, weight, out, num_rows, x2.stride(0), z2.stride(0), n_cols, eps,
+        ROUND_PRODUCT=torch.promote_types(x.dtype, weight.dtype) == x.dtype,
+        BLOCK_R=block_r, BLOCK_N=block_n, num_warps=num_warps,
+    )
+    return out
