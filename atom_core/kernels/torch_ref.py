@@ -324,3 +324,6 @@ def mla_rope_store(
 # providers list the same functions.
 from atom_core.kernels.moe_ref import fused_moe, moe_align_block_size, moe_route  # noqa: E402,F401
 from atom_core.kernels.mla_ref import mla_attention  # noqa: E402,F401
+from atom_core.kernels.gdn_ref import (  # noqa: E402,F401
+    causal_conv1d, chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, gated_rms_norm,
+)
