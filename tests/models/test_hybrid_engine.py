@@ -74,6 +74,17 @@ def test_max_num_seqs_two_with_preemption(model_and_ref):
     _all_returned(engine)
 
 
+def test_tensor_parallel_two_ranks(model_and_ref):
+    """Two ranks on the CPU (gloo): key/value heads, conv channels (q | k | v part by part), A_log and
+    dt_bias split; each rank keeps its heads' states."""
+    path, prompts, ref, _, _ = model_and_ref
+    engine = LLMEngine(str(path), device="cpu", tensor_parallel_size=2, kv_cache_memory_gb=0.02)
+    try:
+        assert_same_tokens(engine.generate(prompts, GREEDY), ref, PROMPT_LENS)
+    finally:
+        engine.shutdown()
+
+
 @pytest.fixture(scope="module")
 def tiny_next(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny_next_slots"), "qwen3_next")
