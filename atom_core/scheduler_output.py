@@ -31,6 +31,7 @@ class NewRequest:
     sampling_params: SamplingParams
     num_computed_tokens: int  # prefix-cache hit: tokens already in the KV cache
     num_prompt_logprobs: int = 0  # prompt positions already scored (an entry per position, from 0)
+    state_slot: int = -1  # linear-attention models: the sequence's state slot (-1: none; engine/kv_cache.py)
 
 
 @dataclass

@@ -60,6 +60,28 @@ def _moe_model(arch: str, common: dict):
     raise ValueError(arch)
 
 
+def _hybrid_model(arch: str, common: dict):
+    """Tiny hybrid models (models/qwen3_next.py): layers 0-2 gated DeltaNet, layer 3 full attention;
+    2 key heads serving 4 value heads; MoE with 4 experts, top-2, a shared expert (layer 1 dense)."""
+    import transformers as tf
+
+    hybrid = dict(num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                  linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    common = {**common, **hybrid}
+    if arch == "qwen3_next":
+        return tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig(**common, **moe, mlp_only_layers=[1], norm_topk_prob=True))
+    if arch == "qwen3_5":
+        return tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**common))
+    if arch == "qwen3_5_moe":
+        common.pop("intermediate_size")
+        return tf.Qwen3_5MoeForCausalLM(tf.Qwen3_5MoeTextConfig(**common, **moe))
+    raise ValueError(arch)
+
+
+HYBRID_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+
+
 def copy_model_with(src: Path, dst: Path, file: str = "config.json", **changes) -> Path:
     """A copy of the model directory `src` at `dst` whose JSON `file` has `changes` set."""
     shutil.copytree(src, dst)
@@ -83,8 +105,8 @@ def randomize_weights(model) -> None:
 
 
 def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, num_layers: int = 2) -> Path:
-    """Save a tiny random `arch` (llama | qwen3 | qwen3_moe | mixtral | glm4_moe) model with a
-    tokenizer into `path`."""
+    """Save a tiny random `arch` (llama | qwen3 | qwen3_moe | mixtral | glm4_moe | qwen3_next | qwen3_5 |
+    qwen3_5_moe) model with a tokenizer into `path`."""
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     path = Path(path)
@@ -101,6 +123,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, num_layers:
         model = LlamaForCausalLM(LlamaConfig(**common, rope_scaling=rope, rope_theta=500000.0))
     elif arch == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=32, tie_word_embeddings=True))
+    elif arch in HYBRID_ARCHS:
+        model = _hybrid_model(arch, common)
     else:
         model = _moe_model(arch, common)
     randomize_weights(model)

@@ -81,7 +81,7 @@ class EngineCore:
         self.profiler = self._make_profiler()
         self.executor = self._make_executor()
         self.kv = KVCacheManager(self.executor.num_kv_blocks, config.cache.block_size,
-                                 config.cache.enable_prefix_caching)
+                                 config.cache.enable_prefix_caching, self.executor.num_state_slots)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.model.eos_token_ids,
                                    config.speculative.num_draft_tokens)
         self.pending = None  # the launched step not yet resolved (async scheduling)

@@ -1,16 +1,20 @@
-"""Paged KV cache bookkeeping: a block pool, per-sequence block tables, prefix caching.
+"""Paged KV cache bookkeeping: a block pool, per-sequence block tables, prefix caching, and the
+state slots of models with linear-attention layers.
 
-Only host-side bookkeeping lives here; the KV tensors live in the model runner.
+Only host-side bookkeeping lives here; the KV and state tensors live in the model runner.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+import logging
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import numpy as np
 import xxhash
 
 from atom_core.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
 
 
 def hash_block(parent_hash: int | None, token_ids: list[int]) -> int:
@@ -42,13 +46,25 @@ class KVCacheManager:
     - `trim_slots` gives back a running sequence's trailing blocks (KV rollback).
     - `free` releases all of a sequence's blocks (finish, abort, preemption).
     - `cache_full_blocks` registers the hashes of blocks whose tokens are all computed.
+    - With num_state_slots > 0 (a model with linear-attention layers: a fixed-size state per
+      sequence, kv_spec.StateSpec) `allocate` also gives the sequence a state slot
+      (`seq.state_slot`), `can_allocate` needs a free one, and `free` returns it. Such a state
+      covers every token before it and cannot be restored at a block boundary, so these models
+      reuse no cached prefix: prefix caching is off for them (said once at start).
     Not thread-safe: the engine core's loop is its only caller.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_state_slots: int = 0):
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.enable_prefix_caching = enable_prefix_caching
+        if enable_prefix_caching and num_state_slots:
+            logger.warning("prefix caching is off: this model has linear-attention layers, whose per-sequence "
+                           "state cannot be restored at a cached block boundary (--enable-prefix-caching has "
+                           "no effect for it)")
+        self.enable_prefix_caching = enable_prefix_caching and not num_state_slots
+        self.num_state_slots = num_state_slots
+        self.free_state_slots: deque[int] = deque(range(num_state_slots))
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
@@ -64,6 +80,10 @@ class KVCacheManager:
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self.free_queue)
+
+    @property
+    def num_free_state_slots(self) -> int:
+        return len(self.free_state_slots)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -97,6 +117,8 @@ class KVCacheManager:
     # ---- allocation --------------------------------------------------------------
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Whether `allocate(seq, num_new_tokens)` would succeed (hits counted as free)."""
+        if self.num_state_slots and not self.free_state_slots:
+            return False
         hit = self._cached_prefix(seq)
         revivable = sum(1 for b in hit if self.blocks[b].ref_count == 0)
         total = self.blocks_needed(len(hit) * self.block_size + num_new_tokens)
@@ -122,6 +144,9 @@ class KVCacheManager:
         self.num_hit_tokens += num_cached
         seq.num_computed_tokens = num_cached
         self.append_slots(seq, num_cached + num_new_tokens)
+        if self.num_state_slots:
+            assert seq.state_slot < 0, f"{seq.request_id} already holds state slot {seq.state_slot}"
+            seq.state_slot = self.free_state_slots.popleft()
         return num_cached
 
     def get_prefix_hit_tokens(self, seq: Sequence) -> int:
@@ -160,7 +185,10 @@ class KVCacheManager:
         return len(tail)
 
     def free(self, seq: Sequence) -> None:
-        """Release `seq`'s blocks; its tail blocks become the first to be evicted."""
+        """Release `seq`'s blocks and state slot; its tail blocks become the first to be evicted."""
+        if seq.state_slot >= 0:
+            self.free_state_slots.append(seq.state_slot)
+            seq.state_slot = -1
         self._release(seq.block_table)
         seq.block_table = []
         seq.num_hashed_blocks = 0

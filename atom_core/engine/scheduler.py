@@ -207,7 +207,7 @@ class Scheduler:
             out.add(seq.request_id, n, seq.num_computed_tokens)
             out.new_requests.append(NewRequest(
                 seq.request_id, seq.prompt_token_ids, seq.output_token_ids, seq.sampling_params,
-                seq.num_computed_tokens, len(seq.prompt_logprobs)))
+                seq.num_computed_tokens, len(seq.prompt_logprobs), seq.state_slot))
             seq.num_sent_blocks = 0
             budget -= n
 

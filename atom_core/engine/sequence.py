@@ -40,6 +40,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0
     num_sent_blocks: int = 0  # blocks of block_table the worker already knows
+    state_slot: int = -1  # linear-attention models: its row in the state pools while it holds one
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None

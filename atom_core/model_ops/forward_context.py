@@ -28,6 +28,9 @@ class AttentionMetadata:
     those with q_len > 1, each longest first, with chunk_max_query_len; with fresh_seq_ids (when
     set) they list every sequence once, so attention can give decodes their own launch.
     Built on the host with the batch, so a backend can split the step without a sync.
+    state_slots [S] int32 (models with linear-attention layers only): each sequence's row in the
+    state pools (kv_spec.StateSpec; 0 is the padding rows' scratch). A sequence starts from a zero
+    state when it has no cached context (seq_lens == its query length: a prompt's first chunk).
     """
 
     query_start_loc: torch.Tensor
@@ -44,6 +47,7 @@ class AttentionMetadata:
     decode_seq_ids: torch.Tensor | None = None
     chunk_seq_ids: torch.Tensor | None = None
     chunk_max_query_len: int = 0
+    state_slots: torch.Tensor | None = None
 
 
 _current: AttentionMetadata | None = None

@@ -193,3 +193,73 @@ def warm_up_attention(layers: list["Attention"], max_tokens: int, threads: int =
         backend = group[0].backend(group[0].k_cache.device)  # the instance the layers run (their KernelConfig)
         count += backend.warm_up(group, max_tokens, threads)
     return count
+
+
+# ---- per-sequence state (linear-attention layers) ----------------------------------------------
+# A linear-attention (gated DeltaNet) layer keeps no KV per token: each sequence owns one fixed-size
+# state, a recurrent matrix per value head plus the last conv_kernel - 1 inputs of its causal
+# convolution. Pools hold `num_slots` such states per layer; row 0 of every pool is scratch for the
+# padding rows of a CUDA graph replay, and the engine's slot s lives in row s + 1 (the batch builder
+# adds the 1), so a graph's persistent slot buffer of zeros is padding already.
+
+@dataclass(frozen=True)
+class StateSpec:
+    """What one linear-attention layer stores per sequence (this rank's heads and channels).
+
+    recurrent: [num_heads, key_dim, value_dim] in recurrent_dtype (float32: the recurrence
+    accumulates over the whole sequence); conv: [conv_channels, conv_kernel - 1] in conv_dtype
+    (the inputs the convolution reads back, in the model dtype)."""
+
+    num_heads: int
+    key_dim: int
+    value_dim: int
+    conv_channels: int
+    conv_kernel: int
+    conv_dtype: torch.dtype
+    recurrent_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self):
+        if min(self.num_heads, self.key_dim, self.value_dim, self.conv_channels) < 1 or self.conv_kernel < 2:
+            raise ValueError(f"a linear-attention state needs positive sizes and conv_kernel >= 2, got {self}")
+
+    @property
+    def recurrent_shape(self) -> tuple[int, int, int]:
+        return (self.num_heads, self.key_dim, self.value_dim)
+
+    @property
+    def conv_shape(self) -> tuple[int, int]:
+        return (self.conv_channels, self.conv_kernel - 1)
+
+    @property
+    def bytes_per_slot(self) -> int:
+        rec = self.num_heads * self.key_dim * self.value_dim * self.recurrent_dtype.itemsize
+        return rec + self.conv_channels * (self.conv_kernel - 1) * self.conv_dtype.itemsize
+
+
+def state_layers(model: nn.Module) -> list[nn.Module]:
+    """Every layer of `model` that declares a `state_spec`, in module order."""
+    return [m for m in model.modules() if isinstance(getattr(m, "state_spec", None), StateSpec)]
+
+
+def state_bytes_per_slot(layers: list[nn.Module]) -> int:
+    """Bytes one sequence's state costs summed over all linear-attention layers."""
+    return sum(layer.state_spec.bytes_per_slot for layer in layers)
+
+
+def allocate_state_cache(layers: list[nn.Module], num_slots: int, device: torch.device | str) -> list[torch.Tensor]:
+    """Zeroed pools of num_slots + 1 rows (row 0: the padding rows' scratch) for every layer; sets
+    each layer's `recurrent_state` [rows, H, Dk, Dv] and `conv_state` [rows, C, K - 1]. Returns
+    the tensors allocated."""
+    tensors = []
+    for layer in layers:
+        spec = layer.state_spec
+        layer.recurrent_state = torch.zeros((num_slots + 1, *spec.recurrent_shape), dtype=spec.recurrent_dtype,
+                                            device=device)
+        layer.conv_state = torch.zeros((num_slots + 1, *spec.conv_shape), dtype=spec.conv_dtype, device=device)
+        tensors += [layer.recurrent_state, layer.conv_state]
+    return tensors
+
+
+def release_state_cache(layers: list[nn.Module]) -> None:
+    for layer in layers:
+        layer.recurrent_state = layer.conv_state = torch.empty(0)

@@ -15,6 +15,9 @@ _MODELS = {
     "DeepseekV2ForCausalLM": ("atom_core.models.deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("atom_core.models.deepseek_v2", "DeepseekV3ForCausalLM"),
     "GptOssForCausalLM": ("atom_core.models.gpt_oss", "GptOssForCausalLM"),
+    "Qwen3NextForCausalLM": ("atom_core.models.qwen3_next", "Qwen3NextForCausalLM"),
+    "Qwen3_5ForCausalLM": ("atom_core.models.qwen3_5", "Qwen3_5ForCausalLM"),
+    "Qwen3_5MoeForCausalLM": ("atom_core.models.qwen3_5", "Qwen3_5MoeForCausalLM"),
 }
 
 

@@ -131,7 +131,15 @@ def context_split(query_lens: list[int], seq_lens: list[int]) -> dict:
     return out
 
 
-def build_decode_batch(states: list[RequestState], block_size: int, device: torch.device) -> FlatBatch:
+def state_slot_rows(states: list[RequestState]) -> dict:
+    """AttentionMetadata's state_slots: each sequence's row in the state pools (the engine's slot + 1;
+    row 0 is the padding rows' scratch, see model_ops/kv_spec.py), for models with linear-attention
+    layers."""
+    return {"state_slots": np.array([s.state_slot + 1 for s in states], dtype=np.int32)}
+
+
+def build_decode_batch(states: list[RequestState], block_size: int, device: torch.device,
+                       with_state_slots: bool = False) -> FlatBatch:
     """The decode-only case (one new token per request, each sampling): comprehensions only."""
     num = len(states)
     positions = [s.num_computed_tokens for s in states]
@@ -144,7 +152,8 @@ def build_decode_batch(states: list[RequestState], block_size: int, device: torc
     seq_lens = np.array(positions, dtype=np.int32) + 1
     return assemble_flat_batch(
         input_ids, positions, slots, np.arange(num + 1), seq_lens, tables, 1, None, device,
-        attn_extra={"seq_order": np.argsort(-seq_lens, kind="stable").astype(np.int32)},
+        attn_extra={"seq_order": np.argsort(-seq_lens, kind="stable").astype(np.int32),
+                    **(state_slot_rows(states) if with_state_slots else {})},
         sample_rows=rows,
         sample_seq_idx=rows,
         prompt_logprob_spans=[],
@@ -155,10 +164,11 @@ def build_decode_batch(states: list[RequestState], block_size: int, device: torc
 
 
 def build_flat_batch(out: SchedulerOutput, states: list[RequestState], block_size: int,
-                     device: torch.device) -> FlatBatch:
-    """Plain Python lists per token (cheaper than many small numpy ops), one array each at the end."""
+                     device: torch.device, with_state_slots: bool = False) -> FlatBatch:
+    """Plain Python lists per token (cheaper than many small numpy ops), one array each at the end.
+    with_state_slots: the model has linear-attention layers (the metadata carries state_slots)."""
     if out.is_decode_only:
-        return build_decode_batch(states, block_size, device)
+        return build_decode_batch(states, block_size, device, with_state_slots)
     input_ids: list[int] = []
     positions: list[int] = []
     slot_mapping: list[int] = []
@@ -211,7 +221,8 @@ def build_flat_batch(out: SchedulerOutput, states: list[RequestState], block_siz
         offset += total
     return assemble_flat_batch(
         input_ids, positions, slot_mapping, query_start_loc, seq_lens, tables, max_query_len, logit_rows, device,
-        attn_extra=context_split(np.diff(query_start_loc).tolist(), seq_lens),
+        attn_extra={**context_split(np.diff(query_start_loc).tolist(), seq_lens),
+                    **(state_slot_rows(states) if with_state_slots else {})},
         sample_rows=sample_rows,
         sample_seq_idx=sample_seq_idx,
         prompt_logprob_spans=spans,

@@ -58,6 +58,8 @@ class CUDAGraphRunner(CapturedSizes):
         self.block_tables = torch.zeros(self.max_bs, max_blocks, dtype=torch.int32, device=device)
         self.row_ids = torch.arange(self.max_bs, dtype=torch.int32, device=device)
         self.seq_order = self.row_ids.clone()  # padding rows keep their own index, last
+        # Linear-attention models' state rows (model_ops/kv_spec.py): padding rows use row 0, the scratch.
+        self.state_slots = torch.zeros(self.max_bs, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -72,6 +74,7 @@ class CUDAGraphRunner(CapturedSizes):
             max_query_len=self.query_len,
             max_seq_len=self.max_model_len,
             seq_order=self.seq_order[:bs],
+            state_slots=self.state_slots[:bs],
         )
 
     @torch.inference_mode()
@@ -123,7 +126,10 @@ class CUDAGraphRunner(CapturedSizes):
                 self.seq_order[:bs].copy_(self.row_ids[:bs], non_blocking=True)
             width = meta.block_tables.shape[1]
             self.block_tables[:bs, :width].copy_(meta.block_tables, non_blocking=True)
+            if meta.state_slots is not None:
+                self.state_slots[:bs].copy_(meta.state_slots, non_blocking=True)
             if padded > bs:
+                self.state_slots[bs:padded].fill_(0)
                 self.seq_order[bs:padded].copy_(self.row_ids[bs:padded], non_blocking=True)
                 self.slot_mapping[tokens : padded * q].fill_(-1)
                 self.seq_lens[bs:padded].fill_(q)
@@ -137,4 +143,5 @@ class CUDAGraphRunner(CapturedSizes):
         self.seq_order[:size].copy_(self.row_ids[:size], non_blocking=True)
         self.slot_mapping[: size * q].fill_(-1)
         self.seq_lens[:size].fill_(q)
+        self.state_slots[:size].fill_(0)
         self.graphs[size].replay()

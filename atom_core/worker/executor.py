@@ -18,6 +18,7 @@ class Executor(ABC):
     step may read the samples of the one launched before it (async scheduling)."""
 
     num_kv_blocks: int
+    num_state_slots: int = 0  # per-sequence state slots (models with linear-attention layers)
 
     @abstractmethod
     def launch(self, out: SchedulerOutput, previous=None): ...
@@ -52,6 +53,7 @@ class InProcessExecutor(Executor):
             torch.cuda.set_device(model.device)
         self.runner = ModelRunner(config, model, profiler)
         self.num_kv_blocks = self.runner.num_kv_blocks
+        self.num_state_slots = self.runner.num_state_slots
 
     def launch(self, out: SchedulerOutput, previous=None):
         return self.runner.launch(out, previous)

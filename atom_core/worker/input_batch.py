@@ -22,11 +22,13 @@ class RequestState:
     block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # KV entries before the current step
     num_prompt_logprobs: int = 0  # prompt positions already scored
+    state_slot: int = -1  # linear-attention models: the engine's state slot (-1: none)
 
     @classmethod
     def from_new(cls, new: NewRequest) -> "RequestState":
         return cls(new.req_id, list(new.prompt_token_ids), list(new.output_token_ids), new.sampling_params,
-                   num_computed_tokens=new.num_computed_tokens, num_prompt_logprobs=new.num_prompt_logprobs)
+                   num_computed_tokens=new.num_computed_tokens, num_prompt_logprobs=new.num_prompt_logprobs,
+                   state_slot=new.state_slot)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -22,8 +22,9 @@ from atom_core.config import EngineConfig, ResolvedModel, kv_cache_format
 from atom_core.kernel_config import building
 from atom_core.kernels import kernel_ops
 from atom_core.loader import build_model
-from atom_core.model_ops.kv_spec import (allocate_kv_cache, attention_layers, check_attention_supported,
-                                         finalize_kv_scales, release_kv_cache, set_kv_cache_dtype, warm_up_attention)
+from atom_core.model_ops.kv_spec import (allocate_kv_cache, allocate_state_cache, attention_layers,
+                                         check_attention_supported, finalize_kv_scales, release_kv_cache,
+                                         set_kv_cache_dtype, state_bytes_per_slot, state_layers, warm_up_attention)
 from atom_core.model_ops.sampler import Sampler
 from atom_core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from atom_core.spec_decode.factory import build_proposer, check_proposer
@@ -116,10 +117,25 @@ class ModelRunner:
         set_kv_cache_dtype(self.attention_layers, kv_cache_format(self.config.cache.kv_cache_dtype, self.dtype))
         finalize_kv_scales(self.attention_layers)
         check_attention_supported(self.attention_layers, self.max_model_len, self.device)
+        self._check_state_layers()
         summary = self.model_summary
         logger.info("model loaded in %.1f s: format %s, weights %.2f GiB, KV cache %d bytes/token (this rank)",
                     self.load_seconds, summary["format"], summary["weight_bytes"] / (1 << 30),
                     summary["kv_bytes_per_token"])
+
+    def _check_state_layers(self) -> None:
+        """Linear-attention layers (a fixed-size state per sequence, kv_spec.StateSpec): one state slot
+        per schedulable sequence; what their state cannot do is refused or turned off here, once."""
+        self.state_layers = state_layers(self.model)
+        self.num_state_slots = self.config.scheduler.max_num_seqs if self.state_layers else 0
+        if not self.state_layers:
+            return
+        if self.config.speculative.num_draft_tokens:
+            raise ValueError("speculative decoding is not supported for models with linear-attention layers: a "
+                             "rejected draft token would leave its update in the recurrent state; run without "
+                             "--speculative")
+        logger.info("%d linear-attention layers: %d state slots of %d bytes each", len(self.state_layers),
+                    self.num_state_slots, state_bytes_per_slot(self.state_layers))
 
     def _build_step_parts(self) -> None:
         """Samplers, the proposer (NoProposer without speculative decoding), the request states
@@ -141,7 +157,10 @@ class ModelRunner:
 
     def _compile(self) -> None:
         self.compile_seconds = 0.0
-        if self.config.use_compile:
+        if self.config.use_compile and self.state_layers:
+            logger.warning("torch.compile is off for this model: its linear-attention layers are not split out "
+                           "of the compiled graph as attention is; decode runs eagerly or in full CUDA graphs")
+        elif self.config.use_compile:
             from atom_core.worker.compile import compile_model
 
             start = time.perf_counter()
@@ -152,6 +171,8 @@ class ModelRunner:
         """On a GPU sizing runs a max-size dummy step (which compiles, if compiling); the proposer's
         layers share the target's block count."""
         start = time.perf_counter()
+        # State pools first: on a GPU the sizing below counts them with the weights.
+        self.state_cache = allocate_state_cache(self.state_layers, self.num_state_slots, self.device)
         self.num_kv_blocks = num_kv_blocks(self.config, self.attention_layers + self.proposer.kv_layers(),
                                            self.max_model_len, self.device, self._run_peak_step)
         self.kv_cache = allocate_kv_cache(self.attention_layers, self.num_kv_blocks, self.block_size, self.device)
@@ -203,7 +224,10 @@ class ModelRunner:
                                            config.parallel.data_parallel_size)
             if config.kernel.mtp_graphs:  # MTP's own forwards
                 self.proposer.capture_graphs(config.capture_sizes, self.dispatcher.capture_forward)
-        if sets.piecewise:
+        if sets.piecewise and self.state_layers:
+            logger.warning("piecewise CUDA graphs are off for this model: its linear-attention layers read "
+                           "per-step sequence metadata that a graph captured per token count would freeze")
+        elif sets.piecewise:
             self.dispatcher.capture_piecewise(config.piecewise_sizes, self.attention_layers)
 
     def release_graphs(self) -> None:
@@ -257,7 +281,7 @@ class ModelRunner:
             flat = build_padded_verify_batch(out, states, self.dispatcher.verify.query_len, self.block_size,
                                              self.device)
         else:
-            flat = build_flat_batch(out, states, self.block_size, self.device)
+            flat = build_flat_batch(out, states, self.block_size, self.device, bool(self.state_layers))
         if flat.placeholder_rows:
             self._fill_placeholders(flat, out, previous)
         if out.is_window:

@@ -124,6 +124,7 @@ class MultiprocExecutor(Executor):
             self.shutdown()
             raise
         self.num_kv_blocks = self.runner.num_kv_blocks
+        self.num_state_slots = self.runner.num_state_slots
         atexit.register(self.shutdown)  # scripts that never call LLMEngine.shutdown()
         logger.info("tensor parallel over %d ranks (%d on this node) via %s", par.world_size, len(par.local_ranks),
                     init_method)

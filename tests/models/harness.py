@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from atom_core.model_ops.forward_context import AttentionMetadata, set_attention_metadata
-from atom_core.model_ops.kv_spec import allocate_kv_cache, attention_layers, release_kv_cache
+from atom_core.model_ops.kv_spec import (allocate_kv_cache, allocate_state_cache, attention_layers, release_kv_cache,
+                                         release_state_cache, state_layers)
 
 
 def _i32(values) -> torch.Tensor:
@@ -21,10 +22,11 @@ def greedy_generate(model, prompts: list[list[int]], max_tokens: int, block_size
     `chunk` caps the new tokens one sequence feeds per step (chunked prefill); a sequence
     samples once all its known tokens are in the cache.
     """
-    layers = attention_layers(model)
+    layers, stateful = attention_layers(model), state_layers(model)
     blocks_per_seq = -(-(max(map(len, prompts)) + max_tokens) // block_size)
     num_blocks = blocks_per_seq * len(prompts)
     allocate_kv_cache(layers, num_blocks, block_size, "cpu")
+    allocate_state_cache(stateful, len(prompts), "cpu")  # sequence s in state row s + 1 (row 0: scratch)
     tables = torch.arange(num_blocks, dtype=torch.int32).view(len(prompts), blocks_per_seq)
     tokens = [list(p) for p in prompts]
     done = [0] * len(prompts)  # tokens already in the cache
@@ -48,7 +50,8 @@ def greedy_generate(model, prompts: list[list[int]], max_tokens: int, block_size
                     sample_rows.append(len(ids) - 1)
                     sample_seqs.append(s)
             meta = AttentionMetadata(_i32(qsl), _i32(lens), tables, torch.tensor(slots, dtype=torch.int64),
-                                     max(b - a for a, b in zip(qsl, qsl[1:])), max(lens))
+                                     max(b - a for a, b in zip(qsl, qsl[1:])), max(lens),
+                                     state_slots=_i32(range(1, len(tokens) + 1)))
             with set_attention_metadata(meta):
                 hidden = model(torch.tensor(ids), torch.tensor(positions))
             if sample_rows:
@@ -58,24 +61,27 @@ def greedy_generate(model, prompts: list[list[int]], max_tokens: int, block_size
                     tokens[s].append(tok)
     finally:
         release_kv_cache(layers)
+        release_state_cache(stateful)
     return outputs
 
 
 @torch.inference_mode()
 def prompt_logits(model, prompt: list[int], block_size: int = 16) -> torch.Tensor:
     """Logits [len(prompt), vocab] of one prefill of `prompt`."""
-    layers = attention_layers(model)
+    layers, stateful = attention_layers(model), state_layers(model)
     num_blocks = -(-len(prompt) // block_size)
     allocate_kv_cache(layers, num_blocks, block_size, "cpu")
+    allocate_state_cache(stateful, 1, "cpu")
     try:
         n = len(prompt)
         meta = AttentionMetadata(_i32([0, n]), _i32([n]), torch.arange(num_blocks, dtype=torch.int32)[None],
-                                 torch.arange(n, dtype=torch.int64), n, n)
+                                 torch.arange(n, dtype=torch.int64), n, n, state_slots=_i32([1]))
         with set_attention_metadata(meta):
             hidden = model(torch.tensor(prompt), torch.arange(n))
         return model.compute_logits(hidden).float()
     finally:
         release_kv_cache(layers)
+        release_state_cache(stateful)
 
 
 def random_prompts(vocab: int, prompt_lens: list[int], shared_prefix: int = 0) -> list[list[int]]:

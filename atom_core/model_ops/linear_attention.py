@@ -1,0 +1,125 @@
+"""Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5): a short causal convolution, then the gated
+delta rule over a fixed-size recurrent state per sequence, then a gated RMSNorm and out_proj.
+
+A layer keeps no per-token KV: it declares a `StateSpec` (model_ops/kv_spec.py) and the worker gives it
+`recurrent_state` / `conv_state` pools; the forward context's `state_slots` say which row is each
+sequence's. A sequence with no cached context (its prompt's first chunk) starts from zeros; every step
+writes each sequence's final state back, so a prompt split over steps carries its state from chunk to
+chunk. The kernels (the gated delta rule, the causal conv1d, the gated norm) come from the provider.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atom_core.distributed import get_tp_group
+from atom_core.kernels import kernel_ops
+from atom_core.model_ops.forward_context import get_attention_metadata
+from atom_core.model_ops.kv_spec import StateSpec
+from atom_core.model_ops.linear import MergedColumnParallelLinear, RowParallelLinear, copy_weight
+from atom_core.quant import QuantConfig
+
+
+def _rank_part(loaded: torch.Tensor, size: int, rank: int) -> torch.Tensor:
+    return loaded.narrow(0, rank * size, size)
+
+
+class ConcatColumnParallelLinear(MergedColumnParallelLinear):
+    """Column-parallel outputs that a checkpoint stores as ONE tensor (Qwen3.5's in_proj_qkv, q | k | v):
+    a whole tensor is cut into its parts by their sizes and each rank takes its slice of every part."""
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        dim = getattr(param, "output_dim", None)
+        if shard_id is not None or dim is None or self.tp_size == 1:
+            return super().weight_loader(param, loaded, shard_id)
+        total, start = sum(self.output_sizes), 0
+        for i, size in enumerate(self.output_sizes):  # rows scale alike for weights and block scales
+            rows = loaded.shape[dim] * size // total
+            super().weight_loader(param, loaded.narrow(dim, start, rows), i)
+            start += rows
+
+
+class GatedDeltaNet(nn.Module):
+    """hidden [T, H] -> [T, H] for the flat batch in the forward context.
+
+    A family subclasses it with its input projections and `project(hidden) -> (mixed_qkv [T, C] before
+    the conv, channels q | k | v; z [T, Hv, Dv]; b, a [T, Hv])`. Parameters here, under the checkpoint
+    names HF uses: conv1d.weight [C, 1, K], A_log and dt_bias [Hv], norm.weight [Dv], out_proj.
+    Tensor parallel: key and value heads split over the ranks (the conv channels part by part).
+    """
+
+    def __init__(self, config, prefix: str, quant_config: QuantConfig | None = None):
+        super().__init__()
+        group = get_tp_group()
+        tp, rank = group.world_size, group.rank_in_group
+        if config.linear_num_key_heads % tp or config.linear_num_value_heads % config.linear_num_key_heads:
+            raise ValueError(f"{prefix}: {config.linear_num_key_heads} key heads and {config.linear_num_value_heads} "
+                             f"value heads do not split over {tp} tensor-parallel ranks (value heads must be a "
+                             "multiple of key heads, key heads of the ranks)")
+        if config.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r} for gated DeltaNet; expected silu")
+        self.prefix = prefix
+        self.tp_rank = rank
+        self.num_k_heads = config.linear_num_key_heads // tp
+        self.num_v_heads = config.linear_num_value_heads // tp
+        self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_kernel = config.linear_conv_kernel_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.eps = config.rms_norm_eps
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, self.conv_kernel), requires_grad=False)
+        self.conv1d.weight.weight_loader = self._load_conv
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
+        for p in (self.A_log, self.dt_bias):
+            p.weight_loader = self._load_per_head
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.ones(self.head_v_dim), requires_grad=False)
+        self.out_proj = RowParallelLinear(config.linear_num_value_heads * self.head_v_dim, config.hidden_size,
+                                          quant_config=quant_config, prefix=f"{prefix}.out_proj")
+        dtype = torch.get_default_dtype()
+        self.state_spec = StateSpec(self.num_v_heads, self.head_k_dim, self.head_v_dim, self.conv_dim,
+                                    self.conv_kernel, conv_dtype=dtype)
+        self.recurrent_state = self.conv_state = torch.empty(0)
+        self.ops = kernel_ops(self.A_log.device)
+
+    def _load_conv(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        """[C_total, 1, K] with channels q | k | v -> this rank's part of each."""
+        tp = loaded.shape[0] // self.conv_dim
+        key, value = self.key_dim, self.value_dim
+        parts = loaded.split([key * tp, key * tp, value * tp])
+        copy_weight(param.data, torch.cat([_rank_part(p, n, self.tp_rank)
+                                           for p, n in zip(parts, (key, key, value))]))
+
+    def _load_per_head(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        copy_weight(param.data, _rank_part(loaded, self.num_v_heads, self.tp_rank))
+
+    def project(self, hidden: torch.Tensor):
+        raise NotImplementedError
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.recurrent_state.numel(), f"{self.prefix}: state pools not allocated"
+        mixed_qkv, z, b, a = self.project(hidden)
+        meta = get_attention_metadata()
+        cu_seqlens, slots = meta.query_start_loc, meta.state_slots
+        has_initial_state = meta.seq_lens > (cu_seqlens[1:] - cu_seqlens[:-1])  # cached context before this step
+        ops = self.ops
+        x = ops.causal_conv1d(mixed_qkv, self.conv1d.weight.squeeze(1), None, self.conv_state, slots, cu_seqlens,
+                              has_initial_state, activation="silu")
+        q, k, v = x.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        num_tokens = x.shape[0]
+        q = q.reshape(num_tokens, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(num_tokens, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(num_tokens, self.num_v_heads, self.head_v_dim)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # HF's log-decay, float32
+        # One token per sequence (decode): the recurrent step; otherwise the chunked form.
+        rule = ops.fused_recurrent_gated_delta_rule if meta.max_query_len == 1 else ops.chunk_gated_delta_rule
+        o = rule(q, k, v, g, beta, self.recurrent_state, slots, cu_seqlens, has_initial_state,
+                 scale=self.head_k_dim ** -0.5, use_qk_l2norm=True)
+        o = ops.gated_rms_norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim), self.norm.weight,
+                               self.eps)
+        return self.out_proj(o.reshape(num_tokens, self.value_dim))
