@@ -324,3 +324,4 @@ def mla_rope_store(
 # providers list the same functions.
 from atom_core.kernels.moe_ref import fused_moe, moe_align_block_size, moe_route  # noqa: E402,F401
 from atom_core.kernels.mla_ref import mla_attention  # noqa: E402,F401
+from atom_core.kernels.dsa_ref import dsa_index_scores, dsa_topk, mla_sparse_attention  # noqa: E402,F401
