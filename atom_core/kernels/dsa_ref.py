@@ -82,13 +82,13 @@ def dsa_topk(
     order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]  # [T, k]
     chosen = scores.gather(1, order) > float("-inf")
     positions = torch.where(chosen, order, torch.full_like(order, width)).sort(dim=1).values  # -1 pads last
+    seq = seq.to(scores.device)
+    chosen = (positions < width) & (seq[:, None] >= 0)
+    positions = torch.where(chosen, positions, torch.zeros_like(positions))
+    blocks = block_tables[seq.clamp(min=0)].long().gather(1, positions // block_size)  # [T, k]
+    slots = torch.where(chosen, blocks * block_size + positions % block_size, torch.full_like(positions, -1))
     out = torch.full((num_tokens, index_topk), -1, dtype=torch.int32, device=scores.device)
-    for t in range(num_tokens):
-        s = int(seq[t])
-        if s < 0:
-            continue
-        p = positions[t][positions[t] < width]
-        out[t, :p.numel()] = (block_tables[s, p // block_size].long() * block_size + p % block_size).to(torch.int32)
+    out[:, :k] = slots.to(torch.int32)
     return out
 
 

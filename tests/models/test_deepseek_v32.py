@@ -68,3 +68,104 @@ def test_defaults(model_and_ref):
     engine = LLMEngine(str(path))
     assert_same_tokens(engine.generate(prompts, GREEDY), ref, PROMPT_LENS)
     assert engine.core.kv.num_free_blocks == engine.core.kv.num_blocks
+
+
+def test_chunked_prefill(model_and_ref):
+    path, (prompts, _, _), (ref, _, _), _ = model_and_ref
+    engine = LLMEngine(str(path), max_num_batched_tokens=32)
+    assert_same_tokens(engine.generate(prompts, GREEDY), ref, PROMPT_LENS)
+
+
+def test_prefix_caching_with_shared_prefixes(model_and_ref):
+    """The indexer keys of cached blocks come back with the latent: later prompts hit 2 blocks."""
+    path, (_, shared, _), (_, shared_ref, _), _ = model_and_ref
+    engine = LLMEngine(str(path), enable_prefix_caching=True)
+    assert engine.generate([shared[0]], GREEDY)[0]["token_ids"] == shared_ref[0]
+    assert_same_tokens(engine.generate(shared, GREEDY), shared_ref, PROMPT_LENS)
+    assert engine.core.kv.num_hit_tokens >= 3 * 32
+    assert engine.core.kv.num_free_blocks == engine.core.kv.num_blocks
+
+
+def test_max_num_seqs_two_with_preemption(model_and_ref):
+    path, (prompts, _, _), (ref, _, _), _ = model_and_ref
+    engine = LLMEngine(str(path), max_num_seqs=2, num_kv_blocks=9, max_model_len=100)
+    assert_same_tokens(engine.generate(prompts, GREEDY), ref, PROMPT_LENS)
+    assert engine.core.kv.num_free_blocks == engine.core.kv.num_blocks
+
+
+def test_prompts_shorter_than_index_topk(model_and_ref):
+    """Prefill (and the first decodes) of prompts under index_topk run dense MLA; the decodes
+    past it select."""
+    path, (_, _, short), (_, _, short_ref), _ = model_and_ref
+    engine = LLMEngine(str(path))
+    assert_same_tokens(engine.generate(short, GREEDY), short_ref, SHORT_LENS)
+
+
+def test_selection_changes_the_output(model_and_ref):
+    """HF with an index_topk no prompt reaches (dense attention) generates other tokens than the
+    reference: the tests above see the selection."""
+    _, (prompts, _, _), (ref, _, _), hf = model_and_ref
+    indexers = [layer.self_attn.indexer for layer in hf.model.layers if layer.self_attn.indexer is not None]
+    for indexer in indexers:
+        indexer.index_topk = 10_000
+    try:
+        dense = hf_greedy(hf, prompts[:3], MAX_TOKENS)
+    finally:
+        for indexer in indexers:
+            indexer.index_topk = INDEX_TOPK
+    assert dense != ref[:3]
+
+
+def test_kv_spec_counts_the_indexer_keys(model_and_ref):
+    """Per token and layer: the latent (32 + 16) plus, on layers with an indexer, its 32-dim key;
+    GLM-5's shared layer stores no key."""
+    from atom_core.model_ops.kv_spec import attention_layers, kv_bytes_per_block
+
+    path = model_and_ref[0]
+    engine = LLMEngine(str(path))
+    layers = attention_layers(engine.core.executor.runner.model)
+    index_dims = [layer.kv_spec.index_head_dim for layer in layers]
+    assert index_dims == ([32, 32] if "v32" in path.name else [32, 0])
+    assert kv_bytes_per_block(layers, 16) == sum(48 + d for d in index_dims) * 4 * 16  # fp32
+    assert tuple(layers[0].index_cache.shape[1:]) == (16, 1, 32)
+
+
+@torch.inference_mode()
+def test_indexer_selection_equals_hf(model_and_ref):
+    """Layer 0's selected token sets on one 60-token prefill equal HF's indexer top-k (its rows
+    below index_topk pick masked future tokens too: only those at or before the row count)."""
+    from transformers import AutoConfig
+
+    from atom_core.loader import build_model
+    from atom_core.model_ops.forward_context import AttentionMetadata, set_attention_metadata
+    from atom_core.model_ops.kv_spec import allocate_kv_cache, attention_layers, release_kv_cache
+
+    path, _, _, hf = model_and_ref
+    n = 60
+    torch.manual_seed(7)
+    x = torch.randn(1, n, 64)
+    pos = torch.arange(n)[None]
+    hf_attn = hf.model.layers[0].self_attn
+    q_resid = hf_attn.q_a_layernorm(hf_attn.q_a_proj(x))
+    causal = torch.ones(n, n, dtype=torch.bool).tril()[None]
+    hf_topk = hf_attn.indexer(x, q_resid, hf.model.rotary_emb(x, pos), causal, pos)[0]  # [n, topk]
+
+    model = build_model(AutoConfig.from_pretrained(str(path)), path, torch.float32, "cpu")
+    layers = attention_layers(model)
+    allocate_kv_cache(layers, 4, 16, "cpu")
+    try:
+        attn = model.model.layers[0].self_attn
+        layer = attn.mla_attn
+        backend = layer.backend(torch.device("cpu"))
+        i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+        meta = AttentionMetadata(i32([0, n]), i32([n]), torch.arange(4, dtype=torch.int32)[None],
+                                 torch.arange(n), n, n)
+        with set_attention_metadata(meta):
+            index_q, index_k, weights = attn.indexer(x[0], q_resid[0])
+            index_q = backend._rope_store_index_keys(layer, index_q, index_k, pos[0], meta.slot_mapping)
+            slots = backend.select(layer, index_q, weights, meta)  # identity block table: slot == position
+    finally:
+        release_kv_cache(layers)
+    for t in range(n):
+        expected = sorted(p for p in hf_topk[t].tolist() if p <= t)
+        assert sorted(s for s in slots[t].tolist() if s >= 0) == expected, f"row {t}"
