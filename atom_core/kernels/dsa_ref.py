@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from atom_core.kernels.mla_ref import sequence_rows
+
 
 def _query_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int):
     """(sequence [T], position [T]) of every query row; rows past query_start_loc[-1] get
@@ -43,19 +45,19 @@ def dsa_index_scores(
     seq_lens: torch.Tensor,  # [S] int32, KV length after this step
     scale: float,  # the indexer's softmax scale, D^-0.5
     max_seq_len: int,  # W: the width of the score rows
+    max_query_len: int | None = None,  # an upper bound of any sequence's rows (kernels size grids with it)
 ) -> torch.Tensor:
     """score [T, W] float32: sum_h weights[t, h] * relu(scale * index_q[t, h] . key_j) at the
-    positions j <= t's position, -inf elsewhere (and on every row past query_start_loc[-1])."""
+    positions j <= t's position, -inf elsewhere; rows past query_start_loc[-1] are undefined
+    (here -inf)."""
     num_tokens = index_q.shape[0]
-    block_size = index_cache.shape[1]
     out = torch.full((num_tokens, max_seq_len), float("-inf"), dtype=torch.float32, device=index_q.device)
     qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
     for s, seq_len in enumerate(lens):
         q_start, q_end = qsl[s], qsl[s + 1]
         if q_end == q_start:
             continue
-        blocks = block_tables[s, :(seq_len + block_size - 1) // block_size].long()
-        keys = index_cache[blocks].reshape(-1, index_cache.shape[-1])[:seq_len].float()  # [L, D]
+        keys = sequence_rows(index_cache, block_tables, s, seq_len)  # [L, D]
         dots = torch.einsum("qhd,ld->qhl", index_q[q_start:q_end].float(), keys) * scale
         scores = torch.einsum("qh,qhl->ql", weights[q_start:q_end].float(), dots.relu())
         q_pos = torch.arange(seq_len - (q_end - q_start), seq_len, device=out.device)[:, None]
@@ -71,6 +73,7 @@ def dsa_topk(
     query_start_loc: torch.Tensor,  # [S + 1] int32
     seq_lens: torch.Tensor,  # [S] int32
     block_size: int,
+    max_query_len: int | None = None,  # as for dsa_index_scores
 ) -> torch.Tensor:
     """slots [T, K] int32: the KV cache slots of each row's selected positions (see the module
     doc: the K best, ties to the lower position, never a -inf one), ascending, -1 padded. Rows

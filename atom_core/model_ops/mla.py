@@ -280,6 +280,7 @@ class SparseMLABackend(MLABackend):
                meta) -> torch.Tensor:
         """The slots [T, index_topk] each query row attends to (-1 padded)."""
         scores = self.ops.dsa_index_scores(index_q, index_w, layer.index_cache, meta.block_tables,
-                                           meta.query_start_loc, meta.seq_lens, layer.index_scale, meta.max_seq_len)
+                                           meta.query_start_loc, meta.seq_lens, layer.index_scale, meta.max_seq_len,
+                                           meta.max_query_len)
         return self.ops.dsa_topk(scores, layer.index_topk, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                                 layer.index_cache.shape[1])
+                                 layer.index_cache.shape[1], meta.max_query_len)

@@ -18,3 +18,7 @@ from atom_core.kernels.triton.mla import mla_attention  # noqa: E402
 from atom_core.kernels.triton.mla_prep import mla_rope_store  # noqa: E402
 
 __all__ += ["mla_attention", "mla_rope_store"]
+from atom_core.kernels.triton.dsa_index import dsa_index_scores, dsa_topk  # noqa: E402
+from atom_core.kernels.triton.dsa_mla import mla_sparse_attention  # noqa: E402
+
+__all__ += ["dsa_index_scores", "dsa_topk", "mla_sparse_attention"]
