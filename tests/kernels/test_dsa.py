@@ -128,3 +128,27 @@ class TestSparseMLA:
         slots = slots.clamp(max=args[2].shape[0] * 8 - 1).to(torch.int32)
         out = mla_sparse_attention(args[0], args[1], args[2], slots.to(device), args[6], block_n=16).cpu()
         assert rel_err(out, dsa_ref.mla_sparse_attention(*cpu([args[0], args[1], args[2]]), slots, args[6])) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_real_shapes_decode_bf16():
+    """DeepSeek-V3.2 shapes (128 heads, latent 512 + rope 64, indexer 64 x 128, top-2048) at
+    batch 4 and 3000-token contexts: every kernel against its reference."""
+    from atom_core.kernels.triton import dsa_index_scores, dsa_topk, mla_sparse_attention
+
+    args = make_batch([1] * 4, [2999, 100, 2500, 3000], 128, 512, 64, 16, torch.bfloat16, "cuda", seed=11)
+    tables, qsl, seq_lens, max_s = args[3], args[4], args[5], args[8]
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    index_q = torch.randn(4, 64, 128, device="cuda", generator=gen).bfloat16()
+    weights = torch.randn(4, 64, device="cuda", generator=gen)
+    index_cache = torch.randn(args[2].shape[0], 16, 1, 128, device="cuda", generator=gen).bfloat16()
+    iargs = (index_q, weights, index_cache, tables, qsl, seq_lens, 128 ** -0.5, max_s, 1)
+    scores = dsa_index_scores(*iargs)
+    ref_scores = dsa_ref.dsa_index_scores(*iargs)
+    finite = ref_scores.isfinite()
+    assert rel_err(scores[finite], ref_scores[finite]) < TOL[torch.bfloat16]
+    slots = dsa_topk(ref_scores, 2048, tables, qsl, seq_lens, 16, 1)
+    assert torch.equal(slots, dsa_ref.dsa_topk(ref_scores, 2048, tables, qsl, seq_lens, 16))
+    out = mla_sparse_attention(args[0], args[1], args[2], slots, args[6])
+    assert rel_err(out, dsa_ref.mla_sparse_attention(args[0], args[1], args[2], slots, args[6])) < TOL[torch.bfloat16]

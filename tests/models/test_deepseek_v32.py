@@ -169,3 +169,14 @@ def test_indexer_selection_equals_hf(model_and_ref):
     for t in range(n):
         expected = sorted(p for p in hf_topk[t].tolist() if p <= t)
         assert sorted(s for s in slots[t].tolist() if s >= 0) == expected, f"row {t}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs_compiled", "eager"])
+def test_cuda_engine_matches_hf(model_and_ref, eager):
+    """The Triton path (indexer, top-k, sparse MLA; CUDA graphs and torch.compile by default) in
+    fp32 against HF on the CPU, with chunked prefill so chunks, decodes and mixed steps occur."""
+    path, (prompts, _, _), (ref, _, _), _ = model_and_ref
+    engine = LLMEngine(str(path), device="cuda", dtype="float32", max_num_batched_tokens=32, enforce_eager=eager)
+    assert_same_tokens(engine.generate(prompts, GREEDY), ref, PROMPT_LENS)
