@@ -16,6 +16,13 @@ from __future__ import annotations
 import torch
 
 
+def sequence_rows(cache: torch.Tensor, block_tables: torch.Tensor, s: int, seq_len: int) -> torch.Tensor:
+    """Sequence s's first seq_len cache rows [L, W] (cache [NB, BS, 1, W]) in float32."""
+    block_size = cache.shape[1]
+    blocks = block_tables[s, :(seq_len + block_size - 1) // block_size].long()
+    return cache[blocks].reshape(-1, cache.shape[3])[:seq_len].float()
+
+
 def mla_attention(
     q_latent: torch.Tensor,  # [T, H, C]
     q_rope: torch.Tensor,  # [T, H, R]
@@ -34,7 +41,6 @@ def mla_attention(
     sequences with q_len 0, and rows past query_start_loc[-1], are left as they were in `out`.
     """
     num_tokens, num_heads, latent_dim = q_latent.shape
-    block_size = kv_cache.shape[1]
     if kv_cache.shape[3] != latent_dim + q_rope.shape[2]:
         raise ValueError(f"kv_cache row {kv_cache.shape[3]} != latent {latent_dim} + rope {q_rope.shape[2]}")
     if out is None:
@@ -46,8 +52,7 @@ def mla_attention(
         q_len = q_end - q_start
         if q_len == 0:
             continue
-        blocks = block_tables[s, :(seq_len + block_size - 1) // block_size].long()
-        kv = kv_cache[blocks].reshape(-1, kv_cache.shape[3])[:seq_len].float()  # [L, C + R]
+        kv = sequence_rows(kv_cache, block_tables, s, seq_len)  # [L, C + R]
         scores = torch.einsum("qhd,ld->hql", q[q_start:q_end], kv) * scale  # [H, q_len, L]
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
         scores.masked_fill_(torch.arange(seq_len, device=q.device)[None, :] > q_pos, float("-inf"))
@@ -73,15 +78,13 @@ def mla_expanded_reference(
     latent_dim = kv_cache.shape[3] - q_rope.shape[2]
     w = kv_b_weight.float().view(num_heads, -1, latent_dim)  # [H, N + V, C]
     v_dim = w.shape[1] - nope
-    block_size = kv_cache.shape[1]
     out = torch.zeros(num_tokens, num_heads, v_dim)
     qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
     for s, seq_len in enumerate(lens):
         q_start, q_end = qsl[s], qsl[s + 1]
         if q_end == q_start:
             continue
-        blocks = block_tables[s, :(seq_len + block_size - 1) // block_size].long()
-        kv = kv_cache[blocks].reshape(-1, kv_cache.shape[3])[:seq_len].float()
+        kv = sequence_rows(kv_cache, block_tables, s, seq_len)
         kv_heads = torch.einsum("lc,hec->lhe", kv[:, :latent_dim], w)  # [L, H, N + V]
         k = torch.cat([kv_heads[..., :nope], kv[:, None, latent_dim:].expand(-1, num_heads, -1)], dim=-1)
         q = torch.cat([q_nope[q_start:q_end], q_rope[q_start:q_end]], dim=-1).float()

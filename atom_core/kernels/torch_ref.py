@@ -327,3 +327,4 @@ from atom_core.kernels.mla_ref import mla_attention  # noqa: E402,F401
 from atom_core.kernels.gdn_ref import (  # noqa: E402,F401
     causal_conv1d, chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, gated_rms_norm,
 )
+from atom_core.kernels.dsa_ref import dsa_index_scores, dsa_topk, mla_sparse_attention  # noqa: E402,F401

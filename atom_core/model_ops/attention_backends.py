@@ -204,6 +204,8 @@ _BACKENDS: dict[tuple[str, str], tuple[str, str]] = {
     ("mha", "cpu"): (__name__, "PagedMHABackend"),
     ("mla", "cuda"): ("atom_core.model_ops.mla", "MLABackend"),
     ("mla", "cpu"): ("atom_core.model_ops.mla", "MLABackend"),
+    ("mla_sparse", "cuda"): ("atom_core.model_ops.mla", "SparseMLABackend"),
+    ("mla_sparse", "cpu"): ("atom_core.model_ops.mla", "SparseMLABackend"),
 }
 _INSTANCES: dict[tuple[str, str, KernelConfig], AttentionBackend] = {}
 

@@ -10,6 +10,12 @@ FP8 with per-token-head scales (--kv-cache-dtype fp8_per_token_head) adds one fl
 [2, layers_in_group, num_blocks, block_size, kv_heads] per group: layer i's K scales at [0, i]
 and V scales at [1, i] (k_scale_cache / v_scale_cache), indexed by the same block and slot as
 the codes, so prefix caching, preemption and rollback need nothing of their own.
+
+A sparse-attention MLA layer (DeepSeek Sparse Attention) also caches its indexer's key per token
+(index_head_dim > 0): one tensor [layers_in_group, num_blocks, block_size, 1, index_head_dim] per
+group in the spec's dtype, layer i's view at [i] (index_cache), indexed by the same blocks and
+slots as the latent, and counted in bytes_per_token, so it is sized, prefix-cached, preempted and
+freed with the latent.
 """
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ class KVSpec:
     mha: K and V, each num_kv_heads x head_size. mla: one compressed latent of head_size per
     token (num_kv_heads is 1; V is read from the latent, so nothing separate is stored).
     per_token_head_scales (FP8 mha only): a float32 scale per token, KV head and plane besides.
+    index_head_dim (mla only): the sparse-attention indexer's key per token besides, in `dtype`.
     """
 
     kind: Literal["mha", "mla"]
@@ -45,6 +52,7 @@ class KVSpec:
     sliding_window: int | None = None
     has_sinks: bool = False
     per_token_head_scales: bool = False
+    index_head_dim: int = 0
 
     def __post_init__(self):
         if self.kind not in ("mha", "mla"):
@@ -55,6 +63,9 @@ class KVSpec:
             raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
         if self.per_token_head_scales and (self.kind != "mha" or self.dtype not in FP8_KV_DTYPES):
             raise ValueError(f"per-token-head KV scales need an FP8 mha cache, not {self.kind} {self.dtype}")
+        if self.index_head_dim < 0 or (self.index_head_dim and self.kind != "mla"):
+            raise ValueError(f"an indexer key cache (index_head_dim {self.index_head_dim}) needs an mla layer, "
+                             f"not {self.kind}")
 
     @property
     def num_planes(self) -> int:
@@ -64,7 +75,8 @@ class KVSpec:
     @property
     def bytes_per_token(self) -> int:
         scale_bytes = 4 if self.per_token_head_scales else 0  # one float32 per (plane, kv head)
-        return self.num_planes * self.num_kv_heads * (self.head_size * self.dtype.itemsize + scale_bytes)
+        index_bytes = self.index_head_dim * self.dtype.itemsize
+        return self.num_planes * self.num_kv_heads * (self.head_size * self.dtype.itemsize + scale_bytes) + index_bytes
 
 
 def attention_layers(model: nn.Module) -> list["Attention"]:
@@ -144,14 +156,22 @@ def allocate_kv_cache(layers: list["Attention"], num_blocks: int, block_size: in
         cache = torch.zeros(shape, dtype=spec.dtype, device=device)
         # Zeros: a slot never stored dequantizes to 0, never to NaN.
         scales = torch.zeros(shape[:-1], dtype=torch.float32, device=device) if spec.per_token_head_scales else None
+        index = None
+        if spec.index_head_dim:
+            index = torch.zeros(len(group), num_blocks, block_size, 1, spec.index_head_dim, dtype=spec.dtype,
+                                device=device)
         for i, layer in enumerate(group):
             # mla: the latent is both what K reads and what V is sliced from.
             layer.k_cache, layer.v_cache = cache[0, i], cache[spec.num_planes - 1, i]
             layer.k_scale_cache = scales[0, i] if scales is not None else None
             layer.v_scale_cache = scales[1, i] if scales is not None else None
+            if index is not None:
+                layer.index_cache = index[i]
         caches.append(cache)
         if scales is not None:
             caches.append(scales)
+        if index is not None:
+            caches.append(index)
     return caches
 
 
@@ -159,6 +179,8 @@ def release_kv_cache(layers: list["Attention"]) -> None:
     for layer in layers:
         layer.k_cache = layer.v_cache = torch.empty(0)
         layer.k_scale_cache = layer.v_scale_cache = None
+        if layer.kv_spec.index_head_dim:
+            layer.index_cache = torch.empty(0)
 
 
 def check_attention_supported(layers: list["Attention"], max_model_len: int, device: torch.device | str) -> None:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from atom_core.kernels import kernel_ops
+from atom_core.kernels.torch_ref import deinterleave
 from atom_core.kernel_config import KernelConfig, build_kernel_config
 from atom_core.model_ops.attention_backends import AttentionBackend, get_attention_backend
 from atom_core.model_ops.forward_context import get_attention_metadata
@@ -136,3 +137,150 @@ class MLABackend(AttentionBackend):
                                           meta.max_seq_len)
         out = torch.bmm(o_latent.transpose(0, 1), w_uv_t)  # [H, T, V]
         return out.transpose(0, 1).reshape(num_tokens, layer.num_heads * layer.v_head_dim)
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): MLA over the index_topk tokens an indexer picks
+
+
+@torch.library.custom_op("atom::sparse_mla_attention", mutates_args=())
+def sparse_mla_attention_op(q: torch.Tensor, kv_a: torch.Tensor, positions: torch.Tensor, index_q: torch.Tensor,
+                            index_k: torch.Tensor, index_w: torch.Tensor, layer_key: torch.Tensor,
+                            out_width: int) -> torch.Tensor:
+    """atom::mla_attention plus the indexer's query, key and head weights (its cache store is a
+    side effect too)."""
+    layer = _LAYERS[int(layer_key)]
+    return layer.backend(q.device).forward(layer, q, kv_a, positions, index_q, index_k, index_w)
+
+
+@sparse_mla_attention_op.register_fake
+def _(q, kv_a, positions, index_q, index_k, index_w, layer_key, out_width):
+    return q.new_empty(q.shape[0], out_width)
+
+
+class TopkSelection:
+    """The slots [T, index_topk] the last indexer layer of this forward selected (None: the step
+    ran dense), for the layers that reuse it (GLM-5's "shared" layers). One per model; layers
+    run in order, so a reader always sees its forward's selection."""
+
+    def __init__(self):
+        self.slots: torch.Tensor | None = None
+
+
+class SparseMLAAttention(MLAAttention):
+    """MLA with DeepSeek Sparse Attention: the layer's lightning indexer (its projections are the
+    model's; this layer gets their outputs) scores the cached tokens, and MLA attends to the
+    `index_topk` best of them per query token (kernels/dsa_ref.py holds the math).
+
+    forward(q, kv_a, positions, index_q [T, Hi * D], index_k [T, D], index_w [T, Hi] float32,
+    already times Hi^-0.5): the indexer's query and key before RoPE, which is applied to their
+    first qk_rope_head_dim dims (neox halves, or pairs when `index_interleaved`: GLM-5) with the
+    MLA rotary cache. A layer built with `has_indexer=False` (GLM-5's "shared" layers) takes no
+    indexer inputs, stores no indexer keys and reuses the selection of the last indexer layer
+    before it (`selection`, one per model).
+
+    The KV spec is the MLA latent plus, with an indexer, index_head_dim values per token (the key
+    cache `index_cache`, same blocks and slots). Dense/sparse switch: a step whose longest
+    sequence (max_seq_len, with this step's tokens) is at most index_topk runs dense MLA, which is
+    exact (every query keeps all the tokens it sees); any longer step selects for every row (rows
+    seeing at most index_topk tokens still keep all of them).
+    """
+
+    def __init__(self, num_heads: int, qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
+                 kv_lora_rank: int, scale: float, rotary: RotaryEmbedding, kv_a_layernorm: RMSNorm,
+                 kv_b_proj: nn.Module, interleaved: bool, *, index_n_heads: int, index_head_dim: int,
+                 index_topk: int, index_interleaved: bool, selection: TopkSelection, has_indexer: bool = True,
+                 prefix: str = ""):
+        super().__init__(num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, kv_lora_rank, scale, rotary,
+                         kv_a_layernorm, kv_b_proj, interleaved, prefix)
+        if index_topk < 1 or index_head_dim < qk_rope_head_dim:
+            raise ValueError(f"index_topk {index_topk} must be >= 1 and index_head_dim {index_head_dim} >= "
+                             f"qk_rope_head_dim {qk_rope_head_dim} (the indexer ropes its first dims)")
+        self.index_n_heads, self.index_head_dim, self.index_topk = index_n_heads, index_head_dim, index_topk
+        self.index_interleaved, self.has_indexer = index_interleaved, has_indexer
+        self.index_scale = index_head_dim ** -0.5
+        self.selection = selection
+        self.kv_spec = KVSpec("mla", 1, kv_lora_rank + qk_rope_head_dim, self.dtype,
+                              index_head_dim=index_head_dim if has_indexer else 0)
+        self.index_cache = torch.empty(0)
+
+    def backend(self, device: torch.device) -> AttentionBackend:
+        if self._backend is None:
+            self._backend = get_attention_backend("mla_sparse", device, self.kernel_config)
+        return self._backend
+
+    def forward(self, q: torch.Tensor, kv_a: torch.Tensor, positions: torch.Tensor,
+                index_q: torch.Tensor | None = None, index_k: torch.Tensor | None = None,
+                index_w: torch.Tensor | None = None) -> torch.Tensor:
+        assert (index_q is not None) == self.has_indexer, f"{self.prefix}: indexer inputs iff the layer has one"
+        if not self.has_indexer:
+            return super().forward(q, kv_a, positions)
+        if torch.compiler.is_compiling():
+            return sparse_mla_attention_op(q, kv_a, positions, index_q, index_k, index_w, self.layer_key,
+                                           self.num_heads * self.v_head_dim)
+        assert self.k_cache.numel(), "KV cache not allocated for this MLA layer"
+        return self.backend(q.device).forward(self, q, kv_a, positions, index_q, index_k, index_w)
+
+
+class SparseMLABackend(MLABackend):
+    """Absorbed MLA over the index_topk slots the indexer selects per query token (dense MLA for
+    steps that fit in index_topk, see SparseMLAAttention). Kernels of the provider:
+    `dsa_index_scores`, `dsa_topk`, `mla_sparse_attention` (kernels/triton/dsa_index.py,
+    kernels/triton/dsa_mla.py; kernels/dsa_ref.py on the CPU). No host sync: the switch reads
+    max_seq_len, a host int (max_model_len inside decode graphs)."""
+
+    name = "mla-sparse"
+
+    def forward(self, layer: SparseMLAAttention, q: torch.Tensor, kv_a: torch.Tensor, positions: torch.Tensor,
+                index_q: torch.Tensor | None = None, index_k: torch.Tensor | None = None,
+                index_w: torch.Tensor | None = None) -> torch.Tensor:
+        meta = get_attention_metadata()
+        num_tokens = q.shape[0]
+        norm = layer.kv_a_layernorm
+        q_rope = self.ops.mla_rope_store(q, kv_a, positions, layer.rotary.cos_sin_cache, layer.k_cache,
+                                         meta.slot_mapping, norm.weight, norm.eps, layer.interleaved)  # [T, H, R]
+        if layer.has_indexer:
+            index_q = self._rope_store_index_keys(layer, index_q, index_k, positions, meta.slot_mapping)
+            slots = None
+            if meta.max_seq_len > layer.index_topk:
+                slots = self.select(layer, index_q, index_w, meta)
+            layer.selection.slots = slots
+        else:
+            slots = layer.selection.slots if meta.max_seq_len > layer.index_topk else None
+        w_uk, w_uv_t = layer.absorbed_weights()
+        q_latent = torch.bmm(q[..., :layer.qk_nope_head_dim].transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, C]
+        if slots is None:
+            o_latent = self.ops.mla_attention(q_latent, q_rope, layer.k_cache, meta.block_tables,
+                                              meta.query_start_loc, meta.seq_lens, layer.scale, meta.max_query_len,
+                                              meta.max_seq_len)
+        else:
+            o_latent = self.ops.mla_sparse_attention(q_latent, q_rope, layer.k_cache, slots, layer.scale)
+        out = torch.bmm(o_latent.transpose(0, 1), w_uv_t)  # [H, T, V]
+        return out.transpose(0, 1).reshape(num_tokens, layer.num_heads * layer.v_head_dim)
+
+    def _rope_store_index_keys(self, layer: SparseMLAAttention, index_q: torch.Tensor, index_k: torch.Tensor,
+                               positions: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """RoPE on the indexer's query and key (their first qk_rope_head_dim dims), the key into
+        index_cache; returns the roped query [T, Hi, D]. Interleaved pairs become neox halves in
+        both (a common permutation of the dims: the dot products stay those of the pairs)."""
+        num_tokens, rope = index_q.shape[0], layer.qk_rope_head_dim
+        iq = index_q.view(num_tokens, layer.index_n_heads, layer.index_head_dim)
+        ik = index_k.view(num_tokens, 1, layer.index_head_dim)
+        if layer.index_interleaved:
+            iq = torch.cat([deinterleave(iq[..., :rope]), iq[..., rope:]], dim=-1)
+            ik = torch.cat([deinterleave(ik[..., :rope]), ik[..., rope:]], dim=-1)
+        else:  # fresh tensors: the rotary kernel works in place, and the inputs are the op's arguments
+            iq, ik = iq.clone(), ik.clone()
+        iq, ik = self.ops.rotary_embedding(positions, iq, ik, layer.rotary.cos_sin_cache)
+        ik = ik.to(layer.index_cache.dtype)
+        self.ops.store_kv_cache(ik, ik, layer.index_cache, layer.index_cache, slot_mapping)
+        return iq
+
+    def select(self, layer: SparseMLAAttention, index_q: torch.Tensor, index_w: torch.Tensor,
+               meta) -> torch.Tensor:
+        """The slots [T, index_topk] each query row attends to (-1 padded)."""
+        scores = self.ops.dsa_index_scores(index_q, index_w, layer.index_cache, meta.block_tables,
+                                           meta.query_start_loc, meta.seq_lens, layer.index_scale, meta.max_seq_len,
+                                           meta.max_query_len)
+        return self.ops.dsa_topk(scores, layer.index_topk, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                                 layer.index_cache.shape[1], meta.max_query_len)

@@ -57,11 +57,15 @@ def shared_rotary(config) -> RotaryEmbedding:
                    json.dumps(scaling, sort_keys=True), str(torch.get_default_device()))
 
 
+# Families whose HF config has no topk_method field: their routing is always V3's.
+NOAUX_TC_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
+
+
 def deepseek_routing(config) -> MoERouting:
     method = getattr(config, "topk_method", None)
     common = dict(top_k=config.num_experts_per_tok, routed_scaling_factor=config.routed_scaling_factor,
                   router_in_fp32=True)
-    if method == "noaux_tc" or "DeepseekV3ForCausalLM" in (getattr(config, "architectures", None) or []):
+    if method == "noaux_tc" or set(NOAUX_TC_ARCHITECTURES) & set(getattr(config, "architectures", None) or []):
         if method not in (None, "noaux_tc"):
             raise ValueError(f"DeepseekV3 topk_method {method!r} is not supported; expected noaux_tc")
         return MoERouting(scoring="sigmoid", renormalize=bool(config.norm_topk_prob), correction_bias=True,
@@ -108,10 +112,14 @@ class DeepseekV2Attention(nn.Module):
         self.o_proj = RowParallelLinear(heads * v_dim, hidden, bias=bias, quant_config=quant_config,
                                         prefix=f"{prefix}.o_proj")
         self.rotary_emb = shared_rotary(config)
+        self.mla_attn = self.make_mla(config, prefix)
+
+    def make_mla(self, config, prefix: str) -> MLAAttention:
+        """The attention over the latent cache (a sparse-attention family returns its own)."""
         interleaved = getattr(config, "rope_interleave", True)  # V2 always pairs; V3 says so
-        self.mla_attn = MLAAttention(self.num_local_heads, nope, rope, v_dim, self.kv_lora_rank,
-                                     mla_softmax_scale(config), self.rotary_emb, self.kv_a_layernorm, self.kv_b_proj,
-                                     interleaved, prefix=f"{prefix}.mla_attn")
+        return MLAAttention(self.num_local_heads, config.qk_nope_head_dim, config.qk_rope_head_dim,
+                            config.v_head_dim, self.kv_lora_rank, mla_softmax_scale(config), self.rotary_emb,
+                            self.kv_a_layernorm, self.kv_b_proj, interleaved, prefix=f"{prefix}.mla_attn")
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         if self.q_lora_rank is None:
@@ -127,6 +135,8 @@ class DeepseekV2DecoderLayer(DecoderLayer):
     """Pre-norm MLA + (dense MLP for layer < first_k_dense_replace, else routed + shared experts).
     The layer index comes from the prefix ("model.layers.3"), so an MTP block can build one."""
 
+    attention_cls = DeepseekV2Attention
+
     def __init__(self, config, prefix: str, quant_config: QuantConfig | None = None):
         mlp_prefix = f"{prefix}.mlp"
         if layer_index(prefix) < config.first_k_dense_replace:
@@ -139,7 +149,7 @@ class DeepseekV2DecoderLayer(DecoderLayer):
                                   f"{mlp_prefix}.shared_experts", quant_config, hidden_act=config.hidden_act)
             mlp = SparseMoeBlock(config.hidden_size, config.n_routed_experts, config.moe_intermediate_size,
                                  deepseek_routing(config), mlp_prefix, quant_config, shared_experts=shared)
-        super().__init__(config, DeepseekV2Attention(config, f"{prefix}.self_attn", quant_config), mlp)
+        super().__init__(config, self.attention_cls(config, f"{prefix}.self_attn", quant_config), mlp)
 
 
 class DeepseekV2ForCausalLM(DecoderForCausalLM):

@@ -14,6 +14,8 @@ _MODELS = {
     "Glm4MoeForCausalLM": ("atom_core.models.glm4_moe", "Glm4MoeForCausalLM"),
     "DeepseekV2ForCausalLM": ("atom_core.models.deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("atom_core.models.deepseek_v2", "DeepseekV3ForCausalLM"),
+    "DeepseekV32ForCausalLM": ("atom_core.models.deepseek_v32", "DeepseekV32ForCausalLM"),
+    "GlmMoeDsaForCausalLM": ("atom_core.models.deepseek_v32", "GlmMoeDsaForCausalLM"),
     "GptOssForCausalLM": ("atom_core.models.gpt_oss", "GptOssForCausalLM"),
     "Qwen3NextForCausalLM": ("atom_core.models.qwen3_next", "Qwen3NextForCausalLM"),
     "Qwen3_5ForCausalLM": ("atom_core.models.qwen3_5", "Qwen3_5ForCausalLM"),

@@ -23,3 +23,7 @@ from atom_core.kernels.triton.gated_delta import chunk_gated_delta_rule, fused_r
 from atom_core.kernels.triton.norm import gated_rms_norm  # noqa: E402
 
 __all__ += ["causal_conv1d", "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "gated_rms_norm"]
+from atom_core.kernels.triton.dsa_index import dsa_index_scores, dsa_topk  # noqa: E402
+from atom_core.kernels.triton.dsa_mla import mla_sparse_attention  # noqa: E402
+
+__all__ += ["dsa_index_scores", "dsa_topk", "mla_sparse_attention"]

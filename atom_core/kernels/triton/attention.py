@@ -46,6 +46,18 @@ MAX_KV_SPLITS = 32
 MAX_SPLIT_SCRATCH_BYTES = 256 << 20
 
 @triton.jit
+def softmax_tile(s, m_i, l_i):
+    """The online-softmax step of one tile of scores s [M, N] (log2 units): (p, the factor alpha
+    the running sums rescale by, the new l_i, the new running max)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row may see no position in a masked tile (e.g. a later split); keep exp2 finite.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
+
+
+@triton.jit
 def _attend_tile(
     acc, l_i, m_i, q, q_pos, tile, kv_end,
     block_table_row, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs, scale_log2e,
@@ -104,12 +116,7 @@ def _attend_tile(
         if HAS_WINDOW:  # sliding window: a row at position p sees (p - window, p]
             visible &= offs_n[None, :] > q_pos[:, None] - window
         s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    # A row may see no position in a masked tile (e.g. a later split); keep exp2 finite.
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - m_safe[:, None])
-    alpha = tl.math.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, l_i, m_new = softmax_tile(s, m_i, l_i)
     acc = acc * alpha[:, None]
     if TOKEN_SCALES:
         p = p * v_s[None, :]  # after l_i: the denominator sums the unscaled probabilities

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atom_core.kernels.triton.attention import split_lse
+from atom_core.kernels.triton.attention import softmax_tile, split_lse
 from atom_core.kernels.triton.common import (
     check_dim, check_float, check_int, check_last_dim_contiguous, check_same_device, next_pow2, sm_count,
 )
@@ -31,6 +31,25 @@ LOG2E = 1.4426950408889634
 SPLIT_TARGET_PROGRAMS_PER_SM = 2
 MAX_KV_SPLITS = 32
 MAX_SPLIT_SCRATCH_BYTES = 256 << 20
+
+
+@triton.jit
+def latent_tile_step(ql, qr, rows, n_ok, visible, offs_c, offs_r, scale_log2e, m_i, l_i, acc,
+                     LATENT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One tile of absorbed MLA with an online softmax: the latent rows at `rows` [N] (pointers;
+    n_ok masks the loads) score q_latent . c + q_rope . r for the M query rows, `visible` [M, N]
+    masks the scores, and (m_i, l_i, acc) advance over the tile's latents. Returns the new triple."""
+    c = tl.load(rows[:, None] + offs_c[None, :], mask=n_ok[:, None], other=0.0)  # [N, C]
+    r = tl.load(rows[:, None] + LATENT + offs_r[None, :], mask=n_ok[:, None], other=0.0)  # [N, R]
+    if UPCAST:
+        c = c.to(tl.float32)
+        r = r.to(tl.float32)
+    s = tl.dot(ql, tl.trans(c), input_precision=DOT_PRECISION)
+    s = tl.dot(qr, tl.trans(r), s, input_precision=DOT_PRECISION) * scale_log2e  # [M, N], log2 units
+    s = tl.where(visible, s, float("-inf"))
+    p, alpha, l_i, m_new = softmax_tile(s, m_i, l_i)
+    acc = tl.dot(p.to(c.dtype), c, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_q_blocks", "num_splits", "stride_bt"])
@@ -87,21 +106,9 @@ def _mla_kernel(
         n_ok = offs_n < kv_end
         block_ids = tl.load(block_table_row + offs_n // KV_BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         rows = kv_ptr + block_ids * stride_kvb + (offs_n % KV_BLOCK_SIZE) * stride_kvs
-        c = tl.load(rows[:, None] + offs_c[None, :], mask=n_ok[:, None], other=0.0)  # [N, C]
-        r = tl.load(rows[:, None] + LATENT + offs_r[None, :], mask=n_ok[:, None], other=0.0)  # [N, R]
-        if UPCAST:
-            c = c.to(tl.float32)
-            r = r.to(tl.float32)
-        s = tl.dot(ql, tl.trans(c), input_precision=DOT_PRECISION)
-        s = tl.dot(qr, tl.trans(r), s, input_precision=DOT_PRECISION) * scale_log2e  # [M, N], log2 units
-        s = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(c.dtype), c, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        m_i, l_i, acc = latent_tile_step(ql, qr, rows, n_ok, visible, offs_c, offs_r, scale_log2e, m_i, l_i, acc,
+                                         LATENT, UPCAST, DOT_PRECISION)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
