@@ -320,7 +320,8 @@ def mla_rope_store(
     return q_pe.contiguous()
 
 
-# The MoE and MLA attention functions live in moe_ref.py and mla_ref.py; re-exported so both
+# The MoE, MLA attention and LoRA functions live in moe_ref.py, mla_ref.py and lora_ref.py; re-exported so both
 # providers list the same functions.
 from atom_core.kernels.moe_ref import fused_moe, moe_align_block_size, moe_route  # noqa: E402,F401
 from atom_core.kernels.mla_ref import mla_attention  # noqa: E402,F401
+from atom_core.kernels.lora_ref import lora_expand, lora_shrink  # noqa: E402,F401

@@ -18,3 +18,6 @@ from atom_core.kernels.triton.mla import mla_attention  # noqa: E402
 from atom_core.kernels.triton.mla_prep import mla_rope_store  # noqa: E402
 
 __all__ += ["mla_attention", "mla_rope_store"]
+from atom_core.kernels.triton.lora import lora_expand, lora_shrink  # noqa: E402
+
+__all__ += ["lora_expand", "lora_shrink"]
