@@ -29,8 +29,8 @@ def make_adapter(base: Path, out: Path, rank: int = 8, alpha: float = 16, target
     return Path(out)
 
 
-def hf_greedy(base: Path, adapter: Path | None, prompt_ids: list[int], max_tokens: int) -> list[int]:
-    """Greedy tokens of HF transformers (+ PEFT when `adapter` is given)."""
+def hf_greedy(base: Path, adapter: Path | None, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy tokens of HF transformers (+ PEFT when `adapter` is given), per prompt."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
@@ -39,8 +39,11 @@ def hf_greedy(base: Path, adapter: Path | None, prompt_ids: list[int], max_token
 
         model = PeftModel.from_pretrained(model, str(adapter))
     model.eval()
-    ids = torch.tensor([prompt_ids])
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, min_new_tokens=max_tokens,
-                             pad_token_id=0)
-    return out[0, len(prompt_ids):].tolist()
+    outputs = []
+    for prompt in prompts:
+        ids = list(prompt)
+        with torch.no_grad():  # a plain argmax loop: generate() would stop at (or, with min_new_tokens, ban) EOS
+            for _ in range(max_tokens):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        outputs.append(ids[len(prompt):])
+    return outputs
