@@ -17,6 +17,7 @@ import torch
 
 from atom_core.envs import read_envs
 from atom_core.kernel_config import KERNEL_OPTIONS, KernelConfig
+from atom_core.lora import parse_lora_modules
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
@@ -440,10 +441,49 @@ class ProfilerConfig:
             _fail(self, "profiler_rank_dir", "must be one directory name (no path separators)")
 
 
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (vLLM's option names): enable_lora lets requests name PEFT adapters (by
+    `model` over the API, `lora=` in LLMEngine.generate); lora_modules, NAME=PATH entries, are served
+    from the start, more load at run time. max_loras adapters sit in GPU slots at once (a step never
+    mixes more); the others' weights wait in a CPU cache of max_cpu_loras (default max_loras), least
+    recently used out first. max_lora_rank bounds every adapter's rank (the slots' width)."""
+
+    enable_lora: bool = False
+    lora_modules: tuple[str, ...] = ()
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.enable_lora:
+            for name, default in (("lora_modules", ()), ("max_loras", 1), ("max_lora_rank", 16),
+                                  ("max_cpu_loras", None)):
+                if getattr(self, name) != default:
+                    _fail(self, name, "needs --enable-lora")
+            return
+        if self.max_loras < 1:
+            _fail(self, "max_loras", "must be >= 1")
+        if self.max_lora_rank < 1:
+            _fail(self, "max_lora_rank", "must be >= 1")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            _fail(self, "max_cpu_loras", f"must be >= max_loras={self.max_loras}")
+        parse_lora_modules(self.lora_modules)
+
+    @property
+    def modules(self) -> list[tuple[str, str]]:
+        """lora_modules as (name, path) pairs."""
+        return parse_lora_modules(self.lora_modules)
+
+    @property
+    def cpu_cache_size(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+
 _PARTS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "compile": CompileConfig,
           "parallel": ParallelConfig, "speculative": SpeculativeConfig, "profiler": ProfilerConfig,
-          "kernel": KernelConfig}
-_NULLABLE = {"max_model_len", "num_kv_blocks", "tokenizer", "torch_profiler_dir", "master_port", "method",
+          "kernel": KernelConfig, "lora": LoRAConfig}
+_NULLABLE = {"max_cpu_loras", "max_model_len", "num_kv_blocks", "tokenizer", "torch_profiler_dir", "master_port", "method",
              "num_speculative_tokens", "ngram_min", "ngram_max", "draft_model", "data_parallel_rank",
              "profiler_rank_dir"}
 
@@ -460,6 +500,7 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
     kernel: KernelConfig = field(default_factory=KernelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         sched, max_len = self.scheduler, self.model.max_model_len
@@ -519,7 +560,7 @@ class EngineConfig:
         """Build from flat keyword options; unknown names are rejected with the known ones listed.
         None means "the default" except for options whose default is None. A kernel option left
         unset takes its ATOM_* variable (envs.py), read here, once."""
-        for name in ("cudagraph_capture_sizes", "piecewise_capture_sizes"):
+        for name in ("cudagraph_capture_sizes", "piecewise_capture_sizes", "lora_modules"):
             if options.get(name) is not None:
                 options[name] = tuple(options[name])
         options = {k: v for k, v in options.items() if v is not None or k in _NULLABLE}

@@ -3,8 +3,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from atom_core.structured.params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from atom_core.lora import LoRARequest
 
 
 @dataclass
@@ -18,6 +22,8 @@ class SamplingParams:
     `logprobs` = k returns the chosen token's logprob and the top-k per step (0: chosen only);
     `prompt_logprobs` = k returns the same for every prompt token (first one is None).
     `structured_outputs` constrains the output to a grammar (JSON schema, regex, choice, ...).
+    `lora_request` names the LoRA adapter the request runs with (None: the base model); it rides here so
+    every boundary a request crosses carries it unchanged.
     """
 
     temperature: float = 1.0
@@ -38,6 +44,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    lora_request: LoRARequest | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -47,6 +47,8 @@ _SERVE_OPTIONS: list[tuple[str, Any, Any]] = [
             "API path; default /v1/completions, /v1/chat/completions for openai-chat, /generate_stream for tgi."),
     _option("model", _OptStr, None, "Model name; default: the first model at /v1/models."),
     _option("served_model_name", _OptStr, None, "Model name sent in requests, if not --model."),
+    _option("lora_modules", _OptStr, None,
+            "Comma-separated LoRA adapter names the server serves: request i names the (i mod n)-th as its model."),
     _option("tokenizer", _OptStr, None, "Tokenizer name or path; default --model."),
     _option("trust_remote_code", bool, False, "Trust remote code when loading the tokenizer.", "--trust-remote-code"),
     _option("seed", int, 0, "Seed for prompts and arrival times."),
@@ -147,6 +149,7 @@ def _build_config(ctx: typer.Context, o: dict[str, Any]) -> ServeBenchConfig:
         percentile_metrics=o["percentile_metrics"], metric_percentiles=o["metric_percentiles"],
         goodput=" ".join(goodput), profile=o["profile"], show_progress=not o["disable_tqdm"],
         request_timeout_s=o["request_timeout"],
+        lora_modules=tuple(n.strip() for n in (o["lora_modules"] or "").split(",") if n.strip()),
         extra_body={k: v for k, v in sampling.items() if v is not None},
         metadata=_parse_metadata(o["metadata"]),
     )

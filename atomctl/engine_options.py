@@ -57,6 +57,11 @@ ENGINE_OPTIONS = {
     "all_reduce": (Optional[str], typer.Option(None, help="Tensor-parallel all-reduces on CUDA: auto (PyTorch symmetric memory up to 16 MiB where the ranks share a host, else NCCL), nccl, or symm (fails at start where it cannot run). Default: $ATOM_ALL_REDUCE, else auto.")),
     "triton_fast_launch": (Optional[bool], typer.Option(None, "--triton-fast-launch/--no-triton-fast-launch", help="Relaunch the attention and RoPE + KV-store Triton kernels through the compiled kernel's own launcher (default on; off for tools that wrap Triton's JIT call path). Default: $ATOM_TRITON_FAST_LAUNCH, else on.")),
     "mtp_graphs": (Optional[bool], typer.Option(None, "--mtp-graphs/--no-mtp-graphs", help="With CUDA graphs and --method mtp, replay the MTP proposer's catch-up and later drafts in graphs too instead of running them eagerly. Default: $ATOM_MTP_GRAPHS, else off.")),
+    "enable_lora": (bool, typer.Option(False, "--enable-lora", help="Serve LoRA adapters (PEFT directories) on the base model: a request names one as its model (generate: --lora NAME); requests of different adapters and of the base share each step.")),
+    "lora_modules": (Optional[list[str]], typer.Option(None, "--lora-modules", help="NAME=PATH of an adapter served from the start; repeat the option for more (serve also loads and unloads them at run time: POST /v1/load_lora_adapter, /v1/unload_lora_adapter). Needs --enable-lora.")),
+    "max_loras": (int, typer.Option(1, help="LoRA adapters resident on the GPU at once (slots); a step never mixes more. Needs --enable-lora.")),
+    "max_lora_rank": (int, typer.Option(16, help="The largest adapter rank served (the slots' width); a higher-rank adapter is refused. Needs --enable-lora.")),
+    "max_cpu_loras": (Optional[int], typer.Option(None, help="LoRA adapters kept in host memory (least recently used out first; default --max-loras). Needs --enable-lora.")),
 }
 
 

@@ -56,6 +56,7 @@ def generate_cmd(
     presence_penalty: float = typer.Option(0.0),
     frequency_penalty: float = typer.Option(0.0),
     as_json: bool = typer.Option(False, "--json", help="Print the output dicts as JSON."),
+    lora: Optional[str] = typer.Option(None, "--lora", help="Run the prompts with this LoRA adapter (a --lora-modules name; needs --enable-lora)."),
     engine_args: dict = None,
 ):
     """Generate text for one or more prompts.
@@ -76,7 +77,7 @@ def generate_cmd(
     texts = [apply_chat(engine, t, chat) for t in user_prompts]
     start = time.perf_counter()
     if as_json or len(texts) > 1:
-        outputs = engine.generate(texts, params)
+        outputs = engine.generate(texts, params, lora=lora)
         if as_json:
             print(json.dumps(outputs, indent=2))
         else:
@@ -87,7 +88,7 @@ def generate_cmd(
             sys.stdout.write(text)
             sys.stdout.flush()
 
-        engine.add_request(texts[0], params, stream_callback=on_token)
+        engine.add_request(texts[0], params, stream_callback=on_token, lora=lora)
         outputs = []
         while not engine.is_finished():
             outputs += [s.as_dict() for s in engine.step() if s.finished]

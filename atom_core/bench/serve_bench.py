@@ -78,6 +78,7 @@ class ServeBenchConfig:
     show_progress: bool = True
     request_timeout_s: float = 6 * 3600.0
     extra_body: dict[str, Any] = field(default_factory=dict)
+    lora_modules: tuple[str, ...] = ()  # LoRA adapter names: request i names lora_modules[i % n] as its model
     metadata: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -206,9 +207,10 @@ async def benchmark(
     inputs = [
         RequestInput(
             prompt=r.prompt, api_url=cfg.api_url, prompt_len=r.prompt_len, output_len=r.expected_output_len,
-            model=cfg.served_model_name or model_id, ignore_eos=cfg.ignore_eos, extra_body=cfg.extra_body,
+            model=cfg.lora_modules[i % len(cfg.lora_modules)] if cfg.lora_modules else cfg.served_model_name or model_id,
+            ignore_eos=cfg.ignore_eos, extra_body=cfg.extra_body,
         )
-        for r in requests
+        for i, r in enumerate(requests)
     ]
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=cfg.max_concurrency or 256)
     timeout = httpx.Timeout(cfg.request_timeout_s, connect=30.0)

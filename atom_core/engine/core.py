@@ -83,7 +83,8 @@ class EngineCore:
         self.kv = KVCacheManager(self.executor.num_kv_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching, self.executor.num_state_slots)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.model.eos_token_ids,
-                                   config.speculative.num_draft_tokens)
+                                   config.speculative.num_draft_tokens,
+                                   max_loras=config.lora.max_loras if config.lora.enable_lora else 0)
         self.pending = None  # the launched step not yet resolved (async scheduling)
         self.grammars = None  # GrammarManager, built at the first structured-output request
         self.step_timeline: StepTimeline | None = None  # per-step wall times while one is recorded

@@ -99,7 +99,7 @@ class KVCacheManager:
         bs = self.block_size
         while (len(hashes) + 1) * bs <= upto_tokens:
             i = len(hashes)
-            hashes.append(hash_block(hashes[-1] if hashes else None, seq.token_ids[i * bs : (i + 1) * bs]))
+            hashes.append(hash_block(hashes[-1] if hashes else seq.block_hash_seed, seq.token_ids[i * bs : (i + 1) * bs]))
         return hashes[: upto_tokens // bs]
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:

@@ -1,12 +1,14 @@
 """LLMEngine: the synchronous, in-process Python API over the engine core."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Callable, Sequence as Seq
 
 from atom_core.config import EngineConfig
 from atom_core.engine.core import EngineCore
 from atom_core.engine.output_processor import OutputProcessor, RequestState
+from atom_core.lora import LoRARegistry, LoRARequest, as_lora_request
 from atom_core.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -19,6 +21,9 @@ class LLMEngine:
     streaming control; `stream_callback(output_dict_so_far, new_token_ids, new_text)` is called
     for every step that brings its request new tokens (one token per call with
     num_scheduler_steps=1, up to a window's worth otherwise).
+
+    With enable_lora, `lora=` (an adapter's name, or a LoRARequest-like object with lora_name and
+    lora_path) runs prompts with that adapter; `load_lora` / `unload_lora` change the set at run time.
     """
 
     def __init__(self, model: str, **config_fields):
@@ -29,6 +34,11 @@ class LLMEngine:
         self._ids = itertools.count()
         self._finished: dict[str, RequestState] = {}  # only for requests generate() waits on
         self._awaited: set[str] = set()
+        self.loras: LoRARegistry | None = None
+        if self.config.lora.enable_lora:
+            self.loras = LoRARegistry(self.config.lora.max_lora_rank, self.core.model.hf_config)
+            for name, path in self.config.lora.modules:
+                self.loras.add(name, path)
 
     @property
     def max_model_len(self) -> int:
@@ -45,10 +55,13 @@ class LLMEngine:
         return list(prompt)
 
     def add_request(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                    stream_callback: Callable | None = None) -> list[str]:
+                    stream_callback: Callable | None = None, lora=None) -> list[str]:
         """Queue one or more prompts; returns their request ids. Validates all before queueing any."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
+        lora_request = as_lora_request(lora, self.loras)
+        if lora_request is not None:
+            params = [dataclasses.replace(p, lora_request=lora_request) for p in params]
         token_lists = [self.tokenize(p) for p in prompts]
         for ids, sp in zip(token_lists, params):
             self.core.validate_request(ids, sp)
@@ -90,14 +103,29 @@ class LLMEngine:
         returns the number of blocks forgotten."""
         return self.core.kv.reset_prefix_cache()
 
-    def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[dict]:
+    def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 lora=None) -> list[dict]:
         """Run prompts to completion; one output dict per prompt, in prompt order."""
-        request_ids = self.add_request(prompts, sampling_params)
+        request_ids = self.add_request(prompts, sampling_params, lora=lora)
         self._awaited.update(request_ids)
         while not all(rid in self._finished for rid in request_ids):
             self.step()
         self._awaited.difference_update(request_ids)
         return [self._finished.pop(rid).as_dict() for rid in request_ids]
+
+    # ---- LoRA adapters ----------------------------------------------------------------
+    def load_lora(self, name: str, path: str) -> LoRARequest:
+        """Serve the PEFT adapter at `path` as `name` (ValueError for a bad adapter or a taken name)."""
+        return self._lora_registry().add(name, str(path))
+
+    def unload_lora(self, name: str) -> None:
+        """Forget `name` for new requests; running ones finish with it. KeyError for an unknown name."""
+        self._lora_registry().remove(name)
+
+    def _lora_registry(self) -> LoRARegistry:
+        if self.loras is None:
+            raise ValueError("this engine serves no LoRA adapters; start it with enable_lora=True")
+        return self.loras
 
     def shutdown(self) -> None:
         """Stop the engine's worker processes (tensor parallel). Idempotent; also at exit."""

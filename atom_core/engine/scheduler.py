@@ -32,8 +32,11 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, eos_token_ids,
-                 num_speculative_tokens: int = 0):
+                 num_speculative_tokens: int = 0, max_loras: int = 0):
         self.kv = kv
+        # > 0: LoRA adapters on; the running sequences use at most this many distinct adapters (so no
+        # step mixes more than the worker's GPU slots hold): a waiting request of another adapter waits
+        self.max_loras = max_loras
         self.num_speculative_tokens = num_speculative_tokens  # > 0: decodes verify drafts, no windows
         self.spec_stats = SpecDecodeStats()
         self.max_num_seqs = config.max_num_seqs
@@ -188,8 +191,19 @@ class Scheduler:
         return k
 
     def _schedule_waiting(self, out: SchedulerOutput, scheduled: list[Sequence], budget: int) -> None:
+        adapters = {s.lora_int_id for s in self.running} - {None} if self.max_loras else set()
+        skipped: list[Sequence] = []  # waiting on an adapter slot; they keep their place in the queue
+        self._admit(out, scheduled, budget, adapters, skipped)
+        self.waiting.extendleft(reversed(skipped))
+
+    def _admit(self, out: SchedulerOutput, scheduled: list[Sequence], budget: int, adapters: set[int],
+               skipped: list[Sequence]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            lora_id = seq.lora_int_id
+            if lora_id is not None and lora_id not in adapters and len(adapters) >= self.max_loras:
+                skipped.append(self.waiting.popleft())
+                continue
             remaining = seq.num_tokens - self.kv.get_prefix_hit_tokens(seq)
             n = min(remaining, budget)
             if n < remaining and not self.enable_chunked_prefill:
@@ -210,6 +224,8 @@ class Scheduler:
                 seq.num_computed_tokens, len(seq.prompt_logprobs), seq.state_slot))
             seq.num_sent_blocks = 0
             budget -= n
+            if lora_id is not None:
+                adapters.add(lora_id)
 
     def _send_new_blocks(self, out: SchedulerOutput, seqs: list[Sequence]) -> None:
         """Each scheduled request's blocks the worker does not know yet (a new request's all)."""

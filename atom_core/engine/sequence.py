@@ -5,6 +5,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import xxhash
+
 from atom_core.sampling_params import SamplingParams
 from atom_core.scheduler_output import PLACEHOLDER
 
@@ -81,6 +83,19 @@ class Sequence:
     @property
     def prompt_token_ids(self) -> list[int]:
         return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def lora_int_id(self) -> int | None:
+        """The request's LoRA adapter (None: the base model)."""
+        lora = self.sampling_params.lora_request
+        return None if lora is None else lora.lora_int_id
+
+    @property
+    def block_hash_seed(self) -> int | None:
+        """Where the chain of prefix-cache block hashes starts: requests of different adapters
+        (and the base model, None) never share KV."""
+        lora_id = self.lora_int_id
+        return None if lora_id is None else xxhash.xxh64(b"lora" + lora_id.to_bytes(8, "little")).intdigest()
 
     @property
     def is_finished(self) -> bool:

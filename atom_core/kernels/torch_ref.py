@@ -320,7 +320,7 @@ def mla_rope_store(
     return q_pe.contiguous()
 
 
-# The MoE and MLA attention functions live in moe_ref.py and mla_ref.py; re-exported so both
+# The MoE, MLA, gated-DeltaNet, sparse-attention and LoRA functions live in their own *_ref.py; re-exported so both
 # providers list the same functions.
 from atom_core.kernels.moe_ref import fused_moe, moe_align_block_size, moe_route  # noqa: E402,F401
 from atom_core.kernels.mla_ref import mla_attention  # noqa: E402,F401
@@ -328,3 +328,4 @@ from atom_core.kernels.gdn_ref import (  # noqa: E402,F401
     causal_conv1d, chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, gated_rms_norm,
 )
 from atom_core.kernels.dsa_ref import dsa_index_scores, dsa_topk, mla_sparse_attention  # noqa: E402,F401
+from atom_core.kernels.lora_ref import lora_expand, lora_shrink  # noqa: E402,F401

@@ -33,6 +33,7 @@ class LinearBase(nn.Module):
     """
 
     tp_dim: int | None = None
+    lora = None  # model_ops/lora.py's LoRALinear when adapters are on (worker/lora_slots.py attaches it)
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
                  quant_config: QuantConfig | None = None, prefix: str = "", tp_size: int | None = None,
@@ -92,7 +93,8 @@ class LinearBase(nn.Module):
         raise ValueError(f"{type(self).__name__} {self.prefix!r} has no packed shards (got shard {shard_id!r})")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias)
+        out = self.quant_method.apply(self, x, self.bias)
+        return out if self.lora is None else self.lora.add(x, out)
 
 
 class ReplicatedLinear(LinearBase):
@@ -120,8 +122,10 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return self.quant_method.apply(self, x, self.bias)
+            return super().forward(x)
         out = self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 else None)
+        if self.lora is not None:  # this rank's A columns: its part of the adapter product, summed below
+            out = self.lora.add(x, out)
         return all_reduce(out) if self.reduce_results else out
 
 

@@ -1,7 +1,8 @@
 """The FastAPI app (`build_app`) and the process that serves it (`run_server`).
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
-GET /metrics, POST /start_profile, POST /stop_profile. With an API key, everything but
+GET /metrics, POST /start_profile, POST /stop_profile, POST /v1/load_lora_adapter and
+/v1/unload_lora_adapter (server/lora.py). With an API key, everything but
 /health and /metrics needs `Authorization: Bearer KEY` (the scheme in any case). Every error
 is an OpenAI error body.
 
@@ -34,6 +35,7 @@ from atom_core.engine.async_engine import AsyncEngine, EngineDeadError, ServerSt
 from atom_core.engine.dp_engine import DataParallelEngine
 from atom_core.server.chat_output import ChatOptions
 from atom_core.server.guards import RequestGuard, ServerState
+from atom_core.server.lora import adapter_cards, lora_router, serving_loras
 from atom_core.server.metrics import CONTENT_TYPE, METRICS_PREFIXES, ServerMetrics
 from atom_core.server.protocol import (
     APIError,
@@ -135,13 +137,16 @@ class ServerLifecycle:
 
 
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
-              chat_options: ChatOptions | None = None, options: ServerOptions | None = None) -> FastAPI:
+              chat_options: ChatOptions | None = None, options: ServerOptions | None = None,
+              loras=None) -> FastAPI:
     """The app over a started engine; its lifespan attaches the engine and shuts it down.
-    `app.state.lifecycle` is the ServerLifecycle run_server drives."""
+    `app.state.lifecycle` is the ServerLifecycle run_server drives. loras: the LoRA registry
+    (server/lora.py's serving_loras; built from the engine's config when not given)."""
     options = options or ServerOptions()
     metrics = ServerMetrics(model_name, engine, options.metrics_prefix)
     engine.on_progress = metrics.observe_progress
-    serving = OpenAIServing(engine, model_name, metrics, chat_options)
+    loras = loras if loras is not None else serving_loras(engine.config, model_name)
+    serving = OpenAIServing(engine, model_name, metrics, chat_options, loras)
     state = ServerState(options.max_request_bytes, options.body_read_timeout)
     lifecycle = ServerLifecycle(engine, state, options)
     engine.on_dead.append(lifecycle.on_engine_dead)
@@ -176,7 +181,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     async def models():
         card = {"id": model_name, "object": "model", "created": created, "owned_by": "atom_core",
                 "root": str(engine.config.model.model), "max_model_len": engine.info.max_model_len}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card, *adapter_cards(serving.loras, card)]}
 
     @guarded.post("/start_profile")
     async def start_profile():
@@ -200,6 +205,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         # From the API process's registry (the core pushes its gauges): never waits on the core.
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    guarded.include_router(lora_router(loras), responses={404: _ERRORS[404]})
     app.include_router(guarded)
     return app
 
@@ -285,12 +291,13 @@ def run_server(config: EngineConfig, host: str, port: int, model_name: str, api_
     """Bind, start the engine core process, serve until SIGINT/SIGTERM, drain, stop the core.
     Returns the exit status: 0, or 1 when the engine core died."""
     sock = _bind(host, port)  # before the (slow) engine start, so a busy port fails at once
+    loras = serving_loras(config, model_name)  # so does a bad --lora-modules adapter
     engine = AsyncEngine(config) if config.parallel.data_parallel_size == 1 else DataParallelEngine(config)
     info = engine.start()
     print(f"serving '{model_name}' (max_model_len {info.max_model_len}, {info.num_kv_blocks} KV blocks) "
           f"at http://{host}:{port}/v1", flush=True)
     try:
-        app = build_app(engine, model_name, api_key, chat_options, options)
+        app = build_app(engine, model_name, api_key, chat_options, options, loras)
         server = _DrainingServer(uvicorn.Config(app, log_level="info", access_log=access_log, timeout_keep_alive=30,
                                                 timeout_graceful_shutdown=_FAILED_STREAMS_GRACE_S),
                                  app.state.lifecycle)

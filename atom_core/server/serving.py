@@ -8,6 +8,7 @@ requests in the core, which frees their KV blocks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -21,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from atom_core.engine.async_engine import AsyncEngine, EngineDeadError
 from atom_core.engine.output_processor import RequestState
+from atom_core.lora import LoRARegistry, LoRARequest
 from atom_core.sampling_params import SamplingParams
 from atom_core.server.chat_output import ChatOptions, ChatOutputParser
 from atom_core.server.logprobs import LogprobFormatter
@@ -78,8 +80,9 @@ class OpenAIServing:
     """Chat and text completions over an AsyncEngine (runs on the event loop only)."""
 
     def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics,
-                 chat_options: ChatOptions | None = None):
+                 chat_options: ChatOptions | None = None, loras: LoRARegistry | None = None):
         self.chat_options = chat_options or ChatOptions()
+        self.loras = loras  # the LoRA adapters requests may name as their model (None: --enable-lora off)
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
@@ -121,9 +124,20 @@ class OpenAIServing:
 
     # ---- requests ---------------------------------------------------------------------
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(f"the model '{model}' does not exist; this server serves '{self.model_name}'",
+        self.lookup_model(model)
+
+    def lookup_model(self, model: str | None) -> LoRARequest | None:
+        """What a request's `model` names: None for the base model (or no name), the adapter's
+        LoRARequest for a loaded LoRA adapter; 404 for anything else, listing what is served."""
+        if model is None or model == self.model_name:
+            return None
+        adapter = self.loras.get(model) if self.loras is not None else None
+        if adapter is None:
+            adapters = [r.lora_name for r in self.loras.requests] if self.loras is not None else []
+            served = ", ".join(repr(m) for m in [self.model_name, *adapters])
+            raise APIError(f"the model '{model}' does not exist; this server serves {served}",
                            404, param="model", code="model_not_found")
+        return adapter
 
     def _add_output_parsers(self, req: ChatCompletionRequest, subs: list[EngineRequest]) -> None:
         for sub in subs:
@@ -155,12 +169,15 @@ class OpenAIServing:
             self.engine.check_health()
         except EngineDeadError as e:
             raise engine_error(e) from None
+        lora = self.lookup_model(getattr(req, "model", None))
         response_id = f"{prefix}-{uuid.uuid4().hex}"
         subs = []
         for p, (text, ids) in enumerate(prompts):
             for j in range(req.n):
                 index = p * req.n + j
                 params = req.to_sampling_params(j)
+                if lora is not None:
+                    params = dataclasses.replace(params, lora_request=lora)
                 try:
                     self.engine.validate_request(ids, params)
                 except ValueError as e:

@@ -34,6 +34,7 @@ from atom_core.worker.batch_builder import FlatBatch, build_flat_batch, build_sa
 from atom_core.worker.graph_dispatch import GraphDispatcher, graph_sets
 from atom_core.worker.input_batch import InputBatch, RequestState
 from atom_core.worker.logprobs import emitted_logprobs, sampled_logprobs, token_logprobs
+from atom_core.worker.lora_slots import build_lora_slots
 from atom_core.worker.memory import check_weights_fit, dummy_step, model_weight_bytes, num_kv_blocks
 from atom_core.worker.verify_batch import build_padded_verify_batch, target_hidden, verify_rows
 
@@ -109,6 +110,9 @@ class ModelRunner:
         with building(self.config.kernel):  # layers take their kernel choices as they are built
             self.model = build_model(model.hf_config, model.path, model.dtype, model.device, model.load_format,
                                      model.seed, model.quant_config)
+        sched = self.config.scheduler  # LoRA slot tables: before KV sizing, which counts them as weights
+        max_tokens = max(sched.max_num_batched_tokens, sched.max_num_seqs * (1 + self.config.speculative.num_draft_tokens))
+        self.lora = build_lora_slots(self.config.lora, self.model, model.dtype, model.device, max_tokens)
         self.load_seconds = time.perf_counter() - start
 
     def _choose_kv_format(self) -> None:
@@ -284,6 +288,7 @@ class ModelRunner:
             flat = build_flat_batch(out, states, self.block_size, self.device, bool(self.state_layers))
         if flat.placeholder_rows:
             self._fill_placeholders(flat, out, previous)
+        self.lora.prepare(flat, states)
         if out.is_window:
             return self._launch_window(out, states, flat)
         hidden = self._forward(flat, out)
@@ -425,6 +430,7 @@ class ModelRunner:
         dropped: an idle data-parallel replica joins the MoE collectives of a step the other
         replicas run (engine/lockstep.py). When they agreed to replay a decode graph, this replica
         replays it too, with padding rows only."""
+        self.lora.clear()
         self.dispatcher.forward_padding()
 
     def graph_batch_size(self, out: SchedulerOutput) -> int | None:

@@ -27,3 +27,6 @@ from atom_core.kernels.triton.dsa_index import dsa_index_scores, dsa_topk  # noq
 from atom_core.kernels.triton.dsa_mla import mla_sparse_attention  # noqa: E402
 
 __all__ += ["dsa_index_scores", "dsa_topk", "mla_sparse_attention"]
+from atom_core.kernels.triton.lora import lora_expand, lora_shrink  # noqa: E402
+
+__all__ += ["lora_expand", "lora_shrink"]
