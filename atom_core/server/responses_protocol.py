@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, model_validator
 
 from atom_core.server.protocol import NonEmptyStr
 
@@ -19,7 +19,18 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
 
 
-class TextPart(_Strict):
+class _Replayed(_Strict):
+    """An item a client may send back from an earlier response as the SDK dumps it: the output
+    fields this server never sets (`caller`, `namespace`, `phase`, ...) arrive as null, which is
+    their no-op value; set to anything else they are a 400 as any unknown field."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data: Any) -> Any:
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class TextPart(_Replayed):
     type: Literal["input_text", "output_text"]
     text: str
     annotations: list[Any] | None = None  # on output_text sent back from an earlier response
@@ -30,7 +41,7 @@ def _text(content: str | list[TextPart]) -> str:
     return content if isinstance(content, str) else "".join(part.text for part in content)
 
 
-class MessageItem(_Strict):
+class MessageItem(_Replayed):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[TextPart]
@@ -38,7 +49,7 @@ class MessageItem(_Strict):
     status: str | None = None
 
 
-class FunctionCallItem(_Strict):
+class FunctionCallItem(_Replayed):
     type: Literal["function_call"]
     call_id: NonEmptyStr
     name: NonEmptyStr
@@ -47,7 +58,7 @@ class FunctionCallItem(_Strict):
     status: str | None = None
 
 
-class FunctionCallOutputItem(_Strict):
+class FunctionCallOutputItem(_Replayed):
     type: Literal["function_call_output"]
     call_id: NonEmptyStr
     output: str | list[TextPart]
@@ -55,17 +66,16 @@ class FunctionCallOutputItem(_Strict):
     status: str | None = None
 
 
-class ReasoningText(_Strict):
+class ReasoningText(_Replayed):
     type: Literal["reasoning_text", "summary_text"]
     text: str
 
 
-class ReasoningItem(_Strict):
+class ReasoningItem(_Replayed):
     type: Literal["reasoning"]
     id: str | None = None
     summary: list[ReasoningText] = []
     content: list[ReasoningText] | None = None
-    encrypted_content: None = None  # this server never sends one
     status: str | None = None
 
 
