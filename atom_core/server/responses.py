@@ -278,10 +278,5 @@ def add_responses_routes(router: APIRouter, responses: ResponsesServing) -> None
             raise APIError("streaming a stored response again is not supported; GET it without stream", param="stream")
         return responses.retrieve(response_id)
 
-    @router.delete("/v1/responses/{response_id}")
-    async def delete_response(response_id: str):
-        return await responses.delete(response_id)
-
-    @router.post("/v1/responses/{response_id}/cancel")
-    async def cancel_response(response_id: str):
-        return await responses.cancel(response_id)
+    router.add_api_route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"])
+    router.add_api_route("/v1/responses/{response_id}/cancel", responses.cancel, methods=["POST"])

@@ -82,16 +82,12 @@ def add_utility_routes(app: FastAPI, router: APIRouter, serving: OpenAIServing, 
     """`health`: the /health handler, which /ping answers with."""
     utility = UtilityServing(serving)
 
-    @router.post("/tokenize")
-    async def tokenize(req: TokenizeRequest):
-        return await utility.tokenize(req)
-
-    @router.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest):
-        return await utility.detokenize(req)
+    router.add_api_route("/tokenize", utility.tokenize, methods=["POST"])
+    router.add_api_route("/detokenize", utility.detokenize, methods=["POST"])
 
     @app.get("/version")
     async def version():
         return {"version": atom_core.__version__}
 
-    app.add_api_route("/ping", health, methods=["GET", "POST"])
+    for method in ("GET", "POST"):
+        app.add_api_route("/ping", health, methods=[method], operation_id=f"ping_{method.lower()}")
