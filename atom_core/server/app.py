@@ -2,9 +2,11 @@
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
 GET /metrics, POST /start_profile, POST /stop_profile, POST /v1/load_lora_adapter and
-/v1/unload_lora_adapter (server/lora.py). With an API key, everything but
-/health and /metrics needs `Authorization: Bearer KEY` (the scheme in any case). Every error
-is an OpenAI error body.
+/v1/unload_lora_adapter (server/lora.py); the Responses API (responses.py), the Anthropic
+Messages API (anthropic_messages.py), and vLLM's /tokenize, /detokenize, /version and /ping
+(utility_routes.py). With an API key, everything but /health, /metrics, /version and /ping needs
+`Authorization: Bearer KEY` (the scheme in any case) or, as Anthropic's clients send it,
+`x-api-key: KEY`. Every error is an OpenAI error body, but under /v1/messages Anthropic's.
 
 Lifecycle (`ServerLifecycle`): SIGTERM/SIGINT start a drain: new requests get 503, requests in
 flight finish; after `shutdown_timeout` seconds the rest end with an error (a final SSE error
@@ -33,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from atom_core.config import EngineConfig
 from atom_core.engine.async_engine import AsyncEngine, EngineDeadError, ServerStoppingError
 from atom_core.engine.dp_engine import DataParallelEngine
+from atom_core.server.anthropic_messages import MessagesServing, add_messages_routes, anthropic_error_body, is_messages_path
 from atom_core.server.chat_output import ChatOptions
 from atom_core.server.guards import RequestGuard, ServerState
 from atom_core.server.lora import adapter_cards, lora_router, serving_loras
@@ -44,7 +47,9 @@ from atom_core.server.protocol import (
     error_body,
     validation_error_to_api_error,
 )
+from atom_core.server.responses import ResponsesServing, add_responses_routes
 from atom_core.server.serving import OpenAIServing, engine_error
+from atom_core.server.utility_routes import add_utility_routes
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +152,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     engine.on_progress = metrics.observe_progress
     loras = loras if loras is not None else serving_loras(engine.config, model_name)
     serving = OpenAIServing(engine, model_name, metrics, chat_options, loras)
+    responses = ResponsesServing(serving)
     state = ServerState(options.max_request_bytes, options.body_read_timeout)
     lifecycle = ServerLifecycle(engine, state, options)
     engine.on_dead.append(lifecycle.on_engine_dead)
@@ -157,6 +163,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         lifecycle.loop = asyncio.get_running_loop()
         engine.attach(lifecycle.loop)
         yield
+        responses.close()
         serving.close()
         engine.shutdown()
 
@@ -206,6 +213,9 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     guarded.include_router(lora_router(loras), responses={404: _ERRORS[404]})
+    add_responses_routes(guarded, responses)
+    add_messages_routes(guarded, MessagesServing(serving))
+    add_utility_routes(app, guarded, serving, health)
     app.include_router(guarded)
     return app
 
@@ -223,9 +233,12 @@ def _bearer_auth(api_key: str):
     async def check(request: Request) -> None:
         # The scheme is case-insensitive (RFC 7235); the key is compared exactly, in constant time.
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), expected):
-            raise APIError("invalid or missing API key; send 'Authorization: Bearer <key>'", 401,
-                           code="invalid_api_key")
+        if scheme.lower() == "bearer" and secrets.compare_digest(given.strip().encode(), expected):
+            return
+        anthropic_key = request.headers.get("x-api-key")  # how Anthropic's SDKs send it
+        if anthropic_key is None or not secrets.compare_digest(anthropic_key.strip().encode(), expected):
+            raise APIError("invalid or missing API key; send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
+                           401, code="invalid_api_key")
 
     return check
 
@@ -263,25 +276,30 @@ def _integer_bounds(node) -> None:
             _integer_bounds(value)
 
 
+def _error_response(request: Request, e: APIError, headers=None) -> JSONResponse:
+    """OpenAI's error body, or Anthropic's under /v1/messages."""
+    body = anthropic_error_body(e.status_code, e.message) if is_messages_path(request.url.path) else e.body()
+    return JSONResponse(body, e.status_code, headers=headers)
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def api_error(_request: Request, e: APIError):
-        return JSONResponse(e.body(), e.status_code)
+    async def api_error(request: Request, e: APIError):
+        return _error_response(request, e)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_request(_request: Request, e: RequestValidationError):
-        err = validation_error_to_api_error(list(e.errors()))
-        return JSONResponse(err.body(), err.status_code)
+    async def invalid_request(request: Request, e: RequestValidationError):
+        return _error_response(request, validation_error_to_api_error(list(e.errors())))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_request: Request, e: StarletteHTTPException):
+    async def http_error(request: Request, e: StarletteHTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(e.detail), kind), e.status_code, headers=getattr(e, "headers", None))
+        return _error_response(request, APIError(str(e.detail), e.status_code, kind), getattr(e, "headers", None))
 
     @app.exception_handler(Exception)
-    async def internal_error(_request: Request, e: Exception):
+    async def internal_error(request: Request, e: Exception):
         logger.exception("unhandled error in a request")
-        return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", "server_error"), 500)
+        return _error_response(request, APIError(f"internal error: {type(e).__name__}: {e}", 500, "server_error"))
 
 
 # ---- the server process ---------------------------------------------------------------

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from atom_core.server.protocol import error_body
 
-UNGUARDED_PATHS = frozenset({"/health", "/metrics"})  # not counted as in flight
+UNGUARDED_PATHS = frozenset({"/health", "/metrics", "/ping", "/version"})  # not counted as in flight
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 

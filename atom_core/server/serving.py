@@ -100,11 +100,22 @@ class OpenAIServing:
 
     # ---- endpoints --------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        subs = await self.chat_engine_requests(req, raw)
+        return await self._respond(req, raw, subs, "chat.completion", self._chat_chunks, self._chat_choice)
+
+    async def chat_engine_requests(self, req: ChatCompletionRequest, raw: Request) -> list[EngineRequest]:
+        """A chat request's engine requests: model checked, tokenized, validated, with their output
+        parsers; nothing queued yet. The Responses and Anthropic Messages endpoints translate
+        their requests into a ChatCompletionRequest and come through here too."""
         self._check_model(req.model)
         text, ids = await self.tokenizer_pool.run(self._tokenize_chat, req)
         subs = _stamped(self._engine_requests("chatcmpl", req, [(text, ids)]), raw)
         self._add_output_parsers(req, subs)
-        return await self._respond(req, raw, subs, "chat.completion", self._chat_chunks, self._chat_choice)
+        return subs
+
+    async def run_to_end(self, raw: Request, subs: list[EngineRequest]) -> list[RequestState]:
+        """The finished states of `subs`; a client that leaves first aborts them (499)."""
+        return await _unless_disconnected(raw, self._run(subs))
 
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
         self._check_model(req.model)
@@ -118,7 +129,7 @@ class OpenAIServing:
         response_id = subs[0].request_id.rsplit("-", 1)[0]
         if req.stream:
             return self._stream(chunks(response_id, req, subs))
-        states = await _unless_disconnected(raw, self._run(subs))
+        states = await self.run_to_end(raw, subs)
         choices = [choice(sub, state, req) for sub, state in zip(subs, states)]
         return JSONResponse(self._envelope(response_id, object_name, choices) | {"usage": self._usage(subs, states)})
 
@@ -149,8 +160,9 @@ class OpenAIServing:
                 sub.params.skip_special_tokens = False  # the parser reads the format's special tokens
 
     @staticmethod
-    def _tokenize_chat(tok, req: ChatCompletionRequest) -> tuple[str, list[int]]:
-        """(prompt text, token ids) of a chat request; runs on a tokenizer thread."""
+    def _tokenize_chat(tok, req: ChatCompletionRequest, add_special_tokens: bool = False) -> tuple[str, list[int]]:
+        """(prompt text, token ids) of a chat request; runs on a tokenizer thread. The template
+        writes the special tokens itself, so by default encoding adds none (/tokenize may ask)."""
         tok = _require_tokenizer(tok, "chat completions")
         if not getattr(tok, "chat_template", None):
             raise APIError("this model's tokenizer has no chat template; use /v1/completions")
@@ -161,7 +173,7 @@ class OpenAIServing:
                                            **(req.chat_template_kwargs or {}))
         except Exception as e:  # noqa: BLE001 - template errors (jinja raise_exception, bad kwargs) are the client's
             raise APIError(f"cannot apply the chat template: {type(e).__name__}: {e}", param="messages") from None
-        return text, tok.encode(text, add_special_tokens=False)
+        return text, tok.encode(text, add_special_tokens=add_special_tokens)
 
     def _engine_requests(self, prefix: str, req, prompts: list[tuple[str | None, list[int]]]) -> list[EngineRequest]:
         """Build and validate every choice of every prompt; nothing is queued yet."""
