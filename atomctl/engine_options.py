@@ -48,15 +48,15 @@ ENGINE_OPTIONS = {
     "node_rank": (Optional[int], typer.Option(None, help="This node's index; node 0 runs the engine, the others only workers (default 0, or torchrun's GROUP_RANK).")),
     "master_addr": (Optional[str], typer.Option(None, help="Address of node 0, where the ranks meet (default 127.0.0.1, or torchrun's MASTER_ADDR).")),
     "master_port": (Optional[int], typer.Option(None, help="Port on node 0 where the ranks meet (default: a free port on one node; required across nodes, or torchrun's MASTER_PORT).")),
-    "method": (Optional[str], typer.Option(None, help="Speculative decoding method: ngram (prompt lookup over the request's own tokens), draft (--draft-model) or mtp (the checkpoint's nextn layer, DeepSeek-V3 layout; K <= 4).")),
-    "num_speculative_tokens": (Optional[int], typer.Option(None, help="Draft tokens verified per decoding request and step (ngram, draft: 1..8; mtp: 1..4, default 1).")),
-    "draft_model": (Optional[str], typer.Option(None, help="Draft model directory for --method draft (same tokenizer as the model).")),
+    "method": (Optional[str], typer.Option(None, help="Speculative decoding method: ngram (prompt lookup over the request's own tokens), draft (--draft-model), mtp (the checkpoint's nextn layer, DeepSeek-V3 layout; K <= 4) or eagle3 (an EAGLE-3 head, --draft-model, for Llama / Qwen3 targets).")),
+    "num_speculative_tokens": (Optional[int], typer.Option(None, help="Draft tokens verified per decoding request and step (ngram, draft, eagle3: 1..8; mtp: 1..4, default 1).")),
+    "draft_model": (Optional[str], typer.Option(None, help="Draft model directory for --method draft (same tokenizer as the model) or eagle3 (an EAGLE-3 head in the public layout: config.json + safetensors with fc, midlayer, lm_head, d2t/t2d).")),
     "ngram_min": (Optional[int], typer.Option(None, help="Shortest suffix n-gram the ngram method matches (default 5, or --ngram-max).")),
     "ngram_max": (Optional[int], typer.Option(None, help="Longest suffix n-gram the ngram method matches (default 5, or --ngram-min).")),
     "ep_dispatch": (Optional[str], typer.Option(None, help="How data-parallel replicas sharing experts move tokens to the experts' ranks: allgather (default; decode steps replay CUDA graphs) or alltoall (each token goes to its experts' owners only; those replicas run eagerly). Default: $ATOM_EP_DISPATCH, else allgather.")),
     "all_reduce": (Optional[str], typer.Option(None, help="Tensor-parallel all-reduces on CUDA: auto (PyTorch symmetric memory up to 16 MiB where the ranks share a host, else NCCL), nccl, or symm (fails at start where it cannot run). Default: $ATOM_ALL_REDUCE, else auto.")),
     "triton_fast_launch": (Optional[bool], typer.Option(None, "--triton-fast-launch/--no-triton-fast-launch", help="Relaunch the attention and RoPE + KV-store Triton kernels through the compiled kernel's own launcher (default on; off for tools that wrap Triton's JIT call path). Default: $ATOM_TRITON_FAST_LAUNCH, else on.")),
-    "mtp_graphs": (Optional[bool], typer.Option(None, "--mtp-graphs/--no-mtp-graphs", help="With CUDA graphs and --method mtp, replay the MTP proposer's catch-up and later drafts in graphs too instead of running them eagerly. Default: $ATOM_MTP_GRAPHS, else off.")),
+    "mtp_graphs": (Optional[bool], typer.Option(None, "--mtp-graphs/--no-mtp-graphs", help="With CUDA graphs and --method mtp or eagle3, replay the proposer's catch-up and later drafts in graphs too instead of running them eagerly. Default: $ATOM_MTP_GRAPHS, else off.")),
 }
 
 
