@@ -250,6 +250,7 @@ class Eagle3Proposer(MTPProposer):
                  block_size: int, max_num_seqs: int, max_num_tokens: int):
         # Rows the aux buffer keeps: a step's real rows (its tokens plus drafts, within the token budget).
         self.aux_rows = max(max_num_tokens, max_num_seqs * (1 + config.num_draft_tokens))
+        self.eos_token_ids = target.eos_token_ids
         super().__init__(config, target, target_model, block_size, max_num_seqs)
 
     def _build_drafter(self, config: "SpeculativeConfig", target: "ResolvedModel", target_model: nn.Module):
@@ -271,5 +272,21 @@ class Eagle3Proposer(MTPProposer):
         assert target is not None, "the EAGLE-3 proposer drafts from the target's hidden states"
         rows = target.hidden.shape[0]
         assert rows <= self.aux.shape[0], f"a step of {rows} rows exceeds the aux buffer's {self.aux.shape[0]}"
+        going_on = [i for i, state in enumerate(target.states) if not self._finished(state)]
+        if not going_on:
+            return [[] for _ in states]
         fused = self.model.fc(self.aux[:rows])  # g_t of every row of the step
-        return super().propose(states, dataclasses.replace(target, hidden=fused))
+        target = TargetHidden(fused, *([getattr(target, f)[i] for i in going_on]
+                                       for f in ("states", "row_starts", "first_positions", "num_rows")))
+        return super().propose(states, target)
+
+    def _finished(self, state: RequestView) -> bool:
+        """Whether the scheduler will finish the request on the tokens it just emitted (the
+        scheduler's stop rule on the newest 1 + K outputs): then its head rows and drafts would be
+        wasted work. A wrong guess costs drafts only: the target verifies every token."""
+        params, outputs = state.sampling_params, state.output_token_ids
+        if params.max_tokens is not None and len(outputs) >= params.max_tokens:
+            return True
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        first = max(len(outputs) - 1 - self.num_draft_tokens, params.min_tokens - 1, 0)
+        return any(t in stops for t in outputs[first:])

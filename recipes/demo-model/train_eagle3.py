@@ -20,6 +20,7 @@ The model's hidden states are computed once (--max-docs documents) before traini
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import time
@@ -56,6 +57,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="training-time-test unroll depth")
     p.add_argument("--max-doc-tokens", type=int, default=160)
     p.add_argument("--max-minutes", type=float, default=10.0, help="stop training after this long")
+    p.add_argument("--kinds", nargs="+", default=["chat"], help="corpus document kinds to train on")
+    p.add_argument("--intermediate-size", type=int, default=512, help="the head's MLP width")
+    p.add_argument("--threads", type=int, default=1)
     return p.parse_args()
 
 
@@ -199,7 +203,10 @@ def warm_start(head: Head, model, used: torch.Tensor, layers) -> None:
     last = model.model.layers[-1]
     h = model.config.hidden_size
     with torch.no_grad():
-        head.midlayer.mlp.load_state_dict(last.mlp.state_dict())
+        width = head.midlayer.mlp.gate_proj.weight.shape[0]  # the first `width` units of the block's MLP
+        head.midlayer.mlp.gate_proj.weight.copy_(last.mlp.gate_proj.weight[:width])
+        head.midlayer.mlp.up_proj.weight.copy_(last.mlp.up_proj.weight[:width])
+        head.midlayer.mlp.down_proj.weight.copy_(last.mlp.down_proj.weight[:, :width])
         head.midlayer.post_attention_layernorm.weight.copy_(last.post_attention_layernorm.weight)
         head.midlayer.hidden_norm.weight.copy_(last.input_layernorm.weight)
         for name in ("q_proj", "k_proj", "v_proj"):
@@ -219,7 +226,9 @@ def main() -> None:
     model.requires_grad_(False)
     config = model.config
     tok = Tokenizer.from_file(str(args.model / "tokenizer.json"))
-    docs = read_jsonl(args.corpus / "train.jsonl", args.max_docs + args.eval_docs)
+    torch.set_num_threads(args.threads)
+    docs = [d for d in read_jsonl(args.corpus / "train.jsonl") if d["kind"] in args.kinds]
+    docs = docs[: args.max_docs + args.eval_docs]
     ids, mask, lengths = encode_documents(docs, tok, args.max_doc_tokens, tok.token_to_id(PAD))
     split = min(args.max_docs, len(ids) - args.eval_docs)
     t0 = time.perf_counter()
@@ -242,7 +251,9 @@ def main() -> None:
     print(f"draft vocabulary: {len(used)} of {vocab} tokens, covering {coverage:.2%} of the scored labels", flush=True)
     t2d_index = t2d_index.to(device)
 
-    head = Head(config, len(args.layers), len(used)).to(device)
+    head_cfg = copy.deepcopy(config)
+    head_cfg.intermediate_size = args.intermediate_size
+    head = Head(head_cfg, len(args.layers), len(used)).to(device)
     warm_start(head, model, used.to(device), args.layers)
     print(f"head: {sum(p.numel() for p in head.parameters()) / 1e6:.2f}M parameters; before training: "
           f"{agreement(head, model, eval_batches, t2d_index, args.steps, device)}", flush=True)
@@ -267,7 +278,7 @@ def main() -> None:
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
             opt.step()
             step += 1
-            window.append([float(l) for l, _, _ in per_step])
+            window.append([l.item() for l, _, _ in per_step])
             if step % 25 == 0 or step == total:
                 mean = [round(sum(v) / len(window), 4) for v in zip(*window)]
                 window = []
@@ -285,11 +296,12 @@ def main() -> None:
     tensors["t2d"] = (t2d_index.cpu() >= 0).contiguous()
     save_file(tensors, str(args.out / "model.safetensors"), metadata={"format": "pt"})
     raw = json.loads((args.model / "config.json").read_text())
-    head_config = {k: raw[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+    head_config = {k: raw[k] for k in ("hidden_size", "num_attention_heads",
                                        "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
                                        "max_position_embeddings", "rope_parameters", "vocab_size", "bos_token_id",
                                        "eos_token_id", "pad_token_id")}
     head_config.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama", num_hidden_layers=1,
+                       intermediate_size=args.intermediate_size,
                        draft_vocab_size=len(used), target_hidden_size=raw["hidden_size"], tie_word_embeddings=False,
                        norm_before_residual=False, eagle_aux_hidden_state_layer_ids=list(args.layers),
                        torch_dtype="bfloat16")

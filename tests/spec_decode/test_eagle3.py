@@ -354,6 +354,26 @@ class TestDemoModel:
         assert result.exit_code == 0, result.output
         assert "42" in result.output and "[speculative: acceptance rate" in result.output
 
+    def test_bench_latency_and_core_stats_report_acceptance(self, tmp_path):
+        """The counters behind /metrics (CoreStats) and the bench report are the MTP path's own."""
+        from typer.testing import CliRunner
+
+        from atomctl.main import app
+
+        out = tmp_path / "lat.json"
+        result = CliRunner().invoke(app, ["bench", "latency", "--model", str(DEMO_MODEL_DIR), "--input-len", "24",
+                                          "--output-len", "24", "--num-iters", "1", "--num-iters-warmup", "0",
+                                          "--method", "eagle3", "--draft-model", str(DEMO_HEAD),
+                                          "--num-speculative-tokens", "3", "--output-json", str(out)])
+        assert result.exit_code == 0, result.output
+        assert "spec decode acceptance rate" in result.output
+        assert json.loads(out.read_text())["spec_decode"]["num_drafts"] > 0
+        engine = LLMEngine(str(DEMO_MODEL_DIR), method="eagle3", draft_model=str(DEMO_HEAD), num_speculative_tokens=2)
+        engine.generate(_demo_prompts(4), DEMO_GREEDY)
+        stats, counters = engine.core.stats(), engine.spec_decode_stats()
+        assert stats.spec_decode_num_drafts == counters["num_drafts"] > 0
+        assert stats.spec_decode_num_accepted_tokens == counters["num_accepted_tokens"] > 0
+
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
