@@ -367,7 +367,8 @@ class ParallelConfig:
         return range(self.node_rank * self.ranks_per_node, (self.node_rank + 1) * self.ranks_per_node)
 
 
-SPEC_METHODS = {"ngram": 8, "draft": 8, "mtp": 4}  # method -> the most draft tokens it may propose per step
+SPEC_METHODS = {"ngram": 8, "draft": 8, "mtp": 4, "eagle3": 8}  # method -> the most draft tokens it may propose per step
+DRAFT_MODEL_METHODS = ("draft", "eagle3")  # the methods --draft-model names a directory for
 
 
 @dataclass(frozen=True)
@@ -378,7 +379,9 @@ class SpeculativeConfig:
     request's own tokens, matching its last ngram_max..ngram_min tokens (both default to 5, as
     vLLM's prompt lookup; one given sets the other); draft: greedy tokens of draft_model, a small
     model of the same tokenizer; mtp: the checkpoint's own nextn layer (DeepSeek-V3 layout),
-    run k times. Speculation replaces multi-step windows."""
+    run k times; eagle3: an EAGLE-3 head (draft_model: its directory, public checkpoint layout)
+    fed by the target's low, middle and high layers, run k times. Speculation replaces
+    multi-step windows."""
 
     method: str | None = None
     num_speculative_tokens: int | None = None
@@ -399,8 +402,9 @@ class SpeculativeConfig:
             _fail(self, "num_speculative_tokens", f"required with method {self.method}")
         if not 1 <= self.num_draft_tokens <= SPEC_METHODS[self.method]:
             _fail(self, "num_speculative_tokens", f"must be between 1 and {SPEC_METHODS[self.method]} for {self.method}")
-        if (self.method == "draft") != (self.draft_model is not None):
-            _fail(self, "draft_model", "a draft model directory is required with method draft, and only there")
+        if (self.method in DRAFT_MODEL_METHODS) != (self.draft_model is not None):
+            _fail(self, "draft_model", "a draft model directory is required with methods draft and eagle3, "
+                                       "and only there")
         if self.method != "ngram" and (self.ngram_min is not None or self.ngram_max is not None):
             _fail(self, "ngram_min" if self.ngram_min is not None else "ngram_max", "applies to method ngram only")
         lo, hi = self.ngram_window

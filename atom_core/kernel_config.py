@@ -48,8 +48,8 @@ class KernelConfig:
     triton_fast_launch: relaunch the attention and RoPE + KV-store kernels through the compiled
         kernel's own launcher instead of Triton's JIT call path; off for tools that hook Triton's
         launches (a registered launch hook, such as Proton's, always takes the JIT path).
-    mtp_graphs: with CUDA graphs, the MTP proposer's catch-up and later drafts replay graphs too
-        instead of running eagerly.
+    mtp_graphs: with CUDA graphs, the MTP or EAGLE-3 proposer's catch-up and later drafts replay
+        graphs too instead of running eagerly.
 
     Resolved once by `EngineConfig.from_kwargs` (keyword or flag, else the ATOM_* variable, else the
     default). Layers get it through a build-time context: the model runner builds its models inside

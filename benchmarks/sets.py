@@ -76,12 +76,17 @@ SETS: dict[str, BenchSet] = {
         _latency("lat-l8w8-bs1", _dummy("Llama-3-8B-W8A8"), 1), _latency("lat-l8w8-bs32", _dummy("Llama-3-8B-W8A8"), 32),
         _offline("off-q06-kv-fp8", Q06, "--kv-cache-dtype fp8"),
     )),
-    "spec": BenchSet("speculative decoding: n-gram parity and TPOT on Llama-3-8B, MTP on DeepSeek-V2-Lite-MTP", (
+    "spec": BenchSet("speculative decoding: n-gram parity and TPOT on Llama-3-8B, MTP on DeepSeek-V2-Lite-MTP, "
+                     "EAGLE-3 draft cost on Llama-3-8B", (
         Step("specdec-l8", "python -m benchmarks.engine.spec_decode_bench preset:Llama-3-8B --k 4 --out {out}/specdec_l8.json",
              300),
         _latency("lat-dsv2lm-bs1", _dummy("DeepSeek-V2-Lite-MTP"), 1, "--num-iters 2"),
         _latency("lat-dsv2lm-mtp1-bs1", _dummy("DeepSeek-V2-Lite-MTP"), 1, "--num-iters 2 --method mtp --num-speculative-tokens 1"),
         _latency("lat-dsv2lm-mtp3-bs1", _dummy("DeepSeek-V2-Lite-MTP"), 1, "--num-iters 2 --method mtp --num-speculative-tokens 3"),
+        Step("eagle3-l8-k3", "python -m benchmarks.engine.eagle3_overhead preset:Llama-3-8B --k 3 --out {out}/eagle3_l8.json",
+             300),
+        Step("eagle3-l8-k3-graphs", "python -m benchmarks.engine.eagle3_overhead preset:Llama-3-8B --k 3 --mtp-graphs"
+                                    " --out {out}/eagle3_l8_graphs.json", 300),
     )),
     "serve": BenchSet("online serving of Llama-3-8B at serve's defaults: c64 and c256, five requests a stream", (
         Step("serve-l8-c64", f"{SERVE_L8} --num-prompts 320 --max-concurrency 64 --seed 0"

@@ -57,12 +57,14 @@ class AttentionOptions:
 class SelfAttention(nn.Module):
     """QKV projection; (q/k-norm, RoPE, KV store, paged attention) in the attention op; o_proj."""
 
-    def __init__(self, config, prefix: str, quant_config: QuantConfig | None, options: AttentionOptions):
+    def __init__(self, config, prefix: str, quant_config: QuantConfig | None, options: AttentionOptions,
+                 input_size: int | None = None):
+        """input_size: the width q/k/v read (default hidden_size; an EAGLE-3 head's layer reads 2H)."""
         super().__init__()
         self.head_dim = head_dim = head_dim_of(config)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, self.num_heads, self.num_kv_heads,
+        self.qkv_proj = QKVParallelLinear(input_size or config.hidden_size, head_dim, self.num_heads, self.num_kv_heads,
                                           bias=options.qkv_bias, quant_config=quant_config,
                                           prefix=f"{prefix}.qkv_proj")
         self.o_proj = RowParallelLinear(self.num_heads * head_dim, config.hidden_size, bias=options.o_bias,
@@ -125,6 +127,10 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
+    """The layer stack. With `keep_aux_hidden_states` each forward also writes the residual
+    stream entering the chosen layers into one persistent buffer (a fixed address, so CUDA
+    graph and piecewise replays write it too): what an EAGLE-3 head drafts from."""
+
     def __init__(self, config, prefix: str, quant_config: QuantConfig | None, layer_cls: type[nn.Module]):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
@@ -132,10 +138,35 @@ class DecoderModel(nn.Module):
             layer_cls(config, f"{prefix}.layers.{i}", quant_config) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.aux_slots: dict[int, int] = {}  # layer index -> its column block in aux_hidden
+        self.aux_hidden: torch.Tensor | None = None  # [max tokens, len(aux_slots) * hidden]
+
+    def keep_aux_hidden_states(self, layer_ids: tuple[int, ...], max_tokens: int) -> torch.Tensor:
+        """From now on every forward writes, for its first min(tokens, max_tokens) rows, the input
+        of layer layer_ids[j] (hidden + residual; the embedding for layer 0) into columns
+        [j * H, (j + 1) * H) of the returned buffer. max_tokens must cover a step's real rows
+        (graph padding rows past it are not kept)."""
+        num_layers, hidden = len(self.layers), self.embed_tokens.weight.shape[1]
+        bad = [i for i in layer_ids if not 0 <= i < num_layers]
+        if bad or len(set(layer_ids)) != len(layer_ids):
+            raise ValueError(f"aux hidden state layers {list(layer_ids)}: expected distinct indices in "
+                             f"0..{num_layers - 1}")
+        self.aux_slots = {i: j for j, i in enumerate(layer_ids)}
+        weight = self.embed_tokens.weight
+        self.aux_hidden = torch.zeros(max_tokens, len(layer_ids) * hidden, dtype=weight.dtype, device=weight.device)
+        return self.aux_hidden
+
+    def _keep_aux(self, slot: int, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
+        width = hidden.shape[-1]
+        rows = min(hidden.shape[0], self.aux_hidden.shape[0])
+        state = hidden[:rows] if residual is None else hidden[:rows] + residual[:rows]
+        self.aux_hidden[:rows, slot * width : (slot + 1) * width].copy_(state)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_slots:
+                self._keep_aux(self.aux_slots[i], hidden, residual)
             hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden

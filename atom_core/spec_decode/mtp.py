@@ -184,17 +184,26 @@ class MTPProposer(Proposer):
         super().__init__(config.num_draft_tokens)
         if block_size < self.num_draft_tokens:
             raise ValueError(f"block_size {block_size} must be >= num_speculative_tokens {self.num_draft_tokens}")
-        self.model = build_mtp_model(target, target_model)
-        self.layer = next(iter(self.model.model.layers.values()))
-        own_embed, own_head = getattr(self.layer, "embed_tokens", None), getattr(self.layer.shared_head, "head", None)
-        self.embed = own_embed if own_embed is not None else target_model.model.embed_tokens
-        self.head = own_head if own_head is not None else target_model.lm_head
+        self.model, self.layer, self.embed, self.head = self._build_drafter(config, target, target_model)
         self.device = target.device
         self.max_model_len = target.max_model_len
         self.layers = attention_layers(self.model)
         self.kv = DraftKV(self.layers, block_size, max_num_seqs, target.device)
         self.graphs: MTPGraphs | None = None
         self.pad_catch_up = False  # True with graphs (capture_graphs); tests set it to check the padded rows eagerly
+
+    def _build_drafter(self, config: "SpeculativeConfig", target: "ResolvedModel", target_model: nn.Module):
+        """(model, layer, embed, head): the loaded module, its layer with `forward_nextn(ids,
+        positions, previous hidden, embed)`, and the embedding and head `_greedy` drafts with."""
+        model = build_mtp_model(target, target_model)
+        layer = next(iter(model.model.layers.values()))
+        own_embed, own_head = getattr(layer, "embed_tokens", None), getattr(layer.shared_head, "head", None)
+        embed = own_embed if own_embed is not None else target_model.model.embed_tokens
+        return model, layer, embed, own_head if own_head is not None else target_model.lm_head
+
+    def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[R, H] layer outputs -> [R] draft token ids."""
+        return self.head(hidden).argmax(dim=-1)
 
     def kv_layers(self) -> list:
         return self.layers
@@ -242,14 +251,14 @@ class MTPProposer(Proposer):
         entries = list(drafting.values())
         last = torch.tensor([last_rows[e] for e in entries], device=self.device)
         hidden = out.index_select(0, last)
-        tokens = [self.head(hidden).argmax(dim=-1)]
+        tokens = [self._greedy(hidden)]
         # Later drafts: one row per request, one position further, over its scratch blocks.
         positions = [starts[e] + counts[e] for e in entries]  # the newest token's position
         draft_tables = [tables[e] for e in entries]
         for _ in range(self.num_draft_tokens - 1):
             positions_t, meta = self.kv.metadata([1] * len(entries), positions, draft_tables)
             hidden = self._run(tokens[-1], positions_t, meta, hidden, self.draft_graphs)
-            tokens.append(self.head(hidden).argmax(dim=-1))
+            tokens.append(self._greedy(hidden))
             positions = [p + 1 for p in positions]
         by_request = dict(zip(drafting, torch.stack(tokens, dim=1).tolist()))
         return [by_request.get(s.req_id, []) for s in states]

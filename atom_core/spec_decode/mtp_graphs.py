@@ -56,8 +56,8 @@ class MTPGraphs:
     def __init__(self, layer: nn.Module, embed: nn.Module, decode_sizes: tuple[int, ...], q: int, span: int,
                  device: torch.device, capture: CaptureGraphs):
         largest = max(decode_sizes)
-        hidden_size = layer.enorm.weight.shape[0]
-        self.previous = torch.zeros(largest, hidden_size, dtype=layer.enorm.weight.dtype, device=device)
+        weight = embed.weight  # [vocab rows, H]: the width of the previous hidden states the layer reads
+        self.previous = torch.zeros(largest, weight.shape[1], dtype=weight.dtype, device=device)
 
         def forward(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
             return layer.forward_nextn(ids, positions, self.previous[: ids.shape[0]], embed)

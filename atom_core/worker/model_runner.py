@@ -152,7 +152,8 @@ class ModelRunner:
         self.sampler = Sampler()
         with building(config.kernel):
             self.proposer = build_proposer(config.speculative, self.model_info, self.block_size,
-                                           config.scheduler.max_num_seqs, target_model=self.model)
+                                           config.scheduler.max_num_seqs, target_model=self.model,
+                                           max_num_tokens=config.scheduler.max_num_batched_tokens)
         self.rejection_sampler = RejectionSampler()
         self.input_batch = InputBatch()
         self.dispatcher = GraphDispatcher(self.model, self.max_model_len, self.block_size, self.device,
@@ -226,7 +227,7 @@ class ModelRunner:
         if sets.full:
             self.dispatcher.capture_decode(config.capture_sizes, self.proposer.num_draft_tokens,
                                            config.parallel.data_parallel_size)
-            if config.kernel.mtp_graphs:  # MTP's own forwards
+            if config.kernel.mtp_graphs:  # the MTP / EAGLE-3 proposer's own forwards
                 self.proposer.capture_graphs(config.capture_sizes, self.dispatcher.capture_forward)
         if sets.piecewise and self.state_layers:
             logger.warning("piecewise CUDA graphs are off for this model: its linear-attention layers read "
