@@ -86,13 +86,19 @@ class TestTritonChecks:
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [1, 32, 512, 4096])
 def test_real_shapes_on_gpu(num_tokens):
-    """Llama-3-8B's qkv (4096 -> 4096 + 2 x 1024) at rank 16 with 8 slots, in bf16."""
+    """Llama-3-8B's qkv (4096 -> 4096 + 2 x 1024) at rank 16 with 8 slots, in bf16, with A and B scaled
+    as trained adapters are (x A^T and v B^T of the order of their inputs), so that bf16's rounding is
+    measured against the size of what is added: the kernel rounds v to bf16 for its dot, the reference
+    keeps it in float32, and both round the sum once."""
     x, a, b, y, token_slots, offsets = _case(num_tokens, 4096, 8, 16, [4096, 1024, 1024], "cuda", torch.bfloat16)
+    a, b = a / 64, b / 4  # 1/sqrt(K), 1/sqrt(rank)
     meta = lora_ref.lora_layout(token_slots, 8)
     v = triton_lora.lora_shrink(x, a, meta)
     rows = token_slots >= 0
-    torch.testing.assert_close(v[rows], lora_ref.lora_shrink(x, a, meta)[rows], rtol=2e-2, atol=2e-1)
+    torch.testing.assert_close(v[rows], lora_ref.lora_shrink(x, a, meta)[rows], rtol=2e-2, atol=2e-2)
     got, want = y.clone(), y.clone()
     triton_lora.lora_expand(got, v, b, meta, offsets, 16)
     lora_ref.lora_expand(want, v, b, meta, offsets, 16)
-    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-1)
+    scale = (want.float() - y.float()).abs().max().item()
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * scale)
+    torch.testing.assert_close(got[~rows], y[~rows], rtol=0, atol=0)  # rows of no adapter untouched
