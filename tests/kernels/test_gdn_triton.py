@@ -1,20 +1,45 @@
 """The gated-DeltaNet Triton kernels against their torch references (kernels/gdn_ref.py, itself checked
 against HF in test_gdn.py) on fresh random packed inputs: small shapes on both devices (the CPU runs
-Triton's interpreter), Qwen3-Next's shapes on CUDA only."""
+Triton's interpreter), Qwen3-Next's shapes on CUDA only, each in a fresh process (a kernel fault kills
+its CUDA context, and every later case in that process would fail with it). An offline sm_90 compile
+test (no GPU; run with TRITON_INTERPRET=0) checks the chunk kernels' dot layouts at those shapes."""
 from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+import triton
 
 from atom_core.kernels import torch_ref
 from atom_core.kernels import triton as triton_ops
 from atom_core.kernels.gdn_ref import CHUNK_SIZE
+from atom_core.kernels.triton import gated_delta
 from tests.kernels.test_gdn import conv_inputs, cu_seqlens_of, gdn_inputs, rel_err, run_rule
+from tests.kernels.tolerances import INTERPRET
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 RULES = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"]
 # Qwen3-Next-80B-A3B: 16 q/k heads, 32 v heads, head dims 128, conv width 4 over q, k and v channels.
 QWEN3_NEXT = dict(num_k_heads=16, num_v_heads=32, k_dim=128, v_dim=128, conv_width=4)
+QWEN3_NEXT_HEADS = (QWEN3_NEXT["num_k_heads"], QWEN3_NEXT["num_v_heads"])
+QWEN3_NEXT_DIMS = (QWEN3_NEXT["k_dim"], QWEN3_NEXT["v_dim"])
+QWEN3_NEXT_CONV_CHANNELS = (2 * QWEN3_NEXT["num_k_heads"] * QWEN3_NEXT["k_dim"]
+                            + QWEN3_NEXT["num_v_heads"] * QWEN3_NEXT["v_dim"])  # q, k and v
+REPO = Path(__file__).resolve().parents[2]
+
+
+def in_fresh_process(case: str, *args) -> None:
+    """Runs this module's `case(*args)` in a new interpreter and fails with its output if it fails."""
+    code = f"import sys, torch; from tests.kernels.test_gdn_triton import {case}; {case}(*{args!r}); sys.exit(0)"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          check=False, timeout=600)
+    assert done.returncode == 0, f"{case}{args} failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
 
 
 def check_rule(name, lens, heads, dims, dtype, device, has_init=None, seed=0):
@@ -22,6 +47,8 @@ def check_rule(name, lens, heads, dims, dtype, device, has_init=None, seed=0):
     x = gdn_inputs(lens, *heads, *dims, dtype=dtype, has_init=has_init, seed=seed, device=device)
     ref = gdn_inputs(lens, *heads, *dims, dtype=dtype, has_init=has_init, seed=seed)
     out = run_rule(getattr(triton_ops, name), x)
+    if device == "cuda":
+        torch.cuda.synchronize()  # a kernel fault surfaces here, under this op's name
     want = run_rule(torch_ref.fused_recurrent_gated_delta_rule, ref)
     assert out.dtype == dtype and out.shape == want.shape
     assert rel_err(out.cpu(), want) < TOL[dtype]
@@ -36,7 +63,8 @@ class TestChunkGatedDeltaRule:
     @pytest.mark.parametrize("lens,heads,dims,has_init", [
         ([5, CHUNK_SIZE], (1, 2), (16, 16), [False, True]),  # below and at the chunk size, Hv = 2 Hk
         ([CHUNK_SIZE + 6, 3], (1, 1), (16, 32), [True, False]),  # above it, Hv = Hk
-    ], ids=["short_and_one_chunk", "two_chunks"])
+        ([CHUNK_SIZE + 3], (1, 2), (16, 64), [True]),  # the scan over two v blocks, as at Dv = 128
+    ], ids=["short_and_one_chunk", "two_chunks", "two_v_blocks"])
     def test_matches_reference(self, device, dtype, lens, heads, dims, has_init):
         check_rule("chunk_gated_delta_rule", lens, heads, dims, dtype, device, has_init)
 
@@ -54,16 +82,16 @@ class TestChunkGatedDeltaRule:
     @pytest.mark.gpu
     @pytest.mark.parametrize("lens", [[1, CHUNK_SIZE - 1, CHUNK_SIZE, CHUNK_SIZE + 1, 1000], [4096]], ids=str)
     def test_qwen3_next_shapes(self, lens):
-        shape = QWEN3_NEXT
-        check_rule("chunk_gated_delta_rule", lens, (shape["num_k_heads"], shape["num_v_heads"]),
-                   (shape["k_dim"], shape["v_dim"]), torch.bfloat16, "cuda")
+        in_fresh_process("check_rule", "chunk_gated_delta_rule", lens, QWEN3_NEXT_HEADS, QWEN3_NEXT_DIMS,
+                         torch.bfloat16, "cuda")
 
 
 class TestFusedRecurrentGatedDeltaRule:
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-    @pytest.mark.parametrize("lens,heads", [([1, 1, 3], (1, 2)), ([2, 1], (2, 2))], ids=["hv_2hk", "hv_hk"])
-    def test_matches_reference(self, device, dtype, lens, heads):
-        check_rule("fused_recurrent_gated_delta_rule", lens, heads, (16, 24), dtype, device)
+    @pytest.mark.parametrize("lens,heads,dims", [([1, 1, 3], (1, 2), (16, 24)), ([2, 1], (2, 2), (16, 24)),
+                                                 ([1, 2], (1, 2), (16, 48))], ids=["hv_2hk", "hv_hk", "two_v_blocks"])
+    def test_matches_reference(self, device, dtype, lens, heads, dims):
+        check_rule("fused_recurrent_gated_delta_rule", lens, heads, dims, dtype, device)
 
     @pytest.mark.parametrize("name", RULES)
     def test_empty_sequence_and_negative_slot_leave_the_pool_alone(self, device, name):
@@ -77,15 +105,16 @@ class TestFusedRecurrentGatedDeltaRule:
 
     @pytest.mark.gpu
     def test_qwen3_next_decode_batch(self):
-        shape = QWEN3_NEXT
-        check_rule("fused_recurrent_gated_delta_rule", [1] * 32 + [3, 2], (shape["num_k_heads"], shape["num_v_heads"]),
-                   (shape["k_dim"], shape["v_dim"]), torch.bfloat16, "cuda", has_init=[True] * 34)
+        in_fresh_process("check_rule", "fused_recurrent_gated_delta_rule", [1] * 32 + [3, 2], QWEN3_NEXT_HEADS,
+                         QWEN3_NEXT_DIMS, torch.bfloat16, "cuda", [True] * 34)
 
 
 def check_conv(lens, channels, width, dtype, device, has_init=None, activation="silu"):
     args = conv_inputs(lens, channels, width, dtype, has_init=has_init)
     dev_args = tuple(t.to(device, copy=True) for t in args)  # the kernel must not see the reference's state
     y = triton_ops.causal_conv1d(*dev_args, activation)
+    if device == "cuda":
+        torch.cuda.synchronize()
     want = torch_ref.causal_conv1d(*args, activation)
     assert y.dtype == dtype and rel_err(y.cpu(), want) < TOL[dtype]
     assert torch.equal(dev_args[3].cpu(), args[3])  # states are copies of inputs: exact
@@ -109,11 +138,11 @@ class TestCausalConv1d:
         assert torch.equal(dev_args[3].cpu(), args[3])
 
     @pytest.mark.gpu
-    def test_qwen3_next_shapes(self):
-        shape = QWEN3_NEXT
-        channels = 2 * shape["num_k_heads"] * shape["k_dim"] + shape["num_v_heads"] * shape["v_dim"]
-        check_conv([1, 2, 3, 100, 1000], channels, shape["conv_width"], torch.bfloat16, "cuda")
-        check_conv([1] * 32, channels, shape["conv_width"], torch.bfloat16, "cuda", has_init=[True] * 32)
+    @pytest.mark.parametrize("lens,has_init", [([1, 2, 3, 100, 1000], None), ([1] * 32, [True] * 32)],
+                             ids=["prefill", "decode"])
+    def test_qwen3_next_shapes(self, lens, has_init):
+        in_fresh_process("check_conv", lens, QWEN3_NEXT_CONV_CHANNELS, QWEN3_NEXT["conv_width"], torch.bfloat16,
+                         "cuda", has_init)
 
 
 class TestGatedRmsNorm:
@@ -129,8 +158,70 @@ class TestGatedRmsNorm:
 
     @pytest.mark.gpu
     def test_qwen3_next_shapes(self):
-        x, z = (torch.randn(4096 * QWEN3_NEXT["num_v_heads"], QWEN3_NEXT["v_dim"], dtype=torch.bfloat16)
-                for _ in range(2))
-        weight = torch.randn(QWEN3_NEXT["v_dim"], dtype=torch.bfloat16)
-        y = triton_ops.gated_rms_norm(x.cuda(), z.cuda(), weight.cuda(), 1e-6)
-        assert rel_err(y.cpu(), torch_ref.gated_rms_norm(x, z, weight, 1e-6)) < 5e-3
+        in_fresh_process("check_gated_norm_at_qwen3_next_shapes")
+
+
+def check_gated_norm_at_qwen3_next_shapes():
+    x, z = (torch.randn(4096 * QWEN3_NEXT["num_v_heads"], QWEN3_NEXT["v_dim"], dtype=torch.bfloat16)
+            for _ in range(2))
+    weight = torch.randn(QWEN3_NEXT["v_dim"], dtype=torch.bfloat16)
+    y = triton_ops.gated_rms_norm(x.cuda(), z.cuda(), weight.cuda(), 1e-6)
+    torch.cuda.synchronize()
+    assert rel_err(y.cpu(), torch_ref.gated_rms_norm(x, z, weight, 1e-6)) < 5e-3
+
+
+# ---------------------------------------------------------------------------------------------
+# offline sm_90 compile of the chunk kernels at their launch shapes
+
+_POINTER_TYPES = {"g_ptr": "*fp32", "state_ptr": "*fp32", "chunk_bounds_ptr": "*i32", "idx_ptr": "*i32",
+                  "cu_ptr": "*i32", "has_init_ptr": "*i1"}
+
+
+def compile_chunk_kernel_for_hopper(fn, heads, dims, block_v: int, num_stages: int):
+    """fn compiled for sm_90 (bf16 q/k/v) with the wrapper's constexprs and warps, and the
+    16-divisibility Triton gives pointers and strides at launch."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    consts = {**gated_delta.chunk_constexprs(*heads, *dims, torch.bfloat16, True), "BV": block_v}
+    sig = {name: (_POINTER_TYPES.get(name, "*bf16") if name.endswith("_ptr") else "fp32" if name == "scale" else "i32")
+           for name in fn.arg_names if name not in consts}
+    aligned = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items()
+               if t.startswith("*") or a.startswith("stride")}
+    src = ASTSource(fn=fn, signature={**sig, **{c: "constexpr" for c in consts}}, constexprs=consts, attrs=aligned)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": gated_delta.CHUNK_NUM_WARPS, "num_stages": num_stages})
+
+
+def overhanging_dots(ttgir: str) -> list[str]:
+    """wgmma dots whose warp layout spans more rows or columns than the dot's result tile: the extra
+    warpgroup's share of the product lies outside its operands. (Register-operand mma.sync dots on
+    tiles below 64 rows simply repeat across warps; the small-shape GPU tests pass with those.)"""
+    layouts = {m[1]: tuple(int(x) for x in m.groups()[1:]) for m in re.finditer(
+        r"^(#mma\d*) = #ttg\.nvidia_mma<\{versionMajor = 3,[^}]*warpsPerCTA = \[(\d+), (\d+)\], "
+        r"instrShape = \[(\d+), (\d+), \d+\]", ttgir, re.MULTILINE)}
+    bad = []
+    for m in re.finditer(r"warp_group_dot .*-> tensor<(\d+)x(\d+)x\w+, (#mma\d*)>", ttgir):
+        rows, cols = int(m[1]), int(m[2])
+        warps_m, warps_n, instr_m, instr_n = layouts[m[3]]
+        if warps_m * instr_m > rows or warps_n * instr_n > cols:
+            bad.append(f"{rows}x{cols} dot with {m[3]} = warps [{warps_m}, {warps_n}] x instr [{instr_m}, {instr_n}]")
+    return bad
+
+
+@pytest.mark.skipif(INTERPRET, reason="the interpreter replaces the compiled kernels")
+@pytest.mark.parametrize("heads,dims", [((1, 2), (16, 16)), (QWEN3_NEXT_HEADS, QWEN3_NEXT_DIMS)],
+                         ids=["small", "qwen3_next"])
+@pytest.mark.parametrize("kernel", ["prep", "scan"])
+def test_chunk_kernels_compile_for_hopper_with_dot_layouts_inside_their_tiles(kernel, heads, dims):
+    """Every wgmma's warp layout fits its tile. At 8 warps the scan's 64-row dots got an [8, 1]
+    layout (two warpgroups over 64 rows), the launch that failed on the H200 at head dim 128."""
+    if kernel == "prep":
+        compiled = compile_chunk_kernel_for_hopper(gated_delta._gdn_chunk_prep_kernel, heads, dims,
+                                                   gated_delta.prep_block_v(dims[1]), num_stages=2)
+    else:
+        compiled = compile_chunk_kernel_for_hopper(gated_delta._gdn_chunk_scan_kernel, heads, dims,
+                                                   gated_delta.scan_block_v(dims[1]), num_stages=1)
+    ttgir = compiled.asm["ttgir"]
+    assert "warp_group_dot" in ttgir, "the chunk dots should use Hopper's warpgroup MMA"
+    assert overhanging_dots(ttgir) == []

@@ -73,6 +73,8 @@ def _conv_state_kernel(
                  mask=ok & (rel >= 0)[None, :], other=0.0)
     # An older input still in the window (sequences shorter than the state) moves left by `length`.
     sv = tl.load(base + (j + length)[None, :], mask=tl.where(from_slot, ok & (rel < 0)[None, :], False), other=0.0)
+    # The store overwrites columns other threads of this program read above: every read first.
+    tl.debug_barrier()
     tl.store(base + j[None, :], tl.where((rel >= 0)[None, :], xv, sv), mask=ok)
 
 

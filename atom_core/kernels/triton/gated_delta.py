@@ -13,7 +13,8 @@ The recurrent step keeps a state block in registers and walks a sequence's token
 grid depends only on shapes and it never syncs the host, so decode can be captured in a CUDA graph.
 
 Matmul operands are rounded to the input dtype (tensor cores for half inputs) with fp32 accumulation,
-and fp32 inputs use IEEE fp32 dots; Triton's interpreter has no bf16 dot, so there the operands stay fp32.
+and fp32 inputs use IEEE fp32 dots; Triton's interpreter has no working bf16 dot, so there the operands
+stay fp32.
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ _EPS = tl.constexpr(L2NORM_EPS)
 @triton.jit
 def _dot(a, b, DT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr):
     """a @ b with both operands rounded to DT (the input dtype), accumulated in fp32; DOT_IN_FP32 (the
-    interpreter, bf16) keeps them fp32, as its bf16 rounding truncates and would bias every product."""
+    interpreter, bf16) keeps them fp32: the interpreter's bf16 dot returns wrong products (Triton 3.9),
+    so the rounded path runs only compiled."""
     if DOT_IN_FP32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32))
     return tl.dot(a.to(DT), b.to(DT), input_precision=DOT_PRECISION)
@@ -206,6 +208,33 @@ def _dot_kwargs(dtype: torch.dtype) -> dict:
                 DOT_IN_FP32=_INTERPRETED and dtype == torch.bfloat16)
 
 
+# Both chunk kernels run as one warpgroup (4 warps). Their dots have CHUNK_SIZE = 64 rows, one
+# wgmma's M, and the scan chains them with a 128-row dot (the state update). At 8 warps Triton's
+# sm_90 compile (3.6 and 3.9 alike) gives the scan's 64-row dots the state update's [8, 1] warp
+# layout: a second warpgroup over rows 64..127 of 64-row tiles. That was the launch under which the
+# H200 gave wrong head-dim-128 outputs and then an illegal memory access, while the same kernels at
+# 4 warps (the small-shape GPU tests) matched the reference. test_gdn_triton.py's sm_90 compile
+# test checks that every dot's warp layout fits inside its tile.
+CHUNK_NUM_WARPS = 4
+
+
+def chunk_constexprs(num_k_heads: int, num_v_heads: int, k_dim: int, v_dim: int, dtype: torch.dtype,
+                     use_qk_l2norm: bool) -> dict:
+    """The constexprs both chunk kernels share (the sm_90 compile test builds its launches from them)."""
+    return dict(GROUP=num_v_heads // num_k_heads, NUM_V_HEADS=num_v_heads, K_DIM=k_dim, V_DIM=v_dim,
+                BT=CHUNK_SIZE, BK=max(16, next_pow2(k_dim)), USE_L2NORM=use_qk_l2norm, **_dot_kwargs(dtype))
+
+
+def prep_block_v(v_dim: int) -> int:
+    return max(16, next_pow2(v_dim))  # the whole head: U = T (beta v) is one dot
+
+
+def scan_block_v(v_dim: int) -> int:
+    """The state scan's v block: narrow, and no software pipelining of its chunk loop (num_stages=1),
+    as the chunk's q, k, W tiles and the state block already fill the registers."""
+    return min(32, max(16, next_pow2(v_dim)))
+
+
 def chunk_bounds(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """[max_chunks, 2] int32 (start, end) token rows of every chunk in the batch, on the device and
     without a host sync; max_chunks = T // CHUNK_SIZE + N bounds sum(ceil(len_i / CHUNK_SIZE)), and
@@ -240,19 +269,17 @@ def chunk_gated_delta_rule(
     bounds = chunk_bounds(cu_seqlens, num_tokens)
     w = torch.empty((num_tokens, num_v_heads, k_dim), dtype=q.dtype, device=q.device)
     u = torch.empty((num_tokens, num_v_heads, v_dim), dtype=q.dtype, device=q.device)
-    shapes = dict(GROUP=num_v_heads // num_k_heads, NUM_V_HEADS=num_v_heads, K_DIM=k_dim, V_DIM=v_dim,
-                  BT=CHUNK_SIZE, BK=max(16, next_pow2(k_dim)), USE_L2NORM=use_qk_l2norm, **_dot_kwargs(q.dtype))
+    shapes = chunk_constexprs(num_k_heads, num_v_heads, k_dim, v_dim, q.dtype, use_qk_l2norm)
     _gdn_chunk_prep_kernel[(bounds.shape[0], num_v_heads)](
         k, v, g, beta, w, u, bounds, bounds.shape[0], k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), BV=max(16, next_pow2(v_dim)), **shapes,
-        num_warps=8 if k_dim >= 128 else 4,  # 4 warps spill at head dim 128 (sm_90)
+        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), BV=prep_block_v(v_dim), **shapes,
+        num_warps=CHUNK_NUM_WARPS,
     )
-    # Narrow v blocks and no software pipelining of the chunk loop: its tiles already fill the registers.
-    block_v = min(32, max(16, next_pow2(v_dim)))
+    block_v = scan_block_v(v_dim)
     _gdn_chunk_scan_kernel[(num_seqs, num_v_heads, triton.cdiv(v_dim, block_v))](
         q, k, w, u, g, out, state, state_indices, cu_seqlens, has_initial_state, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1), out.stride(0), out.stride(1),
-        BV=block_v, **shapes, num_warps=8 if k_dim >= 128 else 4, num_stages=1,
+        BV=block_v, **shapes, num_warps=CHUNK_NUM_WARPS, num_stages=1,
     )
     return out
 
