@@ -1,6 +1,7 @@
 """Resolve `--model` (a local HF directory or preset:NAME) into config, tokenizer and EOS ids."""
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,10 +97,34 @@ def _remote_code_config(raw: dict, arch: str):
     return CONFIG_MAPPING[native].from_dict({k: v for k, v in raw.items() if k != "auto_map"})
 
 
+_QUANT_MODULE_LISTS = ("modules_to_not_convert", "ignored_layers", "ignore")
+
+
+def _text_model_config(hf_config, arch: str):
+    """The `text_config` of a vision-language config served as text (registry.serves_text_config), made
+    the config of the whole model: it takes the outer architecture and the outer fields HF reads there
+    (tie_word_embeddings: HF ties by the outer config; quantization_config, its module names moved from
+    the checkpoint's model.language_model.* to the text model's model.*; dtype where the text part has none)."""
+    text = copy.deepcopy(hf_config.text_config)
+    text.architectures = [arch]
+    text.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+    if getattr(text, "dtype", None) is None:
+        text.dtype = getattr(hf_config, "dtype", None)
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is not None:
+        qc = dict(qc if isinstance(qc, dict) else qc.to_dict())
+        for key in _QUANT_MODULE_LISTS:
+            if qc.get(key):
+                qc[key] = [e.replace("model.language_model.", "model.").replace(r"model\.language_model\.",
+                                                                                 r"model\.") for e in qc[key]]
+        text.quantization_config = qc
+    return text
+
+
 def resolve_model_files(model: str, tokenizer: str | None = None) -> ModelFiles:
     from transformers import AutoConfig
 
-    from atom_core.models.registry import check_architectures
+    from atom_core.models.registry import check_architectures, serves_text_config
 
     path = resolve_model_path(model)
     try:
@@ -112,6 +137,8 @@ def resolve_model_files(model: str, tokenizer: str | None = None) -> ModelFiles:
     except (ValueError, KeyError, OSError) as e:
         message = " ".join(str(e).split())  # one line for the CLI
         raise ValueError(f"cannot read config.json of {path}: {message}") from e
+    if serves_text_config(arch):
+        hf_config = _text_model_config(hf_config, arch)
     tok_path = Path(tokenizer) if tokenizer else (path if _has_tokenizer(path) else None)
     if tok_path is not None and not tok_path.is_dir():
         raise ValueError(f"tokenizer directory not found: {tok_path}")

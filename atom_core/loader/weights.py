@@ -1,7 +1,8 @@
 """Weight loading from safetensors (single or sharded), and dummy weights for benchmarks.
 
 Checkpoint names are matched to parameters by whole dotted components, by rules the model
-declares, most specific first:
+declares, most specific first (after the model's `checkpoint_name`, where it has one, moved a
+name into its own namespace, e.g. a vision-language checkpoint's model.language_model.* to model.*):
 
 1. `expert_params_mapping` entries (param, checkpoint, expert_id, shard_id): the checkpoint
    name ends with the components of `checkpoint` (leaf included, e.g.
@@ -83,10 +84,12 @@ def load_weights(model: nn.Module, path: Path) -> None:
     mapper = NameMapper(model, params)
     tied = getattr(model.config, "tie_word_embeddings", False)
     skip = getattr(model, "skip_checkpoint_weight", lambda name: False)
+    rename = getattr(model, "checkpoint_name", lambda name: name)  # a checkpoint's namespace -> the model's
     loaded: dict[str, set] = {}  # param name -> (shard_id, expert_id) keys loaded; (None, None) = whole
     for file in _checkpoint_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
+            for stored in f.keys():
+                name = rename(stored)
                 if skip(name):
                     continue
                 mapped = mapper.map(name)
@@ -97,7 +100,7 @@ def load_weights(model: nn.Module, path: Path) -> None:
                 target, kwargs = mapped
                 param = params[target]
                 loader = getattr(param, "weight_loader", default_weight_loader)
-                loader(param, f.get_tensor(name), **kwargs)
+                loader(param, f.get_tensor(stored), **kwargs)
                 # An expert rule without an expert id fills every expert at once (its shard id names a layout).
                 whole = "expert_id" in kwargs and kwargs["expert_id"] is None
                 loaded.setdefault(target, set()).add((None, None) if whole else (kwargs.get("shard_id"),

@@ -6,8 +6,13 @@ A layer keeps no per-token KV: it declares a `StateSpec` (model_ops/kv_spec.py) 
 sequence's. A sequence with no cached context (its prompt's first chunk) starts from zeros; every step
 writes each sequence's final state back, so a prompt split over steps carries its state from chunk to
 chunk. The kernels (the gated delta rule, the causal conv1d, the gated norm) come from the provider.
+That core, the part that reads the step's metadata and the pools, is `DeltaNetCore`: under torch.compile
+it runs as the opaque op `atom::gated_delta_net` (the projections around it compile), and piecewise
+graphs split at it as at attention.
 """
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -85,6 +90,10 @@ class GatedDeltaNet(nn.Module):
                                     self.conv_kernel, conv_dtype=dtype)
         self.recurrent_state = self.conv_state = torch.empty(0)
         self.ops = kernel_ops(self.A_log.device)
+        self.use_custom_op = False  # set when compiling: the core runs as atom::gated_delta_net
+        self._backend: DeltaNetCore | None = None
+        self.layer_key = torch.tensor([id(self)], dtype=torch.int64, device="cpu")
+        _LAYERS[id(self)] = self
 
     def _load_conv(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         """[C_total, 1, K] with channels q | k | v -> this rank's part of each."""
@@ -100,26 +109,68 @@ class GatedDeltaNet(nn.Module):
     def project(self, hidden: torch.Tensor):
         raise NotImplementedError
 
+    def backend(self, device: torch.device) -> "DeltaNetCore":
+        """What reads the step's metadata and the state pools (piecewise graphs swap it during a capture)."""
+        if self._backend is None:
+            self._backend = _CORE
+        return self._backend
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        assert self.recurrent_state.numel(), f"{self.prefix}: state pools not allocated"
         mixed_qkv, z, b, a = self.project(hidden)
+        if self.use_custom_op:
+            o = gated_delta_net_op(mixed_qkv, z, b, a, self.layer_key)
+        else:
+            o = self.backend(hidden.device).forward(self, mixed_qkv, z, b, a)
+        return self.out_proj(o)
+
+
+class DeltaNetCore:
+    """The part of a GatedDeltaNet that reads the step (the forward context's metadata) and its state
+    pools: the causal conv1d, the gated delta rule, the gated RMSNorm. Stateless: the layer carries
+    the parameters, pools and kernels; token-major inputs and output, so piecewise graphs split here
+    as at attention (worker/piecewise.py)."""
+
+    def forward(self, layer: GatedDeltaNet, mixed_qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor,
+                a: torch.Tensor) -> torch.Tensor:
+        """mixed_qkv [T, C], z [T, Hv, Dv], b and a [T, Hv] -> [T, Hv * Dv]."""
+        assert layer.recurrent_state.numel(), f"{layer.prefix}: state pools not allocated"
         meta = get_attention_metadata()
         cu_seqlens, slots = meta.query_start_loc, meta.state_slots
         has_initial_state = meta.seq_lens > (cu_seqlens[1:] - cu_seqlens[:-1])  # cached context before this step
-        ops = self.ops
-        x = ops.causal_conv1d(mixed_qkv, self.conv1d.weight.squeeze(1), None, self.conv_state, slots, cu_seqlens,
+        ops = layer.ops
+        x = ops.causal_conv1d(mixed_qkv, layer.conv1d.weight.squeeze(1), None, layer.conv_state, slots, cu_seqlens,
                               has_initial_state, activation="silu")
-        q, k, v = x.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, k, v = x.split([layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
         num_tokens = x.shape[0]
-        q = q.reshape(num_tokens, self.num_k_heads, self.head_k_dim)
-        k = k.reshape(num_tokens, self.num_k_heads, self.head_k_dim)
-        v = v.reshape(num_tokens, self.num_v_heads, self.head_v_dim)
+        q = q.reshape(num_tokens, layer.num_k_heads, layer.head_k_dim)
+        k = k.reshape(num_tokens, layer.num_k_heads, layer.head_k_dim)
+        v = v.reshape(num_tokens, layer.num_v_heads, layer.head_v_dim)
         beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # HF's log-decay, float32
+        g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias)  # HF's log-decay, float32
         # One token per sequence (decode): the recurrent step; otherwise the chunked form.
         rule = ops.fused_recurrent_gated_delta_rule if meta.max_query_len == 1 else ops.chunk_gated_delta_rule
-        o = rule(q, k, v, g, beta, self.recurrent_state, slots, cu_seqlens, has_initial_state,
-                 scale=self.head_k_dim ** -0.5, use_qk_l2norm=True)
-        o = ops.gated_rms_norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim), self.norm.weight,
-                               self.eps)
-        return self.out_proj(o.reshape(num_tokens, self.value_dim))
+        o = rule(q, k, v, g, beta, layer.recurrent_state, slots, cu_seqlens, has_initial_state,
+                 scale=layer.head_k_dim ** -0.5, use_qk_l2norm=True)
+        o = ops.gated_rms_norm(o.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim), layer.norm.weight,
+                               layer.eps)
+        return o.reshape(num_tokens, layer.value_dim)
+
+
+_CORE = DeltaNetCore()
+
+# Layers by key, as attention's (model_ops/attention.py says why a CPU tensor and not the pools).
+_LAYERS: "weakref.WeakValueDictionary[int, GatedDeltaNet]" = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("atom::gated_delta_net", mutates_args=())
+def gated_delta_net_op(mixed_qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                       layer_key: torch.Tensor) -> torch.Tensor:
+    """Opaque to torch.compile, as atom::paged_attention: the graph splits here; the state updates
+    inside are side effects on the layer's pools, which the compiler never sees."""
+    layer = _LAYERS[int(layer_key)]
+    return layer.backend(mixed_qkv.device).forward(layer, mixed_qkv, z, b, a)
+
+
+@gated_delta_net_op.register_fake
+def _(mixed_qkv, z, b, a, layer_key):
+    return mixed_qkv.new_empty(z.shape[0], z.shape[1] * z.shape[2])  # o is in v's dtype, the conv input's

@@ -2,7 +2,12 @@
 (models/qwen3_next.py) with the DeltaNet inputs from four plain projections (in_proj_qkv: q | k | v, in_proj_z,
 in_proj_b, in_proj_a); the dense model's every MLP is dense, the MoE model's every MLP routed (renormalised
 top-k) plus the gated shared expert. HF's multimodal RoPE gets equal text/height/width positions from text
-alone, which is plain RoPE on the first partial_rotary_factor of each head, as here."""
+alone, which is plain RoPE on the first partial_rotary_factor of each head, as here.
+
+The published checkpoints are vision-language models (Qwen3_5ForConditionalGeneration,
+Qwen3_5MoeForConditionalGeneration): their `text_config` is this text model's config (loader/model_dir.py),
+its weights sit under model.language_model.*, and the vision tower's (model.visual.*) are skipped: text in,
+text out; the API refuses image parts."""
 from __future__ import annotations
 
 import torch
@@ -55,3 +60,22 @@ class Qwen3_5ForCausalLM(HybridForCausalLM):
 
 class Qwen3_5MoeForCausalLM(HybridForCausalLM):
     layer_cls = Qwen3_5MoeDecoderLayer
+
+
+class _TextOfVisionLanguage:
+    """The text model of a vision-language checkpoint: model.language_model.* is our model.*; the vision
+    tower's model.visual.* tensors have no parameter here."""
+
+    def checkpoint_name(self, name: str) -> str:
+        return "model." + name[len("model.language_model."):] if name.startswith("model.language_model.") else name
+
+    def skip_checkpoint_weight(self, name: str) -> bool:
+        return name.startswith("model.visual.") or super().skip_checkpoint_weight(name)
+
+
+class Qwen3_5ForConditionalGeneration(_TextOfVisionLanguage, Qwen3_5ForCausalLM):
+    pass
+
+
+class Qwen3_5MoeForConditionalGeneration(_TextOfVisionLanguage, Qwen3_5MoeForCausalLM):
+    pass

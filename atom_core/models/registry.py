@@ -20,7 +20,13 @@ _MODELS = {
     "Qwen3NextForCausalLM": ("atom_core.models.qwen3_next", "Qwen3NextForCausalLM"),
     "Qwen3_5ForCausalLM": ("atom_core.models.qwen3_5", "Qwen3_5ForCausalLM"),
     "Qwen3_5MoeForCausalLM": ("atom_core.models.qwen3_5", "Qwen3_5MoeForCausalLM"),
+    "Qwen3_5ForConditionalGeneration": ("atom_core.models.qwen3_5", "Qwen3_5ForConditionalGeneration"),
+    "Qwen3_5MoeForConditionalGeneration": ("atom_core.models.qwen3_5", "Qwen3_5MoeForConditionalGeneration"),
 }
+
+# Vision-language architectures served as text: their config's `text_config` is the model's config
+# (loader/model_dir.py resolves it); the vision tower's weights are skipped and images are refused.
+_TEXT_OF_MULTIMODAL = frozenset({"Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"})
 
 
 # Architectures whose checkpoints may carry a trust_remote_code config (their own model_type)
@@ -30,6 +36,10 @@ _NATIVE_MODEL_TYPES = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCau
 
 def native_model_type(architecture: str) -> str | None:
     return _NATIVE_MODEL_TYPES.get(architecture)
+
+
+def serves_text_config(architecture: str) -> bool:
+    return architecture in _TEXT_OF_MULTIMODAL
 
 
 def supported_architectures() -> list[str]:

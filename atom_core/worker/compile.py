@@ -1,7 +1,8 @@
 """torch.compile for levels 2 and 3: the model compiled with the graph split at attention.
 
 Attention (q/k-norm + RoPE + KV store in one kernel, then paged attention) runs as one opaque
-custom op, `atom::paged_attention`, so Dynamo/Inductor compile everything around it, one
+custom op, `atom::paged_attention` (a gated DeltaNet's conv + delta rule + gated norm likewise,
+`atom::gated_delta_net`), so Dynamo/Inductor compile everything around it, one
 decoder layer at a time (projections stay cuBLAS; norms, residual adds and SiLU-and-mul become
 Inductor-fused kernels, so those layers use their torch reference implementations here). Token count is a dynamic
 dimension: one compiled graph serves prefill chunks and every decode batch size.
@@ -20,6 +21,7 @@ from atom_core.kernels import torch_ref
 from atom_core.model_ops.activation import SiluAndMul
 from atom_core.model_ops.attention import Attention
 from atom_core.model_ops.layernorm import RMSNorm
+from atom_core.model_ops.linear_attention import GatedDeltaNet
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +31,7 @@ def compile_model(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, (RMSNorm, SiluAndMul)):
             module.ops = torch_ref  # Inductor fuses these better than separate launches
-        if isinstance(module, Attention):
+        if isinstance(module, (Attention, GatedDeltaNet)):  # atom::paged_attention, atom::gated_delta_net
             module.use_custom_op = True
     # Per decoder layer, not the whole model: the layers share one code object, so Dynamo
     # compiles one layer graph (plus the first layer's, which has no residual yet) for all of

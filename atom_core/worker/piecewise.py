@@ -257,15 +257,17 @@ class PiecewiseGraphRunner(CapturedSizes):
         self.capture_seconds = 0.0
 
     def _padding_metadata(self, num_tokens: int) -> AttentionMetadata:
-        """num_tokens one-token sequences whose KV goes nowhere (slot -1): valid for any count
-        and any max_model_len, as the decode graphs' padded rows."""
+        """num_tokens one-token sequences whose KV goes nowhere (slot -1) and whose linear-attention
+        state is the scratch row 0: valid for any count and any max_model_len, as the decode graphs'
+        padded rows."""
         dev = self.device
         ones = torch.ones(num_tokens, dtype=torch.int32, device=dev)
         return AttentionMetadata(query_start_loc=torch.arange(num_tokens + 1, dtype=torch.int32, device=dev),
                                  seq_lens=ones, block_tables=torch.zeros(num_tokens, 1, dtype=torch.int32, device=dev),
                                  slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),
                                  max_query_len=1, max_seq_len=1,
-                                 seq_order=torch.arange(num_tokens, dtype=torch.int32, device=dev))
+                                 seq_order=torch.arange(num_tokens, dtype=torch.int32, device=dev),
+                                 state_slots=torch.zeros(num_tokens, dtype=torch.int32, device=dev))
 
     @torch.inference_mode()
     def capture_all(self) -> None:
