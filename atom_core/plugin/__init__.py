@@ -1,0 +1,43 @@
+"""Plugin mode: with atomctl installed next to vLLM, `vllm serve` and `vllm.LLM` run atom_core's
+model families, and their attention on atom_core's kernels, while vLLM keeps its scheduler, KV-cache
+manager, batching and API.
+
+vLLM calls `register` in every process it starts (the `vllm.general_plugins` entry point in
+pyproject.toml). It registers, for every architecture atom_core implements (models/registry.py),
+our adapter class (plugin/model_adapter.py) under vLLM's name for it, replacing vLLM's class. It
+imports nothing of CUDA, builds nothing and can run any number of times. ATOM_DISABLE_VLLM_PLUGIN=1
+makes it register nothing. A vLLM outside the supported range (plugin/compat.py) stops at plugin
+load with a message naming the range.
+
+Importing this package imports no vLLM: only `register` and the modules it names do, and no other
+package of atom_core imports vLLM (an import-linter contract).
+"""
+from __future__ import annotations
+
+import logging
+
+from atom_core.envs import read_envs
+
+logger = logging.getLogger("vllm.plugins.atom_core")  # under vLLM's logger: printed with vLLM's own lines
+
+ADAPTER_MODULE = "atom_core.plugin.model_adapter"
+_registered: list[str] = []
+
+
+def register() -> None:
+    """vLLM's general-plugin hook: our class for every architecture atom_core implements."""
+    if read_envs().disable_vllm_plugin:
+        logger.info("atom_core plugin off (ATOM_DISABLE_VLLM_PLUGIN=1): vLLM's own model classes run")
+        return
+    if _registered:
+        return
+    from vllm import ModelRegistry
+
+    from atom_core.models.registry import supported_architectures
+    from atom_core.plugin.compat import check_vllm_version
+
+    version = check_vllm_version()
+    for architecture in supported_architectures():
+        ModelRegistry.register_model(architecture, f"{ADAPTER_MODULE}:{architecture}")
+        _registered.append(architecture)
+    logger.info("atom_core plugin (vLLM %s): atom_core's classes for %s", version, ", ".join(_registered))
