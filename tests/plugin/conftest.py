@@ -29,11 +29,12 @@ PROBE = ("import vllm, importlib.metadata as m; "
          "for e in m.entry_points(group='vllm.general_plugins')))")
 
 
-def vllm_env(**extra: str) -> dict:
+def vllm_env(pythonpath: str = "", **extra: str) -> dict:
     """The environment a vLLM subprocess runs in: this checkout first on the path (our entry point then
-    imports this tree's atom_core whichever checkout the venv's editable install points at)."""
+    imports this tree's atom_core whichever checkout the venv's editable install points at), then
+    `pythonpath` (where vLLM lives when it is not a venv's)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "ATOM_"))}
-    env.update(VLLM_ENV, PYTHONPATH=str(ROOT))
+    env.update(VLLM_ENV, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), pythonpath) if p))
     env.update(extra)
     return env
 
@@ -49,7 +50,7 @@ def _probe(python: Path) -> tuple[str, bool] | None:
     if not python.exists():
         return None
     result = subprocess.run([str(python), "-c", PROBE], capture_output=True, text=True, timeout=300,
-                            env=vllm_env(PYTHONPATH=""))
+                            env={**vllm_env(), "PYTHONPATH": ""})
     if result.returncode != 0:
         return None
     version, listed = result.stdout.split()[-2:]

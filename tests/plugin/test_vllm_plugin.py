@@ -59,7 +59,7 @@ def models(tmp_path_factory) -> dict:
     return out
 
 
-def run_driver(python: Path, specs: list[dict], tmp_path: Path, **env: str) -> list[dict]:
+def run_driver(python: Path | str, specs: list[dict], tmp_path: Path, **env: str) -> list[dict]:
     spec_file = tmp_path / "runs.json"
     spec_file.write_text(json.dumps(specs))
     started = time.monotonic()
@@ -79,16 +79,19 @@ def offline_results(vllm_python, models, tmp_path_factory) -> dict:
     return dict(zip(models, results))
 
 
-@needs_vllm
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_vllm_llm_runs_our_class_and_matches_hf(offline_results, models, family):
+def assert_ours_matched_hf(result: dict, models: dict, family: str) -> None:
+    """The run built our adapter over atom_core's class, and its greedy tokens equal HF's."""
     architecture, atom_class = FAMILIES[family]
-    result = offline_results[family]
-    assert result["class"] == f"atom_core.plugin.model_adapter:{architecture}"
-    assert result["atom_class"] == atom_class
+    assert (result["class"], result["atom_class"]) == (f"atom_core.plugin.model_adapter:{architecture}", atom_class)
     _, prompts, ref = models[family]
     for i, (got, expected) in enumerate(zip(result["token_ids"], ref)):
         assert got == expected, f"{family}: prompt {i} (len {len(prompts[i])}) diverged from HF"
+
+
+@needs_vllm
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_vllm_llm_runs_our_class_and_matches_hf(offline_results, models, family):
+    assert_ours_matched_hf(offline_results[family], models, family)
 
 
 @needs_vllm
