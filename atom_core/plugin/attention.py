@@ -190,8 +190,7 @@ def register_attention_layers(model: torch.nn.Module, vllm_config, device: torch
     bindings = []
     for layer in attention_layers(model):
         name = layer.prefix
-        if name in context:
-            raise ValueError(f"duplicate attention layer name {name!r} in vLLM's forward context")
+        assert name not in context, f"attention layer name {name!r} already in vLLM's forward context"
         layer._backend = VllmMetadataBackend(layer, name, device)
         context[name] = binding = KVCacheBinding(layer, name)
         bindings.append(binding)

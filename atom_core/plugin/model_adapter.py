@@ -38,13 +38,15 @@ logger = logging.getLogger("vllm.plugins.atom_core")  # under vLLM's logger: pri
 
 
 def _check_parallelism(parallel_config) -> None:
-    unsupported = {"pipeline_parallel_size": "pipeline parallelism",
-                   "decode_context_parallel_size": "decode context parallelism"}
-    for field, what in unsupported.items():
-        size = getattr(parallel_config, field, 1)
-        if size != 1:
-            raise ValueError(f"{what} ({field}={size}) is not supported by atom_core's models in vLLM; use 1, "
-                             f"or set ATOM_DISABLE_VLLM_PLUGIN=1 to run vLLM's own model classes")
+    """Refuse vLLM's parallel modes our models do not implement (tensor and data parallelism they do)."""
+    unsupported = {"pipeline_parallel_size": ("pipeline parallelism", 1),
+                   "decode_context_parallel_size": ("decode context parallelism", 1),
+                   "enable_expert_parallel": ("expert parallelism", False)}
+    for field, (what, default) in unsupported.items():
+        value = getattr(parallel_config, field, default)
+        if value != default:
+            raise ValueError(f"{what} ({field}={value}) is not supported by atom_core's models in vLLM; use "
+                             f"{default}, or set ATOM_DISABLE_VLLM_PLUGIN=1 to run vLLM's own model classes")
 
 
 def _adopt_vllm_tp_group() -> None:

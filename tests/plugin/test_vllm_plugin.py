@@ -72,11 +72,14 @@ def run_driver(python: Path | str, specs: list[dict], tmp_path: Path, **env: str
 
 @pytest.fixture(scope="module")
 def offline_results(vllm_python, models, tmp_path_factory) -> dict:
+    """family -> result, and "fp8_kv" -> the start with an FP8 KV cache, which must fail (last: see the driver)."""
     specs = [{"model": str(path), "prompts": prompts, "max_tokens": MAX_TOKENS, "llm_kwargs": LLM_KWARGS}
              for path, prompts, _ in models.values()]
+    specs.append({"model": str(models["qwen3"][0]), "llm_kwargs": {**LLM_KWARGS, "kv_cache_dtype": "fp8"},
+                  "expect_error": True})
     results = run_driver(vllm_python, specs, tmp_path_factory.mktemp("plugin_offline"))
     assert len(results) == len(specs)
-    return dict(zip(models, results))
+    return dict(zip([*models, "fp8_kv"], results))
 
 
 def assert_ours_matched_hf(result: dict, models: dict, family: str) -> None:
@@ -92,6 +95,12 @@ def assert_ours_matched_hf(result: dict, models: dict, family: str) -> None:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_vllm_llm_runs_our_class_and_matches_hf(offline_results, models, family):
     assert_ours_matched_hf(offline_results[family], models, family)
+
+
+@needs_vllm
+def test_an_fp8_kv_cache_is_refused_naming_the_switch(offline_results):
+    error = offline_results["fp8_kv"]["error"]
+    assert error is not None and "--kv-cache-dtype fp8" in error and "ATOM_DISABLE_VLLM_PLUGIN=1" in error, error
 
 
 @needs_vllm
@@ -169,6 +178,38 @@ class TestWithoutVllm:
         monkeypatch.setenv("ATOM_DISABLE_VLLM_PLUGIN", "maybe")
         with pytest.raises(ValueError, match="ATOM_DISABLE_VLLM_PLUGIN"):
             plugin.register()
+
+    def test_the_adapter_module_names_one_class_per_architecture(self):
+        from atom_core.models.qwen3 import Qwen3ForCausalLM
+        from atom_core.plugin import model_adapter
+
+        cls = model_adapter.Qwen3ForCausalLM
+        assert cls.atom_model_class is Qwen3ForCausalLM and issubclass(cls, Qwen3ForCausalLM)
+        assert cls.__mro__[1] is model_adapter.VllmModelAdapter  # its methods come before our model's
+        assert model_adapter.Qwen3ForCausalLM is cls  # made once
+        with pytest.raises(AttributeError, match="FalconForCausalLM"):
+            model_adapter.FalconForCausalLM
+
+    @pytest.mark.parametrize("field, value, what", [("pipeline_parallel_size", 2, "pipeline parallelism"),
+                                                    ("decode_context_parallel_size", 2, "decode context"),
+                                                    ("enable_expert_parallel", True, "expert parallelism")])
+    def test_unsupported_vllm_parallelism_is_refused(self, field, value, what):
+        from types import SimpleNamespace
+
+        from atom_core.plugin.model_adapter import _check_parallelism
+
+        _check_parallelism(SimpleNamespace(tensor_parallel_size=2, data_parallel_size=2))
+        with pytest.raises(ValueError, match=f"{what}.*{field}={value}.*ATOM_DISABLE_VLLM_PLUGIN=1"):
+            _check_parallelism(SimpleNamespace(**{field: value}))
+
+    @pytest.mark.parametrize("kwargs, what", [({"intermediate_tensors": object()}, "pipeline parallelism"),
+                                              ({"inputs_embeds": torch.zeros(1, 4)}, "inputs_embeds")])
+    def test_forward_refuses_what_our_models_do_not_take(self, kwargs, what):
+        from atom_core.plugin.model_adapter import VllmModelAdapter
+
+        ids = torch.zeros(1, dtype=torch.long)
+        with pytest.raises(ValueError, match=what):
+            VllmModelAdapter.forward(object(), ids, ids, **kwargs)
 
     @pytest.mark.parametrize("version", ["0.20.0", "0.20.1rc1", "0.32.0", "0.32.0+cpu"])
     def test_supported_versions_pass(self, version):

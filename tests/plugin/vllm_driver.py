@@ -1,7 +1,8 @@
 """Runs inside the vLLM venv (not the test environment): each run of the JSON spec in argv[1] through
 vllm.LLM, greedy, one after another in this process (vLLM imports once). Prints one line per run:
 RESULT {"model", "class" (module:qualname of the model vLLM built), "atom_class" (the atom_core
-class under our adapter, or null), "token_ids" (per prompt)}."""
+class under our adapter, or null), "token_ids" (per prompt)}; a run marked "expect_error" (last in a
+spec: a failed start may leave vLLM's process state behind) prints {"model", "error"} instead."""
 from __future__ import annotations
 
 import gc
@@ -10,6 +11,12 @@ import sys
 
 
 def run(spec: dict, llm_cls, sampling_params_cls) -> dict:
+    if spec.get("expect_error"):  # a start that must fail: report its message
+        try:
+            llm_cls(model=spec["model"], **spec["llm_kwargs"])
+        except Exception as exc:  # noqa: BLE001 - any start failure is the result here
+            return {"model": spec["model"], "error": f"{type(exc).__name__}: {exc}"}
+        return {"model": spec["model"], "error": None}
     llm = llm_cls(model=spec["model"], **spec["llm_kwargs"])
 
     def describe(model) -> tuple[str, str | None]:
