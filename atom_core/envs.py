@@ -34,6 +34,8 @@ ENV_VARS: dict[str, str] = {
                                "launch hook such as Proton's already forces it)",
     "ATOM_MTP_GRAPHS": "default for --mtp-graphs: 0 (default) or 1; 1 replays the MTP proposer's catch-up and "
                        "later drafts in CUDA graphs instead of running them eagerly",
+    "ATOM_DISABLE_VLLM_PLUGIN": "0 (default) or 1; 1 makes atomctl's vLLM plugin register nothing, so `vllm serve` "
+                                "and vllm.LLM run vLLM's own model classes (read by the plugin in every vLLM process)",
 }
 # Kernel switches that were removed (their alternatives lost); setting one is an error, not a no-op.
 REMOVED_ENV_VARS: tuple[str, ...] = (
@@ -62,6 +64,7 @@ class AtomEnvs:
     all_reduce: AllReduceMode | None = None
     triton_fast_launch: bool | None = None
     mtp_graphs: bool | None = None
+    disable_vllm_plugin: bool = False
 
     def kernel_options(self) -> dict:
         """The kernel options this environment sets (KernelConfig field -> value)."""
@@ -85,6 +88,7 @@ def read_envs(environ: Mapping[str, str] | None = None) -> AtomEnvs:
         all_reduce=env_choice(env, "ATOM_ALL_REDUCE", ALL_REDUCE_MODES, None),
         triton_fast_launch=env_bool(env, "ATOM_TRITON_FAST_LAUNCH", None),
         mtp_graphs=env_bool(env, "ATOM_MTP_GRAPHS", None),
+        disable_vllm_plugin=env_bool(env, "ATOM_DISABLE_VLLM_PLUGIN", False),
     )
 
 

@@ -131,6 +131,18 @@ def init_distributed(rank: int, world_size: int, init_method: str, device: torch
     return _GROUPS["tp"]
 
 
+def adopt_tp_group(ranks: tuple[int, ...], rank_in_group: int, device_group, cpu_group) -> GroupCoordinator:
+    """Make groups another runtime built this process's tensor-parallel group (plugin mode: vLLM's
+    TP group, so our collectives run over the ranks and communicators vLLM set up) instead of
+    joining a world of our own. At one rank the groups are dropped: every collective is an identity."""
+    ranks = tuple(ranks)
+    if len(ranks) == 1:
+        _GROUPS["tp"] = _SINGLE
+    else:
+        _GROUPS["tp"] = GroupCoordinator("tp", ranks, rank_in_group, device_group, cpu_group)
+    return _GROUPS["tp"]
+
+
 def init_replica_experts(replica: int, num_replicas: int, init_method: str, device: torch.device,
                          timeout_s: float = 600.0) -> GroupCoordinator:
     """Join the world of data-parallel replicas whose MoE layers share experts (one rank per

@@ -20,6 +20,7 @@ The loader never converts a tensor: each parameter's `weight_loader` owns dtype 
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -75,7 +76,22 @@ class NameMapper:
 
 
 def load_weights(model: nn.Module, path: Path) -> None:
-    """Stream every tensor into its parameter through the parameter's weight_loader.
+    """Stream every tensor of the safetensors in `path` into its parameter (`load_named_tensors`)."""
+    load_named_tensors(model, _read_checkpoint(path), str(path))
+
+
+def _read_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in _checkpoint_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_named_tensors(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> set[str]:
+    """Load (checkpoint name, tensor) pairs into the parameters through each parameter's
+    weight_loader; returns every parameter's name (each was filled, or keeps its default where it is
+    optional_in_checkpoint). ValueError naming `source` when a tensor has no parameter or a
+    parameter got nothing.
 
     A packed parameter (`expected_shards` set by its layer) counts as loaded once every shard
     arrived, or once a checkpoint tensor filled it whole.
@@ -86,25 +102,23 @@ def load_weights(model: nn.Module, path: Path) -> None:
     skip = getattr(model, "skip_checkpoint_weight", lambda name: False)
     rename = getattr(model, "checkpoint_name", lambda name: name)  # a checkpoint's namespace -> the model's
     loaded: dict[str, set] = {}  # param name -> (shard_id, expert_id) keys loaded; (None, None) = whole
-    for file in _checkpoint_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for stored in f.keys():
-                name = rename(stored)
-                if skip(name):
-                    continue
-                mapped = mapper.map(name)
-                if mapped is None:
-                    if name == "lm_head.weight" and tied:
-                        continue
-                    raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
-                target, kwargs = mapped
-                param = params[target]
-                loader = getattr(param, "weight_loader", default_weight_loader)
-                loader(param, f.get_tensor(stored), **kwargs)
-                # An expert rule without an expert id fills every expert at once (its shard id names a layout).
-                whole = "expert_id" in kwargs and kwargs["expert_id"] is None
-                loaded.setdefault(target, set()).add((None, None) if whole else (kwargs.get("shard_id"),
-                                                                                 kwargs.get("expert_id")))
+    for stored, tensor in tensors:
+        name = rename(stored)
+        if skip(name):
+            continue
+        mapped = mapper.map(name)
+        if mapped is None:
+            if name == "lm_head.weight" and tied:
+                continue
+            raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
+        target, kwargs = mapped
+        param = params[target]
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        loader(param, tensor, **kwargs)
+        # An expert rule without an expert id fills every expert at once (its shard id names a layout).
+        whole = "expert_id" in kwargs and kwargs["expert_id"] is None
+        loaded.setdefault(target, set()).add((None, None) if whole else (kwargs.get("shard_id"),
+                                                                         kwargs.get("expert_id")))
     missing = []
     for name, param in params.items():
         keys = loaded.get(name)
@@ -117,7 +131,8 @@ def load_weights(model: nn.Module, path: Path) -> None:
             lacking = sorted(expected - keys, key=str)
             missing.append(f"{name} (shards {', '.join(_shard_name(k) for k in lacking[:4])})")
     if missing:
-        raise ValueError(f"checkpoint {path} lacks weights for: {', '.join(sorted(missing)[:8])}")
+        raise ValueError(f"checkpoint {source} lacks weights for: {', '.join(sorted(missing)[:8])}")
+    return set(params)
 
 
 def _shard_name(key: tuple) -> str:

