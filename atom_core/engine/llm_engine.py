@@ -90,12 +90,16 @@ class LLMEngine:
         returns the number of blocks forgotten."""
         return self.core.kv.reset_prefix_cache()
 
-    def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[dict]:
-        """Run prompts to completion; one output dict per prompt, in prompt order."""
+    def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 on_step: Callable[[list[RequestState]], None] | None = None) -> list[dict]:
+        """Run prompts to completion; one output dict per prompt, in prompt order. `on_step` is
+        called after every step with the requests that got new tokens (progress bars)."""
         request_ids = self.add_request(prompts, sampling_params)
         self._awaited.update(request_ids)
         while not all(rid in self._finished for rid in request_ids):
-            self.step()
+            updated = self.step()
+            if on_step is not None:
+                on_step(updated)
         self._awaited.difference_update(request_ids)
         return [self._finished.pop(rid).as_dict() for rid in request_ids]
 
