@@ -40,9 +40,8 @@ def fit_lengths(lengths: list[Length], budget: int, limit: str) -> FittedLengths
     if given > budget or room < len(defaults):
         named = " + ".join(f"{n.flag} {n.value}" for n in lengths if n.given)
         flags = ", ".join(n.flag for n in lengths)
-        raise ValueError(f"{named} = {given} tokens do not fit {limit}"
-                         f"{' (with at least 1 token for each other length)' if defaults else ''}; "
-                         f"lower {flags}, or raise the model's --max-model-len")
+        raise ValueError(f"{named} = {given} tokens do not fit {limit}; lower {flags}, "
+                         f"or raise the model's --max-model-len")
     wanted = sum(n.default for n in defaults)
     if wanted <= room:
         return FittedLengths(tuple(n.value if n.given else n.default for n in lengths), None)

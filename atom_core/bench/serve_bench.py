@@ -147,10 +147,30 @@ def _local_tokenizer(name: str, trust_remote_code: bool) -> Any | None:
 
     if name == DEMO_MODEL or name.startswith("preset:"):
         return resolve_model_files(name).serving_tokenizer()
-    try:
-        return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code, local_files_only=True)
-    except (OSError, ValueError):  # not a directory with tokenizer files, nor cached: the caller says so
+    path = Path(name).expanduser()
+    directory = path if path.is_dir() else _cached_snapshot(name)
+    if directory is None:
         return None
+    try:  # a directory: transformers reads its files and asks no hub
+        return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):  # no tokenizer files there: the caller says so
+        return None
+
+
+def _cached_snapshot(repo_id: str) -> Path | None:
+    """The Hugging Face cache's snapshot directory of `repo_id` holding its tokenizer, read from
+    the file system: even with local_files_only, transformers' hub calls contact the hub (for
+    their request headers)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    for filename in ("tokenizer_config.json", "tokenizer.json"):
+        try:
+            found = try_to_load_from_cache(repo_id, filename)
+        except ValueError:  # not a valid repo id (HFValidationError)
+            return None
+        if isinstance(found, str):
+            return Path(found).parent
+    return None
 
 
 @dataclass(frozen=True)
@@ -189,19 +209,17 @@ def fetch_served_model(base_url: str, model: str | None = None, timeout_s: float
 
 @dataclass(frozen=True)
 class PreparedRun:
-    """What a run needs before its first request: the model, its tokenizer and the dataset fitted to it."""
+    """What a run needs before its first request: the served model and its tokenizer."""
 
     model_id: str
     tokenizer_id: str
     tokenizer: Any
-    dataset: DatasetConfig
-    notice: str | None  # the dataset's default lengths were shrunk to fit the server's max_model_len
-    max_model_len: int | None
+    max_model_len: int | None  # the server's, where /v1/models says it
 
 
 def prepare_run(cfg: ServeBenchConfig, tokenizer: Any = None) -> PreparedRun:
-    """Ask the server for its model, find the tokenizer (--tokenizer, else the server's root, else
-    the model name; never a hub) and fit the dataset's default lengths to the server's max_model_len."""
+    """Ask the server for its model and find the tokenizer: --tokenizer, else the server's root,
+    else the model name; never from a hub."""
     check_server(cfg.base_url)
     served = fetch_served_model(cfg.base_url, cfg.model)
     if cfg.tokenizer is not None:
@@ -218,17 +236,20 @@ def prepare_run(cfg: ServeBenchConfig, tokenizer: Any = None) -> PreparedRun:
         else:
             tried = " or ".join(f"'{n}'" for n in candidates)
             raise ValueError(f"cannot find the tokenizer of model '{served.id}': {tried} is {_NO_TOKENIZER}")
-    dataset, notice = cfg.dataset, None
-    if served.max_model_len is not None:
-        dataset, notice = fit_to_model(cfg.dataset, served.max_model_len)
-    return PreparedRun(served.id, tokenizer_id, tokenizer, dataset, notice, served.max_model_len)
+    return PreparedRun(served.id, tokenizer_id, tokenizer, served.max_model_len)
 
 
-def sample_fitting_requests(run: PreparedRun, num_prompts: int, seed: int) -> list[SampleRequest]:
-    """The run's prompts; ValueError naming the dataset's length flags when one cannot fit the server."""
-    requests = sample_requests(run.dataset, run.tokenizer, num_prompts, seed)
+def sample_fitting_requests(run: PreparedRun, cfg: ServeBenchConfig, console: Console) -> list[SampleRequest]:
+    """cfg's prompts, their default lengths fitted to the server's max_model_len (with a notice on
+    `console`); ValueError naming the dataset's length flags when a request cannot fit."""
+    dataset = cfg.dataset
     if run.max_model_len is not None:
-        check_fit(run.dataset, requests, run.max_model_len)
+        dataset, notice = fit_to_model(dataset, run.max_model_len)
+        if notice:
+            console.print(notice, style="yellow", highlight=False)
+    requests = sample_requests(dataset, run.tokenizer, cfg.num_prompts, cfg.seed)
+    if run.max_model_len is not None:
+        check_fit(dataset, requests, run.max_model_len)
     return requests
 
 
@@ -248,9 +269,7 @@ def run_benchmark(
     run = prepare_run(cfg, tokenizer)
     model_id, tokenizer_id, tokenizer = run.model_id, run.tokenizer_id, run.tokenizer
     if requests is None:
-        if run.notice:
-            console.print(run.notice, style="yellow", highlight=False)
-        requests = sample_fitting_requests(run, cfg.num_prompts, cfg.seed)
+        requests = sample_fitting_requests(run, cfg, console)
     result = asyncio.run(benchmark(cfg, model_id, list(requests), tokenizer, console))
     header = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),

@@ -65,13 +65,11 @@ def run_sweep(
         raise ValueError("give exactly one of --max-concurrency-list and --request-rate-list")
     console = console or Console()
     run = prepare_run(cfg, tokenizer)
-    if run.notice:
-        console.print(run.notice, style="yellow", highlight=False)
     # The plot needs median TTFT and TPOT whatever the user selected for the table.
     selected = tuple(dict.fromkeys((*cfg.percentile_metrics, "ttft", "tpot")))
     cfg = replace(cfg, model=run.model_id, tokenizer=run.tokenizer_id, percentile_metrics=selected)
     tokenizer = run.tokenizer
-    requests = sample_fitting_requests(run, cfg.num_prompts, cfg.seed)
+    requests = sample_fitting_requests(run, cfg, console)
     if max_concurrency_list is not None:
         points = [replace(cfg, max_concurrency=int(c)) for c in max_concurrency_list]
     else:
