@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import sys
 from typing import Callable, Sequence as Seq
 
 from atom_core.config import EngineConfig
@@ -19,9 +20,16 @@ class LLMEngine:
     streaming control; `stream_callback(output_dict_so_far, new_token_ids, new_text)` is called
     for every step that brings its request new tokens (one token per call with
     num_scheduler_steps=1, up to a window's worth otherwise).
+
+    `model` is a local HF directory, `demo` (the built-in model) or preset:NAME, as `--model`.
+    Lifecycle: `shutdown()` stops the tensor-parallel workers and leaves the process groups; it is
+    idempotent and also runs on `with LLMEngine(...) as llm:` exit, when the engine is garbage
+    collected, and at interpreter exit, so engines can be made one after another in one process.
+    A shut-down engine refuses new requests.
     """
 
     def __init__(self, model: str, **config_fields):
+        self._closed = False
         self.config = EngineConfig.from_kwargs(model, **config_fields)
         self.core = EngineCore(self.config)
         self.tokenizer = self.core.files.load_tokenizer() if self.core.files.tokenizer_path else None
@@ -47,6 +55,8 @@ class LLMEngine:
     def add_request(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                     stream_callback: Callable | None = None) -> list[str]:
         """Queue one or more prompts; returns their request ids. Validates all before queueing any."""
+        if self._closed:
+            raise RuntimeError("this LLMEngine was shut down; create a new one")
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
         token_lists = [self.tokenize(p) for p in prompts]
@@ -104,8 +114,26 @@ class LLMEngine:
         return [self._finished.pop(rid).as_dict() for rid in request_ids]
 
     def shutdown(self) -> None:
-        """Stop the engine's worker processes (tensor parallel). Idempotent; also at exit."""
-        self.core.shutdown()
+        """Stop the engine's worker processes and leave its process groups (tensor parallel).
+        Idempotent; also on context exit, garbage collection and interpreter exit."""
+        if self._closed:
+            return
+        self._closed = True
+        core = getattr(self, "core", None)  # None: __init__ failed before the core existed
+        if core is not None:
+            core.shutdown()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        # At interpreter exit the executor's atexit hook has already done this, and the modules
+        # shutdown needs may be gone.
+        if not sys.is_finalizing() and not getattr(self, "_closed", True):
+            self.shutdown()
 
     # ---- profiling ------------------------------------------------------------------
     def start_profile(self) -> None:
