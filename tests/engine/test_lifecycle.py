@@ -104,6 +104,7 @@ class TestTensorParallelOneAfterAnother:
 
 
 class TestDataParallelOneAfterAnother:
+    @pytest.mark.slow  # four core processes start
     def test_replicas_start_again_after_shutdown(self, tiny_llama):
         """The async engine's own teardown: shutdown() ends every replica's core process (idempotent),
         and a second data-parallel engine in the same process serves the same tokens."""
