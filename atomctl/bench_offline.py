@@ -12,12 +12,23 @@ from atomctl.engine_options import engine_kwargs, with_engine_options
 from atomctl.errors import friendly_errors
 
 
-def _start_engine(engine_args: dict):
+def _start_engine(engine_args: dict, console: Console):
     from atom_core import LLMEngine
 
     start = time.perf_counter()
-    engine = LLMEngine(**engine_kwargs(engine_args))
+    with console.status("starting the engine (load, KV sizing, compile, graph capture)"):
+        engine = LLMEngine(**engine_kwargs(engine_args))
     return engine, time.perf_counter() - start
+
+
+def _progress(console: Console, label: str, total: int, disable: bool):
+    """bench serve's bar, counting output tokens (atom_core/bench/progress.py)."""
+    from atom_core.bench.progress import progress_bar
+
+    return progress_bar(console, label, total, enabled=not disable)
+
+
+_DISABLE_TQDM = typer.Option(False, "--disable-tqdm", help="No progress bar.")
 
 
 def _startup_phases(engine, startup: float) -> dict[str, float]:
@@ -64,28 +75,41 @@ def _show(title: str, rows: list[tuple[str, str]], output_json: Optional[Path], 
 @with_engine_options
 def offline_cmd(
     num_prompts: int = typer.Option(256, help="Requests in the workload."),
-    min_input_len: int = typer.Option(100), max_input_len: int = typer.Option(1024),
-    min_output_len: int = typer.Option(100), max_output_len: int = typer.Option(1024),
+    min_input_len: Optional[int] = typer.Option(None, help="Shortest prompt (default 100, at most the longest)."),
+    max_input_len: Optional[int] = typer.Option(
+        None, help="Longest prompt (default 1024; with --max-output-len's default shrunk, in proportion, to fit "
+                   "the model's max_model_len, with a notice)."),
+    min_output_len: Optional[int] = typer.Option(None, help="Fewest output tokens (default 100, at most the most)."),
+    max_output_len: Optional[int] = typer.Option(None, help="Most output tokens (default 1024, fitted as --max-input-len)."),
     temperature: float = typer.Option(0.6),
     workload_seed: int = typer.Option(0, help="random.seed of the workload (nano-vllm: 0)."),
     output_json: Optional[Path] = typer.Option(None, help="Write the result as JSON."),
     step_timeline: bool = typer.Option(False, "--step-timeline/--no-step-timeline",
                                        help="Also report where the time went: steps with prompt tokens vs "
                                             "decode-only steps, and decode-only steps by batch size."),
+    disable_tqdm: bool = _DISABLE_TQDM,
     engine_args: dict = None,
 ):
     """Offline throughput: nano-vllm's workload by default (256 requests, lengths in [100, 1024])."""
-    from atom_core.bench.offline import ThroughputWorkload, as_json, run_throughput
+    from atom_core.bench.offline import as_json, fit_workload, run_throughput, token_counter
 
-    workload = ThroughputWorkload(num_prompts, min_input_len, max_input_len, min_output_len, max_output_len,
-                                  temperature, workload_seed)
+    console = Console()
+    lengths = dict(num_prompts=num_prompts, min_input_len=min_input_len, max_input_len=max_input_len,
+                   min_output_len=min_output_len, max_output_len=max_output_len, temperature=temperature,
+                   seed=workload_seed)
     if engine_args.get("data_parallel_size", 1) > 1:
         if step_timeline:  # each replica's core runs in its own process, out of this one's reach
             raise ValueError(f"--step-timeline records one engine core's steps; it does not support "
                              f"--data-parallel-size {engine_args['data_parallel_size']} (run it with -dp 1)")
-        return _offline_replicas(workload, engine_args, output_json)
-    engine, startup = _start_engine(engine_args)
-    result = run_throughput(engine, workload, startup, step_timeline)
+        return _offline_replicas(lengths, engine_args, output_json, console)
+    fit_workload(1 << 62, **lengths)  # bad ranges fail before the engine starts
+    engine, startup = _start_engine(engine_args, console)
+    workload, notice = fit_workload(engine.max_model_len, **lengths)
+    if notice:
+        console.print(notice, style="yellow", highlight=False)
+    total = sum(p.max_tokens for p in workload.build()[1])  # ignore_eos: every request runs to max_tokens
+    with _progress(console, "output tokens", total, disable_tqdm) as advance:
+        result = run_throughput(engine, workload, startup, step_timeline, on_step=token_counter(advance))
     phases = _startup_phases(engine, startup)
     _show("atomctl bench offline", [
         *_throughput_rows(result),
@@ -134,15 +158,21 @@ def _throughput_rows(result) -> list[tuple[str, str]]:
             ("requests/s", f"{result.request_throughput:.2f}")]
 
 
-def _offline_replicas(workload, engine_args: dict, output_json: Optional[Path]) -> None:
+def _offline_replicas(lengths: dict, engine_args: dict, output_json: Optional[Path], console: Console) -> None:
     """-dp N: the workload through N engine cores behind the serving balancer (atom_core/bench/offline_dp.py)."""
-    from atom_core.bench.offline import as_json
+    from atom_core.bench.offline import as_json, fit_workload
     from atom_core.bench.offline_dp import run_throughput_replicas
     from atom_core.config import EngineConfig
+    from atom_core.loader import resolve_model, resolve_model_files
 
     kwargs = engine_kwargs(engine_args)
     config = EngineConfig.from_kwargs(kwargs.pop("model"), **kwargs)
-    result, split = run_throughput_replicas(config, workload)
+    max_model_len = resolve_model(config.model, resolve_model_files(config.model.model, config.model.tokenizer)).max_model_len
+    workload, notice = fit_workload(max_model_len, **lengths)
+    if notice:
+        console.print(notice, style="yellow", highlight=False)
+    with console.status(f"running {workload.num_prompts} requests over {config.parallel.data_parallel_size} replicas"):
+        result, split = run_throughput_replicas(config, workload)
     replicas = config.parallel.data_parallel_size
     _show(f"atomctl bench offline ({replicas} data-parallel replicas)", [
         *_throughput_rows(result),
@@ -156,22 +186,33 @@ def _offline_replicas(workload, engine_args: dict, output_json: Optional[Path]) 
 @with_engine_options
 def latency_cmd(
     batch_size: int = typer.Option(1, "--batch-size", "--bs"),
-    input_len: int = typer.Option(128),
-    output_len: int = typer.Option(256),
+    input_len: Optional[int] = typer.Option(
+        None, help="Prompt tokens (default 128; with --output-len's default shrunk, in proportion, to fit the "
+                   "model's max_model_len, with a notice)."),
+    output_len: Optional[int] = typer.Option(None, help="Output tokens per request (default 256, fitted as --input-len)."),
     num_iters: int = typer.Option(3, help="Timed iterations (medians reported)."),
     num_iters_warmup: int = typer.Option(1),
     prompt_period: Optional[int] = typer.Option(None, help="Repeat a random motif of this many tokens to fill each prompt (a repetitive workload, e.g. for --method ngram)."),
     output_json: Optional[Path] = typer.Option(None, help="Write the result as JSON."),
+    disable_tqdm: bool = _DISABLE_TQDM,
     engine_args: dict = None,
 ):
-    """Latency at a fixed batch: TTFT, TPOT, end-to-end and tokens/s (greedy, ignore_eos)."""
-    from atom_core.bench.offline import as_json, run_latency
+    """Latency at a fixed batch: TTFT, TPOT, end-to-end and tokens/s (greedy, ignore_eos), all from the same runs."""
+    from atom_core.bench.offline import as_json, fit_latency_lengths, latency_workload_tokens, run_latency, token_counter
 
-    if min(batch_size, input_len, output_len, num_iters) < 1 or num_iters_warmup < 0:
+    given = [v for v in (input_len, output_len) if v is not None]
+    if min(batch_size, num_iters, *given) < 1 or num_iters_warmup < 0:
         raise ValueError("--batch-size, --input-len, --output-len and --num-iters must be >= 1")
-    engine, startup = _start_engine(engine_args)
-    r = run_latency(engine, batch_size, input_len, output_len, num_iters, num_iters_warmup, startup_s=startup,
-                    prompt_period=prompt_period)
+    console = Console()
+    engine, startup = _start_engine(engine_args, console)
+    input_len, output_len, notice = fit_latency_lengths(engine.max_model_len, input_len, output_len)
+    if notice:
+        console.print(notice, style="yellow", highlight=False)
+    total = latency_workload_tokens(batch_size, output_len, num_iters, num_iters_warmup)
+    with _progress(console, f"{num_iters_warmup} warm-up + {num_iters} timed runs, output tokens", total,
+                   disable_tqdm) as advance:
+        r = run_latency(engine, batch_size, input_len, output_len, num_iters, num_iters_warmup, startup_s=startup,
+                        prompt_period=prompt_period, on_step=token_counter(advance))
     phases = _startup_phases(engine, startup)
     ms = lambda s: f"{s * 1000:.2f}"  # noqa: E731
     _show(f"atomctl bench latency (bs={batch_size}, in={input_len}, out={output_len})", [

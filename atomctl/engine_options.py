@@ -66,11 +66,11 @@ ENGINE_OPTIONS = {
 
 
 def resolve_model_arg(model: str) -> str:
-    if model != DEFAULT_MODEL:
-        return model
-    from atom_core.loader.model_dir import DEMO_MODEL_DIR  # here: atom_core.loader imports torch
+    """`demo` -> the built-in model's directory (as LLMEngine resolves it), so a server's
+    /v1/models `root` and trace names carry the real path."""
+    from atom_core.loader.model_dir import model_dir_name  # here: atom_core.loader imports torch
 
-    return str(DEMO_MODEL_DIR)
+    return model_dir_name(model)
 
 
 def engine_kwargs(values: dict) -> dict:

@@ -102,15 +102,21 @@ def eval_cmd(
 
 
 def results_table(rows, title: str) -> Table:
-    table = Table(title=title)
-    table.add_column("task", no_wrap=True)
-    table.add_column("metric (filter)", no_wrap=True)
-    for column in ("shots", "docs", "value", "stderr"):
-        table.add_column(column, justify="right")
+    """Numbers are never cut: their columns keep their widest cell, and where the terminal is narrow
+    the task and metric names wrap instead (at spaces, else folded; never cut off)."""
+    cells = []
     for row in rows:
         metric = row.metric if row.filter == "none" else f"{row.metric} ({row.filter})"
         stderr = f"{row.stderr:.4f}" if row.stderr is not None else "n/a"
-        table.add_row(row.task, metric, str(row.num_fewshot), str(row.num_samples), f"{row.value:.4f}", stderr)
+        cells.append((row.task, metric, str(row.num_fewshot), str(row.num_samples), f"{row.value:.4f}", stderr))
+    table = Table(title=title)
+    table.add_column("task", overflow="fold")
+    table.add_column("metric (filter)", overflow="fold")
+    for i, column in enumerate(("shots", "docs", "value", "stderr"), start=2):
+        width = max([len(column), *(len(c[i]) for c in cells)])
+        table.add_column(column, justify="right", no_wrap=True, min_width=width)
+    for row_cells in cells:
+        table.add_row(*row_cells)
     return table
 
 

@@ -10,11 +10,21 @@ app = typer.Typer(help="atomctl: a small, fast LLM inference engine and its tool
                   pretty_exceptions_enable=False, rich_markup_mode=None)
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _log_level(value: str) -> str:
+    if value.upper() not in LOG_LEVELS:
+        raise typer.BadParameter(f"unknown log level {value!r}; expected one of: {', '.join(LOG_LEVELS)}")
+    return value.upper()
+
+
 @app.callback()
 def main(debug: bool = typer.Option(False, "--debug", help="Show tracebacks and debug logs."),
-         log_level: str = typer.Option("WARNING", help="Python log level for atom_core.")):
+         log_level: str = typer.Option("WARNING", callback=_log_level,
+                                       help=f"Python log level for atom_core: {', '.join(LOG_LEVELS)} (any case).")):
     DEBUG["enabled"] = debug
-    logging.basicConfig(level=logging.DEBUG if debug else getattr(logging, log_level.upper(), logging.WARNING),
+    logging.basicConfig(level=logging.DEBUG if debug else getattr(logging, log_level),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 

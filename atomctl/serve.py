@@ -12,6 +12,9 @@ from atomctl.errors import friendly_errors
 @friendly_errors
 @with_engine_options
 def serve_cmd(
+    ctx: typer.Context,
+    model_tag: Optional[str] = typer.Argument(
+        None, metavar="MODEL", help="The model, as vLLM takes it (`atomctl serve DIR`); the same as --model."),
     host: str = typer.Option("127.0.0.1", help="Address to bind; pass 0.0.0.0 to listen on every interface."),
     port: int = typer.Option(8000, help="TCP port."),
     api_key: Optional[str] = typer.Option(
@@ -38,6 +41,7 @@ def serve_cmd(
     from atom_core.server.app import ServerOptions, run_server
     from atom_core.server.chat_output import ChatOptions
 
+    engine_args = {**engine_args, "model": _model_choice(ctx, model_tag, engine_args["model"])}
     options = ServerOptions(shutdown_timeout, max_request_bytes, body_read_timeout, metrics_prefix)
     chat_options = ChatOptions(tool_call_parser, enable_auto_tool_choice, reasoning_parser)  # bad names fail here, before the engine starts
     kwargs = engine_kwargs(engine_args)
@@ -59,6 +63,17 @@ def serve_cmd(
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)  # skips interpreter teardown (seconds with torch loaded), which the 5 s promise cannot afford
+
+
+def _model_choice(ctx: typer.Context, positional: Optional[str], flag: str) -> str:
+    """vLLM's `serve MODEL` or --model; both may be given only when they agree."""
+    if positional is None:
+        return flag
+    source = ctx.get_parameter_source("model")  # typer's own click: compare the source by name
+    flag_given = source is not None and source.name != "DEFAULT"
+    if flag_given and flag != positional:
+        raise ValueError(f"the model is given twice, as MODEL {positional!r} and --model {flag!r}; give one of them")
+    return positional
 
 
 def _implied_reasoning_parser(config) -> Optional[str]:

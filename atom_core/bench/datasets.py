@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from atom_core.bench.lengths import Length, fit_lengths
 from atom_core.bench.names import DATASET_NAMES, DatasetName  # noqa: F401 - re-exported
 
 _MAX_FIT_ROUNDS = 16
@@ -39,9 +40,10 @@ class DatasetConfig:
 
     name: str = "random"
     path: str | None = None
-    # random
-    random_input_len: int = 1024
-    random_output_len: int = 128
+    # random; None: the default (DEFAULT_RANDOM_LENS), shrunk by `fit_to_model` where the server's
+    # max_model_len is shorter
+    random_input_len: int | None = None
+    random_output_len: int | None = None
     random_range_ratio: float = 0.0
     random_prefix_len: int = 0
     apply_chat_template: bool = False
@@ -66,8 +68,8 @@ class DatasetConfig:
         if not 0.0 <= self.random_range_ratio < 1.0:
             raise ValueError(f"--random-range-ratio must be in [0, 1), got {self.random_range_ratio}")
         positive = {
-            "--random-input-len": self.random_input_len,
-            "--random-output-len": self.random_output_len,
+            "--random-input-len": self.input_len,
+            "--random-output-len": self.output_len,
             "--custom-output-len": self.custom_output_len,
             "--prefix-repetition-num-prefixes": self.prefix_repetition_num_prefixes,
             "--prefix-repetition-output-len": self.prefix_repetition_output_len,
@@ -86,6 +88,53 @@ class DatasetConfig:
         if self.sharegpt_output_len is not None and self.sharegpt_output_len < 1:
             raise ValueError(f"--sharegpt-output-len must be >= 1, got {self.sharegpt_output_len}")
 
+    @property
+    def input_len(self) -> int:
+        """random: the prompt length to draw around (the default when not given)."""
+        return DEFAULT_RANDOM_LENS[0] if self.random_input_len is None else self.random_input_len
+
+    @property
+    def output_len(self) -> int:
+        return DEFAULT_RANDOM_LENS[1] if self.random_output_len is None else self.random_output_len
+
+
+DEFAULT_RANDOM_LENS = (1024, 128)  # vLLM's --random-input-len and --random-output-len
+
+# The flags that shorten each dataset's requests, for the error when they do not fit the model.
+LENGTH_FLAGS = {
+    "random": "--random-input-len, --random-output-len or --random-range-ratio",
+    "sharegpt": "--sharegpt-output-len (ShareGPT prompts run to 1,024 tokens), or serve a longer --max-model-len",
+    "custom": "--custom-output-len or the prompts of --dataset-path",
+    "prefix-repetition": "--prefix-repetition-prefix-len, --prefix-repetition-suffix-len or "
+                         "--prefix-repetition-output-len",
+}
+
+
+def fit_to_model(cfg: DatasetConfig, max_model_len: int) -> tuple[DatasetConfig, str | None]:
+    """The random dataset's default lengths shrunk (in proportion) so that its longest prompt,
+    within the length tolerance, plus its longest output fits `max_model_len`; lengths given are
+    kept. Returns the config and a notice naming the flags when something was shrunk. Other
+    datasets are returned as they are (`check_fit` checks their requests)."""
+    if cfg.name != "random":
+        return cfg, None
+    ratio = 1.0 + cfg.random_range_ratio
+    budget = int((max_model_len - length_tolerance(max_model_len)) / ratio)
+    fitted = fit_lengths([Length("--random-input-len", cfg.random_input_len, DEFAULT_RANDOM_LENS[0]),
+                          Length("--random-output-len", cfg.random_output_len, DEFAULT_RANDOM_LENS[1])],
+                         budget, f"the server's max_model_len {max_model_len}")
+    return replace(cfg, random_input_len=fitted.values[0], random_output_len=fitted.values[1]), fitted.notice
+
+
+def check_fit(cfg: DatasetConfig, requests: list[SampleRequest], max_model_len: int) -> None:
+    """ValueError naming the dataset's length flags when a request's prompt plus its output
+    tokens exceed `max_model_len` (the server would refuse it)."""
+    too_long = [r for r in requests if r.prompt_len + r.expected_output_len > max_model_len]
+    if too_long:
+        worst = max(too_long, key=lambda r: r.prompt_len + r.expected_output_len)
+        raise ValueError(f"{len(too_long)} of {len(requests)} requests do not fit the server's max_model_len "
+                         f"{max_model_len} (the longest: {worst.prompt_len} prompt + {worst.expected_output_len} "
+                         f"output tokens); lower {LENGTH_FLAGS[cfg.name]}")
+
 
 def length_tolerance(num_tokens: int) -> int:
     """How far a random prompt's measured length may be from the requested one."""
@@ -97,7 +146,7 @@ def sample_requests(cfg: DatasetConfig, tokenizer: Any, num_requests: int, seed:
         raise ValueError(f"--num-prompts must be >= 1, got {num_requests}")
     if cfg.name == "random":
         return sample_random(
-            tokenizer, num_requests, cfg.random_input_len, cfg.random_output_len,
+            tokenizer, num_requests, cfg.input_len, cfg.output_len,
             cfg.random_range_ratio, cfg.random_prefix_len, seed, cfg.apply_chat_template,
         )
     if cfg.name == "sharegpt":

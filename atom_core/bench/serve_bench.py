@@ -12,7 +12,6 @@ kept on an absolute schedule, so slow event-loop turns do not stretch the run.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import math
 import time
@@ -24,9 +23,9 @@ from typing import Any, Sequence
 import httpx
 import numpy as np
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from atom_core.bench.datasets import DatasetConfig, SampleRequest, sample_requests
+from atom_core.bench.datasets import DatasetConfig, SampleRequest, check_fit, fit_to_model, sample_requests
+from atom_core.bench.progress import progress_bar
 from atom_core.bench.serve_client import (
     BACKENDS,
     REQUEST_FUNCS,
@@ -128,18 +127,61 @@ def arrival_times(num_requests: int, request_rate: float, burstiness: float, see
 
 
 def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
-    """An HF tokenizer by name or path; `preset:NAME` gives the synthetic one `atomctl serve` uses."""
+    """The tokenizer of `name`, never from a model hub (HF_HUB_OFFLINE's rule: the local cache
+    at most): a local directory, `demo` (the built-in model's), `preset:NAME` (the synthetic one
+    `atomctl serve` uses), or a hub id already in the Hugging Face cache. ValueError in one line."""
+    tokenizer = _local_tokenizer(name, trust_remote_code)
+    if tokenizer is None:
+        raise ValueError(f"cannot load tokenizer '{name}': {_NO_TOKENIZER}")
+    return tokenizer
+
+
+_NO_TOKENIZER = ("not a local directory, 'demo', preset:NAME or a hub id in the Hugging Face cache (model hubs "
+                 "are not used); pass --tokenizer with the model's directory")
+
+
+def _local_tokenizer(name: str, trust_remote_code: bool) -> Any | None:
+    """The tokenizer `load_tokenizer` describes, or None when there is none here."""
     from transformers import AutoTokenizer
 
-    if name.startswith("preset:"):
-        from atom_core.loader.model_dir import resolve_model_files
+    from atom_core.loader.model_dir import DEMO_MODEL, resolve_model_files
 
+    if name == DEMO_MODEL or name.startswith("preset:"):
         return resolve_model_files(name).serving_tokenizer()
+    path = Path(name).expanduser()
+    directory = path if path.is_dir() else _cached_snapshot(name)
+    if directory is None:
+        return None
+    try:  # a directory: transformers reads its files and asks no hub
+        return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):  # no tokenizer files there: the caller says so
+        return None
 
-    try:
-        return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as err:
-        raise ValueError(f"cannot load tokenizer '{name}': {str(err).splitlines()[0]}") from err
+
+def _cached_snapshot(repo_id: str) -> Path | None:
+    """The Hugging Face cache's snapshot directory of `repo_id` holding its tokenizer, read from
+    the file system: even with local_files_only, transformers' hub calls contact the hub (for
+    their request headers)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    for filename in ("tokenizer_config.json", "tokenizer.json"):
+        try:
+            found = try_to_load_from_cache(repo_id, filename)
+        except ValueError:  # not a valid repo id (HFValidationError)
+            return None
+        if isinstance(found, str):
+            return Path(found).parent
+    return None
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """A model as the server's /v1/models lists it; root and max_model_len where it says them
+    (vLLM and atomctl serve do: root is the checkpoint the server loaded)."""
+
+    id: str
+    root: str | None = None
+    max_model_len: int | None = None
 
 
 def check_server(base_url: str, timeout_s: float = 10.0) -> None:
@@ -150,14 +192,66 @@ def check_server(base_url: str, timeout_s: float = 10.0) -> None:
         raise BenchmarkError(f"cannot reach the server at {base_url}: {type(err).__name__}: {err}") from err
 
 
-def fetch_model_id(base_url: str, timeout_s: float = 10.0) -> str:
-    """The first model the server lists at /v1/models."""
+def fetch_served_model(base_url: str, model: str | None = None, timeout_s: float = 10.0) -> ServedModel:
+    """The /v1/models entry named `model` (the first one when None). With `model` given, a server
+    that does not list it (or has no /v1/models) gives ServedModel(model): nothing more is known."""
     try:
         response = httpx.get(base_url + "/v1/models", headers=auth_headers(), timeout=timeout_s)
         response.raise_for_status()
-        return response.json()["data"][0]["id"]
-    except (httpx.HTTPError, KeyError, IndexError, ValueError) as err:
+        entries = [e for e in response.json()["data"] if model is None or e.get("id") == model]
+        entry = entries[0]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError, TypeError) as err:
+        if model is not None:
+            return ServedModel(model)
         raise BenchmarkError(f"--model not given and {base_url}/v1/models did not name one: {err}") from err
+    max_len = entry.get("max_model_len")
+    return ServedModel(entry["id"], entry.get("root"), max_len if isinstance(max_len, int) else None)
+
+
+@dataclass(frozen=True)
+class PreparedRun:
+    """What a run needs before its first request: the served model and its tokenizer."""
+
+    model_id: str
+    tokenizer_id: str
+    tokenizer: Any
+    max_model_len: int | None  # the server's, where /v1/models says it
+
+
+def prepare_run(cfg: ServeBenchConfig, tokenizer: Any = None) -> PreparedRun:
+    """Ask the server for its model and find the tokenizer: --tokenizer, else the server's root,
+    else the model name; never from a hub."""
+    check_server(cfg.base_url)
+    served = fetch_served_model(cfg.base_url, cfg.model)
+    if cfg.tokenizer is not None:
+        candidates = [cfg.tokenizer]
+    else:
+        candidates = list(dict.fromkeys(n for n in (served.root, served.id) if n))
+    tokenizer_id = candidates[0]
+    if tokenizer is None:
+        for name in candidates:
+            tokenizer = _local_tokenizer(name, cfg.trust_remote_code)
+            if tokenizer is not None:
+                tokenizer_id = name
+                break
+        else:
+            tried = " or ".join(f"'{n}'" for n in candidates)
+            raise ValueError(f"cannot find the tokenizer of model '{served.id}': {tried} is {_NO_TOKENIZER}")
+    return PreparedRun(served.id, tokenizer_id, tokenizer, served.max_model_len)
+
+
+def sample_fitting_requests(run: PreparedRun, cfg: ServeBenchConfig, console: Console) -> list[SampleRequest]:
+    """cfg's prompts, their default lengths fitted to the server's max_model_len (with a notice on
+    `console`); ValueError naming the dataset's length flags when a request cannot fit."""
+    dataset = cfg.dataset
+    if run.max_model_len is not None:
+        dataset, notice = fit_to_model(dataset, run.max_model_len)
+        if notice:
+            console.print(notice, style="yellow", highlight=False)
+    requests = sample_requests(dataset, run.tokenizer, cfg.num_prompts, cfg.seed)
+    if run.max_model_len is not None:
+        check_fit(dataset, requests, run.max_model_len)
+    return requests
 
 
 def run_benchmark(
@@ -173,13 +267,10 @@ def run_benchmark(
     `cfg.dataset`; pass them to reuse across runs (as sweeps do).
     """
     console = console or Console()
-    check_server(cfg.base_url)
-    model_id = cfg.model or fetch_model_id(cfg.base_url)
-    tokenizer_id = cfg.tokenizer or model_id
-    if tokenizer is None:
-        tokenizer = load_tokenizer(tokenizer_id, cfg.trust_remote_code)
+    run = prepare_run(cfg, tokenizer)
+    model_id, tokenizer_id, tokenizer = run.model_id, run.tokenizer_id, run.tokenizer
     if requests is None:
-        requests = sample_requests(cfg.dataset, tokenizer, cfg.num_prompts, cfg.seed)
+        requests = sample_fitting_requests(run, cfg, console)
     result = asyncio.run(benchmark(cfg, model_id, list(requests), tokenizer, console))
     header = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
@@ -232,7 +323,7 @@ async def benchmark(
             f"max concurrency: {cfg.max_concurrency}"
         )
         arrivals = arrival_times(len(inputs), cfg.request_rate, cfg.burstiness, cfg.seed)
-        with _progress(console, len(inputs), cfg.show_progress) as advance:
+        with progress_bar(console, "benchmark", len(inputs), cfg.show_progress) as advance:
             start = time.perf_counter()
             outputs = await _run_requests(client, request_func, inputs, arrivals, cfg.max_concurrency, advance)
             duration = time.perf_counter() - start
@@ -276,18 +367,6 @@ async def _profile_call(client: httpx.AsyncClient, base_url: str, verb: str) -> 
         raise BenchmarkError(f"--profile: POST {url} failed: {type(err).__name__}: {err}") from err
     if response.status_code != 200:
         raise BenchmarkError(f"--profile: POST {url} returned HTTP {response.status_code}: {response.text[:200]}")
-
-
-@contextlib.contextmanager
-def _progress(console: Console, total: int, enabled: bool):
-    """A rich progress bar (or nothing); yields the callback that advances it by one request."""
-    bar = Progress(
-        TextColumn("benchmark"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=console, disable=not enabled,
-    )
-    task = bar.add_task("requests", total=total)
-    with bar:
-        yield lambda: bar.advance(task)
 
 
 def build_result(

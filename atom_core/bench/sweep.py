@@ -15,14 +15,12 @@ from typing import Any, Sequence
 
 from rich.console import Console
 
-from atom_core.bench.datasets import sample_requests
 from atom_core.bench.serve_bench import (
     ServeBenchConfig,
-    check_server,
-    fetch_model_id,
-    load_tokenizer,
+    prepare_run,
     report,
     run_benchmark,
+    sample_fitting_requests,
     save_result,
 )
 
@@ -66,13 +64,12 @@ def run_sweep(
     if (max_concurrency_list is None) == (request_rate_list is None):
         raise ValueError("give exactly one of --max-concurrency-list and --request-rate-list")
     console = console or Console()
-    check_server(cfg.base_url)
-    model_id = cfg.model or fetch_model_id(cfg.base_url)
+    run = prepare_run(cfg, tokenizer)
     # The plot needs median TTFT and TPOT whatever the user selected for the table.
     selected = tuple(dict.fromkeys((*cfg.percentile_metrics, "ttft", "tpot")))
-    cfg = replace(cfg, model=model_id, percentile_metrics=selected)
-    tokenizer = tokenizer or load_tokenizer(cfg.tokenizer or model_id, cfg.trust_remote_code)
-    requests = sample_requests(cfg.dataset, tokenizer, cfg.num_prompts, cfg.seed)
+    cfg = replace(cfg, model=run.model_id, tokenizer=run.tokenizer_id, percentile_metrics=selected)
+    tokenizer = run.tokenizer
+    requests = sample_fitting_requests(run, cfg, console)
     if max_concurrency_list is not None:
         points = [replace(cfg, max_concurrency=int(c)) for c in max_concurrency_list]
     else:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import sys
 from typing import Callable, Sequence as Seq
 
 from atom_core.config import EngineConfig
@@ -22,11 +23,17 @@ class LLMEngine:
     for every step that brings its request new tokens (one token per call with
     num_scheduler_steps=1, up to a window's worth otherwise).
 
+    `model` is a local HF directory, `demo` (the built-in model) or preset:NAME, as `--model`.
+    Lifecycle: `shutdown()` stops the tensor-parallel workers and leaves the process groups; it is
+    idempotent and also runs on `with LLMEngine(...) as llm:` exit, when the engine is garbage
+    collected, and at interpreter exit, so engines can be made one after another in one process.
+    A shut-down engine refuses new requests.
     With enable_lora, `lora=` (an adapter's name, or a LoRARequest-like object with lora_name and
     lora_path) runs prompts with that adapter; `load_lora` / `unload_lora` change the set at run time.
     """
 
     def __init__(self, model: str, **config_fields):
+        self._closed = False
         self.config = EngineConfig.from_kwargs(model, **config_fields)
         self.core = EngineCore(self.config)
         self.tokenizer = self.core.files.load_tokenizer() if self.core.files.tokenizer_path else None
@@ -57,6 +64,8 @@ class LLMEngine:
     def add_request(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                     stream_callback: Callable | None = None, lora=None) -> list[str]:
         """Queue one or more prompts; returns their request ids. Validates all before queueing any."""
+        if self._closed:
+            raise RuntimeError("this LLMEngine was shut down; create a new one")
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
         lora_request = as_lora_request(lora, self.loras)
@@ -104,12 +113,15 @@ class LLMEngine:
         return self.core.kv.reset_prefix_cache()
 
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 lora=None) -> list[dict]:
-        """Run prompts to completion; one output dict per prompt, in prompt order."""
+                 lora=None, on_step: Callable[[list[RequestState]], None] | None = None) -> list[dict]:
+        """Run prompts to completion; one output dict per prompt, in prompt order. `on_step` is
+        called after every step with the requests that got new tokens (progress bars)."""
         request_ids = self.add_request(prompts, sampling_params, lora=lora)
         self._awaited.update(request_ids)
         while not all(rid in self._finished for rid in request_ids):
-            self.step()
+            updated = self.step()
+            if on_step is not None:
+                on_step(updated)
         self._awaited.difference_update(request_ids)
         return [self._finished.pop(rid).as_dict() for rid in request_ids]
 
@@ -128,8 +140,26 @@ class LLMEngine:
         return self.loras
 
     def shutdown(self) -> None:
-        """Stop the engine's worker processes (tensor parallel). Idempotent; also at exit."""
-        self.core.shutdown()
+        """Stop the engine's worker processes and leave its process groups (tensor parallel).
+        Idempotent; also on context exit, garbage collection and interpreter exit."""
+        if self._closed:
+            return
+        self._closed = True
+        core = getattr(self, "core", None)  # None: __init__ failed before the core existed
+        if core is not None:
+            core.shutdown()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        # At interpreter exit the executor's atexit hook has already done this, and the modules
+        # shutdown needs may be gone.
+        if not sys.is_finalizing() and not getattr(self, "_closed", True):
+            self.shutdown()
 
     # ---- profiling ------------------------------------------------------------------
     def start_profile(self) -> None:

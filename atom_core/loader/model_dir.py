@@ -1,4 +1,4 @@
-"""Resolve `--model` (a local HF directory or preset:NAME) into config, tokenizer and EOS ids."""
+"""Resolve `--model` (a local HF directory, preset:NAME or `demo`) into config, tokenizer and EOS ids."""
 from __future__ import annotations
 
 import copy
@@ -10,13 +10,22 @@ from atom_core.config import ModelConfig, ResolvedModel, config_dtype
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "presets"
 DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "demo_model"
+DEMO_MODEL = "demo"  # the name of the built-in model, in the CLI and in Python alike
 
 
 def list_presets() -> list[str]:
     return sorted(p.name for p in PRESET_DIR.iterdir() if (p / "config.json").exists())
 
 
+def model_dir_name(model: str) -> str:
+    """`demo` -> the built-in model's directory; any other name unchanged. `demo` wins over a
+    directory of that name in the working directory, as it does on the command line."""
+    return str(DEMO_MODEL_DIR) if model == DEMO_MODEL else model
+
+
 def resolve_model_path(model: str) -> Path:
+    """The checkpoint directory of a local path, `demo` or preset:NAME; model hubs are never asked."""
+    model = model_dir_name(model)
     if model.startswith("preset:"):
         name = model.split(":", 1)[1]
         path = PRESET_DIR / name
@@ -25,7 +34,9 @@ def resolve_model_path(model: str) -> Path:
         return path
     path = Path(model).expanduser()
     if not path.is_dir():
-        raise ValueError(f"model directory not found: {model} (model hubs are not used; pass a local directory or preset:NAME)")
+        raise ValueError(f"model directory not found: {model} (model hubs are not used; pass a local directory, "
+                         f"'demo' for the built-in model, or preset:NAME for a real architecture with dummy weights: "
+                         f"{', '.join(list_presets())})")
     if not (path / "config.json").exists():
         raise ValueError(f"no config.json in model directory {model}")
     return path

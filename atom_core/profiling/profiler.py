@@ -31,10 +31,13 @@ that trace instead, and the parser finds it there.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -108,6 +111,28 @@ def mark_modules(model: torch.nn.Module) -> list[torch.utils.hooks.RemovableHand
     return handles
 
 
+@contextlib.contextmanager
+def without_usdt_lines() -> Iterator[None]:
+    """Drop the `USDT:` lines kineto (torch's profiler library) writes to stderr from C++ at every
+    profiler start and stop: probe markers for tracing tools, noise on a terminal. stderr (fd 2)
+    goes to a temporary file meanwhile; every other line (kineto's warnings and errors, anything
+    else written then) is passed on, in order, when the block ends."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = [line for line in held.read().splitlines(keepends=True) if not line.startswith(b"USDT:")]
+            if kept:
+                os.write(2, b"".join(kept))
+
+
 class TorchProfiler:
     """One worker's torch profiler: start/stop sessions that each write one trace file, and
     capture traces for CUDA graphs. Not thread-safe; one instance per worker process."""
@@ -136,14 +161,16 @@ class TorchProfiler:
             raise ValueError("torch profiler is already running; call stop_profile first")
         trace_dir.mkdir(parents=True, exist_ok=True)
         self._profile = self._new_profile(detailed=self.config.profiler_detailed)
-        self._profile.start()
+        with without_usdt_lines():
+            self._profile.start()
 
     def stop(self) -> list[str]:
         """Stop recording and write the trace; returns the paths written."""
         if self._profile is None:
             raise ValueError("torch profiler is not running; call start_profile first")
         prof, self._profile = self._profile, None
-        prof.stop()
+        with without_usdt_lines():
+            prof.stop()
         return [self._export(prof, f"{self.model_name}_{_timestamp()}{TRACE_SUFFIX}")]
 
     def record_graph_capture(self, batch_size: int, capture_fn: Callable[[], T]) -> T:
@@ -158,12 +185,14 @@ class TorchProfiler:
             return capture_fn()
         self.trace_dir.mkdir(parents=True, exist_ok=True)
         prof = self._new_profile(detailed=False)
-        prof.start()
+        with without_usdt_lines():
+            prof.start()
         try:
             with record_function(range_name):
                 result = capture_fn()
         finally:
-            prof.stop()
+            with without_usdt_lines():
+                prof.stop()
         name = f"{CAPTURE_FILE_PREFIX}{batch_size}_{self.model_name}_{_timestamp()}{TRACE_SUFFIX}"
         self.capture_trace_paths.append(self._export(prof, name))
         return result

@@ -70,11 +70,11 @@ def print_breakdown(breakdown: TraceBreakdown, console: Console | None = None, t
         if table.empty:
             kernels = kernels_by_name(pb.sheets["full_step"])
             title = f"{phase}: whole step, top {min(top, len(kernels))} of {len(kernels)} kernel names {steps}"
-            console.print(_rich_table(title, kernels.head(top)))
+            console.print(_rich_table(title, kernels.head(top), console.width))
         else:
             title = f"{phase}: layer {pb.layer}, first {min(top, len(table))} of {len(table)} kernels {steps}"
-            console.print(_rich_table(title, table.head(top)))
-        console.print(_rich_table(f"{phase}: whole step per module type", pb.summary))
+            console.print(_rich_table(title, table.head(top), console.width))
+        console.print(_rich_table(f"{phase}: whole step per module type", pb.summary, console.width))
     for note in breakdown.notes:
         console.print(f"[yellow]note:[/yellow] {note}")
 
@@ -86,13 +86,32 @@ def kernels_by_name(full_step: pd.DataFrame) -> pd.DataFrame:
     return grouped.sort_values("duration_us", ascending=False, kind="stable").reset_index(drop=True)
 
 
-def _rich_table(title: str, frame: pd.DataFrame) -> Table:
+_KERNEL_MIN_WIDTH = 8  # the kernel-name column folds into what is left, but not narrower than this
+
+
+def _rich_table(title: str, frame: pd.DataFrame, width: int = 80) -> Table:
+    """Numbers and module names keep their width on one line (a narrow terminal neither cuts a
+    number nor breaks `layers.3.self_attn.qkv_proj` mid-word): only a module name wider than what a
+    `width`-column terminal leaves ends in an ellipsis. The kernel names, which run long, fold in
+    the width left over."""
+    rows = [[_cell(v) for v in row] for row in frame.itertuples(index=False)]
+    widest = [max([len(str(c)), *(len(row[i]) for row in rows)]) for i, c in enumerate(frame.columns)]
+    numeric = [pd.api.types.is_numeric_dtype(frame[c]) for c in frame.columns]
+    kernels = [c == "gpu_kernel" for c in frame.columns]
+    names = [not (n or k) for n, k in zip(numeric, kernels)]
+    # Each column costs its cell plus 3 (padding and a border); the table one more border.
+    fixed = sum(w for w, n in zip(widest, numeric) if n) + 3 * len(widest) + 1 + _KERNEL_MIN_WIDTH * sum(kernels)
+    name_room = max(8, (width - fixed) // max(1, sum(names)))
     table = Table(title=title, title_justify="left")
-    for column in frame.columns:
-        numeric = pd.api.types.is_numeric_dtype(frame[column])
-        table.add_column(str(column), justify="right" if numeric else "left", overflow="fold")
-    for row in frame.itertuples(index=False):
-        table.add_row(*(_cell(v) for v in row))
+    for column, w, is_number, is_kernel in zip(frame.columns, widest, numeric, kernels):
+        if is_kernel:
+            table.add_column(str(column), overflow="fold", min_width=min(w, _KERNEL_MIN_WIDTH))
+        elif is_number:
+            table.add_column(str(column), justify="right", no_wrap=True, min_width=w)
+        else:
+            table.add_column(str(column), no_wrap=True, overflow="ellipsis", min_width=min(w, name_room))
+    for row in rows:
+        table.add_row(*row)
     return table
 
 

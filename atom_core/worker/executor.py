@@ -68,3 +68,7 @@ class InProcessExecutor(Executor):
     def startup_breakdown(self) -> dict[str, float]:
         return self.runner.startup_breakdown
 
+    def shutdown(self) -> None:
+        """Free the captured CUDA graphs (their memory pools) now rather than at collection; idempotent."""
+        self.runner.release_graphs()
+

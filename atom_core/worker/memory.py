@@ -61,10 +61,22 @@ def num_kv_blocks(config: "EngineConfig", layers: list, max_model_len: int, devi
     if num < needed:
         raise ValueError(
             f"KV cache too small: {num} blocks of {block_size} tokens cannot hold one "
-            f"{max_model_len}-token sequence; raise the memory budget or lower max_model_len"
+            f"{max_model_len}-token sequence; {_kv_way_out(config, device, max_model_len)}"
         )
     logger.info("KV cache: %d blocks x %d tokens = %d tokens", num, block_size, num * block_size)
     return num
+
+
+def _kv_way_out(config: "EngineConfig", device: torch.device, max_model_len: int) -> str:
+    """The flags that make room for one full sequence, with their current values."""
+    cache, sched = config.cache, config.scheduler
+    if device.type == "cuda":
+        budget = (f"raise --gpu-memory-utilization (now {cache.gpu_memory_utilization}), lower "
+                  f"--max-num-batched-tokens (now {sched.max_num_batched_tokens}; it sizes the activations)")
+    else:
+        budget = f"raise --kv-cache-memory-gb (now {cache.kv_cache_memory_gb})"
+    return (f"{budget}, lower --max-model-len (now {max_model_len}), or store fewer bytes per token with "
+            f"--kv-cache-dtype fp8")
 
 
 def dummy_step(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
@@ -106,7 +118,7 @@ def profile_kv_budget(run_peak_step: Callable[[], int], utilization: float, grap
         raise ValueError(
             f"no GPU memory left for the KV cache (weights {weights / 2**30:.1f} GiB, activations "
             f"{peak / 2**30:.1f} GiB of {total * plan.utilization / 2**30:.1f} GiB allowed); "
-            "raise gpu_memory_utilization or lower max_num_batched_tokens"
+            "raise --gpu-memory-utilization or lower --max-num-batched-tokens"
         )
     return plan.kv_budget
 

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,36 @@ logger = logging.getLogger(__name__)
 
 _WATCH_S = 0.2
 _STUCK_GRACE_S = 10.0  # a main thread still inside a collective this long after a death: exit
+
+
+# Executors not yet shut down, for the one exit hook: a weak set, so that exit hooks do not keep a
+# dropped engine's executor (and its process groups) alive until exit.
+_LIVE: "weakref.WeakSet[MultiprocExecutor]" = weakref.WeakSet()
+
+
+def _shutdown_live_executors() -> None:
+    """At exit, for scripts that never call LLMEngine.shutdown()."""
+    for executor in list(_LIVE):
+        executor.shutdown()
+
+
+atexit.register(_shutdown_live_executors)
+
+
+def _check_no_live_world() -> None:
+    """A second tensor-parallel engine in this process needs the first one's process groups gone.
+    A dropped engine in a reference cycle leaves them only when the cyclic collector runs its
+    `__del__`: collect first, then refuse with the way out instead of torch's "already initialized"."""
+    import gc
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        gc.collect()
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialized in this process: another tensor-parallel "
+                           "engine is still running here; call its shutdown() (or use `with LLMEngine(...) as "
+                           "llm:`) before starting the next one")
 
 
 class WorkerDiedError(RuntimeError):
@@ -105,6 +136,7 @@ class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, model: ResolvedModel, profiler=None):
         par = config.parallel
         assert par.node_rank == 0, "the engine core runs on node 0; other nodes run run_node_workers"
+        _check_no_live_world()
         port = par.master_port or free_port()
         init_method = f"tcp://{par.master_addr}:{port}"
         self.workers: dict[int, subprocess.Popen] = {}
@@ -115,7 +147,9 @@ class MultiprocExecutor(Executor):
             if rank:
                 self.workers[rank] = start_worker(WorkerSetup(config, rank_model(config, model, rank), rank,
                                                               init_method, os.getpid()))
-        self._watchdog = threading.Thread(target=self._watch, name="atom-tp-watchdog", daemon=True)
+        _LIVE.add(self)
+        self._watchdog = threading.Thread(target=_watch, args=(weakref.ref(self),), name="atom-tp-watchdog",
+                                          daemon=True)
         self._watchdog.start()
         try:
             self.broadcaster, runner_cls = self._guard(_join, config, rank_model(config, model, 0), 0, init_method)
@@ -125,26 +159,25 @@ class MultiprocExecutor(Executor):
             raise
         self.num_kv_blocks = self.runner.num_kv_blocks
         self.num_state_slots = self.runner.num_state_slots
-        atexit.register(self.shutdown)  # scripts that never call LLMEngine.shutdown()
         logger.info("tensor parallel over %d ranks (%d on this node) via %s", par.world_size, len(par.local_ranks),
                     init_method)
 
     # ---- failure handling -------------------------------------------------------------
-    def _watch(self) -> None:
-        while not self._closed:
-            for rank, proc in self.workers.items():
-                code = proc.poll()
-                if code is not None and not self._closed and self.dead_reason is None:
-                    self.dead_reason = (f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code {code}; "
-                                        "the engine cannot continue")
-                    logger.error(self.dead_reason)
-                    deadline = time.monotonic() + _STUCK_GRACE_S
-                    while self._in_call and time.monotonic() < deadline:
-                        time.sleep(_WATCH_S)
-                    if self._in_call:  # blocked in a collective the dead rank will never join
-                        logger.error("rank 0 is stuck in a collective with the dead worker; exiting")
-                        os._exit(70)
-            time.sleep(_WATCH_S)
+    def _check_workers(self) -> None:
+        """One watchdog round: record the first worker found dead; exit the process when the main
+        thread stays stuck in a collective with it."""
+        for rank, proc in self.workers.items():
+            code = proc.poll()
+            if code is not None and not self._closed and self.dead_reason is None:
+                self.dead_reason = (f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code {code}; "
+                                    "the engine cannot continue")
+                logger.error(self.dead_reason)
+                deadline = time.monotonic() + _STUCK_GRACE_S
+                while self._in_call and time.monotonic() < deadline:
+                    time.sleep(_WATCH_S)
+                if self._in_call:  # blocked in a collective the dead rank will never join
+                    logger.error("rank 0 is stuck in a collective with the dead worker; exiting")
+                    os._exit(70)
 
     def _guard(self, fn, *args):
         if self.dead_reason is not None:
@@ -188,7 +221,7 @@ class MultiprocExecutor(Executor):
         if self._closed:
             return
         self._closed = True
-        atexit.unregister(self.shutdown)
+        _LIVE.discard(self)
         alive = all(p.poll() is None for p in self.workers.values())
         if alive and self.dead_reason is None and hasattr(self, "broadcaster"):
             try:
@@ -206,6 +239,18 @@ class MultiprocExecutor(Executor):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def _watch(executor_ref: "weakref.ref[MultiprocExecutor]") -> None:
+    """The watchdog thread; it holds its executor weakly, so a dropped engine can be collected
+    (and shut down) while the thread runs, and it ends with the executor."""
+    while True:
+        executor = executor_ref()
+        if executor is None or executor._closed:
+            return
+        executor._check_workers()
+        del executor
+        time.sleep(_WATCH_S)
 
 
 # ---- the worker side --------------------------------------------------------------------

@@ -133,6 +133,7 @@ class FakeServer:
         self.send_usage = True
         self.role_chunk_first = True
         self.has_profiler = True
+        self.model_entry: dict = {"id": "fake-model", "object": "model"}  # what /v1/models lists
         self.active = 0
         self.max_active = 0
         self.arrivals: list[float] = []  # perf_counter at request arrival, completions/chat/tgi only
@@ -209,7 +210,7 @@ class FakeServer:
 
         @app.get("/v1/models")
         async def models():
-            return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+            return {"object": "list", "data": [self.model_entry]}
 
         @app.post("/start_profile")
         @app.post("/stop_profile")

@@ -82,9 +82,32 @@ def test_request_rate_spreads_arrivals(server, tiny_llama):
 
 
 def test_server_errors_are_counted_as_failures(server, tiny_llama):
-    # 600-token prompts exceed the server's max_model_len (512): every request gets a 400.
+    # 600-token prompts exceed the server's max_model_len (512): every request gets a 400. The
+    # benchmark refuses such a dataset before sending anything, so the prompts are made here.
+    from atom_core.bench.datasets import sample_requests
+    from atom_core.bench.serve_bench import load_tokenizer
+
     cfg = _config(server, tiny_llama, backend="atom", initial_test=False,
                   dataset=DatasetConfig(random_input_len=600, random_output_len=8))
-    result = run_benchmark(cfg)
+    with pytest.raises(ValueError, match="--random-input-len 600 .* do not fit the server's max_model_len 512"):
+        run_benchmark(cfg)
+    requests = sample_requests(cfg.dataset, load_tokenizer(str(tiny_llama)), cfg.num_prompts, cfg.seed)
+    result = run_benchmark(cfg, requests=requests)
     assert result["completed"] == 0 and sum(1 for e in result["errors"] if e) == 16
     assert any("max_model_len" in e for e in result["errors"] if e)
+
+
+def test_defaults_need_no_tokenizer_and_fit_the_server(server, tiny_llama):
+    """A new user's first run: no --tokenizer (the server's /v1/models root names it) and the
+    default 1,024-token prompts shrunk to the server's 512 tokens, with a notice."""
+    import io
+
+    from rich.console import Console
+
+    buffer = io.StringIO()
+    cfg = ServeBenchConfig(base_url=server.url, num_prompts=2, ignore_eos=True, show_progress=False)
+    result = run_benchmark(cfg, console=Console(file=buffer, width=200))
+    assert result["completed"] == 2 and not any(result["errors"])
+    assert result["tokenizer_id"] == str(tiny_llama)
+    assert max(result["input_lens"]) + max(result["output_lens"]) <= 512
+    assert "the default lengths do not fit the server's max_model_len 512" in buffer.getvalue()

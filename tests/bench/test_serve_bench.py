@@ -309,4 +309,5 @@ class TestServeCli:
         args = ["bench", "serve", "--base-url", fake_server.base_url, "--tokenizer", "/no/such/tokenizer"]
         result = CliRunner().invoke(_cli(), args)
         assert result.exit_code == 1
-        assert result.output.strip().splitlines()[-1].startswith("error: cannot load tokenizer '/no/such/tokenizer'")
+        assert result.output.strip().splitlines()[-1].startswith(
+            "error: cannot find the tokenizer of model 'fake-model': '/no/such/tokenizer' is not a local directory")

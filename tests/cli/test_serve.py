@@ -134,3 +134,58 @@ class TestServingGraphs:
         result, config = served("--device", "cpu", "--piecewise-capture-sizes", "8,16")
         assert result.exit_code != 0 and config is None
         assert "--piecewise-capture-sizes" in result.output and "only used with" in result.output
+
+
+class TestPositionalModel:
+    """vLLM's `serve MODEL` beside --model: either one names the model (and the served name);
+    both may be given only when they agree."""
+
+    @pytest.fixture
+    def serve(self, monkeypatch):
+        import atom_core.server.app as server_app
+        from atomctl.serve import register
+
+        seen = {}
+
+        def run_server(config, host, port, served_name, **kwargs):
+            seen.update(model=config.model.model, served_name=served_name)
+
+        monkeypatch.setattr(server_app, "run_server", run_server)
+        app = typer.Typer()
+        register(app)
+        app.callback()(lambda: None)
+
+        def invoke(*args):
+            seen.clear()
+            return CliRunner().invoke(app, ["serve", *args]), dict(seen)
+
+        return invoke
+
+    def test_positional_names_the_model_and_the_served_name(self, serve, tiny_llama):
+        result, seen = serve(str(tiny_llama))
+        assert result.exit_code == 0, result.output
+        assert seen == {"model": str(tiny_llama), "served_name": str(tiny_llama)}
+
+    def test_the_flag_alone_still_works(self, serve, tiny_llama):
+        result, seen = serve("--model", str(tiny_llama))
+        assert result.exit_code == 0, result.output
+        assert seen == {"model": str(tiny_llama), "served_name": str(tiny_llama)}
+
+    def test_positional_demo_is_the_built_in_model(self, serve):
+        from atom_core.loader.model_dir import DEMO_MODEL_DIR
+
+        result, seen = serve("demo")
+        assert result.exit_code == 0, result.output
+        assert seen == {"model": str(DEMO_MODEL_DIR), "served_name": "demo"}
+
+    def test_both_agreeing_is_accepted(self, serve, tiny_llama):
+        result, seen = serve(str(tiny_llama), "--model", str(tiny_llama))
+        assert result.exit_code == 0, result.output
+        assert seen["model"] == str(tiny_llama)
+
+    @pytest.mark.parametrize("flag", ["demo", "/other/model"])
+    def test_both_different_is_an_error_naming_both(self, serve, tiny_llama, flag):
+        result, seen = serve(str(tiny_llama), "--model", flag)
+        assert result.exit_code == 1 and seen == {}
+        assert "the model is given twice" in result.output
+        assert repr(str(tiny_llama)) in result.output and repr(flag) in result.output
