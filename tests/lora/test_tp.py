@@ -5,6 +5,7 @@ greedy tokens equal HF transformers + PEFT's."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from atom_core.engine.llm_engine import LLMEngine
 from atom_core.sampling_params import SamplingParams
@@ -51,3 +52,39 @@ def test_tp2_mixed_step_equals_each_alone(tp_adapters, tp2_outputs):
     alone = [tp2_outputs[name][i % 2] for i, name in enumerate([None, *tp_adapters])]
     assert tp2_outputs["mixed"] == alone
     assert tp2_outputs["all8"] != tp2_outputs[None] and tp2_outputs["qv4"] != tp2_outputs[None]
+
+
+def _layers(tp_rank: int) -> dict:
+    """One of each parallel linear an adapter targets, as rank `tp_rank` of 2 builds it (q/k/v with a
+    single kv head, which both ranks keep whole)."""
+    from atom_core.model_ops.linear import (
+        ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
+    )
+
+    tp = dict(tp_size=2, tp_rank=tp_rank)
+    return {"qkv": QKVParallelLinear(16, 4, 4, 1, **tp), "gate_up": MergedColumnParallelLinear(16, [12, 12], **tp),
+            "column": ColumnParallelLinear(16, 8, **tp), "row": RowParallelLinear(8, 16, **tp)}
+
+
+@pytest.mark.parametrize("tp_rank", [0, 1])
+def test_each_rank_cuts_the_adapter_where_its_layer_cuts_the_weight(tp_rank):
+    """An adapter whose B (column-parallel) or A (row-parallel) is a sub-projection's whole weight:
+    the rank's shard of it equals the rows / columns its layer loaded of that weight."""
+    from atom_core.worker.lora_slots import _shard
+
+    torch.manual_seed(tp_rank)
+    for kind, layer in _layers(tp_rank).items():
+        shards = {"qkv": [("q", 16), ("k", 4), ("v", 4)], "gate_up": [(0, 12), (1, 12)]}.get(kind, [(None, 8)])
+        offset = 0
+        for shard, rows in shards:
+            weight = torch.randn(16, 8) if kind == "row" else torch.randn(rows, 16)
+            layer.weight_loader(layer.weight, weight, shard)
+            if kind == "row":
+                a, b = _shard(layer, weight, torch.randn(16, 16), shard)  # A [r=16, in=8]
+                assert torch.equal(a, layer.weight.data) and b.shape == (16, 16)
+                continue
+            a, b = _shard(layer, torch.randn(16, 16), weight, shard)  # B [out, r=16]
+            loaded = layer.weight.data[offset:offset + b.shape[0]]
+            assert torch.equal(b, loaded), (kind, shard)
+            offset += b.shape[0]
+        assert offset in (0, layer.weight.shape[0]), kind
