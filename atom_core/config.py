@@ -17,7 +17,7 @@ import torch
 
 from atom_core.envs import read_envs
 from atom_core.kernel_config import KERNEL_OPTIONS, KernelConfig
-from atom_core.lora import parse_lora_modules
+from atom_core.lora import LoRAModule, parse_lora_modules
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
@@ -448,8 +448,8 @@ class ProfilerConfig:
 @dataclass(frozen=True)
 class LoRAConfig:
     """Multi-LoRA serving (vLLM's option names): enable_lora lets requests name PEFT adapters (by
-    `model` over the API, `lora=` in LLMEngine.generate); lora_modules, NAME=PATH entries, are served
-    from the start, more load at run time. max_loras adapters sit in GPU slots at once (a step never
+    `model` over the API, `lora=` in LLMEngine.generate); lora_modules, NAME=PATH entries or vLLM's
+    JSON objects ({"name", "path", "base_model_name"}), are served from the start, more load at run time. max_loras adapters sit in GPU slots at once (a step never
     mixes more); the others' weights wait in a CPU cache of max_cpu_loras (default max_loras), least
     recently used out first. max_lora_rank bounds every adapter's rank (the slots' width)."""
 
@@ -475,8 +475,8 @@ class LoRAConfig:
         parse_lora_modules(self.lora_modules)
 
     @property
-    def modules(self) -> list[tuple[str, str]]:
-        """lora_modules as (name, path) pairs."""
+    def modules(self) -> list[LoRAModule]:
+        """lora_modules parsed: (name, path, base_model_name) each."""
         return parse_lora_modules(self.lora_modules)
 
     @property

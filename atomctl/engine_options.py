@@ -5,6 +5,7 @@ one dict, `engine_args`, of EngineConfig fields the user actually set.
 """
 import functools
 import inspect
+import re
 from typing import Optional
 
 import typer
@@ -58,7 +59,7 @@ ENGINE_OPTIONS = {
     "triton_fast_launch": (Optional[bool], typer.Option(None, "--triton-fast-launch/--no-triton-fast-launch", help="Relaunch the attention and RoPE + KV-store Triton kernels through the compiled kernel's own launcher (default on; off for tools that wrap Triton's JIT call path). Default: $ATOM_TRITON_FAST_LAUNCH, else on.")),
     "mtp_graphs": (Optional[bool], typer.Option(None, "--mtp-graphs/--no-mtp-graphs", help="With CUDA graphs and --method mtp or eagle3, replay the proposer's catch-up and later drafts in graphs too instead of running them eagerly. Default: $ATOM_MTP_GRAPHS, else off.")),
     "enable_lora": (bool, typer.Option(False, "--enable-lora", help="Serve LoRA adapters (PEFT directories) on the base model: a request names one as its model (generate: --lora NAME); requests of different adapters and of the base share each step.")),
-    "lora_modules": (Optional[list[str]], typer.Option(None, "--lora-modules", help="NAME=PATH of an adapter served from the start; repeat the option for more (serve also loads and unloads them at run time: POST /v1/load_lora_adapter, /v1/unload_lora_adapter). Needs --enable-lora.")),
+    "lora_modules": (Optional[list[str]], typer.Option(None, "--lora-modules", help="Adapters served from the start, as NAME=PATH or vLLM's JSON {\"name\": ..., \"path\": ..., \"base_model_name\": ...} (base_model_name: the parent /v1/models lists); several after one flag (--lora-modules a=/p b=/q) or the flag repeated (serve also loads and unloads them at run time: POST /v1/load_lora_adapter, /v1/unload_lora_adapter). Needs --enable-lora.")),
     "max_loras": (int, typer.Option(1, help="LoRA adapters resident on the GPU at once (slots); a step never mixes more. Needs --enable-lora.")),
     "max_lora_rank": (int, typer.Option(16, help="The largest adapter rank served (the slots' width); a higher-rank adapter is refused. Needs --enable-lora.")),
     "max_cpu_loras": (Optional[int], typer.Option(None, help="LoRA adapters kept in host memory (least recently used out first; default --max-loras). Needs --enable-lora.")),
@@ -123,3 +124,28 @@ def with_engine_options(fn):
     wrapper.__signature__ = sig.replace(parameters=params)
     wrapper.__annotations__ = {p.name: p.annotation for p in params}
     return wrapper
+
+
+# An argument that continues a --lora-modules list: NAME=PATH (no space before the '='), or a JSON object.
+_LORA_ENTRY = re.compile(r"^[^\s=-][^\s=]*=\S|^\{")
+
+
+def expand_lora_modules(args: list[str]) -> list[str]:
+    """vLLM's `--lora-modules a=/p b=/q` (several values after one flag) as the repeated flags Click
+    parses. The arguments after the flag's own value join it while they look like entries; the first
+    that does not (an option, the model, a prompt) ends the list, and so does `--`."""
+    out, state = [], "other"  # "value": the flag's own value is next; "entries": more entries may follow
+    for i, arg in enumerate(args):
+        if arg == "--":
+            return out + args[i:]
+        if state == "entries" and _LORA_ENTRY.match(arg):
+            out += ["--lora-modules", arg]
+            continue
+        out.append(arg)
+        if state == "value":
+            state = "entries"
+        elif arg == "--lora-modules":
+            state = "value"
+        else:
+            state = "entries" if arg.startswith("--lora-modules=") else "other"
+    return out

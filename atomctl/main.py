@@ -2,12 +2,22 @@
 import logging
 
 import typer
+from typer.core import TyperGroup
 
+from atomctl.engine_options import expand_lora_modules
 from atomctl.errors import DEBUG
+
+
+class _Commands(TyperGroup):
+    """atomctl's commands, with vLLM's multi-value --lora-modules rewritten into repeated flags first."""
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, expand_lora_modules(args))
+
 
 # Plain click help (rich_markup_mode=None): rich's tables cut long option names at 80 columns.
 app = typer.Typer(help="atomctl: a small, fast LLM inference engine and its tools.", no_args_is_help=True,
-                  pretty_exceptions_enable=False, rich_markup_mode=None)
+                  pretty_exceptions_enable=False, rich_markup_mode=None, cls=_Commands)
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")

@@ -44,8 +44,8 @@ class LLMEngine:
         self.loras: LoRARegistry | None = None
         if self.config.lora.enable_lora:
             self.loras = LoRARegistry(self.config.lora.max_lora_rank, self.core.model.hf_config)
-            for name, path in self.config.lora.modules:
-                self.loras.add(name, path)
+            for module in self.config.lora.modules:
+                self.loras.add(*module)
 
     @property
     def max_model_len(self) -> int:

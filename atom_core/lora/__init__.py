@@ -9,7 +9,7 @@ The GPU side is model_ops/lora.py (the stacked slot weights a linear applies) an
 from __future__ import annotations
 
 from atom_core.lora.adapter import LoRAAdapter, check_adapter_shapes, load_adapter
-from atom_core.lora.registry import LoRARegistry, LoRARequest, as_lora_request, parse_lora_modules
+from atom_core.lora.registry import LoRAModule, LoRARegistry, LoRARequest, as_lora_request, parse_lora_modules
 
-__all__ = ["LoRAAdapter", "LoRARegistry", "LoRARequest", "as_lora_request", "check_adapter_shapes", "load_adapter",
-           "parse_lora_modules"]
+__all__ = ["LoRAAdapter", "LoRAModule", "LoRARegistry", "LoRARequest", "as_lora_request", "check_adapter_shapes",
+           "load_adapter", "parse_lora_modules"]

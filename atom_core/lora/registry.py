@@ -6,33 +6,79 @@ prefix cache and to the worker's caches."""
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from atom_core.lora.adapter import check_adapter_shapes, load_adapter
 
 
 @dataclass(frozen=True)
 class LoRARequest:
-    """vLLM's names: lora_name (what requests say as `model`), lora_int_id (>= 1, unique), lora_path."""
+    """vLLM's names: lora_name (what requests say as `model`), lora_int_id (>= 1, unique), lora_path;
+    base_model_name, when given, is the parent /v1/models lists (else the served base model's name)."""
 
     lora_name: str
     lora_int_id: int
     lora_path: str
+    base_model_name: str | None = None
 
 
-def parse_lora_modules(entries) -> list[tuple[str, str]]:
-    """--lora-modules NAME=PATH ... as (name, path) pairs; ValueError for a malformed or repeated entry."""
-    pairs, seen = [], set()
+class LoRAModule(NamedTuple):
+    """One --lora-modules entry."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+_JSON_KEYS = ("name", "path", "base_model_name")
+
+
+def _parse_json_module(entry: str) -> LoRAModule:
+    """vLLM's JSON form: {"name": ..., "path": ..., "base_model_name": ...} (the last optional)."""
+    try:
+        data = json.loads(entry)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"invalid --lora-modules entry {entry!r}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"invalid --lora-modules entry {entry!r}: expected a JSON object")
+    unknown = sorted(set(data) - set(_JSON_KEYS))
+    if unknown:
+        raise ValueError(f"invalid --lora-modules entry {entry!r}: unknown key(s) {', '.join(map(repr, unknown))}; "
+                         f"expected: {', '.join(_JSON_KEYS)}")
+    for key in ("name", "path"):
+        if not isinstance(data.get(key), str) or not data[key].strip():
+            raise ValueError(f"invalid --lora-modules entry {entry!r}: {key!r} must be a non-empty string")
+    base = data.get("base_model_name")
+    if base is not None and (not isinstance(base, str) or not base.strip()):
+        raise ValueError(f"invalid --lora-modules entry {entry!r}: 'base_model_name' must be a non-empty string")
+    return LoRAModule(data["name"].strip(), data["path"].strip(), data.get("base_model_name"))
+
+
+def parse_lora_module(entry: str) -> LoRAModule:
+    """NAME=PATH, or vLLM's JSON object; ValueError naming the entry and the accepted forms."""
+    entry = str(entry).strip()
+    if entry.startswith("{"):
+        return _parse_json_module(entry)
+    name, sep, path = entry.partition("=")
+    name, path = name.strip(), path.strip()
+    if not sep or not name or not path:
+        raise ValueError(f"invalid --lora-modules entry {entry!r}; expected NAME=PATH or a JSON object "
+                         '{"name": ..., "path": ..., "base_model_name": ...}')
+    return LoRAModule(name, path)
+
+
+def parse_lora_modules(entries) -> list[LoRAModule]:
+    """--lora-modules entries (NAME=PATH or JSON); ValueError for a malformed or repeated entry."""
+    modules, seen = [], set()
     for entry in entries:
-        name, sep, path = str(entry).partition("=")
-        name, path = name.strip(), path.strip()
-        if not sep or not name or not path:
-            raise ValueError(f"invalid --lora-modules entry {entry!r}; expected NAME=PATH")
-        if name in seen:
-            raise ValueError(f"--lora-modules names {name!r} twice")
-        seen.add(name)
-        pairs.append((name, path))
-    return pairs
+        module = parse_lora_module(entry)
+        if module.name in seen:
+            raise ValueError(f"--lora-modules names {module.name!r} twice")
+        seen.add(module.name)
+        modules.append(module)
+    return modules
 
 
 class LoRARegistry:
@@ -61,7 +107,7 @@ class LoRARegistry:
     def get(self, name: str) -> LoRARequest | None:
         return self._by_name.get(name)
 
-    def add(self, name: str, path: str) -> LoRARequest:
+    def add(self, name: str, path: str, base_model_name: str | None = None) -> LoRARequest:
         if not name:
             raise ValueError("a LoRA adapter needs a non-empty name")
         if name in self.reserved:
@@ -70,7 +116,7 @@ class LoRARegistry:
             raise ValueError(f"a LoRA adapter named {name!r} is already loaded (from "
                              f"{self._by_name[name].lora_path!r}); unload it first")
         check_adapter_shapes(load_adapter(path, self.max_rank), self.hf_config)
-        request = LoRARequest(name, next(self._ids), str(path))
+        request = LoRARequest(name, next(self._ids), str(path), base_model_name)
         self._by_name[name] = request
         return request
 

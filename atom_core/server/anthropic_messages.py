@@ -208,11 +208,11 @@ class MessagesServing:
                                      headers=SSE_HEADERS)
         [state] = await self.serving.run_to_end(raw, subs)
         blocks = blocks_of(final_message_delta(subs[0], state))
-        return JSONResponse(self._message(message_id, [content_block(b) for b in blocks])
+        return JSONResponse(self._message(message_id, subs[0], [content_block(b) for b in blocks])
                             | _stop(state, blocks) | {"usage": _usage(subs[0], state)})
 
-    def _message(self, message_id: str, content: list[dict]) -> dict:
-        return {"id": message_id, "type": "message", "role": "assistant", "model": self.serving.model_name,
+    def _message(self, message_id: str, sub: EngineRequest, content: list[dict]) -> dict:
+        return {"id": message_id, "type": "message", "role": "assistant", "model": self.serving.served_name(sub),
                 "content": content, "stop_reason": None, "stop_sequence": None}
 
     async def _events(self, message_id: str, sub: EngineRequest) -> AsyncIterator[str]:
@@ -223,7 +223,7 @@ class MessagesServing:
                     if not started:  # the first update knows the prefix-cache hits (usage)
                         started = True
                         usage = _usage(sub, state) | {"output_tokens": 0}
-                        yield _sse("message_start", message=self._message(message_id, []) | {"usage": usage})
+                        yield _sse("message_start", message=self._message(message_id, sub, []) | {"usage": usage})
                         yield _sse("ping")
                     for event in blocks.feed(message_delta(sub, state)):
                         yield _block_event(event)

@@ -35,17 +35,18 @@ def serving_loras(config: EngineConfig, model_name: str) -> LoRARegistry | None:
 
     hf_config = resolve_model_files(config.model.model, config.model.tokenizer).hf_config
     registry = LoRARegistry(config.lora.max_lora_rank, hf_config, reserved=(model_name,))
-    for name, path in config.lora.modules:
-        registry.add(name, path)
+    for module in config.lora.modules:
+        registry.add(*module)
     return registry
 
 
 def adapter_cards(registry: LoRARegistry | None, base: dict) -> list[dict]:
     """/v1/models entries of the adapters: the base model's card with the adapter's id, its directory
-    as root and the base model as parent."""
+    as root and as parent its --lora-modules base_model_name, else the base model (as vLLM lists them)."""
     if registry is None:
         return []
-    return [base | {"id": r.lora_name, "root": r.lora_path, "parent": base["id"]} for r in registry.requests]
+    return [base | {"id": r.lora_name, "root": r.lora_path, "parent": r.base_model_name or base["id"]}
+            for r in registry.requests]
 
 
 def lora_router(registry: LoRARegistry | None) -> APIRouter:

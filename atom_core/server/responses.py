@@ -92,7 +92,7 @@ class ResponsesServing:
         history = self._history(req.previous_response_id)
         chat = chat_request(req.chat_body(history), CHAT_NAMES)
         subs = await chat_engine_requests(self.serving, chat, raw, CHAT_NAMES)
-        turn = _Turn(f"resp_{uuid.uuid4().hex}", req, history, int(time.time()))
+        turn = _Turn(f"resp_{uuid.uuid4().hex}", req, history, int(time.time()), self.serving.served_name(subs[0]))
         if req.stream:
             return StreamingResponse(self._events(turn, subs), media_type="text/event-stream", headers=SSE_HEADERS)
         if req.background:
@@ -170,7 +170,7 @@ class ResponsesServing:
     # ---- response shapes --------------------------------------------------------------
     def _response(self, turn: _Turn, status: str, output: list[dict], **fields) -> dict:
         return {"id": turn.id, "object": "response", "created_at": turn.created, "status": status,
-                "model": self.serving.model_name, "output": output, "error": None, "incomplete_details": None,
+                "model": turn.model, "output": output, "error": None, "incomplete_details": None,
                 "usage": None, **turn.req.echo(), **fields}
 
     def _failed(self, turn: _Turn, err: APIError) -> dict:
@@ -205,6 +205,7 @@ class _Turn:
     req: ResponsesRequest
     history: list[dict]
     created: int
+    model: str  # the name the response gives: the adapter the request ran with, or the base model
 
 
 def _item_id(block: Block) -> str:

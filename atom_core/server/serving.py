@@ -131,7 +131,8 @@ class OpenAIServing:
             return self._stream(chunks(response_id, req, subs))
         states = await self.run_to_end(raw, subs)
         choices = [choice(sub, state, req) for sub, state in zip(subs, states)]
-        return JSONResponse(self._envelope(response_id, object_name, choices) | {"usage": self._usage(subs, states)})
+        envelope = self._envelope(response_id, object_name, choices, self.served_name(subs[0]))
+        return JSONResponse(envelope | {"usage": self._usage(subs, states)})
 
     # ---- requests ---------------------------------------------------------------------
     def _check_model(self, model: str | None) -> None:
@@ -269,8 +270,15 @@ class OpenAIServing:
         return StreamingResponse(_with_error_event(chunks), media_type="text/event-stream", headers=SSE_HEADERS)
 
     # ---- response shapes --------------------------------------------------------------
-    def _envelope(self, response_id: str, obj: str, choices: list[dict]) -> dict:
-        return {"id": response_id, "object": obj, "created": int(time.time()), "model": self.model_name, "choices": choices}
+    def served_name(self, sub: EngineRequest) -> str:
+        """The `model` a response names: the LoRA adapter its request ran with, else the base model
+        (vLLM's echo; read from the request, so unloading the adapter meanwhile changes nothing)."""
+        lora = sub.params.lora_request
+        return self.model_name if lora is None else lora.lora_name
+
+    @staticmethod
+    def _envelope(response_id: str, obj: str, choices: list[dict], model: str) -> dict:
+        return {"id": response_id, "object": obj, "created": int(time.time()), "model": model, "choices": choices}
 
     def _usage(self, subs: list[EngineRequest], states: list[RequestState]) -> dict:
         prompt_tokens = sum({sub.prompt_index: len(sub.prompt_ids) for sub in subs}.values())  # once per prompt
@@ -314,7 +322,7 @@ class OpenAIServing:
                       opening: tuple[dict, ...] = ()) -> AsyncIterator[str]:
         """One stream's SSE events: the `opening` choices, then choice_of(sub, state) per update
         (None: nothing to send yet), the usage chunk when asked for, and [DONE]."""
-        head = self._envelope(response_id, obj, [])
+        head = self._envelope(response_id, obj, [], self.served_name(subs[0]))
         events = ChoiceEvents(head)
         for choice in opening:
             yield events.event(choice)

@@ -151,7 +151,7 @@ class TestRegistry:
 
 class TestConfig:
     def test_parses_modules(self):
-        assert parse_lora_modules(["a=/x", " b = /y "]) == [("a", "/x"), ("b", "/y")]
+        assert parse_lora_modules(["a=/x", " b = /y "]) == [("a", "/x", None), ("b", "/y", None)]
         with pytest.raises(ValueError, match="expected NAME=PATH"):
             parse_lora_modules(["a"])
         with pytest.raises(ValueError, match="names 'a' twice"):
