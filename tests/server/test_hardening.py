@@ -227,8 +227,10 @@ def stub_engine():
     """Only what build_app touches before serving (the OpenAPI document needs no engine)."""
     from types import SimpleNamespace
 
+    from atom_core.config import EngineConfig
+
     return SimpleNamespace(on_dead=[], on_progress=None, tokenizer=None, latest_stats=None, is_healthy=True,
-                           num_unfinished=0)
+                           num_unfinished=0, config=EngineConfig.from_kwargs("m"))
 
 
 class TestOpenAPI:
