@@ -1,7 +1,15 @@
 import os
 
-import pytest
-import torch
+# One intra-op thread a test process (an explicit OMP_NUM_THREADS is kept): the models here are tiny, so
+# a second thread buys nothing, and `pytest -n auto` already runs a worker per core; two OpenMP threads
+# a worker oversubscribe the cores, and OpenMP's spin-waiting then makes a small matmul many times slower.
+# Set before torch is imported, so server and rank subprocesses inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # Without a CUDA device the Triton kernel tests run on the CPU under Triton's interpreter. Triton reads
 # TRITON_INTERPRET when a kernel is decorated, so this runs before any test module imports atom_core's
