@@ -228,7 +228,7 @@ def stub_engine():
     from types import SimpleNamespace
 
     return SimpleNamespace(on_dead=[], on_progress=None, tokenizer=None, latest_stats=None, is_healthy=True,
-                           num_unfinished=0)
+                           num_unfinished=0, config=SimpleNamespace(lora=SimpleNamespace(enable_lora=False)))
 
 
 class TestOpenAPI:
