@@ -1,7 +1,15 @@
 import os
 
-import pytest
-import torch
+# One intra-op thread a test process (an explicit OMP_NUM_THREADS is kept): the models here are tiny, so
+# a second thread buys nothing, and `pytest -n auto` already runs a worker per core; two OpenMP threads
+# a worker oversubscribe the cores, and OpenMP's spin-waiting then makes a small matmul many times slower.
+# Set before torch is imported, so server and rank subprocesses inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # Without a CUDA device the Triton kernel tests run on the CPU under Triton's interpreter. Triton reads
 # TRITON_INTERPRET when a kernel is decorated, so this runs before any test module imports atom_core's
@@ -11,7 +19,32 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# Files that cost far more than their number of tests says (engine builds against HF references, server
+# and rank subprocesses), heaviest first.
+SLOW_FILES = ("tests/models/test_deepseek_v32.py", "tests/models/test_hybrid_engine.py", "tests/lora/test_engine.py",
+              "tests/lora/test_server.py", "tests/spec_decode/test_eagle3.py")
+
+
+def _longest_files_first(items) -> None:
+    """Whole files in the order pytest-xdist should start them (pyproject: --dist loadfile, which runs a
+    file on one worker so its module fixtures are built once): SLOW_FILES, then by number of tests. A
+    file's own order is kept; the order is the same on every worker, as xdist requires."""
+    def path(item) -> str:
+        return item.nodeid.split("::")[0]
+
+    counts: dict[str, int] = {}
+    for item in items:
+        counts[path(item)] = counts.get(path(item), 0) + 1
+
+    def rank(item):
+        file = path(item)
+        return (SLOW_FILES.index(file), 0) if file in SLOW_FILES else (len(SLOW_FILES), -counts[file])
+
+    items.sort(key=rank)  # stable: tests of one file keep their relative order
+
+
 def pytest_collection_modifyitems(config, items):
+    _longest_files_first(items)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
