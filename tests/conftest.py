@@ -21,8 +21,9 @@ if not torch.cuda.is_available():
 
 # Files that cost far more than their number of tests says (engine builds against HF references, server
 # and rank subprocesses), heaviest first.
-SLOW_FILES = ("tests/plugin/test_vllm_plugin.py", "tests/models/test_deepseek_v32.py", "tests/models/test_hybrid_engine.py", "tests/lora/test_engine.py",
-              "tests/lora/test_server.py", "tests/spec_decode/test_eagle3.py")
+SLOW_FILES = ("tests/plugin/test_vllm_plugin.py", "tests/models/test_deepseek_v32.py",
+              "tests/models/test_hybrid_engine.py", "tests/lora/test_engine.py", "tests/lora/test_server.py",
+              "tests/spec_decode/test_eagle3.py")
 
 
 def _longest_files_first(items) -> None:
