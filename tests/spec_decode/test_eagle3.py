@@ -323,7 +323,7 @@ class TestErrors:
 # ---- the demo model's trained head ---------------------------------------------------------
 
 DEMO_GREEDY = SamplingParams(temperature=0, max_tokens=16)
-MIN_ACCEPTANCE = 0.45  # first-draft acceptance on the first 20 eval questions (53.8% on the first 40: recipes/demo-model/eagle3.md)
+MIN_ACCEPTANCE = 0.55  # first-draft acceptance on the first 20 eval questions (64.7% on the first 40: recipes/demo-model/eagle3.md)
 
 
 def _demo_prompts(num: int = 20) -> list[str]:
