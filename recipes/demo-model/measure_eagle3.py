@@ -5,7 +5,9 @@ outputs checked identical to plain decoding).
 Every request runs alone (batch 1). Output tokens per second of `generate` (prefill included), by
 the wall clock and this process's CPU time; configurations interleave in each timing round, so a
 noisy neighbour on a shared CPU hits all alike; best and median reported. "plain" is the
-LLMEngine default (8-step decode windows), "plain-1step" one forward per step.
+LLMEngine default (8-step decode windows), "plain-1step" one forward per step. "prefill" is the
+eval questions with max_tokens=1: the prefill alone, which no draft can shorten (its share of
+plain-1step's eval time bounds the eval speed-up).
 
 Usage: python recipes/demo-model/measure_eagle3.py [--head DIR] [--questions 100] [--k 2 3 4] [--out FILE.json]
 """
@@ -32,8 +34,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    sets = {"eval": ([chat(json.loads(line)["question"]) for line in HELDOUT.read_text().splitlines()[: args.questions]],
-                     SamplingParams(temperature=0, max_tokens=16)),
+    questions = [chat(json.loads(line)["question"]) for line in HELDOUT.read_text().splitlines()[: args.questions]]
+    sets = {"eval": (questions, SamplingParams(temperature=0, max_tokens=16)),
+            "prefill": (questions, SamplingParams(temperature=0, max_tokens=1)),
             "long": ([chat(q) for q in LONG_QUESTIONS], SamplingParams(temperature=0, max_tokens=96))}
     engines = {"plain": LLMEngine(str(DEMO_MODEL_DIR)),
                "plain-1step": LLMEngine(str(DEMO_MODEL_DIR), num_scheduler_steps=1)}

@@ -14,8 +14,12 @@ sees the step-0 keys up to position p-s plus the keys steps 1..s wrote at p-s+1.
 what the engine's KV holds when it drafts the (s+1)-th token (catch-up rows written from the
 target's states, later draft rows from the head's own). Step s's loss has weight 0.8^s.
 
-The model's hidden states are computed once (--max-docs documents) before training. Writes
---out/{config.json, model.safetensors, eagle3_metrics.json}. CPU by default.
+--self-distill replaces every assistant reply of the chat documents by the model's own greedy
+reply (the engine, turn by turn, later turns after the model's earlier replies): the head then
+trains on the sequences it drafts at inference, where the next token is always the model's.
+--init continues training a saved head (its draft vocabulary kept). The model's hidden states are
+computed once (--max-docs documents) before training. Writes --out/{config.json,
+model.safetensors, eagle3_metrics.json}. CPU by default.
 """
 from __future__ import annotations
 
@@ -60,7 +64,37 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kinds", nargs="+", default=["chat"], help="corpus document kinds to train on")
     p.add_argument("--intermediate-size", type=int, default=512, help="the head's MLP width")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--self-distill", action="store_true", help="train on the model's own greedy replies")
+    p.add_argument("--init", type=Path, help="a saved head directory to continue training (its vocabulary kept)")
     return p.parse_args()
+
+
+def self_distill(docs: list[dict], model_dir: Path, max_tokens: int = 96) -> list[dict]:
+    """The chat documents with every assistant reply replaced by the model's greedy one (batched,
+    one turn of every document a round); other documents unchanged."""
+    from atom_core import LLMEngine, SamplingParams
+
+    from chat_format import render_chat
+
+    engine = LLMEngine(str(model_dir), num_scheduler_steps=1, max_num_seqs=64)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    out = [dict(d, messages=[]) if d["kind"] == "chat" else d for d in docs]
+    turn = 0
+    while True:
+        todo = [(o, d["messages"]) for o, d in zip(out, docs) if d["kind"] == "chat"]
+        todo = [(o, m) for o, m in todo if len(m) > turn]
+        if not todo:
+            return out
+        asks = []
+        for o, messages in todo:
+            if messages[turn]["role"] == "assistant":
+                asks.append(o)
+            else:
+                o["messages"].append(messages[turn])
+        prompts = [render_chat(o["messages"], add_generation_prompt=True) for o in asks]
+        for o, reply in zip(asks, engine.generate(prompts, params) if prompts else []):
+            o["messages"].append({"role": "assistant", "content": reply["text"]})
+        turn += 1
 
 
 class Attention(nn.Module):
@@ -229,6 +263,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     docs = [d for d in read_jsonl(args.corpus / "train.jsonl") if d["kind"] in args.kinds]
     docs = docs[: args.max_docs + args.eval_docs]
+    if args.self_distill:
+        t0 = time.perf_counter()
+        docs = self_distill(docs, args.model)
+        print(f"replaced the replies of {len(docs)} documents by the model's greedy ones in "
+              f"{time.perf_counter() - t0:.1f}s", flush=True)
     ids, mask, lengths = encode_documents(docs, tok, args.max_doc_tokens, tok.token_to_id(PAD))
     split = min(args.max_docs, len(ids) - args.eval_docs)
     t0 = time.perf_counter()
@@ -245,6 +284,11 @@ def main() -> None:
     for _, _, label, trained in train_batches:
         counts += torch.bincount(label[trained], minlength=vocab)
     used = counts.argsort(descending=True)[: args.draft_vocab].sort().values
+    if args.init:  # keep the saved head's draft vocabulary
+        from safetensors.torch import load_file
+
+        saved = load_file(str(args.init / "model.safetensors"))
+        used = saved["t2d"].nonzero().flatten()
     coverage = float(counts[used].sum() / counts.sum())
     t2d_index = torch.full((vocab,), -1, dtype=torch.int64)
     t2d_index[used] = torch.arange(len(used))
@@ -254,7 +298,10 @@ def main() -> None:
     head_cfg = copy.deepcopy(config)
     head_cfg.intermediate_size = args.intermediate_size
     head = Head(head_cfg, len(args.layers), len(used)).to(device)
-    warm_start(head, model, used.to(device), args.layers)
+    if args.init:
+        head.load_state_dict({k: v.float() for k, v in saved.items() if k not in ("d2t", "t2d")})
+    else:
+        warm_start(head, model, used.to(device), args.layers)
     print(f"head: {sum(p.numel() for p in head.parameters()) / 1e6:.2f}M parameters; before training: "
           f"{agreement(head, model, eval_batches, t2d_index, args.steps, device)}", flush=True)
     decay = [p for p in head.parameters() if p.dim() >= 2]

@@ -215,13 +215,13 @@ def tiny_vocab_target(tmp_path_factory):
 
 
 def test_sampling_distribution_matches_plain_sampling(tiny_vocab_target):
-    """Chi-square (contingency) on each of four tokens of 500 draws with and without EAGLE-3."""
+    """Chi-square (contingency) on each of four tokens of 300 draws with and without EAGLE-3."""
     from scipy.stats import chi2_contingency
 
     target, head = tiny_vocab_target
     prompt = list(range(12)) * 2
     params = SamplingParams(temperature=1.0, top_k=8, max_tokens=4, ignore_eos=True)
-    n = 500
+    n = 300
 
     def draws(**options):
         engine = LLMEngine(str(target), max_num_seqs=n, max_num_batched_tokens=n * 30, **options)
@@ -307,12 +307,13 @@ class TestErrors:
 
     @pytest.mark.parametrize("options,match", [
         ({"method": "eagle3", "num_speculative_tokens": 2}, "a draft model directory is required"),
-        ({"method": "eagle3", "draft_model": "/d"}, "num_speculative_tokens: required with method eagle3"),
+        ({"method": "eagle3", "draft_model": "/d"},
+         r"num_speculative_tokens=None \(--num-speculative-tokens\): required with method eagle3"),
         ({"method": "eagle3", "draft_model": "/d", "num_speculative_tokens": 9}, "between 1 and 8 for eagle3"),
     ])
     def test_bad_options(self, options, match):
         with pytest.raises(ValueError, match=match):
-            EngineConfig.from_kwargs(**options)
+            EngineConfig.from_kwargs("/m", **options)
 
     def test_a_directory_without_config_fails(self, target, tmp_path):
         with pytest.raises(ValueError, match="no config.json"):
@@ -322,7 +323,7 @@ class TestErrors:
 # ---- the demo model's trained head ---------------------------------------------------------
 
 DEMO_GREEDY = SamplingParams(temperature=0, max_tokens=16)
-MIN_ACCEPTANCE = 0.45  # first-draft acceptance on the first 20 eval questions (53.8% on the first 40: recipes/demo-model/eagle3.md)
+MIN_ACCEPTANCE = 0.55  # first-draft acceptance on the first 20 eval questions (64.7% on the first 40: recipes/demo-model/eagle3.md)
 
 
 def _demo_prompts(num: int = 20) -> list[str]:
