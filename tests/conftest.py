@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
 # and rank subprocesses), heaviest first.
 SLOW_FILES = ("tests/plugin/test_vllm_plugin.py", "tests/models/test_deepseek_v32.py",
               "tests/models/test_hybrid_engine.py", "tests/lora/test_engine.py", "tests/lora/test_server.py",
-              "tests/spec_decode/test_eagle3.py")
+              "tests/spec_decode/test_eagle3.py", "tests/server/test_schema_fuzz.py")
 
 
 def _longest_files_first(items) -> None:
