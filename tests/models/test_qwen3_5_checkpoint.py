@@ -67,10 +67,13 @@ def test_config_is_the_text_config_under_the_outer_architecture(vlm_and_ref):
     assert hf.tie_word_embeddings == (arch == "qwen3_5")  # HF ties by the outer config
 
 
-def test_text_greedy_equals_hf(vlm_and_ref):
-    """The text model's scheduling regimes are tests/models/test_hybrid_engine.py's; here the layout."""
+@pytest.mark.parametrize("options", [{}, {"max_num_batched_tokens": 32}, {"enable_prefix_caching": True},
+                                     {"max_num_seqs": 2}], ids=["defaults", "chunked", "prefix_caching", "two_seqs"])
+def test_text_greedy_equals_hf(vlm_and_ref, options):
+    """The four engine settings on the checkpoint layout (tests/models/test_hybrid_engine.py goes deeper into
+    each: preemption, shared prefixes)."""
     _, path, prompts, ref = vlm_and_ref
-    engine = LLMEngine(str(path))
+    engine = LLMEngine(str(path), **options)
     assert_same_tokens(engine.generate(prompts, GREEDY), ref, PROMPT_LENS)
 
 
