@@ -131,3 +131,20 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, num_layers:
     model.save_pretrained(str(path))
     GenerationConfig(eos_token_id=eos, pad_token_id=0).save_pretrained(str(path))
     return path
+
+
+def save_tiny_vocab_llama(path: Path, num_layers: int = 2) -> Path:
+    """A Llama over 12 tokens and no tokenizer, small enough to count every sampling outcome; 1-D
+    parameters random around 1, matrices N(0, 0.15)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=12, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=num_layers, num_attention_heads=2, num_key_value_heads=1,
+                                         max_position_embeddings=64, eos_token_id=None, bos_token_id=None,
+                                         pad_token_id=0))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.15 if p.dim() > 1 else 0.1).add_(1.0 if p.dim() == 1 else 0.0)
+    model.save_pretrained(str(path))
+    return path

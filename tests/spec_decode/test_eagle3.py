@@ -17,6 +17,7 @@ import torch
 from atom_core import LLMEngine, SamplingParams
 from atom_core.config import EngineConfig
 from atom_core.loader.model_dir import DEMO_MODEL_DIR
+from tests.spec_decode.test_mtp import _demo_prompts
 from tests.tiny_models import build_tiny_model
 
 MAX_TOKENS = 16
@@ -198,17 +199,9 @@ def _reference_drafts(target: Path, head: Path, tokens: list[int], k: int) -> li
 @pytest.fixture(scope="module")
 def tiny_vocab_target(tmp_path_factory):
     """(target, head): a 4-layer Llama over 12 tokens, no tokenizer, and a head over 8 of them."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.tiny_models import save_tiny_vocab_llama
 
-    path = tmp_path_factory.mktemp("tiny_vocab")
-    torch.manual_seed(3)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=12, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                                         eos_token_id=None, bos_token_id=None, pad_token_id=0))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.15 if p.dim() > 1 else 0.1).add_(1.0 if p.dim() == 1 else 0.0)
-    model.save_pretrained(str(path))
+    path = save_tiny_vocab_llama(tmp_path_factory.mktemp("tiny_vocab"), num_layers=4)
     head = build_tiny_eagle3_head(tmp_path_factory.mktemp("tiny_vocab_head"), path, draft_vocab=8, seed=2,
                                   layer_ids=(0, 2, 3))
     return path, head
@@ -326,11 +319,6 @@ DEMO_GREEDY = SamplingParams(temperature=0, max_tokens=16)
 MIN_ACCEPTANCE = 0.55  # first-draft acceptance on the first 20 eval questions (64.7% on the first 40: recipes/demo-model/eagle3.md)
 
 
-def _demo_prompts(num: int = 20) -> list[str]:
-    from atom_core.eval.tasks import TASKS_DIR
-
-    lines = (TASKS_DIR / "atom_arith" / "heldout.jsonl").read_text().splitlines()[:num]
-    return [f"<|im_start|>user\n{json.loads(line)['question']}<|im_end|>\n<|im_start|>assistant\n" for line in lines]
 
 
 class TestDemoModel:

@@ -103,17 +103,9 @@ def test_logprobs_and_penalties_under_speculation(tiny_llama, reference):
 @pytest.fixture(scope="module")
 def tiny_vocab_model(tmp_path_factory):
     """A 2-layer Llama over 12 tokens, no tokenizer: small enough to count every outcome."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.tiny_models import save_tiny_vocab_llama
 
-    path = tmp_path_factory.mktemp("tiny_vocab")
-    torch.manual_seed(3)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=12, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                                         eos_token_id=None, bos_token_id=None, pad_token_id=0))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.15 if p.dim() > 1 else 0.1).add_(1.0 if p.dim() == 1 else 0.0)
-    model.save_pretrained(str(path))
+    path = save_tiny_vocab_llama(tmp_path_factory.mktemp("tiny_vocab"), num_layers=2)
     return path
 
 
