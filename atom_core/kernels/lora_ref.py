@@ -5,9 +5,11 @@ A step's tokens each run with the adapter in their slot (-1: none). With x [T, K
 the slot tables lora_a [L, N, K] (one adapter's A matrices stacked along N: one [R, K] per slice of a
 merged layer) and lora_b [L, NO, R] (B of each slice in that slice's output rows, the scaling folded
 in), a layer adds, per token t in slot s:
-  v[t] = x[t] A[s]^T                       (shrink, float32 [T, N])
+  v[t] = x[t] A[s]^T                       (shrink, float32 [S, T, N]: S partial sums over slices of
+                                            K, v the sum over dim 0; rows of no adapter undefined)
   y[t, o_i:o_(i+1)] += v[t, iR:(i+1)R] B[s, o_i:o_(i+1)]^T   for each output slice i (expand)
-Tokens of no adapter are not touched. Ranks below R are zero-padded in the tables.
+Tokens of no adapter are not touched. Ranks below R are zero-padded in the tables. The references
+return one partial (S = 1); the Triton shrink as many as it splits K into.
 """
 from __future__ import annotations
 
@@ -39,19 +41,20 @@ def lora_layout(token_slots: torch.Tensor, num_slots: int) -> LoRAMeta:
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAMeta) -> torch.Tensor:
-    """v [T, N] float32 = x A[slot]^T per token (zero rows for tokens of no adapter)."""
+    """v [1, T, N] float32 = x A[slot]^T per token (zero rows for tokens of no adapter)."""
     v = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
     for slot in range(lora_a.shape[0]):
         rows = (meta.token_slots == slot).nonzero().squeeze(1)
         if rows.numel():
             v[rows] = x[rows].float() @ lora_a[slot].float().T
-    return v
+    return v[None]
 
 
 def lora_expand(y: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor, meta: LoRAMeta,
                 slice_offsets: tuple[int, ...], rank: int) -> None:
     """In place: y[t, o_i:o_(i+1)] += v[t, i*rank:(i+1)*rank] B[slot, o_i:o_(i+1)]^T per token with a slot.
     slice_offsets: the output slices' boundaries (len = slices + 1, last = y's width)."""
+    v = v.sum(0)
     for slot in range(lora_b.shape[0]):
         rows = (meta.token_slots == slot).nonzero().squeeze(1)
         if not rows.numel():

@@ -45,10 +45,17 @@ class TestReferences:
             torch.testing.assert_close(out[t], want)
 
 
+# Small fp32 cases under the interpreter; on a CUDA machine test_real_shapes_on_gpu checks the compiled
+# kernels (in bf16: tl.dot rounds fp32 inputs to tf32 there, beyond these cases' tolerance).
+interpreter_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter cases")
+
+
+@interpreter_only
 @pytest.mark.parametrize("num_tokens,k,slots,rank,slices", [
     (7, 40, 3, 8, [24]),            # one slice, ragged K and N
     (20, 64, 2, 16, [32, 16, 16]),  # qkv-like, tokens over one block per slot
     (5, 48, 4, 4, [40, 40]),        # gate_up-like, a slice wider than one N block
+    (6, 1100, 2, 4, [8]),           # K split in two (decode-sized steps): partials summed by the expand
 ])
 class TestTritonMatchesReference:
     def test_shrink(self, num_tokens, k, slots, rank, slices):
@@ -57,18 +64,19 @@ class TestTritonMatchesReference:
         got = triton_lora.lora_shrink(x, a, meta)
         want = lora_ref.lora_shrink(x, a, meta)
         rows = token_slots >= 0
-        torch.testing.assert_close(got[rows], want[rows], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got.sum(0)[rows], want.sum(0)[rows], rtol=1e-4, atol=1e-4)
 
     def test_expand(self, num_tokens, k, slots, rank, slices):
         x, a, b, y, token_slots, offsets = _case(num_tokens, k, slots, rank, slices, "cpu")
         meta = lora_ref.lora_layout(token_slots, slots)
-        v = lora_ref.lora_shrink(x, a, meta)
         got, want = y.clone(), y.clone()
-        triton_lora.lora_expand(got, v, b, meta, offsets, rank)
-        lora_ref.lora_expand(want, v, b, meta, offsets, rank)
+        # The Triton shrink's partials (rows of no adapter left unwritten), summed by the expand.
+        triton_lora.lora_expand(got, triton_lora.lora_shrink(x, a, meta), b, meta, offsets, rank)
+        lora_ref.lora_expand(want, lora_ref.lora_shrink(x, a, meta), b, meta, offsets, rank)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # rows of no adapter untouched
 
 
+@interpreter_only
 class TestTritonChecks:
     def test_expand_refuses_slices_that_do_not_cover_y(self):
         x, a, b, y, token_slots, offsets = _case(4, 16, 2, 4, [8, 8], "cpu")
@@ -95,7 +103,7 @@ def test_real_shapes_on_gpu(num_tokens):
     meta = lora_ref.lora_layout(token_slots, 8)
     v = triton_lora.lora_shrink(x, a, meta)
     rows = token_slots >= 0
-    torch.testing.assert_close(v[rows], lora_ref.lora_shrink(x, a, meta)[rows], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(v.sum(0)[rows], lora_ref.lora_shrink(x, a, meta)[0, rows], rtol=2e-2, atol=2e-2)
     got, want = y.clone(), y.clone()
     triton_lora.lora_expand(got, v, b, meta, offsets, 16)
     lora_ref.lora_expand(want, v, b, meta, offsets, 16)
