@@ -156,12 +156,12 @@ class TestChunkGatedDeltaRule:
     def test_each_kernel_at_qwen3_next_head_dims(self, lens, heads):
         in_fresh_process("check_stages", lens, heads, QWEN3_NEXT_DIMS, torch.bfloat16, "cuda")
 
-    def test_wide_heads_take_the_recurrent_kernel(self, monkeypatch):
+    def test_keys_wider_than_two_tiles_take_the_recurrent_kernel(self, monkeypatch):
         calls = []
         monkeypatch.setattr(gated_delta, "chunked_gated_delta_rule", lambda *a, **k: calls.append("chunked"))
         monkeypatch.setattr(gated_delta, "fused_recurrent_gated_delta_rule", lambda *a, **k: calls.append("recurrent"))
-        for dim in (gated_delta.CHUNK_MAX_HEAD_DIM, gated_delta.CHUNK_MAX_HEAD_DIM * 2):
-            x = gdn_inputs([3], 1, 2, dim, dim, dtype=torch.float32)
+        for dim in (gated_delta.CHUNK_MAX_K_DIM, 2 * gated_delta.CHUNK_MAX_K_DIM):
+            x = gdn_inputs([3], 1, 2, dim, 16, dtype=torch.float32)
             run_rule(gated_delta.chunk_gated_delta_rule, x)
         assert calls == ["chunked", "recurrent"]
 

@@ -366,22 +366,15 @@ def chunk_layout(cu_seqlens: torch.Tensor, num_tokens: int) -> ChunkLayout:
     return ChunkLayout(bounds.to(torch.int32).contiguous(), first.to(torch.int32))
 
 
-# Heads wider than this run the recurrent kernel (same contract). The first chunked kernels were wrong on
-# the H200 from key width 64 up; these pass their interpreter and sm_90 compile tests at 128 and await
-# their GPU tests (TestChunkGatedDeltaRule::test_each_kernel_at_qwen3_next_head_dims) before taking it.
-CHUNK_MAX_HEAD_DIM = 64
-
-
 def chunk_gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state: torch.Tensor, state_indices: torch.Tensor, cu_seqlens: torch.Tensor, has_initial_state: torch.Tensor,
     *, scale: float, use_qk_l2norm: bool = True,
 ) -> torch.Tensor:
-    """Prefill; see kernels.gdn_ref.chunk_gated_delta_rule. Returns o [T, Hv, Dv] in v's dtype. Heads
-    up to CHUNK_MAX_HEAD_DIM wide run the chunked kernels, wider ones the recurrent kernel."""
-    rule = chunked_gated_delta_rule
-    if max(q.shape[-1], v.shape[-1]) > CHUNK_MAX_HEAD_DIM:
-        rule = fused_recurrent_gated_delta_rule
+    """Prefill; see kernels.gdn_ref.chunk_gated_delta_rule. Returns o [T, Hv, Dv] in v's dtype. Key
+    heads up to CHUNK_MAX_K_DIM wide run the chunked kernels, wider ones the recurrent kernel (same
+    contract)."""
+    rule = chunked_gated_delta_rule if q.shape[-1] <= CHUNK_MAX_K_DIM else fused_recurrent_gated_delta_rule
     return rule(q, k, v, g, beta, state, state_indices, cu_seqlens, has_initial_state, scale=scale,
                 use_qk_l2norm=use_qk_l2norm)
 
