@@ -5,9 +5,10 @@ state), one layer: the chunked prefill, the recurrent decode step, and the causa
 
 Time: CUDA-graph replays (no host syncs in any of these ops), median. Floors, per call:
   prefill  max(FLOPs / peak, essential bytes / bandwidth). FLOPs count the chunked form's matmuls per
-           chunk of 64 and v head (K K^T, T K, T V; W S, Q S, Q K^T, A V_new, K^T V_new); essential bytes
-           are q, k, v, g, beta in, o out, and each sequence's state read and written once (the W / U
-           intermediates the two-kernel split writes and reads back are reported, not counted).
+           chunk of 64 and v head (prep: K K^T, T K, T V; state scan: W S, K^T V_new; outputs: Q H,
+           Q K^T, A V_new); essential bytes are q, k, v, g, beta in, o out, and each sequence's state
+           read and written once (the W, U, v_new and per-chunk state intermediates that the three
+           kernels write and read back are reported, not counted).
   decode   bytes / bandwidth: the state read and written (32 x 128 x 128 fp32 a sequence) plus q, k, v, o.
   conv     bytes / bandwidth: x in, y out, the conv state read and written.
 """
@@ -27,11 +28,12 @@ HK, HV, DK, DV, WIDTH = 16, 32, 128, 128, 4
 CHANNELS = 2 * HK * DK + HV * DV
 PEAK_TFLOPS = 785.0  # measured bf16 dense matmul on this SM generation (DESIGN.md)
 HBM_TBS = 4.3  # H200 measured device-to-device copy rate (docs/PERFORMANCE.md)
+DEVICE = "cuda"  # tests/benchmarks/test_gdn_bench.py runs the rows on the CPU (Triton's interpreter)
 
 
 def make_batch(lens: list[int], has_init: bool):
     num_tokens, num_seqs = sum(lens), len(lens)
-    dev, bf16 = "cuda", torch.bfloat16
+    dev, bf16 = DEVICE, torch.bfloat16
     q, k = (torch.randn(num_tokens, HK, DK, device=dev, dtype=bf16) for _ in range(2))
     v = torch.randn(num_tokens, HV, DV, device=dev, dtype=bf16)
     g = -torch.nn.functional.softplus(torch.randn(num_tokens, HV, device=dev)) * 0.1
@@ -54,7 +56,8 @@ def rule_bytes(num_tokens: int, num_seqs: int) -> int:
 def prefill_flops(num_tokens: int) -> int:
     c = CHUNK_SIZE
     per_token_head = 2 * c * DK + 2 * c * DK + 2 * c * DV  # prep: K K^T, T (beta e^G K), T (beta V)
-    per_token_head += 3 * 2 * DK * DV + 2 * c * DK + 2 * c * DV  # scan: W S, Q S, K^T V_new; Q K^T, A V_new
+    per_token_head += 2 * 2 * DK * DV  # state scan: W S, K^T V_new
+    per_token_head += 2 * DK * DV + 2 * c * DK + 2 * c * DV  # outputs: Q H, Q K^T, A V_new
     return num_tokens * HV * per_token_head
 
 
@@ -76,9 +79,11 @@ def bench_prefill(spec: str) -> list[dict]:
     num_tokens = num_seqs * length
     scale = DK ** -0.5
     ms = bench_ms(lambda: triton_ops.chunk_gated_delta_rule(*rule_args, scale=scale))
-    intermediates = num_tokens * HV * (DK + DV) * 2 * 2  # W, U written then read, bf16
+    num_chunks = num_tokens // CHUNK_SIZE + num_seqs  # the chunk-state buffer the wrapper allocates
+    # W, U, v_new and the chunk start states, bf16, each written once and read once
+    intermediates = (num_tokens * HV * (DK + 2 * DV) + num_chunks * HV * DK * DV) * 2 * 2
     rule = row(f"chunk_gated_delta_rule {spec}", ms, rule_bytes(num_tokens, num_seqs), prefill_flops(num_tokens))
-    rule["w_u_bytes_not_counted"] = intermediates
+    rule["intermediate_bytes_not_counted"] = intermediates
     conv_ms = bench_ms(lambda: triton_ops.causal_conv1d(*conv_args))
     return [rule, row(f"causal_conv1d {spec}", conv_ms, conv_bytes(num_tokens, num_seqs))]
 

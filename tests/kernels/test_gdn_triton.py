@@ -1,8 +1,10 @@
 """The gated-DeltaNet Triton kernels against their torch references (kernels/gdn_ref.py, itself checked
 against HF in test_gdn.py) on fresh random packed inputs: small shapes on both devices (the CPU runs
 Triton's interpreter), Qwen3-Next's shapes on CUDA only, each in a fresh process (a kernel fault kills
-its CUDA context, and every later case in that process would fail with it). An offline sm_90 compile
-test (no GPU; run with TRITON_INTERPRET=0) checks the chunk kernels' dot layouts at those shapes."""
+its CUDA context, and every later case in that process would fail with it). The chunked prefill is also
+checked stage by stage (each of its three kernels' buffers against a torch computation of the same
+quantity), so a failure names its kernel. An offline sm_90 compile test (no GPU; run with
+TRITON_INTERPRET=0) checks the chunk kernels' dot layouts and register spills at Qwen3-Next's shapes."""
 from __future__ import annotations
 
 import os
@@ -17,7 +19,7 @@ import triton
 
 from atom_core.kernels import torch_ref
 from atom_core.kernels import triton as triton_ops
-from atom_core.kernels.gdn_ref import CHUNK_SIZE
+from atom_core.kernels.gdn_ref import CHUNK_SIZE, l2norm
 from atom_core.kernels.triton import gated_delta
 from tests.kernels.test_gdn import conv_inputs, cu_seqlens_of, gdn_inputs, rel_err, run_rule
 from tests.kernels.tolerances import INTERPRET
@@ -42,6 +44,11 @@ def in_fresh_process(case: str, *args) -> None:
     assert done.returncode == 0, f"{case}{args} failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
 
 
+def assert_close(what: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
+    err = rel_err(got.cpu(), want)
+    assert err < tol, f"{what}: relative error {err:.3g} (bound {tol:.3g})"
+
+
 def check_rule(name, lens, heads, dims, dtype, device, has_init=None, seed=0):
     """Runs the kernel and the reference on the same inputs; compares outputs and the whole pool."""
     x = gdn_inputs(lens, *heads, *dims, dtype=dtype, has_init=has_init, seed=seed, device=device)
@@ -51,11 +58,58 @@ def check_rule(name, lens, heads, dims, dtype, device, has_init=None, seed=0):
         torch.cuda.synchronize()  # a kernel fault surfaces here, under this op's name
     want = run_rule(torch_ref.fused_recurrent_gated_delta_rule, ref)
     assert out.dtype == dtype and out.shape == want.shape
-    assert rel_err(out.cpu(), want) < TOL[dtype]
-    assert rel_err(x.state.cpu(), ref.state) < TOL[dtype]
+    assert_close("out", out, want, TOL[dtype])
+    assert_close("state pool", x.state, ref.state, TOL[dtype])
     untouched = torch.ones(ref.state.shape[0], dtype=torch.bool)
     untouched[ref.state_indices.long()] = False
     assert torch.equal(x.state.cpu()[untouched], ref.state[untouched])
+
+
+def chunk_stage_reference(x) -> tuple[torch.Tensor, ...]:
+    """fp32 torch, in gdn_ref._chunk_step's algebra: W, U and v_new per token row, and the state each
+    chunk starts from, chunks numbered sequence by sequence (as kernels.triton.gated_delta.chunk_layout)."""
+    num_tokens, num_k_heads, k_dim = x.q.shape
+    num_v_heads, v_dim = x.v.shape[1:]
+    group = num_v_heads // num_k_heads
+    w, u, v_new = (torch.zeros(num_tokens, num_v_heads, d) for d in (k_dim, v_dim, v_dim))
+    chunk_states = []
+    bounds, slots, has_init = x.cu_seqlens.tolist(), x.state_indices.tolist(), x.has_initial_state.tolist()
+    for i, slot in enumerate(slots):
+        start, end = bounds[i], bounds[i + 1]
+        s = x.state[slot].clone() if has_init[i] and slot >= 0 else torch.zeros(num_v_heads, k_dim, v_dim)
+        ks = l2norm(x.k[start:end].float()).repeat_interleave(group, 1).transpose(0, 1)  # [Hv, L, Dk]
+        vs, gs, bs = x.v[start:end].float().transpose(0, 1), x.g[start:end].t(), x.beta[start:end].float().t()
+        for c in range(0, end - start, CHUNK_SIZE):
+            span = slice(c, min(c + CHUNK_SIZE, end - start))
+            rows = slice(start + span.start, start + span.stop)
+            kc, vc, bc, cum = ks[:, span], vs[:, span], bs[:, span], gs[:, span].cumsum(-1)
+            upper = torch.ones(kc.shape[1], kc.shape[1], dtype=torch.bool).triu(1)
+            decay = (cum[:, :, None] - cum[:, None, :]).masked_fill(upper, float("-inf")).exp()
+            a = (bc[:, :, None] * (kc @ kc.transpose(1, 2)) * decay).tril(-1)
+            wc, uc = (torch.linalg.solve_triangular(a, rhs, upper=False, unitriangular=True)
+                      for rhs in (kc * (bc * cum.exp())[..., None], vc * bc[..., None]))
+            chunk_states.append(s)
+            vn = uc - wc @ s
+            w[rows], u[rows], v_new[rows] = wc.transpose(0, 1), uc.transpose(0, 1), vn.transpose(0, 1)
+            s = s * cum[:, -1].exp()[:, None, None] + (kc * (cum[:, -1:] - cum).exp()[..., None]).transpose(1, 2) @ vn
+    return w, u, torch.stack(chunk_states), v_new
+
+
+def check_stages(lens, heads, dims, dtype, device, has_init=None):
+    """Each chunk kernel's buffers against chunk_stage_reference, in kernel order, then o and the pool."""
+    x = gdn_inputs(lens, *heads, *dims, dtype=dtype, has_init=has_init, device=device)
+    ref = gdn_inputs(lens, *heads, *dims, dtype=dtype, has_init=has_init)
+    stages = run_rule(gated_delta.chunk_stages, x)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    w, u, chunk_states, v_new = chunk_stage_reference(ref)
+    tol = TOL[dtype]
+    assert_close("prep kernel: W", stages.w, w, tol)
+    assert_close("prep kernel: U", stages.u, u, tol)
+    assert_close("state kernel: chunk start states", stages.chunk_states[:len(chunk_states)], chunk_states, tol)
+    assert_close("state kernel: v_new", stages.v_new, v_new, tol)
+    assert_close("output kernel: o", stages.out, run_rule(torch_ref.fused_recurrent_gated_delta_rule, ref), tol)
+    assert_close("state kernel: final states", x.state, ref.state, tol)
 
 
 class TestChunkGatedDeltaRule:
@@ -63,10 +117,17 @@ class TestChunkGatedDeltaRule:
     @pytest.mark.parametrize("lens,heads,dims,has_init", [
         ([5, CHUNK_SIZE], (1, 2), (16, 16), [False, True]),  # below and at the chunk size, Hv = 2 Hk
         ([CHUNK_SIZE + 6, 3], (1, 1), (16, 32), [True, False]),  # above it, Hv = Hk
-        ([CHUNK_SIZE + 3], (1, 2), (16, 64), [True]),  # the scan over two v blocks, as at Dv = 128
+        ([CHUNK_SIZE + 3], (1, 2), (16, 64), [True]),  # the scan over two v blocks
     ], ids=["short_and_one_chunk", "two_chunks", "two_v_blocks"])
     def test_matches_reference(self, device, dtype, lens, heads, dims, has_init):
         check_rule("chunk_gated_delta_rule", lens, heads, dims, dtype, device, has_init)
+
+    @pytest.mark.parametrize("lens,heads,dims,dtype,has_init", [
+        ([CHUNK_SIZE + 1], (1, 2), (128, 128), torch.bfloat16, [True]),  # Qwen3-Next's head dims: two K tiles
+        ([0, CHUNK_SIZE + 2], (1, 1), (100, 48), torch.float32, [True, True]),  # dims off powers of two
+    ], ids=["head_dim_128", "odd_head_dims"])
+    def test_matches_reference_at_wide_heads(self, device, lens, heads, dims, dtype, has_init):
+        check_rule("chunked_gated_delta_rule", lens, heads, dims, dtype, device, has_init)
 
     def test_prompt_split_across_calls_equals_one_call(self, device):
         whole = gdn_inputs([CHUNK_SIZE + 8], 1, 2, 16, 16, has_init=[False], device=device)
@@ -79,6 +140,9 @@ class TestChunkGatedDeltaRule:
             assert rel_err(run_rule(triton_ops.chunk_gated_delta_rule, piece).cpu(), o_whole[span].cpu()) < 1e-4
         assert rel_err(parts.state.cpu(), whole.state.cpu()) < 1e-5
 
+    def test_each_kernel_matches_its_torch_stage(self, device):
+        check_stages([CHUNK_SIZE + 5, 0, 3], (1, 2), (96, 48), torch.float32, device, [True, True, False])
+
     @pytest.mark.gpu
     @pytest.mark.parametrize("lens", [[1, CHUNK_SIZE - 1, CHUNK_SIZE, CHUNK_SIZE + 1, 1000], [4096]], ids=str)
     def test_qwen3_next_shapes(self, lens):
@@ -86,21 +150,41 @@ class TestChunkGatedDeltaRule:
                          torch.bfloat16, "cuda")
 
     @pytest.mark.gpu
-    @pytest.mark.xfail(strict=True, reason="the chunked kernels fault at head dim 128 on the H200; "
-                       "chunk_gated_delta_rule runs the recurrent kernel there (CHUNK_MAX_HEAD_DIM)")
-    def test_chunked_kernel_at_qwen3_next_shapes(self):
-        in_fresh_process("check_rule", "chunked_gated_delta_rule", [1, CHUNK_SIZE - 1, CHUNK_SIZE, CHUNK_SIZE + 1,
-                                                                    1000], QWEN3_NEXT_HEADS, QWEN3_NEXT_DIMS,
-                         torch.bfloat16, "cuda")
+    @pytest.mark.parametrize("lens,heads", [([CHUNK_SIZE + 1], (1, 1)),
+                                            ([1, CHUNK_SIZE - 1, CHUNK_SIZE, CHUNK_SIZE + 1, 1000], QWEN3_NEXT_HEADS)],
+                             ids=["one_head", "qwen3_next_heads"])
+    def test_each_kernel_at_qwen3_next_head_dims(self, lens, heads):
+        in_fresh_process("check_stages", lens, heads, QWEN3_NEXT_DIMS, torch.bfloat16, "cuda")
 
-    def test_wide_heads_take_the_recurrent_kernel(self, monkeypatch):
+    def test_keys_wider_than_two_tiles_take_the_recurrent_kernel(self, monkeypatch):
         calls = []
         monkeypatch.setattr(gated_delta, "chunked_gated_delta_rule", lambda *a, **k: calls.append("chunked"))
         monkeypatch.setattr(gated_delta, "fused_recurrent_gated_delta_rule", lambda *a, **k: calls.append("recurrent"))
-        for dim in (gated_delta.CHUNK_MAX_HEAD_DIM, gated_delta.CHUNK_MAX_HEAD_DIM * 2):
-            x = gdn_inputs([3], 1, 2, dim, dim, dtype=torch.float32)
+        for dim in (gated_delta.CHUNK_MAX_K_DIM, 2 * gated_delta.CHUNK_MAX_K_DIM):
+            x = gdn_inputs([3], 1, 2, dim, 16, dtype=torch.float32)
             run_rule(gated_delta.chunk_gated_delta_rule, x)
         assert calls == ["chunked", "recurrent"]
+
+    def test_chunked_kernels_refuse_wider_keys(self):
+        x = gdn_inputs([3], 1, 1, 2 * gated_delta.CHUNK_MAX_K_DIM, 16, dtype=torch.float32)
+        with pytest.raises(ValueError, match="key heads up to 128"):
+            run_rule(gated_delta.chunked_gated_delta_rule, x)
+
+
+class TestChunkLayout:
+    def test_numbers_chunks_sequence_by_sequence(self):
+        lens = [0, 2 * CHUNK_SIZE + 1, 3, CHUNK_SIZE, 0]
+        layout = gated_delta.chunk_layout(cu_seqlens_of(lens), sum(lens))
+        want_bounds, want_first, start = [], [], 0
+        for n in lens:
+            want_first.append(len(want_bounds))
+            want_bounds += [[c, min(c + CHUNK_SIZE, start + n)] for c in range(start, start + n, CHUNK_SIZE)]
+            start += n
+        bounds = layout.bounds.tolist()
+        assert len(bounds) == sum(lens) // CHUNK_SIZE + len(lens)
+        assert bounds[:len(want_bounds)] == want_bounds
+        assert all(b == [0, 0] for b in bounds[len(want_bounds):])
+        assert layout.first_chunk.tolist() == want_first
 
 
 class TestFusedRecurrentGatedDeltaRule:
@@ -191,23 +275,31 @@ def check_gated_norm_at_qwen3_next_shapes():
 # offline sm_90 compile of the chunk kernels at their launch shapes
 
 _POINTER_TYPES = {"g_ptr": "*fp32", "state_ptr": "*fp32", "chunk_bounds_ptr": "*i32", "idx_ptr": "*i32",
-                  "cu_ptr": "*i32", "has_init_ptr": "*i1"}
+                  "cu_ptr": "*i32", "has_init_ptr": "*i1", "first_chunk_ptr": "*i32"}
+CHUNK_KERNELS = {  # name: (kernel, its ChunkShapes field for BV)
+    "prep": ("_gdn_chunk_prep_kernel", "prep_block_v"),
+    "state": ("_gdn_chunk_state_kernel", "state_block_v"),
+    "output": ("_gdn_chunk_output_kernel", "output_block_v"),
+}
 
 
-def compile_chunk_kernel_for_hopper(fn, heads, dims, block_v: int, num_stages: int):
-    """fn compiled for sm_90 (bf16 q/k/v) with the wrapper's constexprs and warps, and the
-    16-divisibility Triton gives pointers and strides at launch."""
+def compile_chunk_kernel_for_hopper(kernel: str, heads, dims):
+    """The chunk kernel compiled for sm_90 (bf16 q/k/v) with the wrapper's constexprs, warps and stages,
+    and the 16-divisibility Triton gives pointers and strides at launch."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    consts = {**gated_delta.chunk_constexprs(*heads, *dims, torch.bfloat16, True), "BV": block_v}
+    name, block_v = CHUNK_KERNELS[kernel]
+    fn = getattr(gated_delta, name)
+    consts = {**gated_delta.chunk_constexprs(*heads, *dims, torch.bfloat16, True),
+              "BV": getattr(gated_delta.chunk_shapes(*dims), block_v)}
     sig = {name: (_POINTER_TYPES.get(name, "*bf16") if name.endswith("_ptr") else "fp32" if name == "scale" else "i32")
            for name in fn.arg_names if name not in consts}
     aligned = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items()
                if t.startswith("*") or a.startswith("stride")}
     src = ASTSource(fn=fn, signature={**sig, **{c: "constexpr" for c in consts}}, constexprs=consts, attrs=aligned)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": gated_delta.CHUNK_NUM_WARPS, "num_stages": num_stages})
+                          options={"num_warps": gated_delta.CHUNK_NUM_WARPS, "num_stages": 2})
 
 
 def overhanging_dots(ttgir: str) -> list[str]:
@@ -226,19 +318,30 @@ def overhanging_dots(ttgir: str) -> list[str]:
     return bad
 
 
+def stack_bytes(cubin: bytes, tmp_path: Path) -> int:
+    """Per-thread stack (register spills) of the kernel in cubin, read with the cuobjdump Triton ships."""
+    path = tmp_path / "kernel.cubin"
+    path.write_bytes(cubin)
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    usage = subprocess.run([str(tool), "-res-usage", str(path)], capture_output=True, text=True, check=True).stdout
+    return int(re.search(r"STACK:(\d+)", usage)[1])
+
+
 @pytest.mark.skipif(INTERPRET, reason="the interpreter replaces the compiled kernels")
 @pytest.mark.parametrize("heads,dims", [((1, 2), (16, 16)), (QWEN3_NEXT_HEADS, QWEN3_NEXT_DIMS)],
                          ids=["small", "qwen3_next"])
-@pytest.mark.parametrize("kernel", ["prep", "scan"])
-def test_chunk_kernels_compile_for_hopper_with_dot_layouts_inside_their_tiles(kernel, heads, dims):
-    """Every wgmma's warp layout fits its tile. At 8 warps the scan's 64-row dots got an [8, 1]
-    layout (two warpgroups over 64 rows), the launch that failed on the H200 at head dim 128."""
-    if kernel == "prep":
-        compiled = compile_chunk_kernel_for_hopper(gated_delta._gdn_chunk_prep_kernel, heads, dims,
-                                                   gated_delta.prep_block_v(dims[1]), num_stages=2)
-    else:
-        compiled = compile_chunk_kernel_for_hopper(gated_delta._gdn_chunk_scan_kernel, heads, dims,
-                                                   gated_delta.scan_block_v(dims[1]), num_stages=1)
+@pytest.mark.parametrize("kernel", list(CHUNK_KERNELS))
+def test_chunk_kernels_compile_for_hopper_to_64_row_dots_without_spills(kernel, heads, dims, tmp_path):
+    """Every wgmma has 64 rows and one warpgroup's layout, no operand is transposed in registers or read
+    back with ldmatrix.trans (the first chunk kernels' state update did both and was wrong on the H200 from
+    key width 64 up; see gated_delta's docstring), and nothing spills."""
+    compiled = compile_chunk_kernel_for_hopper(kernel, heads, dims)
     ttgir = compiled.asm["ttgir"]
-    assert "warp_group_dot" in ttgir, "the chunk dots should use Hopper's warpgroup MMA"
+    dot_rows = {int(m[1]) for m in re.finditer(r"warp_group_dot .*-> tensor<(\d+)x", ttgir)}
+    assert dot_rows == {CHUNK_SIZE}, "the chunk dots should be 64-row warpgroup MMAs"
     assert overhanging_dots(ttgir) == []
+    assert "tt.trans" not in ttgir, "k^T is loaded transposed, not transposed in registers"
+    if " tt.dot " not in ttgir:  # mma.sync dots (below 64 rows) read operands with ldmatrix.trans and pass
+        assert ".trans" not in "".join(re.findall(r"ldmatrix\S*", compiled.asm["ptx"])), \
+            "no wgmma operand read back from a column-major shared tile (benchmarks/kernels/gdn_transpose_dot_probe.py)"
+    assert stack_bytes(compiled.asm["cubin"], tmp_path) == 0
