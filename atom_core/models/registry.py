@@ -24,8 +24,8 @@ _MODELS = {
     "Qwen3_5MoeForConditionalGeneration": ("atom_core.models.qwen3_5", "Qwen3_5MoeForConditionalGeneration"),
 }
 
-# Vision-language architectures served as text: their config's `text_config` is the model's config
-# (loader/model_dir.py resolves it); the vision tower's weights are skipped and images are refused.
+# Vision-language architectures whose config's `text_config` is the model's config, with the vision
+# config attached (loader/model_dir.py resolves it).
 _TEXT_OF_MULTIMODAL = frozenset({"Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"})
 
 
