@@ -68,3 +68,22 @@ def test_chunked_prefill_splits_an_image_and_encodes_it_once(vlm):
     assert out[0]["token_ids"] == refs[2]
     assert sorted(n for call in calls for n in call) == [30, 48]
     assert engine.core.scheduler.encoder.num_used > 0  # kept for a later request with the same image
+
+
+def test_bad_image_requests_are_refused_before_queueing(vlm, tiny_llama):
+    path, tokenizer, _ = vlm
+    engine = LLMEngine(str(path))
+    prompt = engine.image_chat_prompt("What?", 1)
+    with pytest.raises(ValueError, match="1 image placeholder"):
+        engine.generate([prompt], GREEDY, images=[[IMAGES["a"], IMAGES["b"]]])
+    with pytest.raises(ValueError, match="image 0: cannot decode the image"):
+        engine.generate([prompt], GREEDY, images=[[b"not an image"]])
+    with pytest.raises(ValueError, match="one list of images per prompt"):
+        engine.generate([prompt], GREEDY, images=[IMAGES["a"]] * 2)
+    assert engine.core.scheduler.num_waiting == 0
+    assert len(engine.generate([prompt], GREEDY, images=[[IMAGES["a"]]])[0]["token_ids"]) == MAX_TOKENS
+    text_model = LLMEngine(str(tiny_llama), device="cpu")
+    with pytest.raises(ValueError, match="takes no images"):
+        text_model.generate(["hi"], GREEDY, images=[[IMAGES["a"]]])
+    with pytest.raises(ValueError, match="takes no images"):
+        text_model.image_chat_prompt("hi")

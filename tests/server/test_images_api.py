@@ -80,3 +80,18 @@ def test_concurrent_requests_keep_their_images_apart(vlm_server, vlm_and_refs):
 def test_models_lists_image_input(vlm_server):
     card = vlm_server.openai().models.list().data[0]
     assert card.input_modalities == ["text", "image"]
+
+
+def test_bench_serve_random_mm_runs_against_the_served_model(vlm_server, vlm_and_refs):
+    """`atomctl bench serve --dataset-name random-mm` (vLLM's flags) sends images over the chat endpoint."""
+    from atom_core.bench.datasets import DatasetConfig
+    from atom_core.bench.serve_bench import ServeBenchConfig, run_benchmark
+
+    path, tokenizer, _ = vlm_and_refs
+    dataset = DatasetConfig(name="random-mm", random_input_len=16, random_output_len=3,
+                            random_mm_base_items_per_request=1, random_mm_bucket_config="{(32, 48, 1): 1.0}")
+    cfg = ServeBenchConfig(base_url=vlm_server.url, backend="openai-chat", dataset=dataset, num_prompts=4,
+                           max_concurrency=2, ignore_eos=True, show_progress=False, tokenizer=str(path))
+    result = run_benchmark(cfg, tokenizer=tokenizer)
+    assert result["completed"] == 4 and result["total_output_tokens"] == 12
+    assert result["total_input_tokens"] < 4 * 30  # text only, as vLLM counts random-mm prompts
