@@ -425,7 +425,7 @@ class AsyncEngine:
 
         validate_request(prompt_token_ids, params, self.info.max_model_len, self.info.vocab_size)
         if mm_items:
-            validate_images(mm_items, len(prompt_token_ids), "this model", self.info.max_image_tokens > 0,
+            validate_images(mm_items, len(prompt_token_ids), None, self.info.max_image_tokens > 0,
                             self.info.max_image_tokens)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

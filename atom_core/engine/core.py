@@ -64,12 +64,12 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, max_mo
                          "raise the KV cache size or lower max_tokens")
 
 
-def validate_images(mm_items, num_prompt_tokens: int, architecture: str, takes_images: bool,
+def validate_images(mm_items, num_prompt_tokens: int, architecture: str | None, takes_images: bool,
                     max_image_tokens: int) -> None:
     """ValueError for images the model cannot take: none at all, misplaced placeholders, or one larger
     than the encoder budget (engine/encoder_cache.py)."""
     if not takes_images:
-        raise ValueError(f"this model ({architecture}) takes no images; send text only")
+        raise ValueError(f"this model{f' ({architecture})' if architecture else ''} takes no images; send text only")
     check_items(mm_items, num_prompt_tokens)
     for i, item in enumerate(mm_items):
         if item.length > max_image_tokens:

@@ -67,8 +67,8 @@ def _error(index: int, message: str) -> APIError:
 
 
 class MediaFetcher:
-    """Contract: `fetch_all(urls)` on the event loop; http requests run concurrently there, file reads on
-    a thread; the first bad URL raises (the others are cancelled)."""
+    """Contract: `fetch_all(urls)` on the event loop; http requests run concurrently there, base64 decoding
+    and file reads on threads; the first bad URL raises."""
 
     def __init__(self, options: MediaOptions):
         self.options = options
@@ -84,8 +84,8 @@ class MediaFetcher:
         return list(await asyncio.gather(*(self.fetch(i, url) for i, url in enumerate(urls))))
 
     async def fetch(self, index: int, url: str) -> bytes:
-        if url.startswith("data:"):
-            return self._data_url(index, url)
+        if url.startswith("data:"):  # base64 of up to --max-media-bytes: off the event loop
+            return await asyncio.to_thread(self._data_url, index, url)
         scheme = urllib.parse.urlsplit(url).scheme.lower()
         if scheme in ("http", "https"):
             return await self._http(index, url)
