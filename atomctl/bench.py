@@ -71,6 +71,11 @@ _SERVE_OPTIONS: list[tuple[str, Any, Any]] = [
     _option("prefix_repetition_suffix_len", int, 256, "prefix-repetition: unique suffix tokens."),
     _option("prefix_repetition_num_prefixes", int, 10, "prefix-repetition: number of distinct prefixes."),
     _option("prefix_repetition_output_len", int, 128, "prefix-repetition: output tokens."),
+    _option("random_mm_base_items_per_request", int, 1, "random-mm: images per request (vLLM's flag)."),
+    _option("random_mm_num_mm_items_range_ratio", float, 0.0, "random-mm: the image count uniform in [N*(1-r), N*(1+r)]."),
+    _option("random_mm_limit_mm_per_prompt", _OptStr, None, 'random-mm: at most this many images, \'{"image": K}\'.'),
+    _option("random_mm_bucket_config", str, "{(256, 256, 1): 0.5, (720, 1280, 1): 0.5}",
+            "random-mm: {(height, width, 1): probability, ...} of the image sizes (vLLM's format)."),
     _option("num_prompts", int, 1000, "Number of prompts to send."),
     _option("request_rate", float, math.inf, "Requests per second, or inf to send all at once."),
     _option("burstiness", float, 1.0, "Gamma shape of inter-arrival times; 1 = Poisson, lower = burstier."),
@@ -141,6 +146,10 @@ def _build_config(ctx: typer.Context, o: dict[str, Any]) -> ServeBenchConfig:
         prefix_repetition_suffix_len=o["prefix_repetition_suffix_len"],
         prefix_repetition_num_prefixes=o["prefix_repetition_num_prefixes"],
         prefix_repetition_output_len=o["prefix_repetition_output_len"],
+        random_mm_base_items_per_request=o["random_mm_base_items_per_request"],
+        random_mm_num_mm_items_range_ratio=o["random_mm_num_mm_items_range_ratio"],
+        random_mm_limit_mm_per_prompt=o["random_mm_limit_mm_per_prompt"],
+        random_mm_bucket_config=o["random_mm_bucket_config"],
     )
     sampling = {"temperature": o["temperature"], "top_p": o["top_p"], "top_k": o["top_k"]}
     return ServeBenchConfig(

@@ -30,8 +30,9 @@ _MAX_FIT_ROUNDS = 16
 @dataclass(frozen=True)
 class SampleRequest:
     prompt: str
-    prompt_len: int  # tokens, as the server will count them
+    prompt_len: int  # tokens, as the server will count them (text only: random-mm's images come on top)
     expected_output_len: int  # max_tokens sent with the request
+    images: tuple[str, ...] = ()  # image data: URLs sent with the prompt (random-mm)
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,11 @@ class DatasetConfig:
     prefix_repetition_suffix_len: int = 256
     prefix_repetition_num_prefixes: int = 10
     prefix_repetition_output_len: int = 128
+    # random-mm (bench/mm_dataset.py): the random dataset's text plus images, in vLLM's terms
+    random_mm_base_items_per_request: int = 1
+    random_mm_num_mm_items_range_ratio: float = 0.0
+    random_mm_limit_mm_per_prompt: str | None = None
+    random_mm_bucket_config: str = "{(256, 256, 1): 0.5, (720, 1280, 1): 0.5}"
 
     def __post_init__(self) -> None:
         if self.name not in DATASET_NAMES:
@@ -87,6 +93,16 @@ class DatasetConfig:
                 raise ValueError(f"{flag} must be >= 0, got {value}")
         if self.sharegpt_output_len is not None and self.sharegpt_output_len < 1:
             raise ValueError(f"--sharegpt-output-len must be >= 1, got {self.sharegpt_output_len}")
+        if self.random_mm_base_items_per_request < 0:
+            raise ValueError(f"--random-mm-base-items-per-request must be >= 0, got {self.random_mm_base_items_per_request}")
+        if not 0.0 <= self.random_mm_num_mm_items_range_ratio <= 1.0:
+            raise ValueError(f"--random-mm-num-mm-items-range-ratio must be in [0, 1], got "
+                             f"{self.random_mm_num_mm_items_range_ratio}")
+        if self.name == "random-mm":
+            from atom_core.bench.mm_dataset import parse_buckets, parse_item_limit
+
+            parse_buckets(self.random_mm_bucket_config)
+            parse_item_limit(self.random_mm_limit_mm_per_prompt)
 
     @property
     def input_len(self) -> int:
@@ -103,6 +119,7 @@ DEFAULT_RANDOM_LENS = (1024, 128)  # vLLM's --random-input-len and --random-outp
 # The flags that shorten each dataset's requests, for the error when they do not fit the model.
 LENGTH_FLAGS = {
     "random": "--random-input-len, --random-output-len or --random-range-ratio",
+    "random-mm": "--random-input-len, --random-output-len, --random-range-ratio or the image sizes",
     "sharegpt": "--sharegpt-output-len (ShareGPT prompts run to 1,024 tokens), or serve a longer --max-model-len",
     "custom": "--custom-output-len or the prompts of --dataset-path",
     "prefix-repetition": "--prefix-repetition-prefix-len, --prefix-repetition-suffix-len or "
@@ -115,7 +132,7 @@ def fit_to_model(cfg: DatasetConfig, max_model_len: int) -> tuple[DatasetConfig,
     within the length tolerance, plus its longest output fits `max_model_len`; lengths given are
     kept. Returns the config and a notice naming the flags when something was shrunk. Other
     datasets are returned as they are (`check_fit` checks their requests)."""
-    if cfg.name != "random":
+    if cfg.name not in ("random", "random-mm"):
         return cfg, None
     ratio = 1.0 + cfg.random_range_ratio
     budget = int((max_model_len - length_tolerance(max_model_len)) / ratio)
@@ -149,6 +166,12 @@ def sample_requests(cfg: DatasetConfig, tokenizer: Any, num_requests: int, seed:
             tokenizer, num_requests, cfg.input_len, cfg.output_len,
             cfg.random_range_ratio, cfg.random_prefix_len, seed, cfg.apply_chat_template,
         )
+    if cfg.name == "random-mm":
+        from atom_core.bench.mm_dataset import with_images
+
+        texts = sample_random(tokenizer, num_requests, cfg.input_len, cfg.output_len, cfg.random_range_ratio,
+                              cfg.random_prefix_len, seed, cfg.apply_chat_template)
+        return with_images(cfg, texts, seed)
     if cfg.name == "sharegpt":
         return sample_sharegpt(tokenizer, cfg.path, num_requests, cfg.sharegpt_output_len, seed)
     if cfg.name == "custom":

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-DatasetName = Literal["random", "sharegpt", "custom", "prefix-repetition"]
+DatasetName = Literal["random", "sharegpt", "custom", "prefix-repetition", "random-mm"]
 DATASET_NAMES: tuple[str, ...] = get_args(DatasetName)
 
 Backend = Literal["openai", "vllm", "atom", "openai-chat", "tgi"]

@@ -94,6 +94,8 @@ class ServeBenchConfig:
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown backend '{self.backend}'; expected one of: {', '.join(BACKENDS)}")
         check_endpoint(self.backend, self.endpoint)
+        if self.dataset.name == "random-mm" and self.backend != "openai-chat":
+            raise ValueError(f"--dataset-name random-mm sends images: it needs --backend openai-chat (got {self.backend!r})")
         if not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"--base-url must start with http:// or https://, got '{self.base_url}'")
         if self.num_prompts < 1:
@@ -299,7 +301,7 @@ async def benchmark(
         RequestInput(
             prompt=r.prompt, api_url=cfg.api_url, prompt_len=r.prompt_len, output_len=r.expected_output_len,
             model=cfg.lora_modules[i % len(cfg.lora_modules)] if cfg.lora_modules else cfg.served_model_name or model_id,
-            ignore_eos=cfg.ignore_eos, extra_body=cfg.extra_body,
+            ignore_eos=cfg.ignore_eos, extra_body=cfg.extra_body, images=r.images,
         )
         for i, r in enumerate(requests)
     ]

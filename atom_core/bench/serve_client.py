@@ -36,6 +36,7 @@ class RequestInput:
     model: str
     ignore_eos: bool = False
     extra_body: dict[str, Any] = field(default_factory=dict)
+    images: tuple[str, ...] = ()  # image URLs sent after the prompt's text (chat backend only)
 
 
 @dataclass
@@ -169,7 +170,11 @@ async def request_openai_completions(client: httpx.AsyncClient, inp: RequestInpu
 
 
 async def request_openai_chat(client: httpx.AsyncClient, inp: RequestInput) -> RequestOutput:
-    messages = {"messages": [{"role": "user", "content": inp.prompt}]}
+    content: str | list = inp.prompt
+    if inp.images:  # vLLM's random-mm order: the text, then the images
+        content = [{"type": "text", "text": inp.prompt}] + [{"type": "image_url", "image_url": {"url": url}}
+                                                            for url in inp.images]
+    messages = {"messages": [{"role": "user", "content": content}]}
     return await _openai_stream(client, inp, messages, "max_completion_tokens", _chat_event)
 
 

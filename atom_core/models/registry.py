@@ -24,8 +24,8 @@ _MODELS = {
     "Qwen3_5MoeForConditionalGeneration": ("atom_core.models.qwen3_5", "Qwen3_5MoeForConditionalGeneration"),
 }
 
-# Vision-language architectures served as text: their config's `text_config` is the model's config
-# (loader/model_dir.py resolves it); the vision tower's weights are skipped and images are refused.
+# Vision-language architectures whose config's `text_config` is the model's config, with the vision
+# config attached (loader/model_dir.py resolves it).
 _TEXT_OF_MULTIMODAL = frozenset({"Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"})
 
 
@@ -55,6 +55,11 @@ def check_architectures(names: list[str] | None) -> str:
         f"unsupported model architecture {names or '(none in config.json)'}; "
         f"supported: {', '.join(supported_architectures())}"
     )
+
+
+def model_takes_images(config) -> bool:
+    """Whether the config's model class is a vision-language model (models/common.py: supports_images)."""
+    return bool(getattr(resolve_model_class(config), "supports_images", False))
 
 
 def resolve_model_class(config) -> type[nn.Module]:
