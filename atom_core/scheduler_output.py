@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
+from atom_core.multimodal.inputs import MultimodalItem
 from atom_core.sampling_params import SamplingParams
 
 PLACEHOLDER = -1  # a token sampled on the device whose value the host does not know yet
@@ -32,6 +33,7 @@ class NewRequest:
     num_computed_tokens: int  # prefix-cache hit: tokens already in the KV cache
     num_prompt_logprobs: int = 0  # prompt positions already scored (an entry per position, from 0)
     state_slot: int = -1  # linear-attention models: the sequence's state slot (-1: none; engine/kv_cache.py)
+    mm_items: tuple[MultimodalItem, ...] = ()  # its images, in prompt order (multimodal/README.md)
 
 
 @dataclass
@@ -54,6 +56,10 @@ class SchedulerOutput:
     # 32 w + j). Empty / None when no request in the step has a grammar.
     grammar_req_ids: list[str] = field(default_factory=list)
     grammar_bitmask: object = None  # numpy int32 array
+    # Images: (request id, index into its mm_items) to encode this step, each content hash once (the
+    # others that need it read the same output); encoder outputs the worker drops before the step.
+    encoder_items: list[tuple[str, int]] = field(default_factory=list)
+    freed_encoder_hashes: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.req_ids)

@@ -1,10 +1,17 @@
 """The kit the decoder-only families are built from: attention block, gated MLP, the pre-norm
 decoder layer, the layer stack and the causal-LM head. A family file owns its decoder layer
-(which attention options and which MLP or MoE each layer gets) and nothing else."""
+(which attention options and which MLP or MoE each layer gets) and nothing else.
+
+Vision-language models use the same stack with one more input: `forward(input_ids, positions,
+mm_embeds)`, where `mm_embeds` (a `MultimodalEmbeds`) replaces the token embeddings of the rows
+that hold image placeholders with the encoder's outputs. Such a model sets `supports_images` and
+implements `encode_images` (and `mrope_positions` when its rotary is multimodal, Qwen3.5's M-RoPE);
+see atom_core/multimodal/README.md."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -14,6 +21,7 @@ from atom_core.model_ops.embed_head import LMHead, VocabEmbedding
 from atom_core.model_ops.layernorm import RMSNorm
 from atom_core.model_ops.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from atom_core.model_ops.rotary import RotaryEmbedding, rope_parameters
+from atom_core.multimodal.inputs import MultimodalItem
 from atom_core.quant import QuantConfig
 
 
@@ -52,6 +60,21 @@ class AttentionOptions:
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE
     rotary_dim: int | None = None  # None: the whole head
     sliding_window: int | None = None
+
+
+@dataclass
+class MultimodalEmbeds:
+    """One step's encoder outputs: embeds[i] replaces the token embedding of flat row rows[i]."""
+
+    rows: torch.Tensor  # [K] int64, on the model's device
+    embeds: torch.Tensor  # [K, hidden] in the model dtype
+
+
+def merge_multimodal_embeds(hidden: torch.Tensor, mm_embeds: MultimodalEmbeds | None) -> torch.Tensor:
+    """The embeddings-input seam: token embeddings [T, hidden] with the image rows replaced."""
+    if mm_embeds is None:
+        return hidden
+    return hidden.index_copy(0, mm_embeds.rows, mm_embeds.embeds.to(hidden.dtype))
 
 
 class SelfAttention(nn.Module):
@@ -162,8 +185,10 @@ class DecoderModel(nn.Module):
         state = hidden[:rows] if residual is None else hidden[:rows] + residual[:rows]
         self.aux_hidden[:rows, slot * width : (slot + 1) * width].copy_(state)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                mm_embeds: MultimodalEmbeds | None = None) -> torch.Tensor:
+        """positions [T], or [3, T] (temporal, height, width) for a multimodal rotary's image rows."""
+        hidden, residual = merge_multimodal_embeds(self.embed_tokens(input_ids), mm_embeds), None
         for i, layer in enumerate(self.layers):
             if i in self.aux_slots:
                 self._keep_aux(self.aux_slots[i], hidden, residual)
@@ -208,8 +233,21 @@ class DecoderForCausalLM(nn.Module):
         return (len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
                 and int(parts[2]) >= self.config.num_hidden_layers)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    # ---- vision-language models (atom_core/multimodal/README.md) ----
+    supports_images = False
+
+    def encode_images(self, items: list[MultimodalItem]) -> list[torch.Tensor]:
+        """Each item's encoder output [item.length, hidden] in the model dtype, on the model's device."""
+        raise ValueError(f"{type(self).__name__} takes no images")
+
+    def mrope_positions(self, prompt_token_ids: list[int], items: tuple[MultimodalItem, ...]) -> tuple[np.ndarray, int] | None:
+        """A multimodal rotary's prompt positions [3, P] and the delta later tokens add to their
+        index (position p >= P rotates at p + delta on all three axes); None: positions are indices."""
+        return None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                mm_embeds: MultimodalEmbeds | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, mm_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from atom_core.multimodal.inputs import MultimodalItem
 from atom_core.sampling_params import SamplingParams
 from atom_core.scheduler_output import NewRequest, SchedulerOutput
 
@@ -23,12 +26,17 @@ class RequestState:
     num_computed_tokens: int = 0  # KV entries before the current step
     num_prompt_logprobs: int = 0  # prompt positions already scored
     state_slot: int = -1  # linear-attention models: the engine's state slot (-1: none)
+    mm_items: tuple[MultimodalItem, ...] = ()  # its images (multimodal/inputs.py)
+    # A multimodal rotary's prompt positions [3, P] (None: positions are indices) and the delta every
+    # later token adds to its index (models/common.py: mrope_positions)
+    mrope_positions: np.ndarray | None = None
+    rope_delta: int = 0
 
     @classmethod
     def from_new(cls, new: NewRequest) -> "RequestState":
         return cls(new.req_id, list(new.prompt_token_ids), list(new.output_token_ids), new.sampling_params,
                    num_computed_tokens=new.num_computed_tokens, num_prompt_logprobs=new.num_prompt_logprobs,
-                   state_slot=new.state_slot)
+                   state_slot=new.state_slot, mm_items=new.mm_items)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,0 +1,22 @@
+"""HF architecture name -> its image processor adapter, imported lazily (as models/registry.py)."""
+from __future__ import annotations
+
+import importlib
+
+_PROCESSORS = {
+    "Qwen3_5ForConditionalGeneration": ("atom_core.multimodal.processors.qwen3_5", "Qwen3_5ImageProcessor"),
+    "Qwen3_5MoeForConditionalGeneration": ("atom_core.multimodal.processors.qwen3_5", "Qwen3_5ImageProcessor"),
+}
+
+
+def takes_images(architecture: str) -> bool:
+    return architecture in _PROCESSORS
+
+
+def image_processor_class(architecture: str):
+    """The adapter class for `architecture`; ValueError for a model that takes no images."""
+    if architecture not in _PROCESSORS:
+        raise ValueError(f"this model ({architecture}) takes no images; image input is served for: "
+                         f"{', '.join(sorted(_PROCESSORS))}")
+    module, name = _PROCESSORS[architecture]
+    return getattr(importlib.import_module(module), name)
