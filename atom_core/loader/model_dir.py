@@ -115,8 +115,13 @@ def _text_model_config(hf_config, arch: str):
     """The `text_config` of a vision-language config served as text (registry.serves_text_config), made
     the config of the whole model: it takes the outer architecture and the outer fields HF reads there
     (tie_word_embeddings: HF ties by the outer config; quantization_config, its module names moved from
-    the checkpoint's model.language_model.* to the text model's model.*; dtype where the text part has none)."""
+    the checkpoint's model.language_model.* to the text model's model.*; dtype where the text part has none).
+    The outer config's own fields (vision_config, image token ids, projector sizes) join it where the text
+    config has no field of that name: what a vision tower is built from."""
     text = copy.deepcopy(hf_config.text_config)
+    for name, value in vars(hf_config).items():
+        if name != "text_config" and not name.startswith("_") and not hasattr(text, name):
+            setattr(text, name, copy.deepcopy(value))
     text.architectures = [arch]
     text.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
     if getattr(text, "dtype", None) is None:

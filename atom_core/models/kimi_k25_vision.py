@@ -69,8 +69,9 @@ def _field(config, names: tuple[str, ...], default=None):
 
 
 def kimi_vision_dims(config) -> KimiVisionDims:
-    """The tower's sizes from a Kimi-K2.5 config (its `vision_config` and `text_config`); ValueError for
-    an option this tower does not implement."""
+    """The tower's sizes from the config models/kimi_k25.py is built with: the text model's config carrying
+    the outer config's `vision_config` and projector fields (loader/model_dir.py); ValueError for an option
+    this tower does not implement."""
     vc = config.vision_config
     for name, expected in (("merge_type", "sd2_tpool"), ("pos_emb_type", "divided_fixed"),
                            ("mm_projector_type", "patchmerger"), ("projector_hidden_act", "gelu")):
@@ -96,7 +97,7 @@ def kimi_vision_dims(config) -> KimiVisionDims:
         rope_theta=float(rope.get("rope_theta", 10000.0)),
         gelu_approximate=_ACTIVATIONS[act],
         projector_eps=float(_field(vc, ("projector_ln_eps",), getattr(config, "projection_layer_norm_eps", 1e-5))),
-        text_hidden_size=int(config.text_config.hidden_size),
+        text_hidden_size=int(config.hidden_size),
     )
     projected = _field(vc, ("mm_hidden_size",), getattr(config, "projection_hidden_size", None) or dims.hidden_size)
     if int(projected) != dims.hidden_size:

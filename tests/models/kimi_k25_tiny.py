@@ -4,6 +4,7 @@ grid, the 2x2 patch-merger projector. Saved with `save_pretrained`, so the files
 (its original-checkpoint layout: vision_tower.encoder.blocks.N.wqkv, language_model.model.*)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -26,17 +27,33 @@ def kimi_config(vocab_size: int = 400, image_token_id: int = 3, tied: bool = Fal
                              tie_word_embeddings=tied, **token_ids)
 
 
-def build_tiny_kimi(path: Path, config=None, seed: int = 0):
-    """Save a tiny random Kimi-K2.5 at `path`; returns transformers' model (eval, float32)."""
+# Images over 16 x 16 patches (64 pixels a side) are shrunk: tests see the resize as well as the padding.
+PREPROCESSOR = {"image_processor_type": "Kimi_K25ImageProcessor", "processor_class": "Kimi_K25Processor",
+                "patch_size": VISION["patch_size"], "merge_size": 2, "max_patches": 256,
+                "size": {"max_height": 16, "max_width": 16}, "image_mean": [0.5, 0.5, 0.5],
+                "image_std": [0.5, 0.5, 0.5], "rescale_factor": 1 / 255, "resample": 3, "do_resize": True,
+                "do_rescale": True, "do_normalize": True, "do_convert_rgb": True}
+
+
+def build_tiny_kimi(path: Path, seed: int = 0, tied: bool = False):
+    """Save a tiny random Kimi-K2.5 at `path` with its tokenizer (image token <|media_pad|>), preprocessor
+    config and generation config; returns transformers' model (eval, float32)."""
     import transformers as tf
 
     from tests.tiny_models import randomize_weights
 
     path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_kimi_tokenizer(path)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<|media_pad|>", "<|media_begin|>", "<|media_end|>",
+                                                             "<|im_end|>")}
+    config = kimi_config(len(tokenizer), ids["<|media_pad|>"], tied, vision_start_token_id=ids["<|media_begin|>"],
+                         vision_end_token_id=ids["<|media_end|>"], video_token_id=0)
     torch.manual_seed(seed)
-    model = tf.Kimi_K25ForConditionalGeneration(config or kimi_config()).eval()
+    model = tf.Kimi_K25ForConditionalGeneration(config).eval()
     randomize_weights(model)  # the position table is 3-D: drawn as the matrices are
     model.save_pretrained(str(path))
+    tf.GenerationConfig(eos_token_id=ids["<|im_end|>"], pad_token_id=0).save_pretrained(str(path))
+    (path / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
     return model
 
 
@@ -45,3 +62,37 @@ def random_patches(grids: list[tuple[int, int, int]], patch_size: int = VISION["
     g = torch.Generator().manual_seed(seed)
     num = sum(t * h * w for t, h, w in grids)
     return torch.rand(num, 3, patch_size, patch_size, generator=g) * 2 - 1
+
+
+# Kimi-K2.5's chat layout: <|im_user|>user<|im_middle|>...<|im_end|>; an image part becomes
+# <|media_begin|>image<|media_content|><|media_pad|><|media_end|> (the processor repeats <|media_pad|>).
+KIMI_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_{{ m['role'] }}|>{{ m['role'] }}<|im_middle|>"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' or c['type'] == 'image_url' %}"
+    "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>"
+    "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}"
+)
+KIMI_SPECIAL = ["<|endoftext|>", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>",
+                "<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>"]
+
+
+def build_kimi_tokenizer(path: Path, vocab_size: int = 400):
+    """A byte-level BPE tokenizer with Kimi's chat and media special tokens and a Kimi-style chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.tiny_models import CORPUS
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=KIMI_SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   bos_token=None)
+    fast.chat_template = KIMI_CHAT_TEMPLATE
+    fast.save_pretrained(str(path))
+    return fast

@@ -3,24 +3,24 @@ image embeddings within float32 tolerance for images of different grids (one at 
 resampled), loaded from the file transformers saves (q/k un-permuted: the published checkpoint's layout)."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
-from safetensors.torch import load_file
-from torch import nn
 
-from atom_core.models.kimi_k25_vision import (KimiProjector, KimiVisionTower, apply_rotary_2d, kimi_vision_dims,
-                                              rotary_2d)
-from tests.models.kimi_k25_tiny import build_tiny_kimi, random_patches
+from atom_core.loader.model_dir import resolve_model_files
+from atom_core.loader.model_loader import build_model
+from atom_core.models.kimi_k25_vision import apply_rotary_2d, kimi_vision_dims, rotary_2d
+from tests.models.kimi_k25_tiny import build_tiny_kimi, kimi_config, random_patches
 
 
-class _Vision(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        dims = kimi_vision_dims(config)
-        self.vision_tower = KimiVisionTower(dims)
-        self.mm_projector = KimiProjector(dims)
+class _Vision:
+    """Our tower + projector of a model the loader built."""
 
-    def forward(self, pixels, grids):
+    def __init__(self, model):
+        self.vision_tower, self.mm_projector = model.vision_tower, model.mm_projector
+
+    def __call__(self, pixels, grids):
         return self.mm_projector(self.vision_tower(pixels, grids), grids)
 
 
@@ -28,20 +28,8 @@ class _Vision(nn.Module):
 def hf_and_ours(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_kimi_vision")
     hf = build_tiny_kimi(path)
-    ours = _Vision(hf.config).eval()
-    params = dict(ours.named_parameters())
-    loaded = set()
-    for name, tensor in load_file(str(path / "model.safetensors")).items():
-        if name.startswith("language_model."):
-            continue
-        # transformers' save_pretrained writes these two under other prefixes than the published files
-        name = name.replace("vision_tower.encoder.patch_embed.", "vision_tower.patch_embed.")
-        name = name.removeprefix("model.")
-        with torch.no_grad():
-            params[name].copy_(tensor)
-        loaded.add(name)
-    assert loaded == set(params), f"not in the checkpoint: {set(params) - loaded}"
-    return hf, ours
+    files = resolve_model_files(str(path))
+    return hf, _Vision(build_model(files.hf_config, path, torch.float32, "cpu"))
 
 
 def _hf_embeddings(hf, pixels, grids):
@@ -91,10 +79,21 @@ def test_bad_grids_are_refused(hf_and_ours, grids, message):
         ours.vision_tower(random_patches([(1, 4, 4)]), grids)
 
 
-def test_unsupported_vision_options_are_refused(hf_and_ours):
-    import copy
+@pytest.mark.parametrize("field, value, message", [("merge_type", "sd2", "merge_type 'sd2' is not supported"),
+                                                  ("hidden_act", "relu", "hidden_act 'relu' is not supported"),
+                                                  ("mm_hidden_size", 48, "projector input size 48 differs")])
+def test_unsupported_vision_options_are_refused(field, value, message):
+    vision = kimi_config().vision_config
+    setattr(vision, field, value)
+    with pytest.raises(ValueError, match=message):
+        kimi_vision_dims(SimpleNamespace(vision_config=vision, hidden_size=64))
 
-    config = copy.deepcopy(hf_and_ours[0].config)
-    config.vision_config.merge_type = "sd2"
-    with pytest.raises(ValueError, match="merge_type 'sd2' is not supported"):
-        kimi_vision_dims(config)
+
+def test_published_field_names_win_over_transformers_defaults():
+    """transformers reads the published vision_config (vt_*, init_pos_emb_*, mm_hidden_size) into its own
+    fields' defaults (hidden_size 1152, ...); the tower is sized by the published names."""
+    vision = kimi_config().vision_config
+    vision.hidden_size, vision.pos_emb_height = 1152, 64
+    vision.vt_hidden_size, vision.init_pos_emb_height, vision.mm_hidden_size = 32, 8, 32
+    dims = kimi_vision_dims(SimpleNamespace(vision_config=vision, hidden_size=64, projection_hidden_size=1152))
+    assert (dims.hidden_size, dims.pos_emb_height, dims.text_hidden_size) == (32, 8, 64)
