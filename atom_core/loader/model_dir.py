@@ -112,17 +112,19 @@ _QUANT_MODULE_LISTS = ("modules_to_not_convert", "ignored_layers", "ignore")
 
 
 def _text_model_config(hf_config, arch: str):
-    """The `text_config` of a vision-language config served as text (registry.serves_text_config), made
-    the config of the whole model: it takes the outer architecture and the outer fields HF reads there
+    """The `text_config` of a vision-language config (registry.serves_text_config), made the config of
+    the whole model: it takes the outer architecture, the vision tower's config and image token ids,
+    and the outer fields HF reads there
     (tie_word_embeddings: HF ties by the outer config; quantization_config, its module names moved from
-    the checkpoint's model.language_model.* to the text model's model.*; dtype where the text part has none).
-    The outer config's own fields (vision_config, image token ids, projector sizes) join it where the text
-    config has no field of that name: what a vision tower is built from."""
+    the checkpoint's model.language_model.* to the text model's model.*; dtype where the text part has none)."""
     text = copy.deepcopy(hf_config.text_config)
-    for name, value in vars(hf_config).items():
-        if name != "text_config" and not name.startswith("_") and not hasattr(text, name):
-            setattr(text, name, copy.deepcopy(value))
     text.architectures = [arch]
+    # what the vision tower and the image placeholders need (models/qwen3_5.py; models/kimi_k25.py: the
+    # projector's fields, and the published config's name for the image token)
+    for key in ("vision_config", "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
+                "projection_hidden_size", "projection_layer_norm_eps", "media_placeholder_token_id"):
+        if getattr(hf_config, key, None) is not None:
+            setattr(text, key, copy.deepcopy(getattr(hf_config, key)))
     text.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
     if getattr(text, "dtype", None) is None:
         text.dtype = getattr(hf_config, "dtype", None)

@@ -36,6 +36,12 @@ class QKTransform:
 
 
 def _attend(layer: "Attention", qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """positions [T] index the rotary's cache; [3, T] (a multimodal rotary's image rows, MRotaryEmbedding)
+    become a per-row cos/sin table the rows index in order."""
+    if positions.dim() == 2:
+        cos_sin = layer.qk.rotary.cos_sin_rows(positions)
+        rows = torch.arange(positions.shape[1], device=positions.device)
+        return layer.backend(qkv.device).forward(layer, qkv, rows, cos_sin=cos_sin)
     return layer.backend(qkv.device).forward(layer, qkv, positions)
 
 

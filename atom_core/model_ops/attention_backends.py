@@ -73,17 +73,21 @@ class PagedMHABackend(AttentionBackend):
             self.launch = {"direct_launch": self.kernel.triton_fast_launch}
 
     def forward(self, layer: "Attention", qkv: torch.Tensor, positions: torch.Tensor,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, cos_sin: torch.Tensor | None = None) -> torch.Tensor:
+        """cos_sin: the rows' own [T, rotary_dim] table (multimodal RoPE; positions then index it) in
+        place of the layer's rotary cache."""
         meta = get_attention_metadata()
+        if cos_sin is None:
+            cos_sin = layer.qk.rotary.cos_sin_cache
         q_norm, k_norm = layer.qk.q_norm, layer.qk.k_norm
         norm = (q_norm.weight, k_norm.weight, q_norm.eps) if q_norm is not None else (None, None, 1e-6)
         scales = self._kv_scales(layer)
-        q = self.ops.qkv_rope_store(qkv, positions, layer.qk.rotary.cos_sin_cache, layer.k_cache, layer.v_cache,
+        q = self.ops.qkv_rope_store(qkv, positions, cos_sin, layer.k_cache, layer.v_cache,
                                     meta.slot_mapping, layer.num_heads, *norm, **scales, **self.launch)
         if out is not None:
             out = out.view(q.shape)
         if self.prefill is not None and meta.fresh_seq_ids is not None and not scales:
-            out = self._split_by_context(layer, meta, qkv, positions, q, k_norm, out)
+            out = self._split_by_context(layer, meta, qkv, positions, q, k_norm, out, cos_sin)
             return out.view(-1, layer.num_heads * layer.head_dim)
         out = self._paged_attention(layer, meta, q, out, scales, with_fresh=True)
         return out.view(-1, layer.num_heads * layer.head_dim)
@@ -116,7 +120,8 @@ class PagedMHABackend(AttentionBackend):
         return self.device_type == "cuda" and meta.decode_seq_ids is not None and meta.chunk_seq_ids is not None
 
     def _split_by_context(self, layer: "Attention", meta, qkv: torch.Tensor, positions: torch.Tensor,
-                          q: torch.Tensor, k_norm, out: torch.Tensor | None) -> torch.Tensor:
+                          q: torch.Tensor, k_norm, out: torch.Tensor | None,
+                          cos_sin: torch.Tensor | None = None) -> torch.Tensor:
         """Sequences without cached context attend over this step's own K/V rows; the rest (chunks
         with context, decodes) through the paged kernel. Each launch writes only its own
         sequences' rows of `out` (split-KV too), so their order is free. Only for caches in the
@@ -127,7 +132,8 @@ class PagedMHABackend(AttentionBackend):
         self._paged_attention(layer, meta, q, out, {}, with_fresh=False)
         num_kv_heads, head_dim = layer.k_cache.shape[2], layer.head_dim
         k_norm_args = (k_norm.weight, k_norm.eps) if k_norm is not None else (None, 1e-6)
-        k = self.prefill.rope_k_rows(qkv, positions, layer.qk.rotary.cos_sin_cache, layer.num_heads, num_kv_heads,
+        cos_sin = layer.qk.rotary.cos_sin_cache if cos_sin is None else cos_sin
+        k = self.prefill.rope_k_rows(qkv, positions, cos_sin, layer.num_heads, num_kv_heads,
                                      *k_norm_args, **self.launch)
         v = qkv[:, (layer.num_heads + num_kv_heads) * head_dim:].view(-1, num_kv_heads, head_dim)
         return self.prefill.prefill_attention(q, k, v, meta.query_start_loc, meta.fresh_seq_ids, layer.scale,

@@ -116,3 +116,27 @@ def shared_rotary_embedding(head_dim: int, rotary_dim: int, max_position: int, b
     should not hold one per layer. The cache is constant, so sharing it is safe."""
     return _cached_rotary(head_dim, rotary_dim, max_position, float(base), json.dumps(scaling, sort_keys=True),
                           str(torch.get_default_device()))
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal RoPE, interleaved (Qwen3-VL, Qwen3.5; HF's `recomposition_frequencies`): a token has
+    a temporal, a height and a width position, and frequency j of the rotary dims turns with the
+    height position when j % 3 == 1 and j < 3 * section[1], with the width position when j % 3 == 2
+    and j < 3 * section[2], else with the temporal one. Text tokens have three equal positions, so
+    for them this is plain RoPE over the same cache; `cos_sin_rows` gives image rows their own."""
+
+    def __init__(self, head_dim: int, rotary_dim: int, max_position: int, base: float, mrope_section: list[int]):
+        super().__init__(head_dim, rotary_dim, max_position, base)
+        if len(mrope_section) != 3:
+            raise ValueError(f"mrope_section {mrope_section} must have 3 entries (temporal, height, width)")
+        axis = torch.zeros(rotary_dim // 2, dtype=torch.int64, device="cpu")
+        for dim in (1, 2):
+            axis[dim : 3 * mrope_section[dim] : 3] = dim
+        # per column of the [cos | sin] cache row: the axis whose position it reads
+        self.register_buffer("column_axis", torch.cat([axis, axis]).to(torch.get_default_device()), persistent=False)
+
+    def cos_sin_rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions [3, T] -> each token's cos/sin row [T, rotary_dim] (float32)."""
+        rows = self.cos_sin_cache[positions]  # [3, T, rotary_dim]
+        index = self.column_axis.view(1, 1, -1).expand(1, positions.shape[1], -1)
+        return rows.gather(0, index).squeeze(0)

@@ -17,7 +17,7 @@ from atom_core.model_ops.linear import (ColumnParallelLinear, LinearBase, QKVPar
                                         RowParallelLinear, copy_weight)
 from atom_core.model_ops.linear_attention import GatedDeltaNet
 from atom_core.model_ops.moe import MoERouting, SparseMoeBlock, make_expert_params_mapping
-from atom_core.model_ops.rotary import RotaryEmbedding, partial_rotary_dim, rope_parameters
+from atom_core.model_ops.rotary import MRotaryEmbedding, RotaryEmbedding, partial_rotary_dim, rope_parameters
 from atom_core.models.common import DecoderForCausalLM, GatedMLP, head_dim_of, layer_index
 from atom_core.models.qwen3_moe import is_sparse_layer
 from atom_core.quant import QuantConfig
@@ -60,8 +60,14 @@ class GatedAttention(nn.Module):
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, bias=bias,
                                         quant_config=quant_config, prefix=f"{prefix}.o_proj")
         theta, scaling = rope_parameters(config)
-        self.rotary_emb = RotaryEmbedding(head_dim, partial_rotary_dim(config, head_dim),
-                                          config.max_position_embeddings, theta, scaling)
+        rotary_dim = partial_rotary_dim(config, head_dim)
+        section = (getattr(config, "rope_parameters", None) or {}).get("mrope_section")
+        if section and scaling is None:  # Qwen3.5: image tokens rotate by three positions
+            self.rotary_emb = MRotaryEmbedding(head_dim, rotary_dim, config.max_position_embeddings, theta, section)
+        elif section:
+            raise ValueError(f"multimodal RoPE with rope scaling {scaling.get('rope_type')!r} is not supported")
+        else:
+            self.rotary_emb = RotaryEmbedding(head_dim, rotary_dim, config.max_position_embeddings, theta, scaling)
         self.q_norm = ZeroCentredRMSNorm(head_dim, config.rms_norm_eps)
         self.k_norm = ZeroCentredRMSNorm(head_dim, config.rms_norm_eps)
         self.attn = Attention(self.num_heads, head_dim, head_dim**-0.5, self.qkv_proj.num_kv_heads,

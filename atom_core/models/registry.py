@@ -27,9 +27,8 @@ _MODELS = {
     "Kimi_K25ForConditionalGeneration": ("atom_core.models.kimi_k25", "KimiK25ForConditionalGeneration"),
 }
 
-# Vision-language architectures whose config's `text_config` is the model's config (loader/model_dir.py
-# resolves it, with the outer config's vision fields added). Qwen3.5's are served as text: the vision tower's
-# weights are skipped and images are refused.
+# Vision-language architectures whose config's `text_config` is the model's config, with the vision
+# config attached (loader/model_dir.py resolves it).
 _TEXT_OF_MULTIMODAL = frozenset({"Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
                                  "KimiK25ForConditionalGeneration", "Kimi_K25ForConditionalGeneration"})
 
