@@ -96,3 +96,12 @@ def build_kimi_tokenizer(path: Path, vocab_size: int = 400):
     fast.chat_template = KIMI_CHAT_TEMPLATE
     fast.save_pretrained(str(path))
     return fast
+
+
+def synthetic_image(seed: int, size: tuple[int, int], mode: str = "RGB"):
+    """A seeded random-noise PIL image of `size` (height, width) in `mode`."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8)).convert(mode)
