@@ -105,3 +105,46 @@ def synthetic_image(seed: int, size: tuple[int, int], mode: str = "RGB"):
 
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8)).convert(mode)
+
+
+# transformers' vision_config field -> the published checkpoint's (moonshotai/Kimi-K2.5 config.json)
+PUBLISHED_VISION_NAMES = {"hidden_size": "vt_hidden_size", "intermediate_size": "vt_intermediate_size",
+                          "num_attention_heads": "vt_num_attention_heads", "num_hidden_layers": "vt_num_hidden_layers",
+                          "pos_emb_height": "init_pos_emb_height", "pos_emb_width": "init_pos_emb_width",
+                          "pos_emb_time": "init_pos_emb_time"}
+
+
+def to_published_layout(src: Path, dst: Path) -> Path:
+    """A copy of transformers' saved tiny Kimi-K2.5 in the published files' layout: config.json as the
+    trust_remote_code release writes it (KimiK25ForConditionalGeneration, auto_map, kimi_k2 text model,
+    vt_* / init_pos_emb_* vision fields, media_placeholder_token_id, projector fields inside vision_config)
+    and the release's tensor names (language_model.model.layers.N, vision_tower.patch_embed.*,
+    mm_projector.pre_norm.*)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    config = json.loads((src / "config.json").read_text())
+    vision = {PUBLISHED_VISION_NAMES.get(k, k): v for k, v in config["vision_config"].items() if k != "rope_parameters"}
+    vision.update(mm_hidden_size=config.pop("projection_hidden_size"), merge_type="sd2_tpool",
+                  projector_ln_eps=config.pop("projection_layer_norm_eps"), pos_emb_type="divided_fixed",
+                  mm_projector_type="patchmerger", projector_hidden_act="gelu",
+                  text_hidden_size=config["text_config"]["hidden_size"])
+    text = dict(config["text_config"], model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"],
+                topk_method="noaux_tc", auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config"})
+    config.update(architectures=["KimiK25ForConditionalGeneration"], vision_config=vision, text_config=text,
+                  media_placeholder_token_id=config.pop("image_token_id"),
+                  auto_map={"AutoConfig": "configuration_kimi_k25.KimiK25Config",
+                            "AutoModel": "modeling_kimi_k25.KimiK25ForConditionalGeneration"})
+    (dst / "config.json").write_text(json.dumps(config))
+    renames = (("language_model.model.blocks.", "language_model.model.layers."),
+               ("vision_tower.encoder.patch_embed.", "vision_tower.patch_embed."),
+               ("model.mm_projector.", "mm_projector."))
+    tensors = {}
+    for name, tensor in load_file(str(src / "model.safetensors")).items():
+        for old, new in renames:
+            name = new + name[len(old):] if name.startswith(old) else name
+        tensors[name] = tensor
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst

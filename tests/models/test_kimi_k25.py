@@ -29,7 +29,7 @@ def kimi(tmp_path_factory):
     ours = build_model(resolve_model_files(str(path)).hf_config, path, torch.float32, "cpu")
     tokenizer = tf.AutoTokenizer.from_pretrained(str(path))
     processor = KimiK25ImageProcessor(path, json.loads((path / "config.json").read_text()), tokenizer)
-    return hf, ours, tokenizer, processor
+    return hf, ours, tokenizer, processor, path
 
 
 def _prompt(tokenizer, processor, images):
@@ -86,7 +86,7 @@ def _our_greedy(model, ids, items, chunk: int, block_size: int = 16) -> list[int
 
 @pytest.mark.parametrize("chunk", [1000, 7], ids=["whole_prompt", "chunks_split_the_images"])
 def test_greedy_with_two_images_equals_transformers(kimi, chunk):
-    hf, ours, tokenizer, processor = kimi
+    hf, ours, tokenizer, processor, _ = kimi
     ids, items = _prompt(tokenizer, processor, [synthetic_image(0, (40, 24)), synthetic_image(1, (90, 70))])
     assert chunk < items[0].length or chunk > len(ids)
     expected = _hf_greedy(hf, ids, items, processor.settings.patch_size)
@@ -94,10 +94,24 @@ def test_greedy_with_two_images_equals_transformers(kimi, chunk):
 
 
 def test_two_images_give_different_continuations(kimi):
-    hf, ours, tokenizer, processor = kimi
+    hf, ours, tokenizer, processor, _ = kimi
     outputs = []
     for seed in (2, 3):
         ids, items = _prompt(tokenizer, processor, [synthetic_image(seed, (48, 48))])
         outputs.append(_our_greedy(ours, ids, items, 1000))
         assert outputs[-1] == _hf_greedy(hf, ids, items, processor.settings.patch_size)
     assert outputs[0] != outputs[1]
+
+
+def test_published_checkpoint_layout_gives_the_same_tokens(kimi, tmp_path):
+    """The release's config.json (trust_remote_code names, read without remote code) and tensor names."""
+    from tests.models.kimi_k25_tiny import to_published_layout
+
+    hf, _, tokenizer, _, saved = kimi
+    path = to_published_layout(saved, tmp_path / "published")
+    config = resolve_model_files(str(path)).hf_config
+    assert config.architectures == ["KimiK25ForConditionalGeneration"]
+    model = build_model(config, path, torch.float32, "cpu")
+    processor = KimiK25ImageProcessor(path, json.loads((path / "config.json").read_text()), tokenizer)
+    ids, items = _prompt(tokenizer, processor, [synthetic_image(4, (60, 30))])
+    assert _our_greedy(model, ids, items, 1000) == _hf_greedy(hf, ids, items, processor.settings.patch_size)
