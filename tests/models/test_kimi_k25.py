@@ -115,3 +115,29 @@ def test_published_checkpoint_layout_gives_the_same_tokens(kimi, tmp_path):
     processor = KimiK25ImageProcessor(path, json.loads((path / "config.json").read_text()), tokenizer)
     ids, items = _prompt(tokenizer, processor, [synthetic_image(4, (60, 30))])
     assert _our_greedy(model, ids, items, 1000) == _hf_greedy(hf, ids, items, processor.settings.patch_size)
+
+
+def test_release_quantization_leaves_the_vision_tower_unquantized(kimi):
+    """The release quantizes the routed experts to int4 (compressed-tensors, in text_config) and ignores
+    the tower and projector by regex; our tower's module names must match those patterns."""
+    from atom_core.models.kimi_k25 import KimiK25ForConditionalGeneration
+    from atom_core.quant import get_quant_config
+    from atom_core.quant.unquantized import UnquantizedLinearMethod
+
+    _, ours, _, _, _ = kimi
+    config = ours.config
+    config.quantization_config = {
+        "quant_method": "compressed-tensors", "format": "pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
+                                      "weights": {"num_bits": 4, "type": "int", "symmetric": True, "group_size": 32,
+                                                  "strategy": "group", "dynamic": False}}},
+        "ignore": ["lm_head", r"re:.*self_attn.*", r"re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
+                   r"re:.*vision_tower.*", r"re:.*mm_projector.*"]}
+    try:
+        model = KimiK25ForConditionalGeneration(config, quant_config=get_quant_config(config))
+    finally:
+        del config.quantization_config
+    vision = [m for n, m in model.named_modules() if n.startswith(("vision_tower", "mm_projector"))
+              and hasattr(m, "quant_method")]
+    assert len(vision) == 4 * 2 + 2 and all(isinstance(m.quant_method, UnquantizedLinearMethod) for m in vision)
+    assert not isinstance(model.model.layers[1].mlp.experts.quant_method, UnquantizedLinearMethod)
