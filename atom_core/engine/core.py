@@ -16,6 +16,8 @@ from atom_core.engine.scheduler import Scheduler
 from atom_core.engine.sequence import FinishReason, Sequence
 from atom_core.engine.step_timeline import StepTimeline
 from atom_core.loader import resolve_model, resolve_model_files
+from atom_core.models.registry import model_takes_images
+from atom_core.multimodal.inputs import MultimodalItem, check_items
 from atom_core.sampling_params import SamplingParams
 from atom_core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from atom_core.worker.executor import InProcessExecutor
@@ -62,6 +64,19 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, max_mo
                          "raise the KV cache size or lower max_tokens")
 
 
+def validate_images(mm_items, num_prompt_tokens: int, architecture: str, takes_images: bool,
+                    max_image_tokens: int) -> None:
+    """ValueError for images the model cannot take: none at all, misplaced placeholders, or one larger
+    than the encoder budget (engine/encoder_cache.py)."""
+    if not takes_images:
+        raise ValueError(f"this model ({architecture}) takes no images; send text only")
+    check_items(mm_items, num_prompt_tokens)
+    for i, item in enumerate(mm_items):
+        if item.length > max_image_tokens:
+            raise ValueError(f"image {i} takes {item.length} tokens but a step encodes at most {max_image_tokens} "
+                             "(the largest of max_num_batched_tokens and the processor's largest image)")
+
+
 class EngineCore:
     """Scheduler + KV manager + executor. Contract: single-threaded; `step()` advances every
     running request by one step (or one decode window) and returns their new tokens."""
@@ -82,14 +97,30 @@ class EngineCore:
         self.executor = self._make_executor()
         self.kv = KVCacheManager(self.executor.num_kv_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching, self.executor.num_state_slots)
+        self.takes_images = model_takes_images(self.model.hf_config)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.model.eos_token_ids,
                                    config.speculative.num_draft_tokens,
-                                   max_loras=config.lora.max_loras if config.lora.enable_lora else 0)
+                                   max_loras=config.lora.max_loras if config.lora.enable_lora else 0,
+                                   max_image_tokens=self._max_image_tokens())
         self.pending = None  # the launched step not yet resolved (async scheduling)
         self.grammars = None  # GrammarManager, built at the first structured-output request
         self.step_timeline: StepTimeline | None = None  # per-step wall times while one is recorded
         self.startup_seconds = time.perf_counter() - start
         logger.info("engine core ready in %.1f s", self.startup_seconds)
+
+    def _max_image_tokens(self) -> int:
+        """The largest image's placeholder count for the model's processor (0: it takes no images). A
+        vision-language checkpoint whose processor settings cannot be read serves text only."""
+        if not self.takes_images:
+            return 0
+        from atom_core.multimodal.processors import build_image_processor
+
+        try:
+            return build_image_processor(self.files.path, None).max_tokens_per_image
+        except ValueError as e:
+            logger.warning("images are off for this model, text only: %s", e)
+            self.takes_images = False
+            return 0
 
     def _make_executor(self):
         """One rank: the runner in this process; tensor parallel: a worker process per extra rank."""
@@ -135,15 +166,20 @@ class EngineCore:
         return summary
 
     # ---- requests -------------------------------------------------------------------
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                         mm_items: tuple[MultimodalItem, ...] = ()) -> None:
         validate_request(prompt_token_ids, params, self.max_model_len, self.vocab_size,
                          self.kv.num_blocks * self.kv.block_size)
+        if mm_items:
+            validate_images(mm_items, len(prompt_token_ids), self.model.architecture, self.takes_images,
+                            self.scheduler.encoder.capacity)
         if params.structured_outputs is not None:
             self._grammar_manager().compile(params.structured_outputs)  # cached for add_request
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.validate_request(prompt_token_ids, params)
-        seq = Sequence(request_id, list(prompt_token_ids), params)
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    mm_items: tuple[MultimodalItem, ...] = ()) -> None:
+        self.validate_request(prompt_token_ids, params, mm_items)
+        seq = Sequence(request_id, list(prompt_token_ids), params, mm_items=tuple(mm_items))
         if seq.wants_prompt_logprobs:
             seq.prompt_logprobs = [None]
         self.scheduler.add(seq)

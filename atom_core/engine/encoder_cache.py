@@ -10,7 +10,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from atom_core.engine.sequence import Sequence
 from atom_core.multimodal.inputs import MultimodalItem
+from atom_core.scheduler_output import SchedulerOutput
 
 
 @dataclass
@@ -25,8 +27,9 @@ class EncoderCacheManager:
       that touched it and have not yet computed past its last placeholder (or ended).
     - `allocate` may evict entries without users (least recently used first); their hashes are
       reported once by `take_freed`, and the worker drops them before the step runs.
-    - The sum of the entries' rows never exceeds `capacity`; an item longer than it is refused at
-      admission (`check_fits`), so a chunk never waits on space that cannot come.
+    - The sum of the entries' rows never exceeds `capacity`; an item longer than it is refused when
+      the request is added (engine/core.py: validate_images), so a chunk never waits on space that
+      cannot come.
     Not thread-safe: the engine core's loop is its only caller.
     """
 
@@ -35,13 +38,69 @@ class EncoderCacheManager:
         self.entries: OrderedDict[int, _Entry] = OrderedDict()
         self.num_used = 0
         self._freed: list[int] = []
+        self.step_budget = capacity  # encoder-output rows the step being scheduled may still compute
 
-    def check_fits(self, items: tuple[MultimodalItem, ...]) -> None:
-        for i, item in enumerate(items):
-            if item.length > self.capacity:
-                raise ValueError(f"image {i} takes {item.length} tokens but the encoder cache and a step's encoder "
-                                 f"budget hold {self.capacity} (max_num_batched_tokens); send a smaller image or "
-                                 "raise --max-num-batched-tokens")
+    # ---- the scheduler's verbs, per step ---------------------------------------------------
+    def begin_step(self) -> None:
+        self.step_budget = self.capacity
+
+    def _chunk_items(self, seq: Sequence, start: int, n: int) -> list[int]:
+        """Indices of seq's images with placeholders among the chunk's tokens [start, start + n)."""
+        found = []
+        for k in range(seq.num_encoder_done, len(seq.mm_items)):
+            item = seq.mm_items[k]
+            if item.offset >= start + n:
+                break
+            if item.end > start:
+                found.append(k)
+        return found
+
+    def fit_chunk(self, seq: Sequence, start: int, n: int) -> int:
+        """How many of the chunk's n tokens from position `start` can run this step: all of them
+        unless an image in them still needs encoding and the step's budget or the cache cannot take it;
+        then the chunk stops before that image (possibly at 0 tokens). Changes nothing."""
+        found = self._chunk_items(seq, start, n)
+        # cached outputs the chunk reads are not room for the ones it encodes
+        hashes = {seq.mm_items[k].content_hash for k in found}
+        protected = sum(e.num_rows for h, e in self.entries.items() if h in hashes and not e.users)
+        room = self.capacity - self.num_used + self._evictable() - protected
+        need, seen = 0, set()
+        for k in found:
+            item = seq.mm_items[k]
+            if item.content_hash in self.entries or item.content_hash in seen:
+                continue
+            if need + item.length > min(self.step_budget, room):
+                return max(0, item.offset - start)
+            need += item.length
+            seen.add(item.content_hash)
+        return n
+
+    def commit_chunk(self, seq: Sequence, start: int, n: int, out: SchedulerOutput) -> None:
+        """The chunk is scheduled (after fit_chunk said it fits): cached outputs it reads gain seq as a
+        user first (so no allocation evicts them), then the others are allocated and listed for the
+        worker to encode this step."""
+        found, rid = self._chunk_items(seq, start, n), seq.request_id
+        for k in found:
+            if seq.mm_items[k].content_hash in self.entries:
+                self.add_user(seq.mm_items[k].content_hash, rid)
+        for k in found:
+            item = seq.mm_items[k]
+            if item.content_hash not in self.entries:
+                self.allocate(item.content_hash, item.length, rid)
+                self.step_budget -= item.length
+                out.encoder_items.append((rid, k))
+
+    def advance(self, seq: Sequence) -> None:
+        """After a step: the images whose placeholders are all computed need their outputs no more."""
+        items = seq.mm_items
+        while seq.num_encoder_done < len(items) and items[seq.num_encoder_done].end <= seq.num_computed_tokens:
+            self.release(items[seq.num_encoder_done].content_hash, seq.request_id)
+            seq.num_encoder_done += 1
+
+    def drop(self, seq: Sequence) -> None:
+        """seq was preempted or ended: it needs none of its outputs (a resumed one starts over)."""
+        self.release_request(seq.request_id, seq.mm_items)
+        seq.num_encoder_done = 0
 
     def is_cached(self, content_hash: int) -> bool:
         return content_hash in self.entries

@@ -13,16 +13,21 @@ import numpy as np
 import xxhash
 
 from atom_core.engine.sequence import Sequence
+from atom_core.multimodal.inputs import block_extra_keys
 
 logger = logging.getLogger(__name__)
 
 
-def hash_block(parent_hash: int | None, token_ids: list[int]) -> int:
-    """xxhash64 of (parent hash, tokens): a full block's hash covers every token before it."""
+def hash_block(parent_hash: int | None, token_ids: list[int], extra_keys: tuple[tuple[int, int], ...] = ()) -> int:
+    """xxhash64 of (parent hash, tokens, extra keys): a full block's hash covers every token before it.
+    extra_keys: (content hash, offset) of each image with placeholders in the block
+    (multimodal/inputs.py: block_extra_keys), whose tokens alone would not tell images apart."""
     h = xxhash.xxh64()
     if parent_hash is not None:
         h.update(parent_hash.to_bytes(8, "little"))
     h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    if extra_keys:
+        h.update(np.asarray(extra_keys, dtype=np.uint64).tobytes())
     return h.intdigest()
 
 
@@ -99,7 +104,9 @@ class KVCacheManager:
         bs = self.block_size
         while (len(hashes) + 1) * bs <= upto_tokens:
             i = len(hashes)
-            hashes.append(hash_block(hashes[-1] if hashes else seq.block_hash_seed, seq.token_ids[i * bs : (i + 1) * bs]))
+            extra = block_extra_keys(seq.mm_items, i * bs, (i + 1) * bs) if seq.mm_items else ()
+            hashes.append(hash_block(hashes[-1] if hashes else seq.block_hash_seed, seq.token_ids[i * bs : (i + 1) * bs],
+                                     extra))
         return hashes[: upto_tokens // bs]
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:

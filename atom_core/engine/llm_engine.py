@@ -4,12 +4,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import sys
+from pathlib import Path
 from typing import Callable, Sequence as Seq
 
 from atom_core.config import EngineConfig
 from atom_core.engine.core import EngineCore
 from atom_core.engine.output_processor import OutputProcessor, RequestState
 from atom_core.lora import LoRARegistry, LoRARequest, as_lora_request
+from atom_core.multimodal.processors import build_image_processor
 from atom_core.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -37,6 +39,9 @@ class LLMEngine:
         self.config = EngineConfig.from_kwargs(model, **config_fields)
         self.core = EngineCore(self.config)
         self.tokenizer = self.core.files.load_tokenizer() if self.core.files.tokenizer_path else None
+        # vision-language models: images -> placeholders + MultimodalItems (atom_core/multimodal/)
+        self.image_processor = (build_image_processor(self.core.files.path, self.tokenizer)
+                                if self.core.takes_images else None)
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._finished: dict[str, RequestState] = {}  # only for requests generate() waits on
@@ -62,8 +67,12 @@ class LLMEngine:
         return list(prompt)
 
     def add_request(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                    stream_callback: Callable | None = None, lora=None) -> list[str]:
-        """Queue one or more prompts; returns their request ids. Validates all before queueing any."""
+                    stream_callback: Callable | None = None, lora=None, images=None) -> list[str]:
+        """Queue one or more prompts; returns their request ids. Validates all before queueing any.
+
+        images (vision-language models): one list per prompt of PIL images, image bytes or file paths;
+        the prompt holds the model's image placeholder once per image, where the chat template puts it
+        for an image content part (`image_chat_prompt` writes such a prompt)."""
         if self._closed:
             raise RuntimeError("this LLMEngine was shut down; create a new one")
         prompts = _as_prompt_list(prompts)
@@ -72,15 +81,45 @@ class LLMEngine:
         if lora_request is not None:
             params = [dataclasses.replace(p, lora_request=lora_request) for p in params]
         token_lists = [self.tokenize(p) for p in prompts]
-        for ids, sp in zip(token_lists, params):
-            self.core.validate_request(ids, sp)
+        items = [()] * len(prompts)
+        if images is not None:
+            token_lists, items = self._with_images(token_lists, images)
+        for ids, sp, mm in zip(token_lists, params, items):
+            self.core.validate_request(ids, sp, mm)
         request_ids = []
-        for prompt, ids, sp in zip(prompts, token_lists, params):
+        for prompt, ids, sp, mm in zip(prompts, token_lists, params, items):
             rid = str(next(self._ids))
             self.outputs.new_state(rid, prompt if isinstance(prompt, str) else None, ids, sp, stream_callback)
-            self.core.add_request(rid, ids, sp)
+            self.core.add_request(rid, ids, sp, mm)
             request_ids.append(rid)
         return request_ids
+
+    def _with_images(self, token_lists: list[list[int]], images) -> tuple[list[list[int]], list[tuple]]:
+        if len(images) != len(token_lists) or any(isinstance(i, (str, bytes, Path)) for i in images):
+            raise ValueError(f"images: expected one list of images per prompt ({len(token_lists)} prompts)")
+        if any(images) and self.image_processor is None:
+            raise ValueError(f"this model ({self.core.model.architecture}) takes no images")
+        out_ids, out_items = [], []
+        for ids, prompt_images in zip(token_lists, images):
+            if not prompt_images:
+                out_ids.append(ids)
+                out_items.append(())
+                continue
+            loaded = [Path(i).read_bytes() if isinstance(i, (str, Path)) else i for i in prompt_images]
+            expanded, items = self.image_processor.process(ids, loaded)
+            out_ids.append(expanded)
+            out_items.append(items)
+        return out_ids, out_items
+
+    def image_chat_prompt(self, text: str, num_images: int = 1) -> str:
+        """A one-turn chat prompt of `num_images` image parts then `text`, through the chat template."""
+        if self.image_processor is None:
+            raise ValueError(f"this model ({self.core.model.architecture}) takes no images")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("images need a chat template to place them; this tokenizer has none")
+        content = [dict(self.image_processor.template_part) for _ in range(num_images)] + [{"type": "text", "text": text}]
+        return self.tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                                  tokenize=False)
 
     def abort_request(self, request_id: str) -> None:
         self.core.abort_requests([request_id])
@@ -113,10 +152,11 @@ class LLMEngine:
         return self.core.kv.reset_prefix_cache()
 
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 lora=None, on_step: Callable[[list[RequestState]], None] | None = None) -> list[dict]:
+                 lora=None, on_step: Callable[[list[RequestState]], None] | None = None, images=None) -> list[dict]:
         """Run prompts to completion; one output dict per prompt, in prompt order. `on_step` is
-        called after every step with the requests that got new tokens (progress bars)."""
-        request_ids = self.add_request(prompts, sampling_params, lora=lora)
+        called after every step with the requests that got new tokens (progress bars). images: as
+        add_request's."""
+        request_ids = self.add_request(prompts, sampling_params, lora=lora, images=images)
         self._awaited.update(request_ids)
         while not all(rid in self._finished for rid in request_ids):
             updated = self.step()

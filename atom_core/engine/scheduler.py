@@ -11,6 +11,7 @@ import time
 from collections import deque
 
 from atom_core.config import ResolvedModel, SchedulerConfig
+from atom_core.engine.encoder_cache import EncoderCacheManager
 from atom_core.engine.kv_cache import KVCacheManager
 from atom_core.engine.sequence import FinishReason, Sequence, SequenceStatus
 from atom_core.scheduler_output import PLACEHOLDER, ModelRunnerOutput, NewRequest, SchedulerOutput
@@ -32,7 +33,8 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, eos_token_ids,
-                 num_speculative_tokens: int = 0, max_loras: int = 0):
+                 num_speculative_tokens: int = 0, max_loras: int = 0, max_image_tokens: int = 0):
+        """max_image_tokens: the placeholders of the largest image the model's processor makes (0: no images)."""
         self.kv = kv
         # > 0: LoRA adapters on; the running sequences use at most this many distinct adapters (so no
         # step mixes more than the worker's GPU slots hold): a waiting request of another adapter waits
@@ -48,6 +50,9 @@ class Scheduler:
         self.mixed_step_tokens_per_seq = config.mixed_step_tokens_per_seq
         self.mixed_step_min_tokens = config.mixed_step_min_tokens
         self.max_model_len = max_model_len
+        # Images: encoder outputs the worker holds; a step encodes at most as many rows as it schedules
+        # tokens, or one largest image (as vLLM's encoder budget)
+        self.encoder = EncoderCacheManager(max(config.max_num_batched_tokens, max_image_tokens))
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -84,6 +89,7 @@ class Scheduler:
         preempted = False
         i = 0
         block_size = self.kv.block_size
+        self.encoder.begin_step()
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_tokens = len(seq.token_ids)
@@ -91,11 +97,15 @@ class Scheduler:
                 i += 1
                 continue
             n = min(num_tokens - seq.num_computed_tokens, budget)
-            if n > 1:  # a prompt chunk (or a preempted sequence's recompute): paced
+            is_chunk = n > 1  # a prompt chunk (or a preempted sequence's recompute): paced
+            if is_chunk:
                 n = min(n, prompt_budget)
-                if n == 0:
-                    i += 1
-                    continue
+            if seq.mm_items:  # stops before an image the step cannot encode
+                n = self.encoder.fit_chunk(seq, seq.num_computed_tokens, n)
+            if n == 0:
+                i += 1
+                continue
+            if is_chunk:
                 prompt_budget -= n
             if seq.num_computed_tokens + n > len(seq.block_table) * block_size:  # needs a block
                 while not self.kv.can_append_slots(seq, seq.num_computed_tokens + n):
@@ -110,6 +120,8 @@ class Scheduler:
                     continue
             scheduled.append(seq)
             out.add(seq.request_id, n, seq.num_computed_tokens)
+            if seq.mm_items:
+                self.encoder.commit_chunk(seq, seq.num_computed_tokens, n, out)
             budget -= n
             if seq.draft_token_ids:
                 budget -= self._schedule_drafts(seq, out, n, budget)
@@ -122,6 +134,7 @@ class Scheduler:
         self._send_new_blocks(out, scheduled)
         if scheduled:  # an empty step is not run: its news waits for the next one
             out.finished_req_ids, self._finished_ids = self._finished_ids, []
+            out.freed_encoder_hashes = self.encoder.take_freed()
         return out
 
     def _prompt_budget(self) -> int:
@@ -204,9 +217,12 @@ class Scheduler:
             if lora_id is not None and lora_id not in adapters and len(adapters) >= self.max_loras:
                 skipped.append(self.waiting.popleft())
                 continue
-            remaining = seq.num_tokens - self.kv.get_prefix_hit_tokens(seq)
+            hit = self.kv.get_prefix_hit_tokens(seq)
+            remaining = seq.num_tokens - hit
             n = min(remaining, budget)
-            if n < remaining and not self.enable_chunked_prefill:
+            if seq.mm_items:
+                n = self.encoder.fit_chunk(seq, hit, n)
+            if n == 0 or (n < remaining and not self.enable_chunked_prefill):
                 break
             if not self.kv.can_allocate(seq, n):
                 break
@@ -221,7 +237,9 @@ class Scheduler:
             out.add(seq.request_id, n, seq.num_computed_tokens)
             out.new_requests.append(NewRequest(
                 seq.request_id, seq.prompt_token_ids, seq.output_token_ids, seq.sampling_params,
-                seq.num_computed_tokens, len(seq.prompt_logprobs), seq.state_slot))
+                seq.num_computed_tokens, len(seq.prompt_logprobs), seq.state_slot, seq.mm_items))
+            if seq.mm_items:
+                self.encoder.commit_chunk(seq, seq.num_computed_tokens, n, out)
             seq.num_sent_blocks = 0
             budget -= n
             if lora_id is not None:
@@ -237,6 +255,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)
+        self.encoder.drop(seq)
         seq.draft_token_ids = []
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -253,6 +272,8 @@ class Scheduler:
                 continue
             samples = seq.num_computed_tokens + n == len(seq.token_ids)
             seq.num_computed_tokens += n + len(extra)
+            if seq.mm_items:
+                self.encoder.advance(seq)
             if samples:
                 seq.append_placeholders(1 + len(extra))
 
@@ -321,6 +342,7 @@ class Scheduler:
             self.waiting.remove(seq)
         self.kv.free(seq)
         self.kv.forget(seq)
+        self.encoder.drop(seq)
         del self.requests[seq.request_id]
         self._finished_ids.append(seq.request_id)
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
+from atom_core.multimodal.inputs import MultimodalItem
 from atom_core.sampling_params import SamplingParams
 from atom_core.scheduler_output import PLACEHOLDER
 
@@ -56,6 +57,8 @@ class Sequence:
     output_logprobs: list = field(default_factory=list)
     prompt_logprobs: list = field(default_factory=list)
     draft_token_ids: list[int] = field(default_factory=list)  # proposed for the next step (speculation)
+    mm_items: tuple[MultimodalItem, ...] = ()  # its images, in prompt order (multimodal/inputs.py)
+    num_encoder_done: int = 0  # mm_items whose placeholders are all computed (their encoder outputs released)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

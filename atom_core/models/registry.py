@@ -61,6 +61,11 @@ def check_architectures(names: list[str] | None) -> str:
     )
 
 
+def model_takes_images(config) -> bool:
+    """Whether the config's model class is a vision-language model (models/common.py: supports_images)."""
+    return bool(getattr(resolve_model_class(config), "supports_images", False))
+
+
 def resolve_model_class(config) -> type[nn.Module]:
     module, cls = _MODELS[check_architectures(getattr(config, "architectures", None))]
     return getattr(importlib.import_module(module), cls)

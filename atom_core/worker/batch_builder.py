@@ -32,6 +32,7 @@ class FlatBatch:
     placeholder_seqs: list[int]  # the batch index of each such row's sequence
     logits_all_rows: bool = False  # every row needs logits, in order (decode): skip the gather
     verify_query_len: int = 0  # > 0: a speculative verify step padded to this many rows per request (graphs)
+    mm_embeds: object = None  # models.common.MultimodalEmbeds of the step's image rows (None: none)
 
 
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -97,7 +98,7 @@ def assemble_flat_batch(input_ids: list[int], positions: list[int], slot_mapping
     attn = AttentionMetadata(max_query_len=max_query_len, max_seq_len=int(seq_lens.max()), **dev, **extra)
     return FlatBatch(  # ids and positions stay separate allocations: torch.compile guards on their storage offset
         input_ids=to_device(np.array(input_ids, dtype=np.int64), device),
-        positions=to_device(np.array(positions, dtype=np.int64), device),
+        positions=to_device(np.ascontiguousarray(positions, dtype=np.int64), device),
         attn=attn,
         logit_rows=logit_rows_dev,
         num_tokens=len(input_ids),
@@ -138,18 +139,48 @@ def state_slot_rows(states: list[RequestState]) -> dict:
     return {"state_slots": np.array([s.state_slot + 1 for s in states], dtype=np.int32)}
 
 
+def rope_positions(state: RequestState, start: int, end: int) -> np.ndarray:
+    """Rotary positions [3, end - start] of a multimodal-rotary request's tokens [start, end) (models/
+    common.py: mrope_positions): its prompt's own, then index + delta."""
+    table, num_prompt = state.mrope_positions, state.num_prompt_tokens
+    if end <= num_prompt:
+        return table[:, start:end]
+    tail = np.arange(max(start, num_prompt), end, dtype=np.int64) + state.rope_delta
+    if start >= num_prompt:
+        return np.broadcast_to(tail, (3, end - start))
+    return np.concatenate([table[:, start:], np.broadcast_to(tail, (3, len(tail)))], axis=1)
+
+
+def _step_positions(positions: list[int], mrope_spans: list[tuple[int, np.ndarray]]) -> list[int] | np.ndarray:
+    """The step's positions: [T] indices, with multimodal-rotary requests' rows (offset, [3, n]) written in;
+    [3, T] when one of those rows has unequal axes (an image token), [T] otherwise."""
+    if not mrope_spans:
+        return positions
+    if all((rows[0] == rows[1]).all() and (rows[0] == rows[2]).all() for _, rows in mrope_spans):
+        flat = np.asarray(positions, dtype=np.int64)
+        for offset, rows in mrope_spans:
+            flat[offset : offset + rows.shape[1]] = rows[0]
+        return flat
+    full = np.broadcast_to(np.asarray(positions, dtype=np.int64), (3, len(positions))).copy()
+    for offset, rows in mrope_spans:
+        full[:, offset : offset + rows.shape[1]] = rows
+    return full
+
+
 def build_decode_batch(states: list[RequestState], block_size: int, device: torch.device,
                        with_state_slots: bool = False) -> FlatBatch:
-    """The decode-only case (one new token per request, each sampling): comprehensions only."""
+    """The decode-only case (one new token per request, each sampling): comprehensions only. A
+    multimodal-rotary request's token rotates at its index + rope_delta on all axes."""
     num = len(states)
-    positions = [s.num_computed_tokens for s in states]
-    tokens = [s.token_at(p) for s, p in zip(states, positions)]
+    kv_positions = [s.num_computed_tokens for s in states]
+    tokens = [s.token_at(p) for s, p in zip(states, kv_positions)]
     placeholder_rows = [i for i, token in enumerate(tokens) if token is None]
     input_ids = [-1 if t is None else t for t in tokens]
     tables = [s.block_ids for s in states]
-    slots = [t[p // block_size] * block_size + p % block_size for t, p in zip(tables, positions)]
+    slots = [t[p // block_size] * block_size + p % block_size for t, p in zip(tables, kv_positions)]
     rows = list(range(num))
-    seq_lens = np.array(positions, dtype=np.int32) + 1
+    seq_lens = np.array(kv_positions, dtype=np.int32) + 1
+    positions = [p + s.rope_delta for s, p in zip(states, kv_positions)]
     return assemble_flat_batch(
         input_ids, positions, slots, np.arange(num + 1), seq_lens, tables, 1, None, device,
         attn_extra={"seq_order": np.argsort(-seq_lens, kind="stable").astype(np.int32),
@@ -181,9 +212,12 @@ def build_flat_batch(out: SchedulerOutput, states: list[RequestState], block_siz
     placeholder_seqs: list[int] = []
     offset = 0
     max_query_len = 0
+    mrope_spans: list[tuple[int, np.ndarray]] = []  # (flat row, [3, n]) of multimodal-rotary requests
     for i, (state, n, extra) in enumerate(zip(states, out.num_scheduled_tokens, out.extra_tokens)):
         start = state.num_computed_tokens
         table = state.block_ids
+        if state.mrope_positions is not None:
+            mrope_spans.append((offset, rope_positions(state, start, start + n)))
         if n == 1:
             token = state.token_at(start)
             if token is None:  # still on the device: the runner fills it from the previous step's samples
@@ -198,6 +232,7 @@ def build_flat_batch(out: SchedulerOutput, states: list[RequestState], block_siz
             positions.extend(range(start, start + n))
             slot_mapping.extend(slot_of(table, p, block_size) for p in range(start, start + n))
         drafts = extra if extra and extra[0] != PLACEHOLDER else ()  # verified after the scheduled tokens
+        assert not (drafts and state.mrope_positions is not None), "drafts for a multimodal-rotary request"
         if drafts:
             input_ids.extend(drafts)
             positions.extend(range(start + n, start + n + len(drafts)))
@@ -220,7 +255,8 @@ def build_flat_batch(out: SchedulerOutput, states: list[RequestState], block_siz
             logit_rows.extend(range(offset + n - 1, offset + total))  # one more row per draft
         offset += total
     return assemble_flat_batch(
-        input_ids, positions, slot_mapping, query_start_loc, seq_lens, tables, max_query_len, logit_rows, device,
+        input_ids, _step_positions(positions, mrope_spans), slot_mapping, query_start_loc, seq_lens, tables,
+        max_query_len, logit_rows, device,
         attn_extra={**context_split(np.diff(query_start_loc).tolist(), seq_lens),
                     **(state_slot_rows(states) if with_state_slots else {})},
         sample_rows=sample_rows,

@@ -12,7 +12,8 @@ A step's forward takes the first of these paths that applies (`GraphPath`):
              it meet; with no agreement (some replica's step cannot replay) the step goes on down;
   PIECEWISE  a step of at most the largest bucket's tokens replays the piecewise graphs
              (worker/piecewise.py): graphs between the attention calls, attention eager between;
-  EAGER      the model's forward as it is: everything else, and every step on the CPU.
+  EAGER      the model's forward as it is: everything else, every step with image rows (they come
+             first: the graphs take token ids and [T] positions only), and every step on the CPU.
 `choose_path` is that order as a pure function of the step's shape and the graph sets there are;
 `graph_sets` says which sets a configuration captures.
 """
@@ -67,10 +68,13 @@ def graph_sets(use_cuda_graphs: bool, mode: str, spans_replicas: bool) -> GraphS
 
 def choose_path(*, verify_layout: bool, decode_only: bool, num_requests: int, num_tokens: int,
                 full: GraphSet | None, piecewise: GraphSet | None, spans_replicas: bool,
-                agreed_size: int | None) -> Choice:
+                agreed_size: int | None, multimodal: bool = False) -> Choice:
     """The path of one step (the module docstring's order). verify_layout: the batch was built
     padded for the verify graphs; agreed_size: the decode graph size the replicas agreed on (read
-    only when spans_replicas)."""
+    only when spans_replicas); multimodal: the step has image rows (encoder outputs for its embeddings,
+    [3, T] rotary positions), which only the eager forward takes."""
+    if multimodal:
+        return Choice(GraphPath.EAGER)
     if verify_layout:
         return Choice(GraphPath.VERIFY)
     if full is not None and decode_only and full.can_run(num_requests):
@@ -179,7 +183,8 @@ class GraphDispatcher:
         return choose_path(verify_layout=flat.verify_query_len > 0, decode_only=out.is_decode_only,
                            num_requests=len(out), num_tokens=flat.num_tokens, full=self.full,
                            piecewise=self.piecewise, spans_replicas=self.spans_replicas,
-                           agreed_size=agreed_graph_size() if self.spans_replicas else None)
+                           agreed_size=agreed_graph_size() if self.spans_replicas else None,
+                           multimodal=flat.mm_embeds is not None or flat.positions.dim() == 2)
 
     def graph_batch_size(self, out: SchedulerOutput) -> int | None:
         """The captured size a decode batch would replay with, or None when it runs eagerly."""
@@ -200,6 +205,8 @@ class GraphDispatcher:
         if path is GraphPath.PIECEWISE:
             return self.piecewise.replay(flat)
         with set_attention_metadata(flat.attn):
+            if flat.mm_embeds is not None:
+                return self.model(flat.input_ids, flat.positions, flat.mm_embeds)
             return self.model(flat.input_ids, flat.positions)
 
     def forward_padding(self) -> None:

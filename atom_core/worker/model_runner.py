@@ -31,6 +31,7 @@ from atom_core.spec_decode.factory import build_proposer, check_proposer
 from atom_core.spec_decode.proposer import NoProposer
 from atom_core.spec_decode.rejection_sampler import RejectionSampler, emitted_tokens
 from atom_core.worker.batch_builder import FlatBatch, build_flat_batch, build_sampling_batch
+from atom_core.worker.encoder_runner import EncoderRunner
 from atom_core.worker.graph_dispatch import GraphDispatcher, graph_sets
 from atom_core.worker.input_batch import InputBatch, RequestState
 from atom_core.worker.logprobs import emitted_logprobs, sampled_logprobs, token_logprobs
@@ -156,6 +157,8 @@ class ModelRunner:
                                            max_num_tokens=config.scheduler.max_num_batched_tokens)
         self.rejection_sampler = RejectionSampler()
         self.input_batch = InputBatch()
+        # vision-language models: the encoder outputs by image hash (None: the model takes no images)
+        self.encoder = EncoderRunner(self.model, self.device) if getattr(self.model, "supports_images", False) else None
         self.dispatcher = GraphDispatcher(self.model, self.max_model_len, self.block_size, self.device,
                                           spans_replicas=config.parallel.experts_span_replicas,
                                           profiler=self.profiler)
@@ -281,6 +284,7 @@ class ModelRunner:
         states = self.input_batch.update(out)
         if out.finished_req_ids:
             self.proposer.forget(out.finished_req_ids)
+        mm_embeds = self._multimodal_inputs(out) if self.encoder is not None else None
         if self.dispatcher.uses_verify_layout(out, states):
             flat = build_padded_verify_batch(out, states, self.dispatcher.verify.query_len, self.block_size,
                                              self.device)
@@ -288,6 +292,7 @@ class ModelRunner:
             flat = build_flat_batch(out, states, self.block_size, self.device, bool(self.state_layers))
         if flat.placeholder_rows:
             self._fill_placeholders(flat, out, previous)
+        flat.mm_embeds = mm_embeds
         self.lora.prepare(flat, states)
         if out.is_window:
             return self._launch_window(out, states, flat)
@@ -319,6 +324,18 @@ class ModelRunner:
             pending.prompt_logprobs[i] = token_logprobs(logits[row : row + count], targets, k)
         return pending
 
+    def _multimodal_inputs(self, out: SchedulerOutput):
+        """Images: new requests' multimodal rotary positions, then the step's encoder outputs (the
+        encoder runs on the images the scheduler listed; worker/encoder_runner.py)."""
+        requests = self.input_batch.requests
+        for new in out.new_requests:
+            if new.mm_items:
+                state = requests[new.req_id]
+                rope = self.model.mrope_positions(state.prompt_token_ids, state.mm_items)
+                if rope is not None:
+                    state.mrope_positions, state.rope_delta = rope
+        return self.encoder.step_embeds(out, [requests[rid] for rid in out.req_ids])
+
     def _launch_window(self, out: SchedulerOutput, states: list[RequestState], flat: FlatBatch) -> PendingStep:
         """A multi-step decode window: out.num_steps forwards, each fed the previous step's
         samples on the device. Rows past their step count keep their last position and store
@@ -327,7 +344,8 @@ class ModelRunner:
         num_steps = out.num_steps
         step_counts = [1 + len(extra) for extra in out.extra_tokens]
         attn = flat.attn
-        first = flat.positions
+        # KV positions from the lengths (the rotary positions may add a multimodal rotary's delta)
+        first, first_rope = attn.seq_lens.to(torch.int64) - 1, flat.positions
         counts = torch.tensor(step_counts, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         last = first + counts.to(self.device, non_blocking=True) - 1
         samples = []
@@ -338,7 +356,7 @@ class ModelRunner:
                 block = attn.block_tables.gather(1, (positions // self.block_size).unsqueeze(1)).squeeze(1)
                 slots = block.to(torch.int64) * self.block_size + positions % self.block_size
                 flat.input_ids = samples[-1]
-                flat.positions = positions
+                flat.positions = first_rope + (positions - first)
                 attn.slot_mapping = torch.where(wanted <= last, slots, -1)
                 attn.seq_lens = (positions + 1).to(torch.int32)
                 attn.max_seq_len += 1

@@ -8,8 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 
 from atom_core.multimodal.inputs import MultimodalItem, content_hash
+from atom_core.multimodal.media import load_image
 
 
 @dataclass(frozen=True)
@@ -39,9 +41,25 @@ class ImageProcessor:
     def read_placeholder_token_id(self, hf_config: dict, tokenizer) -> int:
         raise NotImplementedError
 
+    @property
+    def max_tokens_per_image(self) -> int:
+        """Placeholders of the largest image `preprocess` makes (the engine's encoder budget covers one)."""
+        raise NotImplementedError
+
     def preprocess(self, image) -> ProcessedImage:
         """A PIL image (already checked and loaded, multimodal/media.py) -> the encoder's inputs."""
         raise NotImplementedError
+
+    def process(self, token_ids: list[int], images: list) -> tuple[list[int], tuple[MultimodalItem, ...]]:
+        """Chat-templated ids + the request's images (PIL images, or bytes of any format PIL reads) ->
+        expanded ids and items. ValueError for an image that cannot be decoded or is too large."""
+        processed = []
+        for i, image in enumerate(images):
+            try:
+                processed.append(self.preprocess(image if isinstance(image, Image.Image) else load_image(image)))
+            except ValueError as e:
+                raise ValueError(f"image {i}: {e}") from None
+        return self.expand(token_ids, processed)
 
     def expand(self, token_ids: list[int], images: list[ProcessedImage]) -> tuple[list[int], tuple[MultimodalItem, ...]]:
         """The ids with each placeholder token repeated for its image, and the items, in prompt order.

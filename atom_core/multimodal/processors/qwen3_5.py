@@ -69,9 +69,16 @@ class Qwen3_5ImageProcessor(ImageProcessor):
 
     def read_placeholder_token_id(self, hf_config: dict, tokenizer) -> int:
         token_id = hf_config.get("image_token_id")
-        if token_id is None:
+        if token_id is None and tokenizer is not None:
             token_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        if token_id is None:
+            raise ValueError("config.json names no image_token_id and there is no tokenizer to find <|image_pad|>")
         return int(token_id)
+
+    @property
+    def max_tokens_per_image(self) -> int:
+        factor = self.patch_size * self.merge_size
+        return self.max_pixels // (factor * factor)
 
     def resized(self, image: Image.Image) -> np.ndarray:
         """The RGB image at its processing size: uint8 [H, W, 3]."""
