@@ -160,3 +160,20 @@ def test_config_and_tokenizer_must_agree_on_the_image_token(model_dir, tmp_path)
         KimiK25ImageProcessor(model_dir, {**config, "media_placeholder_token_id": pad + 1}, tokenizer)
     with pytest.raises(ValueError, match="preprocessor patch_size 4 differs from vision_config.patch_size 14"):
         KimiK25ImageProcessor(model_dir, {**config, "vision_config": {"patch_size": 14}}, tokenizer)
+
+
+@pytest.mark.parametrize("settings", [KimiImageSettings(patch_size=4, max_patches=256, max_size_per_side=16),
+                                      KimiImageSettings(patch_size=4, max_patches=64, max_size_per_side=16),
+                                      KimiImageSettings(patch_size=3, max_patches=500, max_size_per_side=30),
+                                      KimiImageSettings(patch_size=5, max_patches=40, max_size_per_side=1)],
+                         ids=["side_capped", "patch_capped", "odd_sizes", "one_patch_a_side"])
+def test_max_tokens_bounds_every_image_size(settings):
+    """Every image size up to six times the largest side the settings keep (h <= w: the sizes are symmetric):
+    none exceeds the bound, which stays within a third of the largest count seen."""
+    limit = settings.patch_size * settings.max_size_per_side * 6
+    worst = 0
+    for h in range(1, limit + 1):
+        for w in range(h, limit + 1):
+            (_, _), (ph, pw) = settings.resized_and_padded(h, w)
+            worst = max(worst, (ph // settings.patch_size) * (pw // settings.patch_size) // settings.merge_size ** 2)
+    assert worst <= settings.max_tokens() <= max(worst * 4 // 3, worst + 4)

@@ -53,6 +53,18 @@ class KimiImageSettings:
         factor = self.merge_size * p
         return (new_h, new_w), (new_h + (factor - new_h % factor) % factor, new_w + (factor - new_w % factor) % factor)
 
+    def max_tokens(self) -> int:
+        """An upper bound on any image's placeholder count (the engine's encoder budget must hold one).
+
+        With s the scale and fh = h // p, the resized side is a = h * s / p < fh * s + 1 patches (h < p * (fh + 1),
+        s <= 1), likewise b < fw * s + 1, where (fh * s) * (fw * s) <= max_patches (s is at most the patch-budget
+        scale) and a, b <= L = max_size_per_side; padding adds under m = merge_size patches a side. So the token
+        count (A / m) * (B / m) is below (u + m)(v + m) / m² over u, v <= L with (u - 1)(v - 1) <= max_patches,
+        largest at u = L; and never more than ceil(L / m)² (each side padded to at most ceil(L / m) * m)."""
+        side, m = self.max_size_per_side, self.merge_size
+        other = side - 1 if side == 1 else min(side - 1, self.max_patches / (side - 1))
+        return min(math.ceil(side / m) ** 2, int((side + m) * (other + 1 + m) / m ** 2))
+
     def fused_mean_std(self) -> tuple[np.ndarray, np.ndarray]:
         """mean / rescale_factor and std / rescale_factor as transformers fuses them: a float32 tensor
         times a Python float."""
@@ -133,6 +145,10 @@ class KimiK25ImageProcessor(ImageProcessor):
                 value = value[0] if len(set(value)) == 1 else value
             if value is not None and value != expected:
                 raise ValueError(f"preprocessor {ours} {expected} differs from vision_config.{theirs} {value}")
+
+    @property
+    def max_tokens_per_image(self) -> int:
+        return self.settings.max_tokens()
 
     def read_placeholder_token_id(self, hf_config: dict, tokenizer) -> int:
         """The config's id (media_placeholder_token_id in the published file, image_token_id in transformers'),
