@@ -34,3 +34,26 @@ def test_tower_on_cuda_equals_transformers(kimi, dtype, grids):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     else:
         assert (got - expected).norm() / expected.norm() < 2e-2
+
+
+@pytest.mark.parametrize("options", [{}, {"max_num_batched_tokens": 32}, {"enable_prefix_caching": True}],
+                         ids=["defaults", "chunked", "prefix_caching"])
+def test_engine_with_images_on_cuda_equals_transformers(tmp_path_factory, options):
+    """float32 on CUDA, graphs on for decode: the same tokens as transformers on the CPU."""
+    import json
+
+    import transformers as tf
+
+    from atom_core import LLMEngine
+    from atom_core.multimodal.processors.kimi_k25 import KimiK25ImageProcessor
+    from tests.models.test_kimi_k25_engine import CASES, GREEDY, _hf_reference, _images, _messages
+
+    path = tmp_path_factory.mktemp("tiny_kimi_engine_gpu")
+    hf = build_tiny_kimi(path)
+    tokenizer = tf.AutoTokenizer.from_pretrained(str(path))
+    processor = KimiK25ImageProcessor(path, json.loads((path / "config.json").read_text()), tokenizer)
+    refs = [_hf_reference(hf, tokenizer, processor, c) for c in CASES]
+    engine = LLMEngine(str(path), device="cuda", dtype="float32", num_kv_blocks=256, **options)
+    prompts = [tokenizer.apply_chat_template(_messages(c), tokenize=False, add_generation_prompt=True) for c in CASES]
+    out = engine.generate(prompts, GREEDY, images=[_images(c) for c in CASES])
+    assert [o["token_ids"] for o in out] == refs
