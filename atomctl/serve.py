@@ -1,6 +1,7 @@
 """`atomctl serve`: the OpenAI-compatible HTTP server (engine core in its own process)."""
 import os
 import sys
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -33,6 +34,12 @@ def serve_cmd(
     max_request_bytes: int = typer.Option(8 * 1024 * 1024, help="Larger request bodies get 413, unparsed."),
     body_read_timeout: float = typer.Option(30.0, help="Seconds to receive a request body, else 408."),
     metrics_prefix: str = typer.Option("atom", help="Metric names: atom (atom_*) or vllm (vllm:*, for vLLM dashboards)."),
+    allowed_local_media_path: Optional[Path] = typer.Option(
+        None, help="Serve image_url file:// URLs (and absolute paths) of files under this directory; off by default."),
+    limit_mm_per_prompt: Optional[str] = typer.Option(
+        None, help='Most images one request may carry, as vLLM writes it: {"image": 4} (default 16).'),
+    media_fetch_timeout: float = typer.Option(10.0, help="Seconds to fetch one http(s) image_url, else 400."),
+    max_media_bytes: int = typer.Option(20 * 1024 * 1024, help="Largest encoded image (any source), else 400."),
     engine_args: dict = None,
 ):
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models) plus /health and /metrics."""
@@ -40,9 +47,12 @@ def serve_cmd(
     from atom_core.envs import read_envs
     from atom_core.server.app import ServerOptions, run_server
     from atom_core.server.chat_output import ChatOptions
+    from atom_core.server.media import MediaOptions, parse_limit_mm_per_prompt
 
     engine_args = {**engine_args, "model": _model_choice(ctx, model_tag, engine_args["model"])}
-    options = ServerOptions(shutdown_timeout, max_request_bytes, body_read_timeout, metrics_prefix)
+    media = MediaOptions(allowed_local_media_path, parse_limit_mm_per_prompt(limit_mm_per_prompt), media_fetch_timeout,
+                         max_media_bytes)
+    options = ServerOptions(shutdown_timeout, max_request_bytes, body_read_timeout, metrics_prefix, media)
     chat_options = ChatOptions(tool_call_parser, enable_auto_tool_choice, reasoning_parser)  # bad names fail here, before the engine starts
     kwargs = engine_kwargs(engine_args)
     # Streaming clients want every token as it comes: windows would deliver them in bursts of

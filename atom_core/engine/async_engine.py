@@ -39,6 +39,7 @@ from typing import Literal
 
 from atom_core.config import EngineConfig
 from atom_core.engine.output_processor import CoreOutput, OutputProcessor, RequestState
+from atom_core.multimodal.inputs import MultimodalItem
 from atom_core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class CoreInfo:
     vocab_size: int
     num_kv_blocks: int
     eos_token_ids: frozenset[int]
+    max_image_tokens: int = 0  # the encoder budget for one image (engine/encoder_cache.py); 0: takes no images
 
 
 # ---- messages across the process boundary ----------------------------------------------
@@ -77,6 +79,7 @@ class AddRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    mm_items: tuple[MultimodalItem, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -192,7 +195,8 @@ def run_core(config: EngineConfig, in_q: mp.Queue, out_q: mp.Queue,
     except Exception as e:  # noqa: BLE001 - the process boundary: report, the parent raises it
         out_q.put(StartupError(f"{type(e).__name__}: {e}"))
         return
-    info = CoreInfo(core.max_model_len, core.vocab_size, core.kv.num_blocks, frozenset(core.files.eos_token_ids))
+    info = CoreInfo(core.max_model_len, core.vocab_size, core.kv.num_blocks, frozenset(core.files.eos_token_ids),
+                    core.scheduler.encoder.capacity if getattr(core, "takes_images", False) else 0)
     freeze_startup_objects()
     out_q.put(Ready(info))
     try:
@@ -279,7 +283,10 @@ def _drain(in_q: mp.Queue, block: bool, parent) -> list:
 def _handle(core, cmd, out_q: mp.Queue) -> None:
     if isinstance(cmd, AddRequest):
         try:
-            core.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params)
+            if cmd.mm_items:
+                core.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.mm_items)
+            else:  # text: what every core takes (the API-overhead benchmark's stand-in takes only this)
+                core.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params)
         except ValueError as e:  # the API process validates first; this is the safety net
             out_q.put(RequestError(cmd.request_id, str(e)))
     elif isinstance(cmd, AbortRequests):
@@ -306,6 +313,7 @@ class AsyncEngine:
         self.config = config
         self.core_factory = core_factory  # None: EngineCore (see run_core)
         self.tokenizer = None
+        self.model_path = None  # the model directory (its image processor's files)
         self.processor: OutputProcessor | None = None
         self.info: CoreInfo | None = None
         self._ctx = mp.get_context("spawn")
@@ -336,6 +344,7 @@ class AsyncEngine:
         try:
             files = resolve_model_files(self.config.model.model, self.config.model.tokenizer)
             self.tokenizer = files.serving_tokenizer()
+            self.model_path = files.path
         except Exception:
             self._proc.kill()
             raise
@@ -409,14 +418,19 @@ class AsyncEngine:
             raise EngineDeadError(f"engine core process is not running (exit code {self._proc.exitcode})")
 
     # ---- requests ---------------------------------------------------------------------
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                         mm_items: tuple[MultimodalItem, ...] = ()) -> None:
         """The core's own rules (core.validate_request), checked here before sending."""
-        from atom_core.engine.core import validate_request
+        from atom_core.engine.core import validate_images, validate_request
 
         validate_request(prompt_token_ids, params, self.info.max_model_len, self.info.vocab_size)
+        if mm_items:
+            validate_images(mm_items, len(prompt_token_ids), "this model", self.info.max_image_tokens > 0,
+                            self.info.max_image_tokens)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       prompt: str | None = None, arrival_time: float | None = None) -> AsyncIterator[RequestState]:
+                       prompt: str | None = None, arrival_time: float | None = None,
+                       mm_items: tuple[MultimodalItem, ...] = ()) -> AsyncIterator[RequestState]:
         """Yield the request's RequestState each time it advances, the last one finished.
 
         Raises ValueError (invalid request) before anything is queued, EngineDeadError when
@@ -424,14 +438,14 @@ class AsyncEngine:
         arrival_time (time.perf_counter()): when the HTTP request arrived; TTFT and latency count from it.
         """
         self.check_health()
-        self.validate_request(prompt_token_ids, params)
+        self.validate_request(prompt_token_ids, params, mm_items)
         assert request_id not in self._queues, f"duplicate request id {request_id}"
         state = self.processor.new_state(request_id, prompt, prompt_token_ids, params)
         if arrival_time is not None:
             state.arrival_time = arrival_time
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
-        self._in_q.put(AddRequest(request_id, list(prompt_token_ids), params))
+        self._in_q.put(AddRequest(request_id, list(prompt_token_ids), params, tuple(mm_items)))
         try:
             while True:
                 item = await q.get()

@@ -60,6 +60,7 @@ class DataParallelEngine:
         self.on_dead: list[Callable[[str], None]] = []
         self.info: CoreInfo | None = None
         self.tokenizer = None
+        self.model_path = None
         self.processor = None
         for i, replica in enumerate(self.replicas):
             replica.on_dead.append(lambda reason, i=i: self._on_replica_dead(i, reason))
@@ -82,7 +83,7 @@ class DataParallelEngine:
         if failed is not None:
             raise failed
         first = self.replicas[0]
-        self.tokenizer, self.processor = first.tokenizer, first.processor
+        self.tokenizer, self.processor, self.model_path = first.tokenizer, first.processor, first.model_path
         self.info = dataclasses.replace(first.info, num_kv_blocks=sum(r.info.num_kv_blocks for r in self.replicas))
         return self.info
 
@@ -131,8 +132,8 @@ class DataParallelEngine:
             callback(f"data-parallel replica {index}: {reason}")
 
     # ---- requests ---------------------------------------------------------------------
-    def validate_request(self, prompt_token_ids, params) -> None:
-        self.replicas[0].validate_request(prompt_token_ids, params)
+    def validate_request(self, prompt_token_ids, params, mm_items=()) -> None:
+        self.replicas[0].validate_request(prompt_token_ids, params, mm_items)
 
     def _pick(self) -> AsyncEngine:
         """The healthy replica with the fewest unfinished requests (ties: the lowest index)."""

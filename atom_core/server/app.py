@@ -23,7 +23,7 @@ import signal
 import socket
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -39,6 +39,7 @@ from atom_core.server.anthropic_messages import MessagesServing, add_messages_ro
 from atom_core.server.chat_output import ChatOptions
 from atom_core.server.guards import RequestGuard, ServerState
 from atom_core.server.lora import adapter_cards, lora_router, serving_loras
+from atom_core.server.media import MediaOptions
 from atom_core.server.metrics import CONTENT_TYPE, METRICS_PREFIXES, ServerMetrics
 from atom_core.server.protocol import (
     APIError,
@@ -66,6 +67,7 @@ class ServerOptions:
     max_request_bytes: int = 8 * 1024 * 1024  # a larger body gets 413, unparsed
     body_read_timeout: float = 30.0  # seconds to receive a whole request body, else 408
     metrics_prefix: str = "atom"  # "vllm": vLLM's metric names
+    media: MediaOptions = field(default_factory=MediaOptions)  # image URLs: sources, limits
 
     def __post_init__(self) -> None:
         if not self.shutdown_timeout >= 0:
@@ -151,7 +153,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     metrics = ServerMetrics(model_name, engine, options.metrics_prefix)
     engine.on_progress = metrics.observe_progress
     loras = loras if loras is not None else serving_loras(engine.config, model_name)
-    serving = OpenAIServing(engine, model_name, metrics, chat_options, loras)
+    serving = OpenAIServing(engine, model_name, metrics, chat_options, loras, options.media)
     responses = ResponsesServing(serving)
     state = ServerState(options.max_request_bytes, options.body_read_timeout)
     lifecycle = ServerLifecycle(engine, state, options)
@@ -187,7 +189,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     @guarded.get("/v1/models")
     async def models():
         card = {"id": model_name, "object": "model", "created": created, "owned_by": "atom_core",
-                "root": str(engine.config.model.model), "max_model_len": engine.info.max_model_len}
+                "root": str(engine.config.model.model), "max_model_len": engine.info.max_model_len,
+                "input_modalities": ["text", "image"] if serving.image_processor is not None else ["text"]}
         return {"object": "list", "data": [card, *adapter_cards(serving.loras, card)]}
 
     @guarded.post("/start_profile")

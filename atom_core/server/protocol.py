@@ -59,6 +59,9 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
+NonEmptyUrl = Annotated[StrictStr, Field(min_length=1)]
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
@@ -68,12 +71,23 @@ class ContentPart(_Strict):
     text: str
 
 
+class ImageURL(_Strict):
+    url: NonEmptyUrl = Field(description="A data:image/...;base64 URL, an http(s) URL (the server fetches it), or a "
+                                         "file:// URL under the server's --allowed-local-media-path.")
+    detail: Literal["auto"] = "auto"  # low/high would change what the model sees: not implemented, refused
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ChatMessage(BaseModel):
     # Extra keys (name, tool_call_id, ...) reach the chat template as they came.
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | list[Annotated[ContentPart | ImagePart, Field(discriminator="type")]] | None = None
 
     @model_validator(mode="after")
     def _tool_result_has_content(self):
@@ -81,9 +95,18 @@ class ChatMessage(BaseModel):
             raise _field_error("messages", "a 'tool' message needs 'content' (the tool's result)")
         return self
 
-    def for_template(self) -> dict:
+    @property
+    def image_urls(self) -> list[str]:
+        return [p.image_url.url for p in self.content if isinstance(p, ImagePart)] if isinstance(self.content, list) else []
+
+    def for_template(self, image_part: dict | None = None) -> dict:
+        """The message as the chat template reads it: text parts joined into one string, or, when it has
+        images, a list of text parts and `image_part` (the model's processor's, processors/base.py) each."""
         message = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list):
+        if isinstance(self.content, list) and self.image_urls:
+            message["content"] = [dict(image_part) if isinstance(p, ImagePart) else {"type": "text", "text": p.text}
+                                  for p in self.content]
+        elif isinstance(self.content, list):
             message["content"] = "".join(part.text for part in self.content)
         for call in message.get("tool_calls") or []:
             # OpenAI sends arguments as JSON text; chat templates (Llama 3, Qwen3, ...) expect a dict.
@@ -221,6 +244,11 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise _field_error("top_logprobs", "top_logprobs needs logprobs=true")
         return self
+
+    @property
+    def image_urls(self) -> list[str]:
+        """Every image part's URL, in message order (the order their placeholders take in the prompt)."""
+        return [url for m in self.messages for url in m.image_urls]
 
     def output_limit(self) -> tuple[str, int | None]:
         if self.max_completion_tokens is not None:

@@ -23,9 +23,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from atom_core.engine.async_engine import AsyncEngine, EngineDeadError
 from atom_core.engine.output_processor import RequestState
 from atom_core.lora import LoRARegistry, LoRARequest
+from atom_core.multimodal.inputs import MultimodalItem
+from atom_core.multimodal.processors import build_image_processor
 from atom_core.sampling_params import SamplingParams
 from atom_core.server.chat_output import ChatOptions, ChatOutputParser
 from atom_core.server.logprobs import LogprobFormatter
+from atom_core.server.media import MediaFetcher, MediaOptions
 from atom_core.server.metrics import ServerMetrics
 from atom_core.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from atom_core.server.tokenizer_pool import TokenizerPool
@@ -45,6 +48,7 @@ class EngineRequest:
     params: SamplingParams
     output: ChatOutputParser | None = None  # chat: reasoning / tool-call parsing of the text
     arrival_time: float | None = None  # the HTTP request's (perf_counter), stamped by RequestGuard
+    mm_items: tuple[MultimodalItem, ...] = ()  # its images (placeholders already in prompt_ids)
 
 
 _JSON = json.JSONEncoder(separators=(",", ":"))
@@ -80,8 +84,13 @@ class OpenAIServing:
     """Chat and text completions over an AsyncEngine (runs on the event loop only)."""
 
     def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics,
-                 chat_options: ChatOptions | None = None, loras: LoRARegistry | None = None):
+                 chat_options: ChatOptions | None = None, loras: LoRARegistry | None = None,
+                 media: MediaOptions | None = None):
         self.chat_options = chat_options or ChatOptions()
+        self.media = MediaFetcher(media or MediaOptions())
+        info = getattr(engine, "info", None)  # a vision-language model's processor (None: text only)
+        self.image_processor = (build_image_processor(engine.model_path, engine.tokenizer)
+                                if info is not None and info.max_image_tokens else None)
         self.loras = loras  # the LoRA adapters requests may name as their model (None: --enable-lora off)
         self.engine = engine
         self.model_name = model_name
@@ -108,10 +117,29 @@ class OpenAIServing:
         parsers; nothing queued yet. The Responses and Anthropic Messages endpoints translate
         their requests into a ChatCompletionRequest and come through here too."""
         self._check_model(req.model)
-        text, ids = await self.tokenizer_pool.run(self._tokenize_chat, req)
-        subs = _stamped(self._engine_requests("chatcmpl", req, [(text, ids)]), raw)
+        urls = req.image_urls
+        if not urls:
+            text, ids = await self.tokenizer_pool.run(self._tokenize_chat, req)
+            subs = _stamped(self._engine_requests("chatcmpl", req, [(text, ids)]), raw)
+        else:
+            text, ids, items = await self._chat_with_images(req, urls)
+            subs = _stamped(self._engine_requests("chatcmpl", req, [(text, ids)], items), raw)
         self._add_output_parsers(req, subs)
         return subs
+
+    async def _chat_with_images(self, req: ChatCompletionRequest, urls: list[str]):
+        """Fetch (API process, with limits), template, then decode and preprocess on a tokenizer thread."""
+        processor = self.image_processor
+        if processor is None:
+            raise APIError(f"the model '{self.model_name}' takes no images; send text content only",
+                           param="messages", code="images_not_supported")
+        images = await self.media.fetch_all(urls)
+        text, ids = await self.tokenizer_pool.run(self._tokenize_chat, req, image_part=processor.template_part)
+        try:
+            ids, items = await self.tokenizer_pool.run(lambda _tok: processor.process(ids, images))
+        except ValueError as e:
+            raise APIError(str(e), param="messages", code="invalid_image") from None
+        return text, ids, items
 
     async def run_to_end(self, raw: Request, subs: list[EngineRequest]) -> list[RequestState]:
         """The finished states of `subs`; a client that leaves first aborts them (499)."""
@@ -161,14 +189,20 @@ class OpenAIServing:
                 sub.params.skip_special_tokens = False  # the parser reads the format's special tokens
 
     @staticmethod
-    def _tokenize_chat(tok, req: ChatCompletionRequest, add_special_tokens: bool = False) -> tuple[str, list[int]]:
+    def _tokenize_chat(tok, req: ChatCompletionRequest, add_special_tokens: bool = False,
+                       image_part: dict | None = None) -> tuple[str, list[int]]:
         """(prompt text, token ids) of a chat request; runs on a tokenizer thread. The template
-        writes the special tokens itself, so by default encoding adds none (/tokenize may ask)."""
+        writes the special tokens itself, so by default encoding adds none (/tokenize may ask).
+        image_part: what an image content part becomes for the template (the model's processor);
+        None refuses image parts."""
         tok = _require_tokenizer(tok, "chat completions")
         if not getattr(tok, "chat_template", None):
             raise APIError("this model's tokenizer has no chat template; use /v1/completions")
+        if image_part is None and req.image_urls:
+            raise APIError("image content parts are served by /v1/chat/completions of a model that takes images",
+                           param="messages", code="images_not_supported")
         try:
-            text = tok.apply_chat_template([m.for_template() for m in req.messages], tokenize=False,
+            text = tok.apply_chat_template([m.for_template(image_part) for m in req.messages], tokenize=False,
                                            add_generation_prompt=req.add_generation_prompt,
                                            tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
                                            **(req.chat_template_kwargs or {}))
@@ -176,8 +210,10 @@ class OpenAIServing:
             raise APIError(f"cannot apply the chat template: {type(e).__name__}: {e}", param="messages") from None
         return text, tok.encode(text, add_special_tokens=add_special_tokens)
 
-    def _engine_requests(self, prefix: str, req, prompts: list[tuple[str | None, list[int]]]) -> list[EngineRequest]:
-        """Build and validate every choice of every prompt; nothing is queued yet."""
+    def _engine_requests(self, prefix: str, req, prompts: list[tuple[str | None, list[int]]],
+                         mm_items: tuple = ()) -> list[EngineRequest]:
+        """Build and validate every choice of every prompt; nothing is queued yet. mm_items: the
+        (one) prompt's images."""
         try:
             self.engine.check_health()
         except EngineDeadError as e:
@@ -192,10 +228,13 @@ class OpenAIServing:
                 if lora is not None:
                     params = dataclasses.replace(params, lora_request=lora)
                 try:
-                    self.engine.validate_request(ids, params)
+                    if mm_items:
+                        self.engine.validate_request(ids, params, mm_items)
+                    else:
+                        self.engine.validate_request(ids, params)
                 except ValueError as e:
                     raise self._invalid_request(e, prefix, ids, params, req.output_limit()[0]) from None
-                subs.append(EngineRequest(index, p, f"{response_id}-{index}", text, ids, params))
+                subs.append(EngineRequest(index, p, f"{response_id}-{index}", text, ids, params, mm_items=mm_items))
         return subs
 
     def _invalid_request(self, e: ValueError, prefix: str, ids: list[int], params: SamplingParams,
@@ -248,8 +287,9 @@ class OpenAIServing:
         """One engine request's states; closing early aborts it; its end is counted in the metrics."""
         state = None
         try:
+            extra = {"mm_items": sub.mm_items} if sub.mm_items else {}
             async with aclosing(self.engine.generate(sub.request_id, sub.prompt_ids, sub.params, sub.prompt_text,
-                                                  sub.arrival_time)) as gen:
+                                                  sub.arrival_time, **extra)) as gen:
                 async for state in gen:
                     yield state
         finally:
