@@ -1,6 +1,7 @@
 """Images through LLMEngine on a tiny random Kimi-K2.5 (MLA + MoE text model, MoonViT tower): greedy tokens equal
-transformers' generate under the four engine settings (chunked prefill splitting the images' placeholders
-included); each image is encoded once however the prompt is split; two images give different outputs.
+transformers' generate under the engine's settings (defaults, which cache prefixes; chunked prefill splitting the
+images' placeholders; no prefix caching; max_num_seqs 2); each image is encoded once however the prompt is split;
+the prefix cache reuses an image's blocks and never another image's; two images give different outputs.
 
 transformers' side gets the chat template's text with each <|media_pad|> repeated as its processor repeats it,
 and our processor's pixels: its own image processor needs torchvision, and tests/multimodal/
@@ -81,8 +82,8 @@ def _run(engine: LLMEngine, tokenizer) -> list[list[int]]:
     return [o["token_ids"] for o in engine.generate(prompts, GREEDY, images=images)]
 
 
-@pytest.mark.parametrize("options", [{}, {"max_num_batched_tokens": 32}, {"enable_prefix_caching": True},
-                                     {"max_num_seqs": 2}], ids=["defaults", "chunked", "prefix_caching", "two_seqs"])
+@pytest.mark.parametrize("options", [{}, {"max_num_batched_tokens": 32}, {"enable_prefix_caching": False},
+                                     {"max_num_seqs": 2}], ids=["defaults", "chunked", "no_prefix_caching", "two_seqs"])
 def test_greedy_equals_transformers(kimi, options):
     path, tokenizer, refs = kimi
     assert _run(LLMEngine(str(path), **options), tokenizer) == refs
