@@ -1,7 +1,8 @@
 """Kimi-K2.5's vision tower + projector at the published sizes (27 blocks of 1152, 16 heads, 14-pixel patches,
 2x2 merge to 7168), random weights, on one GPU: milliseconds per encode of a batch of images, ours
-(models/kimi_k25_vision.py) against transformers' Kimi_K25VisionModel + projector (SDPA; its own random weights: speed only), and
-the preprocessing (multimodal/processors/kimi_k25.py) per image on the CPU. What an image adds to TTFT.
+(models/kimi_k25_vision.py) against transformers' Kimi_K25VisionModel + projector (SDPA; its own random
+weights: speed only), and the preprocessing (multimodal/processors/kimi_k25.py) per image on the CPU. What an
+image adds to TTFT.
 
 `python -m benchmarks.engine.kimi_k25_vision_bench --size 1024x1024 --images 1,8 --dtype bfloat16`
 """

@@ -71,8 +71,9 @@ def _our_greedy(model, ids, items, chunk: int, block_size: int = 16) -> list[int
                     rows.extend(range(first - done, last - done))
                     pieces.append(emb[first - item.offset:last - item.offset])
             mm = MultimodalEmbeds(torch.tensor(rows), torch.cat(pieces)) if pieces else None
-            meta = AttentionMetadata(torch.tensor([0, n], dtype=torch.int32), torch.tensor([done + n], dtype=torch.int32),
-                                     table, torch.arange(done, done + n, dtype=torch.int64), n, done + n)
+            meta = AttentionMetadata(torch.tensor([0, n], dtype=torch.int32),
+                                     torch.tensor([done + n], dtype=torch.int32), table,
+                                     torch.arange(done, done + n, dtype=torch.int64), n, done + n)
             with set_attention_metadata(meta):
                 hidden = model(torch.tensor(tokens[done:done + n]), torch.arange(done, done + n), mm)
             done += n
