@@ -26,6 +26,15 @@ def read_prompts(prompts: List[str], file: Optional[Path]) -> List[str]:
     return out
 
 
+def read_images(paths: List[Path]) -> List[bytes]:
+    out = []
+    for path in paths:
+        if not path.is_file():
+            raise ValueError(f"image file not found: {path}")
+        out.append(path.read_bytes())
+    return out
+
+
 def apply_chat(engine, prompt: str, chat: Optional[bool]) -> str:
     tok = engine.tokenizer
     has_template = tok is not None and getattr(tok, "chat_template", None)
@@ -57,6 +66,7 @@ def generate_cmd(
     frequency_penalty: float = typer.Option(0.0),
     as_json: bool = typer.Option(False, "--json", help="Print the output dicts as JSON."),
     lora: Optional[str] = typer.Option(None, "--lora", help="Run the prompts with this LoRA adapter (a --lora-modules name; needs --enable-lora)."),
+    image: List[Path] = typer.Option(None, "--image", help="An image file each prompt asks about (repeatable; a vision-language model, through its chat template)."),
     engine_args: dict = None,
 ):
     """Generate text for one or more prompts.
@@ -73,11 +83,18 @@ def generate_cmd(
         max_tokens=max_tokens, stop=stop or [], ignore_eos=ignore_eos, repetition_penalty=repetition_penalty,
         presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
     )
+    images = read_images(image or [])
+    if images and chat is False:
+        raise ValueError("--image needs the chat template (it places the image); drop --no-chat")
     engine = LLMEngine(**engine_kwargs(engine_args))
-    texts = [apply_chat(engine, t, chat) for t in user_prompts]
+    if images:
+        texts = [engine.image_chat_prompt(t, len(images)) for t in user_prompts]
+    else:
+        texts = [apply_chat(engine, t, chat) for t in user_prompts]
+    per_prompt = [images] * len(texts) if images else None
     start = time.perf_counter()
     if as_json or len(texts) > 1:
-        outputs = engine.generate(texts, params, lora=lora)
+        outputs = engine.generate(texts, params, lora=lora, images=per_prompt)
         if as_json:
             print(json.dumps(outputs, indent=2))
         else:
@@ -88,7 +105,7 @@ def generate_cmd(
             sys.stdout.write(text)
             sys.stdout.flush()
 
-        engine.add_request(texts[0], params, stream_callback=on_token, lora=lora)
+        engine.add_request(texts[0], params, stream_callback=on_token, lora=lora, images=per_prompt)
         outputs = []
         while not engine.is_finished():
             outputs += [s.as_dict() for s in engine.step() if s.finished]

@@ -189,3 +189,30 @@ class TestPositionalModel:
         assert result.exit_code == 1 and seen == {}
         assert "the model is given twice" in result.output
         assert repr(str(tiny_llama)) in result.output and repr(flag) in result.output
+
+
+class TestMediaOptions:
+    def test_flags_reach_the_server_options(self, serve_calls, tmp_path):
+        media = serve_calls("--allowed-local-media-path", str(tmp_path), "--limit-mm-per-prompt", '{"image": 3}',
+                            "--media-fetch-timeout", "2.5", "--max-media-bytes", "1000")["options"].media
+        assert (media.allowed_local_media_path, media.limit_images_per_prompt) == (tmp_path.resolve(), 3)
+        assert (media.media_fetch_timeout, media.max_media_bytes) == (2.5, 1000)
+        default = serve_calls()["options"].media
+        assert default.allowed_local_media_path is None and default.limit_images_per_prompt == 16
+
+    @pytest.mark.parametrize("args, fragment", [
+        (["--limit-mm-per-prompt", "4"], 'expected {"image": N}'),
+        (["--limit-mm-per-prompt", "{bad"], "expected JSON"),
+        (["--limit-mm-per-prompt", '{"video": 1}'], "images are the only modality"),
+        (["--limit-mm-per-prompt", '{"image": -1}'], "expected an integer >= 0"),
+        (["--allowed-local-media-path", "/no/such/dir"], "is not a directory"),
+        (["--media-fetch-timeout", "0"], "--media-fetch-timeout"),
+        (["--max-media-bytes", "0"], "--max-media-bytes"),
+    ])
+    def test_bad_values_are_one_line_errors(self, monkeypatch, args, fragment):
+        import atom_core.server.app as server_app
+        from atomctl.main import app
+
+        monkeypatch.setattr(server_app, "run_server", lambda *a, **k: 0)
+        result = CliRunner().invoke(app, ["serve", "--model", "/m", *args])
+        assert result.exit_code == 1 and fragment in result.stderr, result.output
