@@ -118,3 +118,19 @@ def test_prefix_cache_reuses_an_image_and_never_confuses_two(kimi):
     other = engine.generate([prompt], GREEDY, images=[[IMAGES["b"]]])
     assert kv.num_hit_tokens - hits == image_at // block * block
     assert first[0]["token_ids"] == again[0]["token_ids"] == refs[0] and other[0]["token_ids"] == refs[1]
+
+
+def test_image_chat_prompt_and_image_files(kimi, tmp_path):
+    """LLMEngine.image_chat_prompt writes Kimi's media block through the chat template; an image file path
+    is read as its bytes (what `atomctl generate --image` sends)."""
+    import transformers as tf
+
+    path, tokenizer, _ = kimi
+    engine = LLMEngine(str(path))
+    prompt = engine.image_chat_prompt("What is in the picture?")
+    assert "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>What is in the picture?" in prompt
+    (tmp_path / "a.png").write_bytes(_png(IMAGES["a"]))
+    out = engine.generate([prompt], GREEDY, images=[[tmp_path / "a.png"]])
+    hf = tf.Kimi_K25ForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32).eval()
+    processor = KimiK25ImageProcessor(path, json.loads((path / "config.json").read_text()), tokenizer)
+    assert out[0]["token_ids"] == _hf_reference(hf, tokenizer, processor, ["a", "What is in the picture?"])
