@@ -119,8 +119,10 @@ def _text_model_config(hf_config, arch: str):
     the checkpoint's model.language_model.* to the text model's model.*; dtype where the text part has none)."""
     text = copy.deepcopy(hf_config.text_config)
     text.architectures = [arch]
-    # what the vision tower and the image placeholders need (models/qwen3_5.py)
-    for key in ("vision_config", "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
+    # what the vision tower and the image placeholders need (models/qwen3_5.py; models/kimi_k25.py: the
+    # projector's fields, and the published config's name for the image token)
+    for key in ("vision_config", "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
+                "projection_hidden_size", "projection_layer_norm_eps", "media_placeholder_token_id"):
         if getattr(hf_config, key, None) is not None:
             setattr(text, key, copy.deepcopy(getattr(hf_config, key)))
     text.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))

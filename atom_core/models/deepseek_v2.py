@@ -58,7 +58,8 @@ def shared_rotary(config) -> RotaryEmbedding:
 
 
 # Families whose HF config has no topk_method field: their routing is always V3's.
-NOAUX_TC_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
+NOAUX_TC_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
+                          "KimiK25ForConditionalGeneration", "Kimi_K25ForConditionalGeneration")
 
 
 def deepseek_routing(config) -> MoERouting:

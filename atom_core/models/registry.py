@@ -22,11 +22,15 @@ _MODELS = {
     "Qwen3_5MoeForCausalLM": ("atom_core.models.qwen3_5", "Qwen3_5MoeForCausalLM"),
     "Qwen3_5ForConditionalGeneration": ("atom_core.models.qwen3_5", "Qwen3_5ForConditionalGeneration"),
     "Qwen3_5MoeForConditionalGeneration": ("atom_core.models.qwen3_5", "Qwen3_5MoeForConditionalGeneration"),
+    # The published config's name, and transformers' class name for the same model
+    "KimiK25ForConditionalGeneration": ("atom_core.models.kimi_k25", "KimiK25ForConditionalGeneration"),
+    "Kimi_K25ForConditionalGeneration": ("atom_core.models.kimi_k25", "KimiK25ForConditionalGeneration"),
 }
 
 # Vision-language architectures whose config's `text_config` is the model's config, with the vision
 # config attached (loader/model_dir.py resolves it).
-_TEXT_OF_MULTIMODAL = frozenset({"Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"})
+_TEXT_OF_MULTIMODAL = frozenset({"Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
+                                 "KimiK25ForConditionalGeneration", "Kimi_K25ForConditionalGeneration"})
 
 
 # Architectures whose checkpoints may carry a trust_remote_code config (their own model_type)

@@ -8,6 +8,8 @@ from pathlib import Path
 _PROCESSORS = {
     "Qwen3_5ForConditionalGeneration": ("atom_core.multimodal.processors.qwen3_5", "Qwen3_5ImageProcessor"),
     "Qwen3_5MoeForConditionalGeneration": ("atom_core.multimodal.processors.qwen3_5", "Qwen3_5ImageProcessor"),
+    "KimiK25ForConditionalGeneration": ("atom_core.multimodal.processors.kimi_k25", "KimiK25ImageProcessor"),
+    "Kimi_K25ForConditionalGeneration": ("atom_core.multimodal.processors.kimi_k25", "KimiK25ImageProcessor"),
 }
 
 
