@@ -21,10 +21,11 @@ MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-def build_tiny_dsa(path: Path, family: str, seed: int = 0) -> Path:
+def build_tiny_dsa(path: Path, family: str, seed: int = 0, num_layers: int = 2) -> Path:
     """2 layers (layer 0 dense, layer 1 MoE), hidden 64, 4 heads, kv_lora_rank 32, q_lora_rank 24,
     nope 16 / rope 16 / v 24, 8 experts top-2, indexer 8 heads of 32, index_topk 8. GLM-5's
-    second layer is a "shared" one (no indexer: it reuses layer 0's selection)."""
+    second layer is a "shared" one (no indexer: it reuses layer 0's selection); layers past it
+    (num_layers > 2) are "full"."""
     import transformers as tf
 
     from tests.tiny_models import build_tokenizer, randomize_weights
@@ -32,7 +33,7 @@ def build_tiny_dsa(path: Path, family: str, seed: int = 0) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(path)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=num_layers,
                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024, kv_lora_rank=32,
                   q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=24, n_routed_experts=8,
                   num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
@@ -43,7 +44,7 @@ def build_tiny_dsa(path: Path, family: str, seed: int = 0) -> Path:
     if family == "v32":
         model = tf.DeepseekV32ForCausalLM(tf.DeepseekV32Config(**common))
     else:
-        model = tf.GlmMoeDsaForCausalLM(tf.GlmMoeDsaConfig(**common, indexer_types=["full", "shared"]))
+        model = tf.GlmMoeDsaForCausalLM(tf.GlmMoeDsaConfig(**common, indexer_types=["full", "shared"] + ["full"] * (num_layers - 2)))
     randomize_weights(model)
     model.save_pretrained(str(path))
     tf.GenerationConfig(eos_token_id=eos, pad_token_id=0).save_pretrained(str(path))

@@ -17,7 +17,6 @@ def build_tiny_deepseek_v3_mtp(path: Path, own_copies: bool = True, seed: int = 
     the nextn layer carries its own embed_tokens and shared_head.head (random, unlike the
     model's, so a test sees which one is used); otherwise the engine must reuse the model's."""
     import transformers as tf
-    from safetensors.torch import load_file, save_file
 
     from tests.tiny_models import build_tokenizer, randomize_weights
 
@@ -37,8 +36,20 @@ def build_tiny_deepseek_v3_mtp(path: Path, own_copies: bool = True, seed: int = 
     randomize_weights(model)
     model.save_pretrained(str(path))
     tf.GenerationConfig(eos_token_id=eos, pad_token_id=0).save_pretrained(str(path))
+    return append_nextn_tensors(path, 3, own_copies)
+
+
+def append_nextn_tensors(path: Path, index: int, own_copies: bool = True) -> Path:
+    """Turn the saved model's last decoder layer (`index`) into its nextn layer: random enorm /
+    hnorm / eh_proj / shared_head tensors beside it (and its own embed_tokens / shared_head.head
+    with own_copies), config.json cut to `index` layers (per-layer lists too, as the published
+    configs list decoder layers only) with num_nextn_predict_layers 1."""
+    from safetensors.torch import load_file, save_file
+
+    raw = json.loads((path / "config.json").read_text())
+    vocab, hidden = raw["vocab_size"], raw["hidden_size"]
     weights = load_file(str(path / "model.safetensors"))
-    nextn = "model.layers.3."
+    nextn = f"model.layers.{index}."
     weights[nextn + "enorm.weight"] = 1 + 0.2 * torch.randn(hidden)
     weights[nextn + "hnorm.weight"] = 1 + 0.2 * torch.randn(hidden)
     weights[nextn + "shared_head.norm.weight"] = 1 + 0.2 * torch.randn(hidden)
@@ -48,7 +59,9 @@ def build_tiny_deepseek_v3_mtp(path: Path, own_copies: bool = True, seed: int = 
         weights[nextn + "shared_head.head.weight"] = 0.15 * torch.randn(vocab, hidden)
     save_file({k: v.contiguous() for k, v in weights.items()}, str(path / "model.safetensors"),
               metadata={"format": "pt"})
-    raw = json.loads((path / "config.json").read_text())
-    raw.update(num_hidden_layers=3, num_nextn_predict_layers=1)
+    for key, value in raw.items():  # layer_types, mlp_layer_types, indexer_types, ...
+        if key.endswith("_types") and isinstance(value, list) and len(value) == raw["num_hidden_layers"]:
+            raw[key] = value[:index]
+    raw.update(num_hidden_layers=index, num_nextn_predict_layers=1)
     (path / "config.json").write_text(json.dumps(raw, indent=2))
     return path
