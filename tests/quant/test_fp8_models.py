@@ -55,8 +55,9 @@ def prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 17, 9)]
 
 
-def write_block_fp8(src, dst, not_convert=()) -> None:
-    """Rewrite the bf16 checkpoint in `src` as a block-FP8 one in `dst` (DeepSeek-V3 layout)."""
+def write_block_fp8(src, dst, not_convert=(), quantized=QUANTIZED) -> None:
+    """Rewrite the bf16 checkpoint in `src` as a block-FP8 one in `dst` (DeepSeek-V3 layout):
+    the Linears named in `quantized`."""
     import shutil
 
     shutil.copytree(src, dst)
@@ -64,7 +65,7 @@ def write_block_fp8(src, dst, not_convert=()) -> None:
     out = {}
     for name, t in tensors.items():
         module = name.rsplit(".", 2)
-        if name.endswith(".weight") and module[-2] in QUANTIZED and not any(f".{m}." in name for m in not_convert):
+        if name.endswith(".weight") and module[-2] in quantized and not any(f".{m}." in name for m in not_convert):
             q, s = quantize_fp8_block(t.float(), (128, 128))
             out[name], out[name.replace(".weight", ".weight_scale_inv")] = q, s
         else:
@@ -100,10 +101,10 @@ def _fake_quant_experts(module, group):
     module.forward = wrapped
 
 
-def hf_reference(path, group=128, online=False):
+def hf_reference(path, group=128, online=False, quantized=QUANTIZED):
     """HF's greedy tokens and its logits along them, for each prompt; every quantized Linear's
-    input fake-quantized per token per `group` columns (None: the whole row); `online`: its
-    weight rounded to e4m3 per output channel first."""
+    (those named in `quantized`) input fake-quantized per token per `group` columns (None: the
+    whole row); `online`: its weight rounded to e4m3 per output channel first."""
     from transformers import AutoModelForCausalLM
 
     # eager experts: a per-expert F.linear loop the activation hook can reach (not grouped_mm)
@@ -111,7 +112,7 @@ def hf_reference(path, group=128, online=False):
     cfg = json.loads((path / "config.json").read_text()).get("quantization_config", {})
     skip = tuple(cfg.get("modules_to_not_convert") or ())
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in QUANTIZED \
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in quantized \
                 and not any(f".{m}." in name for m in skip):
             if online:
                 w = module.weight.data
