@@ -136,12 +136,15 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES: auto = the model's; fp8 halves the bytes per token
     # (fp8_per_token_head: plus a float32 scale per token and KV head, see KVCacheFormat)
+    index_cache_dtype: str = "auto"  # INDEX_CACHE_DTYPES: sparse-attention indexer keys (kv_spec.set_index_cache_dtype)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             _fail(self, "block_size", "must be a power of two")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             _fail(self, "kv_cache_dtype", f"must be one of: {', '.join(KV_CACHE_DTYPES)}")
+        if self.index_cache_dtype not in INDEX_CACHE_DTYPES:
+            _fail(self, "index_cache_dtype", f"must be one of: {', '.join(INDEX_CACHE_DTYPES)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             _fail(self, "num_kv_blocks", "must be >= 1")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -150,6 +153,7 @@ class CacheConfig:
             _fail(self, "kv_cache_memory_gb", "must be > 0")
 
 
+INDEX_CACHE_DTYPES = ("auto", "fp8")
 KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2",
                    "fp8_per_token_head")
 

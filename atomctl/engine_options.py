@@ -33,6 +33,7 @@ ENGINE_OPTIONS = {
     "kv_cache_memory_gb": (float, typer.Option(1.0, help="KV cache size on the CPU, in GiB.")),
     "enable_prefix_caching": (bool, typer.Option(True, "--enable-prefix-caching/--no-enable-prefix-caching")),
     "kv_cache_dtype": (str, typer.Option("auto", help="KV cache element type: auto (the model's), bf16, fp16, fp8 (= fp8_e4m3), fp8_e5m2 or fp8_per_token_head. FP8 halves the bytes per token (twice the tokens in the same memory); fp8/fp8_e5m2 store K/V divided by the layer's checkpoint k_scale/v_scale (or 1.0); fp8_per_token_head (e4m3, vLLM's name; ATOM's fp8 on AITER) stores each token's K and V of one KV head with its own float32 scale (amax / 448, 4 bytes more per head and plane; checkpoint scales are then not used). Attention reads FP8 natively.")),
+    "index_cache_dtype": (str, typer.Option("auto", help="Sparse-attention indexer keys (DeepSeek-V3.2, GLM-5): auto (the model dtype, as HF computes them) or fp8 (the public recipe: the indexer's query and key Hadamard-rotated, keys stored as e4m3 with a float32 scale per 128 values, 132 instead of 256 bytes per token and layer at index_head_dim 128). Refused for models without an indexer.")),
     "enable_chunked_prefill": (bool, typer.Option(True, "--enable-chunked-prefill/--no-enable-chunked-prefill")),
     "enforce_eager": (bool, typer.Option(False, "--enforce-eager", help="No CUDA graphs, no torch.compile.")),
     "level": (int, typer.Option(3, help="0 eager, 1 CUDA graphs, 2 torch.compile, 3 compile + CUDA graphs (default).")),

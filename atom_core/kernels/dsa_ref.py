@@ -15,6 +15,12 @@ keeps all of them. Returned as KV cache slots in ascending position order, -1 pa
 fixed shape, so decode stays CUDA-graph safe. Shapes as in torch_ref (T tokens, S sequences,
 NB blocks, BS block size, MB max blocks per sequence); Hi indexer heads, D indexer head dim,
 K index_topk, W the score row width (max_seq_len).
+
+FP8 indexer keys (the public recipe; HF keeps bf16 keys): the indexer's query and key are
+rotated by the normalized Hadamard matrix after RoPE (orthogonal: the exact scores are
+unchanged, while outlier dims are spread before rounding), and each key is stored as e4m3 in
+groups of 128 values, each with its float32 scale amax / 448 ([NB, BS, G, D / G] codes and
+[NB, BS, G] scales; the query stays in the model dtype). The scores read key = code * scale.
 """
 from __future__ import annotations
 
@@ -36,20 +42,40 @@ def _query_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_
     return seq, pos
 
 
+def hadamard_matrix(dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The normalized Sylvester Hadamard matrix [dim, dim] float32 (orthogonal, symmetric);
+    `dim` a power of two."""
+    if dim < 1 or dim & (dim - 1):
+        raise ValueError(f"a Hadamard rotation needs a power-of-two dim, got {dim}")
+    h = torch.ones(1, 1)
+    while h.shape[0] < dim:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h * dim ** -0.5).to(device)
+
+
+def dequantize_index_cache(index_cache: torch.Tensor, index_scale_cache: torch.Tensor) -> torch.Tensor:
+    """FP8 codes [NB, BS, G, D / G] and scales [NB, BS, G] -> keys [NB, BS, 1, D] float32."""
+    keys = index_cache.float() * index_scale_cache[..., None]
+    return keys.flatten(2).unsqueeze(2)
+
+
 def dsa_index_scores(
     index_q: torch.Tensor,  # [T, Hi, D]: the indexer's roped queries
     weights: torch.Tensor,  # [T, Hi] float: per-head weights (times Hi^-0.5)
-    index_cache: torch.Tensor,  # [NB, BS, 1, D]: the indexer's roped keys
+    index_cache: torch.Tensor,  # [NB, BS, 1, D]: the indexer's roped keys (FP8: [NB, BS, G, D / G] codes)
     block_tables: torch.Tensor,  # [S, MB] int32
     query_start_loc: torch.Tensor,  # [S + 1] int32
     seq_lens: torch.Tensor,  # [S] int32, KV length after this step
     scale: float,  # the indexer's softmax scale, D^-0.5
     max_seq_len: int,  # W: the width of the score rows
     max_query_len: int | None = None,  # an upper bound of any sequence's rows (kernels size grids with it)
+    index_scale_cache: torch.Tensor | None = None,  # [NB, BS, G] float32: FP8 keys' scales (module doc)
 ) -> torch.Tensor:
     """score [T, W] float32: sum_h weights[t, h] * relu(scale * index_q[t, h] . key_j) at the
     positions j <= t's position, -inf elsewhere; rows past query_start_loc[-1] are undefined
     (here -inf)."""
+    if index_scale_cache is not None:
+        index_cache = dequantize_index_cache(index_cache, index_scale_cache)
     num_tokens = index_q.shape[0]
     out = torch.full((num_tokens, max_seq_len), float("-inf"), dtype=torch.float32, device=index_q.device)
     qsl, lens = query_start_loc.tolist(), seq_lens.tolist()

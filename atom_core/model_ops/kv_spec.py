@@ -15,7 +15,10 @@ A sparse-attention MLA layer (DeepSeek Sparse Attention) also caches its indexer
 (index_head_dim > 0): one tensor [layers_in_group, num_blocks, block_size, 1, index_head_dim] per
 group in the spec's dtype, layer i's view at [i] (index_cache), indexed by the same blocks and
 slots as the latent, and counted in bytes_per_token, so it is sized, prefix-cached, preempted and
-freed with the latent.
+freed with the latent. With FP8 indexer keys (--index-cache-dtype fp8, index_fp8) the tensor
+is float8_e4m3fn [layers, num_blocks, block_size, G, index_head_dim / G] with G = one group per
+128 values, beside float32 scales [layers, num_blocks, block_size, G] (index_scale_cache): each
+group of a token's key stored divided by its own amax / 448.
 """
 from __future__ import annotations
 
@@ -42,7 +45,8 @@ class KVSpec:
     mha: K and V, each num_kv_heads x head_size. mla: one compressed latent of head_size per
     token (num_kv_heads is 1; V is read from the latent, so nothing separate is stored).
     per_token_head_scales (FP8 mha only): a float32 scale per token, KV head and plane besides.
-    index_head_dim (mla only): the sparse-attention indexer's key per token besides, in `dtype`.
+    index_head_dim (mla only): the sparse-attention indexer's key per token besides, in `dtype`,
+    or with index_fp8 in e4m3 plus one float32 scale per INDEX_FP8_GROUP values.
     """
 
     kind: Literal["mha", "mla"]
@@ -53,6 +57,7 @@ class KVSpec:
     has_sinks: bool = False
     per_token_head_scales: bool = False
     index_head_dim: int = 0
+    index_fp8: bool = False
 
     def __post_init__(self):
         if self.kind not in ("mha", "mla"):
@@ -66,6 +71,14 @@ class KVSpec:
         if self.index_head_dim < 0 or (self.index_head_dim and self.kind != "mla"):
             raise ValueError(f"an indexer key cache (index_head_dim {self.index_head_dim}) needs an mla layer, "
                              f"not {self.kind}")
+        if self.index_fp8 and (not self.index_head_dim or self.index_head_dim % self.index_groups):
+            raise ValueError(f"FP8 indexer keys need an indexer whose key dim ({self.index_head_dim}) is below "
+                             f"{INDEX_FP8_GROUP} or a multiple of it")
+
+    @property
+    def index_groups(self) -> int:
+        """Scale groups per indexer key (index_fp8): one per INDEX_FP8_GROUP values."""
+        return -(-self.index_head_dim // INDEX_FP8_GROUP)
 
     @property
     def num_planes(self) -> int:
@@ -75,7 +88,10 @@ class KVSpec:
     @property
     def bytes_per_token(self) -> int:
         scale_bytes = 4 if self.per_token_head_scales else 0  # one float32 per (plane, kv head)
-        index_bytes = self.index_head_dim * self.dtype.itemsize
+        if self.index_fp8:
+            index_bytes = self.index_head_dim + 4 * self.index_groups
+        else:
+            index_bytes = self.index_head_dim * self.dtype.itemsize
         return self.num_planes * self.num_kv_heads * (self.head_size * self.dtype.itemsize + scale_bytes) + index_bytes
 
 
@@ -85,6 +101,25 @@ def attention_layers(model: nn.Module) -> list["Attention"]:
 
 
 FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+INDEX_FP8_GROUP = 128  # indexer key values per FP8 scale (the public recipe's quantization block)
+
+
+def set_index_cache_dtype(layers: list["Attention"], name: str) -> None:
+    """--index-cache-dtype: `auto` keeps the indexer keys in the layer dtype (what HF computes);
+    `fp8` stores them as e4m3 with a scale per 128 values, after a Hadamard rotation of the
+    indexer's query and key (the public DeepSeek-V3.2 recipe). Call before sizing and allocating."""
+    if name == "auto":
+        return
+    indexed = [layer for layer in layers if layer.kv_spec.index_head_dim]
+    if not indexed:
+        raise ValueError(f"--index-cache-dtype {name}: the model has no sparse-attention indexer "
+                         f"(DeepSeek-V3.2, GLM-5); use auto")
+    for layer in indexed:
+        dim = layer.kv_spec.index_head_dim
+        if dim & (dim - 1):
+            raise ValueError(f"{layer.prefix}: --index-cache-dtype {name} rotates the indexer by a Hadamard "
+                             f"transform, which needs a power-of-two index_head_dim, not {dim}")
+        layer.kv_spec = dataclasses.replace(layer.kv_spec, index_fp8=True)
 
 
 def set_kv_cache_dtype(layers: list["Attention"], kv_format: torch.dtype | KVCacheFormat) -> None:
@@ -156,10 +191,13 @@ def allocate_kv_cache(layers: list["Attention"], num_blocks: int, block_size: in
         cache = torch.zeros(shape, dtype=spec.dtype, device=device)
         # Zeros: a slot never stored dequantizes to 0, never to NaN.
         scales = torch.zeros(shape[:-1], dtype=torch.float32, device=device) if spec.per_token_head_scales else None
-        index = None
+        index = index_scales = None
         if spec.index_head_dim:
-            index = torch.zeros(len(group), num_blocks, block_size, 1, spec.index_head_dim, dtype=spec.dtype,
-                                device=device)
+            groups = spec.index_groups if spec.index_fp8 else 1
+            index = torch.zeros(len(group), num_blocks, block_size, groups, spec.index_head_dim // groups,
+                                dtype=torch.float8_e4m3fn if spec.index_fp8 else spec.dtype, device=device)
+            if spec.index_fp8:
+                index_scales = torch.zeros(index.shape[:-1], dtype=torch.float32, device=device)
         for i, layer in enumerate(group):
             # mla: the latent is both what K reads and what V is sliced from.
             layer.k_cache, layer.v_cache = cache[0, i], cache[spec.num_planes - 1, i]
@@ -167,11 +205,11 @@ def allocate_kv_cache(layers: list["Attention"], num_blocks: int, block_size: in
             layer.v_scale_cache = scales[1, i] if scales is not None else None
             if index is not None:
                 layer.index_cache = index[i]
+                layer.index_scale_cache = index_scales[i] if index_scales is not None else None
         caches.append(cache)
         if scales is not None:
             caches.append(scales)
-        if index is not None:
-            caches.append(index)
+        caches.extend(t for t in (index, index_scales) if t is not None)
     return caches
 
 
@@ -181,6 +219,7 @@ def release_kv_cache(layers: list["Attention"]) -> None:
         layer.k_scale_cache = layer.v_scale_cache = None
         if layer.kv_spec.index_head_dim:
             layer.index_cache = torch.empty(0)
+            layer.index_scale_cache = None
 
 
 def check_attention_supported(layers: list["Attention"], max_model_len: int, device: torch.device | str) -> None:

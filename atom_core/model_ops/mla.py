@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from atom_core.kernels import kernel_ops
+from atom_core.kernels.dsa_ref import hadamard_matrix
 from atom_core.kernels.torch_ref import deinterleave
 from atom_core.kernel_config import KernelConfig, build_kernel_config
 from atom_core.model_ops.attention_backends import AttentionBackend, get_attention_backend
@@ -203,6 +204,7 @@ class SparseMLAAttention(MLAAttention):
         self.kv_spec = KVSpec("mla", 1, kv_lora_rank + qk_rope_head_dim, self.dtype,
                               index_head_dim=index_head_dim if has_indexer else 0)
         self.index_cache = torch.empty(0)
+        self.index_scale_cache: torch.Tensor | None = None  # FP8 indexer keys' scales (KVSpec.index_fp8)
 
     def backend(self, device: torch.device) -> AttentionBackend:
         if self._backend is None:
@@ -272,15 +274,29 @@ class SparseMLABackend(MLABackend):
         else:  # fresh tensors: the rotary kernel works in place, and the inputs are the op's arguments
             iq, ik = iq.clone(), ik.clone()
         iq, ik = self.ops.rotary_embedding(positions, iq, ik, layer.rotary.cos_sin_cache)
+        if layer.kv_spec.index_fp8:  # the public recipe: rotate both, store the key as e4m3 per 128-value group
+            rotation = self._hadamard(layer.index_head_dim, iq.device)
+            iq = (iq.float() @ rotation).to(iq.dtype)
+            ik = (ik.float() @ rotation).view(num_tokens, *layer.index_cache.shape[2:])  # [T, G, D / G]
+            scales = layer.index_scale_cache
+            self.ops.store_kv_cache(ik, ik, layer.index_cache, layer.index_cache, slot_mapping, scales, scales)
+            return iq
         ik = ik.to(layer.index_cache.dtype)
         self.ops.store_kv_cache(ik, ik, layer.index_cache, layer.index_cache, slot_mapping)
         return iq
+
+    def _hadamard(self, dim: int, device: torch.device) -> torch.Tensor:
+        """The indexer's rotation [dim, dim] float32, built on first use (warm-up, before any graph)."""
+        cached = getattr(self, "_rotation", None)
+        if cached is None or cached.shape[0] != dim or cached.device != device:
+            self._rotation = cached = hadamard_matrix(dim, device)
+        return cached
 
     def select(self, layer: SparseMLAAttention, index_q: torch.Tensor, index_w: torch.Tensor,
                meta) -> torch.Tensor:
         """The slots [T, index_topk] each query row attends to (-1 padded)."""
         scores = self.ops.dsa_index_scores(index_q, index_w, layer.index_cache, meta.block_tables,
                                            meta.query_start_loc, meta.seq_lens, layer.index_scale, meta.max_seq_len,
-                                           meta.max_query_len)
+                                           meta.max_query_len, layer.index_scale_cache)
         return self.ops.dsa_topk(scores, layer.index_topk, meta.block_tables, meta.query_start_loc, meta.seq_lens,
                                  layer.index_cache.shape[1], meta.max_query_len)

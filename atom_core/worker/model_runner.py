@@ -24,7 +24,8 @@ from atom_core.kernels import kernel_ops
 from atom_core.loader import build_model
 from atom_core.model_ops.kv_spec import (allocate_kv_cache, allocate_state_cache, attention_layers,
                                          check_attention_supported, finalize_kv_scales, release_kv_cache,
-                                         set_kv_cache_dtype, state_bytes_per_slot, state_layers, warm_up_attention)
+                                         set_index_cache_dtype, set_kv_cache_dtype, state_bytes_per_slot,
+                                         state_layers, warm_up_attention)
 from atom_core.model_ops.sampler import Sampler
 from atom_core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from atom_core.spec_decode.factory import build_proposer, check_proposer
@@ -120,6 +121,7 @@ class ModelRunner:
         """Each attention layer's KV dtype and scales, checked against max_model_len on this device."""
         self.attention_layers = attention_layers(self.model)
         set_kv_cache_dtype(self.attention_layers, kv_cache_format(self.config.cache.kv_cache_dtype, self.dtype))
+        set_index_cache_dtype(self.attention_layers, self.config.cache.index_cache_dtype)
         finalize_kv_scales(self.attention_layers)
         check_attention_supported(self.attention_layers, self.max_model_len, self.device)
         self._check_state_layers()

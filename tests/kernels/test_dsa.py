@@ -152,3 +152,57 @@ def test_real_shapes_decode_bf16():
     assert torch.equal(slots, dsa_ref.dsa_topk(ref_scores, 2048, tables, qsl, seq_lens, 16))
     out = mla_sparse_attention(args[0], args[1], args[2], slots, args[6])
     assert rel_err(out, dsa_ref.mla_sparse_attention(args[0], args[1], args[2], slots, args[6])) < TOL[torch.bfloat16]
+
+
+def fp8_keys(index_cache: torch.Tensor, groups: int):
+    """Keys [NB, BS, 1, D] -> e4m3 codes [NB, BS, G, D / G] and float32 scales [NB, BS, G]
+    (amax / 448 per group, the store's quantization)."""
+    from atom_core.kernels.torch_ref import quantize_per_token_head
+
+    nb, bs, _, dim = index_cache.shape
+    codes, scales = quantize_per_token_head(index_cache.reshape(nb * bs, groups, dim // groups), torch.float8_e4m3fn)
+    return codes.view(nb, bs, groups, -1), scales.view(nb, bs, groups)
+
+
+class TestFP8IndexScores:
+    @pytest.mark.parametrize("dim,groups", [(32, 1), (256, 2)])
+    def test_matches_reference(self, device, dim, groups):
+        from atom_core.kernels.triton import dsa_index_scores
+
+        _, iargs = index_batch(*CASES["prefill_and_decode"], 4, dim, 16, torch.float32, device, seed=5)
+        codes, scales = fp8_keys(iargs[2], groups)
+        iargs = (*iargs[:2], codes, *iargs[3:])
+        out = dsa_index_scores(*iargs, index_scale_cache=scales).cpu()
+        ref = dsa_ref.dsa_index_scores(*cpu(iargs), index_scale_cache=scales.cpu())
+        assert torch.equal(out.isinf(), ref.isinf())
+        finite = ref.isfinite()
+        assert rel_err(out[finite], ref[finite]) < 1e-5
+
+    def test_rotated_fp8_scores_stay_close_to_exact_and_keep_the_selection(self):
+        """Hadamard-rotated e4m3 keys against the unquantized scores: within e4m3's relative
+        step (2^-3 per value, averaged over the dot) and most of each row's top-8 kept."""
+        _, iargs = index_batch([1, 1, 1], [40, 70, 90], 4, 32, 16, torch.float32, "cpu", seed=9)
+        exact = dsa_ref.dsa_index_scores(*iargs)
+        rotation = dsa_ref.hadamard_matrix(32)
+        q, keys = iargs[0] @ rotation, iargs[2] @ rotation
+        codes, scales = fp8_keys(keys, 1)
+        fp8 = dsa_ref.dsa_index_scores(q, iargs[1], codes, *iargs[3:], index_scale_cache=scales)
+        finite = exact.isfinite()
+        assert torch.equal(fp8.isfinite(), finite)
+        assert rel_err(fp8[finite], exact[finite]) < 2 ** -4
+        overlap = [len(set(a.topk(8).indices.tolist()) & set(b.topk(8).indices.tolist())) for a, b in zip(exact, fp8)]
+        assert min(overlap) >= 6, overlap
+
+    def test_hadamard_is_orthogonal(self):
+        h = dsa_ref.hadamard_matrix(64)
+        assert torch.allclose(h @ h.T, torch.eye(64), atol=1e-6)
+        with pytest.raises(ValueError, match="power-of-two"):
+            dsa_ref.hadamard_matrix(48)
+
+    def test_rejects_fp8_keys_without_scales(self, device):
+        from atom_core.kernels.triton import dsa_index_scores
+
+        _, iargs = index_batch([1], [3], 4, 32, 16, torch.float32, device, seed=1)
+        codes, _ = fp8_keys(iargs[2], 1)
+        with pytest.raises(ValueError, match="index_scale_cache"):
+            dsa_index_scores(*iargs[:2], codes, *iargs[3:])

@@ -12,6 +12,8 @@ Work split
   the row's visible positions only), then one pass writes the positions above it and the first
   ties, ascending, as cache slots through the block table. Both grids come from max_query_len
   and the host width, never from device values: no host sync.
+  FP8 keys (an index_scale_cache): the program loads the e4m3 codes and their group scales and
+  dots the query with code * scale in float32 (the query stays in the model dtype).
 """
 from __future__ import annotations
 
@@ -38,11 +40,12 @@ def _query_row(pid, max_query_len, query_start_loc_ptr, seq_lens_ptr):
 
 @triton.jit(do_not_specialize=["max_query_len", "width", "stride_bt"])
 def _index_scores_kernel(
-    q_ptr, w_ptr, k_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+    q_ptr, w_ptr, k_ptr, ks_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
     scale, max_query_len, width,
-    stride_qt, stride_qh, stride_wt, stride_kb, stride_ks, stride_ot, stride_bt,
+    stride_qt, stride_qh, stride_wt, stride_kb, stride_ks, stride_sb, stride_ss, stride_ot, stride_bt,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    FP8_GROUP: tl.constexpr,
 ):
     tile = tl.program_id(1)
     seq, exists, token, pos = _query_row(tl.program_id(0), max_query_len, query_start_loc_ptr, seq_lens_ptr)
@@ -64,7 +67,12 @@ def _index_scores_kernel(
                         other=0).to(tl.int64)
     k = tl.load(k_ptr + (block_ids * stride_kb + (offs_n % KV_BLOCK_SIZE) * stride_ks)[:, None] + offs_d[None, :],
                 mask=n_ok[:, None], other=0.0)
-    if UPCAST:
+    if FP8_GROUP > 0:  # key = code * its group's scale, in float32
+        ks = tl.load(ks_ptr + (block_ids * stride_sb + (offs_n % KV_BLOCK_SIZE) * stride_ss)[:, None]
+                     + (offs_d // FP8_GROUP)[None, :], mask=n_ok[:, None], other=0.0)
+        k = k.to(tl.float32) * ks
+        q = q.to(tl.float32)
+    elif UPCAST:
         q = q.to(tl.float32)
         k = k.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [H, N]
@@ -143,7 +151,7 @@ def _check_metadata(block_tables, query_start_loc, seq_lens):
 def dsa_index_scores(
     index_q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor, block_tables: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_seq_len: int,
-    max_query_len: int | None = None, *, block_n: int = 64,
+    max_query_len: int | None = None, index_scale_cache: torch.Tensor | None = None, *, block_n: int = 64,
 ) -> torch.Tensor:
     """Same contract as kernels.dsa_ref.dsa_index_scores (max_query_len: an upper bound of the
     rows per sequence, the grid's; default: every row could be one sequence's)."""
@@ -151,14 +159,16 @@ def dsa_index_scores(
     check_dim("weights", weights, 2)
     check_dim("index_cache", index_cache, 4)
     for name, t in (("index_q", index_q), ("weights", weights), ("index_cache", index_cache)):
-        check_float(name, t)
+        if t is not index_cache or t.dtype != torch.float8_e4m3fn:  # FP8 keys: _check_fp8_keys
+            check_float(name, t)
         check_last_dim_contiguous(name, t)
     _check_metadata(block_tables, query_start_loc, seq_lens)
     num_tokens, num_heads, head_dim = index_q.shape
-    if index_cache.shape[2:] != (1, head_dim) or weights.shape != (num_tokens, num_heads):
+    fp8_group = _check_fp8_keys(index_cache, index_scale_cache, head_dim)
+    if (fp8_group == 0 and index_cache.shape[2:] != (1, head_dim)) or weights.shape != (num_tokens, num_heads):
         raise ValueError(f"index_cache {tuple(index_cache.shape)} must be [NB, BS, 1, {head_dim}] and weights "
                          f"{tuple(weights.shape)} [{num_tokens}, {num_heads}]")
-    if head_dim != next_pow2(head_dim) or head_dim < 16 or index_q.dtype != index_cache.dtype:
+    if head_dim != next_pow2(head_dim) or head_dim < 16 or (fp8_group == 0 and index_q.dtype != index_cache.dtype):
         raise ValueError(f"the Triton indexer needs a power-of-two head dim >= 16 and queries in the cache dtype, "
                          f"got {head_dim}, {index_q.dtype} / {index_cache.dtype}")
     check_same_device(index_q=index_q, weights=weights, index_cache=index_cache, block_tables=block_tables,
@@ -168,16 +178,35 @@ def dsa_index_scores(
     max_query_len = num_tokens if max_query_len is None else max_query_len
     if num_tokens == 0 or num_seqs == 0 or max_seq_len == 0:
         return out
+    scales = index_scale_cache if index_scale_cache is not None else out  # out: an unread stand-in pointer
     _index_scores_kernel[(num_seqs * max_query_len, triton.cdiv(max_seq_len, block_n))](
-        index_q, weights, index_cache, out, block_tables, query_start_loc, seq_lens, scale, max_query_len,
+        index_q, weights, index_cache, scales, out, block_tables, query_start_loc, seq_lens, scale, max_query_len,
         max_seq_len, index_q.stride(0), index_q.stride(1), weights.stride(0), index_cache.stride(0),
-        index_cache.stride(1), out.stride(0), block_tables.stride(0),
+        index_cache.stride(1), scales.stride(0), scales.stride(1), out.stride(0), block_tables.stride(0),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, KV_BLOCK_SIZE=index_cache.shape[1],
         BLOCK_H=max(16, next_pow2(num_heads)), BLOCK_N=block_n,
-        DOT_PRECISION="ieee" if index_q.dtype == torch.float32 else None,
-        UPCAST=_INTERPRETED and index_q.dtype != torch.float32, num_warps=4,
+        DOT_PRECISION="ieee" if index_q.dtype == torch.float32 or fp8_group else None,
+        UPCAST=_INTERPRETED and index_q.dtype != torch.float32, FP8_GROUP=fp8_group, num_warps=4,
     )
     return out
+
+
+def _check_fp8_keys(index_cache: torch.Tensor, index_scale_cache: torch.Tensor | None, head_dim: int) -> int:
+    """The FP8 keys' group size (0: keys in the query dtype, no scales)."""
+    if index_scale_cache is None:
+        if index_cache.dtype == torch.float8_e4m3fn:
+            raise ValueError("FP8 indexer keys need their index_scale_cache")
+        return 0
+    groups = index_cache.shape[2]
+    if (index_cache.dtype != torch.float8_e4m3fn or index_scale_cache.dtype != torch.float32
+            or index_cache.shape[2:] != (groups, head_dim // groups) or groups * index_cache.shape[3] != head_dim
+            or index_scale_cache.shape != index_cache.shape[:3] or index_scale_cache.stride(2) != 1
+            or index_cache.stride(2) != index_cache.shape[3]):
+        raise ValueError(f"FP8 indexer keys: index_cache float8_e4m3fn [NB, BS, G, {head_dim} / G] (contiguous "
+                         f"groups) and index_scale_cache float32 [NB, BS, G], got {index_cache.dtype} "
+                         f"{tuple(index_cache.shape)} and {index_scale_cache.dtype} {tuple(index_scale_cache.shape)}")
+    check_same_device(index_cache=index_cache, index_scale_cache=index_scale_cache)
+    return head_dim // groups
 
 
 def dsa_topk(
