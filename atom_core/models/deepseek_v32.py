@@ -3,7 +3,8 @@ with DeepSeek Sparse Attention. Each layer's lightning indexer (`self_attn.index
 q-LoRA latent, wk + LayerNorm k_norm from the hidden state, weights_proj for per-head weights)
 picks the `index_topk` cached tokens each query attends to (model_ops/mla.py SparseMLAAttention;
 the math in kernels/dsa_ref.py). HF's reference (transformers deepseek_v32 / glm_moe_dsa) scores in
-bf16/fp32 without the public recipe's Hadamard rotation and FP8 keys; so do we.
+bf16/fp32 without the public recipe's Hadamard rotation and FP8 keys; so do we by default
+(--index-cache-dtype fp8 selects the recipe's keys: model_ops/mla.py, kv_spec.py).
 
 V3.2 ropes the indexer's first qk_rope_head_dim dims as neox halves, GLM-5 as interleaved pairs;
 GLM-5 layers of `indexer_types` "shared" have no indexer and reuse the selection of the last
