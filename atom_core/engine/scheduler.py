@@ -47,6 +47,10 @@ class Scheduler:
         self.prefill_pacing_min_tokens = config.prefill_pacing_min_tokens
         self.mixed_step_tokens_per_seq = config.mixed_step_tokens_per_seq
         self.mixed_step_min_tokens = config.mixed_step_min_tokens
+        self.prefill_hold_fraction = config.prefill_hold_fraction
+        self.prefill_hold_max_steps = config.prefill_hold_max_steps
+        self._admitting_prompts = False  # the prefill hold: prompts are being admitted (a wave)
+        self.num_schedule_calls = 0  # the clock of the prefill hold
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
@@ -61,6 +65,7 @@ class Scheduler:
         max_tokens = seq.sampling_params.max_tokens
         limit = self.max_model_len if max_tokens is None else seq.num_prompt_tokens + max_tokens
         seq.token_limit = min(limit, self.max_model_len)
+        seq.queued_step = self.num_schedule_calls
         self.requests[seq.request_id] = seq
         self.waiting.append(seq)
 
@@ -77,6 +82,7 @@ class Scheduler:
 
     # ---- scheduling ----------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self.num_schedule_calls += 1
         out = SchedulerOutput()
         scheduled: list[Sequence] = []
         budget = self.max_num_batched_tokens
@@ -128,16 +134,20 @@ class Scheduler:
         """Prompt tokens this step may carry: the whole budget, unless sequences decode and a cap
         is on (SchedulerConfig): pacing, max(min tokens, outstanding prompt tokens / pacing steps);
         the mixed-step cap, what the decodes leave of R tokens per live request (to the nearest granule,
-        at least the cap's minimum, at most the budget), never less than one granule."""
-        if not (self.prefill_pacing_steps or self.mixed_step_tokens_per_seq):
+        at least the cap's minimum, at most the budget), never less than one granule; the prefill
+        hold, none while it holds and the whole budget while it admits."""
+        if not (self.prefill_pacing_steps or self.mixed_step_tokens_per_seq or self.prefill_hold_fraction):
             return self.max_num_batched_tokens
-        outstanding, decodes = 0, 0
+        outstanding, decodes, starting = 0, 0, len(self.waiting)
         for seq in self.running:
             pending = len(seq.token_ids) - seq.num_computed_tokens
             if pending > 1:
                 outstanding += pending
+                starting += 1
             elif pending == 1 and len(seq.token_ids) < seq.token_limit:
                 decodes += 1
+        if self.prefill_hold_fraction:
+            return self.max_num_batched_tokens if self._admits_prompts(starting, decodes) else 0
         if not decodes:
             return self.max_num_batched_tokens
         if self.mixed_step_tokens_per_seq:
@@ -151,22 +161,46 @@ class Scheduler:
         outstanding += sum(seq.num_tokens - seq.num_computed_tokens for seq in self.waiting)
         return max(self.prefill_pacing_min_tokens, -(-outstanding // self.prefill_pacing_steps))
 
+    def _admits_prompts(self, starting: int, decodes: int) -> bool:
+        """The prefill hold: whether prompts may run this step. A wave of admissions starts when nothing
+        decodes, when at least prefill_hold_fraction of the live requests are starting, or when the
+        oldest waiting request has waited prefill_hold_max_steps steps; it lasts until none is starting.
+        Holding the first prompts back while the rest of a closed loop's streams finish lets the wave
+        run beside few decodes, so fewer streams stall for each full-budget prompt step."""
+        arrived = sum(1 for seq in self.waiting if seq.queued_step == self.num_schedule_calls - 1)
+        if starting == arrived:  # only requests queued since the last step start: any wave has ended
+            self._admitting_prompts = False
+        if starting and not self._admitting_prompts:
+            live = len(self.running) + len(self.waiting)
+            oldest = min((seq.queued_step for seq in self.waiting), default=self.num_schedule_calls)
+            self._admitting_prompts = (decodes == 0 or starting >= self.prefill_hold_fraction * live
+                                       or self.num_schedule_calls - oldest >= self.prefill_hold_max_steps)
+        return self._admitting_prompts
+
     def _plan_window(self, out: SchedulerOutput, seqs: list[Sequence]) -> None:
         """Turn a decode-only batch into a multi-step window when every sequence allows it:
         each gets extra tokens to generate (PLACEHOLDERs) and KV slots for them now.
 
-        Each sequence keeps at most the steps left to its token limit. A waiting request would
-        sit out the whole window, so there is none, and the batch is decode-only (the caller checks
-        both; a preempted sequence waits, so a preempting step never plans one); a window that does
-        not fit in free blocks falls back to one step (the blocks already added stay with their
+        The window is num_scheduler_steps long, or, while every sequence may still stop at a stop
+        token, as long as the most tokens any of them has generated (1, 2, 4, ... then the full
+        window): a stop inside a window leaves the rest of it, and the window already launched after
+        it, running for nothing, and a short answer would otherwise pay several windows for a few
+        tokens. Each sequence keeps at most the steps left to its token limit. A waiting request
+        would sit out the whole window, so there is none, and the batch is decode-only (the caller
+        checks both; a preempted sequence waits, so a preempting step never plans one); a window that
+        does not fit in free blocks falls back to one step (the blocks already added stay with their
         sequences, which fill them later).
         """
-        counts = []
+        length = 1
         for seq in seqs:
             params = seq.sampling_params
             if not params.allows_multi_step or seq.num_output_tokens < params.min_tokens:
                 return
-            count = min(self.num_scheduler_steps, seq.token_limit - len(seq.token_ids))
+            may_stop = params.stop_token_ids or (self.eos_token_ids and not params.ignore_eos)
+            length = max(length, min(self.num_scheduler_steps, seq.num_output_tokens if may_stop else 1 << 30))
+        counts = []
+        for seq in seqs:
+            count = min(length, seq.token_limit - len(seq.token_ids))
             end = seq.num_computed_tokens + count
             if end > len(seq.block_table) * self.kv.block_size:
                 if not self.kv.can_append_slots(seq, end):
@@ -240,6 +274,7 @@ class Scheduler:
         seq.draft_token_ids = []
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
+        seq.queued_step = self.num_schedule_calls
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
