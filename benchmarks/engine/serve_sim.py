@@ -2,18 +2,17 @@
 
 C closed-loop clients each send their next request as soon as the previous one finished. The REAL
 scheduler (Scheduler, KVCacheManager, Sequence) decides every step, driven in EngineCore.step's async
-order: step k is scheduled while step k-1 runs on the device, then k-1 is resolved. The device is a
-step-cost model (`StepCost`, `step_cost`), not a GPU: it is a MODEL, good for comparing scheduling
-policies (the mixed-step cap R, max_num_batched_tokens, windows, a new policy) in seconds, not for
-absolute numbers. Its defaults came from H100 profiles of Llama-3-8B (docs/PERFORMANCE.md, ninth to
-eleventh sessions): a 512-token mixed step 17.8 ms on the device (16.0 of kernels), a 640-token one
-~20 ms, a decode-only step of ~44 sequences ~9.9 ms; at c64 it reproduces the served runs at R = 7, 8
-and 10 within 1-5% and overstates R = 6 (by 10%); c256 at R = 8 it put at 3,657 tok/s, served 3,667-3,677
-with fresh prompts. Host time is free unless --host-overhead-ms says otherwise.
+order: step k is scheduled while step k-1 runs on the device, then k-1 is resolved. The device and the
+host's time to build a step are a cost model (benchmarks/engine/step_cost.py), not a GPU: it is a MODEL,
+good for comparing scheduling policies (the prefill hold, the mixed-step cap, the budget, windows) in
+seconds, not for absolute numbers. `--cost h200` (default) is calibrated on one H200's served runs, `h100`
+on the H100 profiles of docs/PERFORMANCE.md's history; docs/SERVING.md has the policies' table.
+Reported as bench serve does: output tok/s, TTFT p50/p99, TPOT p50 (per request), ITL p50 (every gap
+between two token chunks of a request).
 
-    python -m benchmarks.engine.serve_sim --concurrency 64 --num-prompts 320 --input-len 1024 \
-        --output-len 128 --mixed-step-tokens-per-seq 8 [--max-num-batched-tokens 8192] \
-        [--cost-json '{"gemm_ms_per_token": 0.02}'] [--sweep 0,6,8,10] [--json]
+    python -m benchmarks.engine.serve_sim --concurrency 64 [--seed 0] \
+        [--policy 'cap={"mixed_step_tokens_per_seq": 8}' --policy 'at once={"prefill_hold_fraction": 0}'] \
+        [--sweep 0,8] [--cost h200] [--cost-json '{"host_mixed_ms": 0}'] [--stop-at-eos] [--json]
 """
 from __future__ import annotations
 
@@ -258,11 +257,10 @@ def _policies(args) -> list[tuple[str, dict]]:
     """(label, SchedulerConfig overrides) per row: each --policy, each swept R, else serve's default."""
     rows = []
     for spec in args.policy or []:
-        label, sep, text = spec.partition("=")
-        fields = json.loads(text) if sep else None
-        if not label or not isinstance(fields, dict):
-            raise ValueError(f"--policy takes LABEL=JSON (SchedulerConfig fields), got {spec!r}")
-        rows.append((label, fields))
+        cut = spec.find("={")  # the label may hold '=' itself ("R=8")
+        if cut < 1 or not isinstance(fields := json.loads(spec[cut + 1:]), dict):
+            raise ValueError(f"--policy takes LABEL=JSON (an object of SchedulerConfig fields), got {spec!r}")
+        rows.append((spec[:cut], fields))
     if args.sweep:
         try:
             rows += [(f"R={r}", {"mixed_step_tokens_per_seq": int(r)}) for r in args.sweep.split(",")]

@@ -92,7 +92,7 @@ def host_build_ms(cost: StepCost, out: SchedulerOutput) -> float:
 # One H200 (docs/PERFORMANCE.md, 2026-12-01 sitting). Decode: the batch-32 step (5.23 ms at ~256 tokens of
 # context) less its KV and LM head gives the weight floor at small batches; KV at the card's ~4.3 TB/s.
 # Compute-bound steps: gemm_ms_per_token and mixed_overhead_ms fitted to serve's c256 run (R = 8: 5,544 tok/s,
-# TPOT 42.2 ms; modelled 5,514 / 40.7); the rate is effective (~960 TFLOP/s for 14 GFLOP a token, above the
+# TPOT 42.2 ms; modelled 5,518 / 40.7); the rate is effective (~960 TFLOP/s for 14 GFLOP a token, above the
 # ~790 one GEMM measured), so read it as "what the served steps cost", not as a GEMM speed. The c64 run
 # (4,164 tok/s, ITL 12.5 ms) is slower than those device terms (4,777 modelled): host_mixed_ms puts that in
 # a host-bound mixed step (the H100 trace measured 8.5 ms of host issue for a 512-token one), a hypothesis
