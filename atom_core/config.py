@@ -208,12 +208,14 @@ class SchedulerConfig:
     nothing decoding take the whole budget. Exclusive with pacing. 0 = off.
 
     prefill_hold_fraction F > 0: while sequences decode, prompts wait until at least F of the live
-    requests are starting (waiting, or part-way through their prompt), or until the oldest has waited
+    requests are starting (waiting, or part-way through their prompt), until no request has joined the
+    queue for two steps (scheduler.HOLD_QUIET_STEPS), or until the oldest has waited
     prefill_hold_max_steps schedule calls; then prompts take the whole budget beside the decodes until
     none is starting. A closed-loop load then prefills its returning requests in waves of full-budget
     steps while few streams decode, instead of stalling nearly every stream for each prompt that
-    comes back: time per output token falls and the time to first token rises by the wait. Exclusive
-    with pacing and the mixed-step cap. 0 = off."""
+    comes back: time per output token falls and the time to first token rises by the wait; a lone
+    request under light load waits the two quiet steps. Exclusive with pacing and the mixed-step cap.
+    0 = off."""
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192

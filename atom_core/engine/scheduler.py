@@ -22,6 +22,11 @@ from atom_core.spec_decode.stats import SpecDecodeStats
 # docs/PERFORMANCE.md).
 MIXED_STEP_GRANULE = 128
 
+# The prefill hold (SchedulerConfig.prefill_hold_fraction) admits the prompts once no request has joined
+# the queue for this many steps: a closed loop's returning streams arrive about one a step while a wave
+# forms, with gaps when the client is slow, and open-loop traffic at light load rarely twice in a row.
+HOLD_QUIET_STEPS = 2
+
 
 class Scheduler:
     """FCFS continuous batching with chunked prefill and preemption by recompute.
@@ -163,18 +168,22 @@ class Scheduler:
 
     def _admits_prompts(self, starting: int, decodes: int) -> bool:
         """The prefill hold: whether prompts may run this step. A wave of admissions starts when nothing
-        decodes, when at least prefill_hold_fraction of the live requests are starting, or when the
-        oldest waiting request has waited prefill_hold_max_steps steps; it lasts until none is starting.
-        Holding the first prompts back while the rest of a closed loop's streams finish lets the wave
-        run beside few decodes, so fewer streams stall for each full-budget prompt step."""
-        arrived = sum(1 for seq in self.waiting if seq.queued_step == self.num_schedule_calls - 1)
-        if starting == arrived:  # only requests queued since the last step start: any wave has ended
+        decodes, when at least prefill_hold_fraction of the live requests are starting, when no request
+        has joined the queue for HOLD_QUIET_STEPS steps, or when the oldest waiting one has waited
+        prefill_hold_max_steps steps; it lasts until none is starting. Holding the first prompts back
+        while the rest of a closed loop's streams finish and return lets the wave run beside few decodes,
+        so fewer streams stall for each full-budget prompt step; a queue that stopped growing is not
+        waiting for a wave, so a lone request under light load waits only a couple of steps."""
+        last = self.num_schedule_calls - 1  # requests queued since the previous step carry this
+        queued = [seq.queued_step for seq in self.waiting]
+        if starting == queued.count(last):  # only the newcomers start: any wave before them has ended
             self._admitting_prompts = False
         if starting and not self._admitting_prompts:
             live = len(self.running) + len(self.waiting)
-            oldest = min((seq.queued_step for seq in self.waiting), default=self.num_schedule_calls)
+            quiet = last - max(queued, default=last - HOLD_QUIET_STEPS)  # steps since the newest joined
+            waited = last + 1 - min(queued, default=last + 1)  # the oldest's wait, this step included
             self._admitting_prompts = (decodes == 0 or starting >= self.prefill_hold_fraction * live
-                                       or self.num_schedule_calls - oldest >= self.prefill_hold_max_steps)
+                                       or quiet >= HOLD_QUIET_STEPS or waited >= self.prefill_hold_max_steps)
         return self._admitting_prompts
 
     def _plan_window(self, out: SchedulerOutput, seqs: list[Sequence]) -> None:

@@ -120,6 +120,7 @@ class _ServeSim:
     host_overhead_ms: float
     rng: np.random.Generator
     stop_at_eos: bool = False  # answers end at EOS after output_len tokens, max_tokens unset (else ignore EOS)
+    request_rate: float | None = None  # requests a second, Poisson, sent whatever finishes (else the closed loop)
     arrivals: deque = field(default_factory=deque)  # (time ms, request index), in time order
     arrival_ms: dict = field(default_factory=dict)
     first_ms: dict = field(default_factory=dict)
@@ -173,7 +174,8 @@ class _ServeSim:
         for seq in self.scheduler.resolve(out, ModelRunnerOutput(list(out.req_ids), sampled)):
             self.finish_ms[seq.request_id] = t
             self.output_tokens += seq.num_output_tokens
-            self.submit(t + self.client_latency_ms)
+            if self.request_rate is None:
+                self.submit(t + self.client_latency_ms)
 
     def _tokens(self, rid: str, k: int) -> list[int]:
         """The k tokens a step sampled for request rid: EOS as its output_len-th output when answers stop at EOS."""
@@ -184,8 +186,13 @@ class _ServeSim:
         return [EOS_TOKEN if first + j == self.output_len else SAMPLED_TOKEN for j in range(k)]
 
     def run(self, concurrency: int) -> None:
-        for _ in range(concurrency):
-            self.submit(0.0)
+        if self.request_rate is None:
+            for _ in range(concurrency):
+                self.submit(0.0)
+        else:  # bench serve --request-rate R: exponential gaps, the first request at 0
+            gaps = self.rng.exponential(1e3 / self.request_rate, size=self.num_requests - 1)
+            for t in np.concatenate([[0.0], np.cumsum(gaps)]):
+                self.submit(float(t))
         host_ms, device_free_ms = 0.0, 0.0
         pending: _Pending | None = None
         while len(self.finish_ms) < self.num_requests:
@@ -223,17 +230,20 @@ def _record(out: SchedulerOutput, ms: float) -> StepRecord:
 def simulate(sched_config: SchedulerConfig, cost: StepCost, concurrency: int, num_requests: int, input_len: int,
              output_len: int, num_kv_blocks: int = DEFAULT_NUM_KV_BLOCKS, client_latency_ms: float = 1.0,
              host_overhead_ms: float = 0.0, seed: int = 0, max_model_len: int | None = None,
-             stop_at_eos: bool = False) -> SimResult:
+             stop_at_eos: bool = False, request_rate: float | None = None) -> SimResult:
     """Run num_requests requests of input_len random prompt tokens and output_len output tokens
     through C closed-loop clients; times in ms of the model's clock. stop_at_eos: each answer ends with
     EOS as its output_len-th token and sets no max_tokens, so the scheduler cannot see the end coming
-    (else it ignores EOS and max_tokens ends it, as bench serve's --ignore-eos runs do)."""
+    (else it ignores EOS and max_tokens ends it, as bench serve's --ignore-eos runs do). request_rate:
+    open loop, requests sent at Poisson times at this rate a second (concurrency is then ignored)."""
+    if request_rate is not None and not request_rate > 0:
+        raise ValueError(f"--request-rate must be > 0 requests a second, got {request_rate}")
     start = time.perf_counter()
     kv = KVCacheManager(num_kv_blocks, BLOCK_SIZE, enable_prefix_caching=True)
     max_model_len = max_model_len or max(4096, input_len + output_len)
     scheduler = Scheduler(sched_config, kv, max_model_len, [EOS_TOKEN])
     sim = _ServeSim(scheduler, cost, num_requests, input_len, output_len, client_latency_ms, host_overhead_ms,
-                    np.random.default_rng(seed), stop_at_eos)
+                    np.random.default_rng(seed), stop_at_eos, request_rate)
     sim.run(concurrency)
     rids = sorted(sim.finish_ms, key=lambda rid: int(rid.split("-")[1]))
     ttft = [sim.first_ms[rid] - sim.arrival_ms[rid] for rid in rids]
@@ -282,6 +292,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-prompts", type=int, default=None, help="default: 5 x concurrency")
     parser.add_argument("--input-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--request-rate", type=float, default=None,
+                        help="open loop: requests a second at Poisson times (--concurrency then only sizes --num-prompts)")
     parser.add_argument("--stop-at-eos", action="store_true",
                         help="answers end at EOS after --output-len tokens, no max_tokens (default: ignore EOS)")
     parser.add_argument("--policy", action="append", metavar="LABEL=JSON",
@@ -305,12 +317,14 @@ def main(argv: list[str] | None = None) -> None:
         rows = [(label, _config(args, fields)) for label, fields in _policies(args)]
     except (ValueError, TypeError) as e:  # json.JSONDecodeError is a ValueError; an unknown field a TypeError
         parser.error(str(e))
+    if args.request_rate is not None and not args.request_rate > 0:
+        parser.error(f"--request-rate must be > 0 requests a second, got {args.request_rate}")
     if not args.json:
         print(" | ".join(k for k, _ in _COLUMNS))
     for label, config in rows:
         result = simulate(config, cost, args.concurrency, args.num_prompts or 5 * args.concurrency, args.input_len,
                           args.output_len, args.num_kv_blocks, args.client_latency_ms, args.host_overhead_ms,
-                          args.seed, stop_at_eos=args.stop_at_eos)
+                          args.seed, stop_at_eos=args.stop_at_eos, request_rate=args.request_rate)
         summary = {"policy": label, **result.summary()}
         print(json.dumps(summary) if args.json else _row(summary), flush=True)
 

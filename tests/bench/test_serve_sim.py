@@ -66,6 +66,19 @@ def test_answers_that_stop_at_eos_by_hand(window):
         assert [s.forwards for s in result.steps] == [1, 1, 1, 1, 2, 4, 8] * 2
 
 
+def test_open_loop_requests_come_at_their_own_times():
+    """--request-rate: Poisson arrivals whatever finishes. At one request every ~10 s none overlaps, so
+    each sees an idle server (first token after its three chunks, 30 ms); the run lasts until the last one
+    ends, far past what a closed loop of one client would take."""
+    result = simulate(_config(budget=128, steps=1), FLAT_10MS, concurrency=1, num_requests=4, input_len=300,
+                      output_len=5, request_rate=0.1)
+    assert result.num_requests == 4 and result.output_tokens == 20
+    assert result.ttft_ms == pytest.approx([30.0] * 4) and result.tpot_ms == pytest.approx([10.0] * 4)
+    assert result.duration_ms > 1000
+    with pytest.raises(ValueError, match="request-rate"):
+        simulate(_config(), FLAT_10MS, concurrency=1, num_requests=2, input_len=30, output_len=2, request_rate=0)
+
+
 def test_host_time_of_building_a_step_delays_its_start():
     """A mixed step takes 25 ms of host time to build, a decode-only one 2 ms, every forward 10 ms on the
     device: the three prompt chunks start at 25, 50, 75 (host-bound), first token at 85; the decodes
@@ -175,6 +188,7 @@ class TestCommandLine:
         (["--policy", 'x={"no_such_field": 1}'], "no_such_field"),
         (["--policy", 'x={"prefill_hold_fraction": 2}'], "prefill_hold_fraction"),
         (["--cost", "h300"], "invalid choice"),
+        (["--request-rate", "-2"], "--request-rate must be > 0"),
     ])
     def test_bad_input_is_a_usage_error(self, capsys, flags, message):
         with pytest.raises(SystemExit) as exit_info:

@@ -1,15 +1,15 @@
 """The prefill hold (SchedulerConfig.prefill_hold_fraction F): while sequences decode, prompts wait until
-at least F of the live requests are starting (waiting, or part-way through their prompt), or until the
-oldest has waited prefill_hold_max_steps schedule calls; then a wave admits prompts with the whole budget
-until none is starting. With nothing decoding, prompts get the whole budget. Outputs never change, only
-which step runs what."""
+at least F of the live requests are starting (waiting, or part-way through their prompt), until no request
+has joined the queue for HOLD_QUIET_STEPS steps, or until the oldest has waited prefill_hold_max_steps
+schedule calls; then a wave admits prompts with the whole budget until none is starting. With nothing
+decoding, prompts get the whole budget. Outputs never change, only which step runs what."""
 from __future__ import annotations
 
 import pytest
 
 from atom_core.config import EngineConfig, SchedulerConfig
 from atom_core.engine.kv_cache import KVCacheManager
-from atom_core.engine.scheduler import Scheduler
+from atom_core.engine.scheduler import HOLD_QUIET_STEPS, Scheduler
 from atom_core.engine.sequence import FinishReason, SequenceStatus
 from tests.engine.test_mixed_step_cap import decoding, waiting
 from tests.engine.test_prefill_pacing import late_arrivals_equal_hf, prompt_tokens
@@ -31,15 +31,27 @@ def test_nothing_decoding_gets_the_whole_budget():
     assert out.total_tokens == 256  # no decode yet: nothing to hold for
 
 
-def test_a_lone_prompt_waits_beside_decodes():
+def test_a_lone_prompt_waits_only_until_the_queue_is_quiet():
     sched = held(0.4)
     decoding(sched, 10)
     sched.add(make_seq(10, 50))
-    for _ in range(5):
+    for _ in range(HOLD_QUIET_STEPS):
         out, _ = step(sched)
-        # 1 of 11 live requests starting < 0.4: a decode-only step, the prompt still queued
+        # 1 of 11 live requests starting < 0.4, and it has just joined: a decode-only step
         assert prompt_tokens(out) == 0 and out.is_decode_only and len(out) == 10
     assert sched.requests["r10"].status is SequenceStatus.WAITING
+    out, _ = step(sched)  # nobody joined since: no wave is forming, so it starts
+    assert scheduled(out)["r10"] == 50
+
+
+def test_a_growing_queue_is_held_until_the_fraction_starts_a_wave():
+    sched = held(0.4)
+    decoding(sched, 10)
+    for i in range(10, 17):  # one joins every step: 7 of 17 live requests reach 0.4
+        sched.add(make_seq(i, 30))
+        out, _ = step(sched)
+        assert bool(prompt_tokens(out)) == (i == 16)
+    assert prompt_tokens(out) == 7 * 30 and not sched.waiting
 
 
 def test_enough_starting_requests_start_a_wave_that_runs_until_none_is_starting():
@@ -69,11 +81,14 @@ def test_enough_starting_requests_start_a_wave_that_runs_until_none_is_starting(
 def test_the_oldest_prompt_waits_at_most_the_hold_steps():
     sched = held(0.9, max_steps=4)
     decoding(sched, 10)
-    sched.add(make_seq(10, 50))
     held_steps = 0
-    while not prompt_tokens(step(sched)[0]):
+    for i in range(10, 20):  # one joins every step, far from 0.9 of the live requests
+        sched.add(make_seq(i, 20))
+        if prompt_tokens(step(sched)[0]):
+            break
         held_steps += 1
-    assert held_steps == 3  # queued at call n, admitted at call n + 4
+    assert held_steps == 3  # r10 queued after call n, admitted (with those behind it) at call n + 4
+    assert not sched.waiting
 
 
 def test_a_preempted_sequence_queues_anew():
@@ -99,7 +114,7 @@ def test_outputs_are_unchanged_and_fewer_prompt_steps_stall_the_decodes():
             sched.add(s)
         outs = []
         while sched.has_unfinished() or arriving:
-            if arriving and len(outs) % 3 == 2:  # the rest arrive one every third step
+            if arriving and len(outs) >= 2:  # the rest arrive one a step, as a closed loop's streams return
                 sched.add(arriving.pop(0))
             outs.append(step(sched)[0])
             assert len(outs) < 500, "scheduler made no progress"
@@ -129,9 +144,8 @@ def test_bad_options_fail_with_the_flag_named(kwargs, match):
 @pytest.mark.parametrize("async_scheduling", [True, False])
 @pytest.mark.parametrize("fraction", [0.5, 0.9])
 def test_held_engine_equals_hf_greedy(tiny_llama, async_scheduling, fraction):
-    """Five prompts arrive at once while another decodes: 5 of 6 live requests start a wave at F = 0.5
-    beside its decode; at F = 0.9 they wait until it has finished. Greedy tokens are HF's either way."""
+    """Five prompts arrive at once while another decodes: they start a wave at once at F = 0.5 (5 of 6
+    live requests), after the quiet steps at F = 0.9; greedy tokens are HF's either way."""
     ids, arrival = late_arrivals_equal_hf(tiny_llama, (5, 40, 90, 33, 120, 7), 7, max_num_batched_tokens=512,
                                           prefill_hold_fraction=fraction, async_scheduling=async_scheduling)
-    assert prompt_tokens(arrival) == 40 + 90 + 33 + 120 + 7
-    assert (ids[0] in scheduled(arrival)) == (fraction == 0.5)
+    assert scheduled(arrival)[ids[0]] == 1 and prompt_tokens(arrival) == 40 + 90 + 33 + 120 + 7
