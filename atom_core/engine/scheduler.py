@@ -206,7 +206,8 @@ class Scheduler:
             if not params.allows_multi_step or seq.num_output_tokens < params.min_tokens:
                 return
             may_stop = params.stop_token_ids or (self.eos_token_ids and not params.ignore_eos)
-            length = max(length, min(self.num_scheduler_steps, seq.num_output_tokens if may_stop else 1 << 30))
+            wanted = min(self.num_scheduler_steps, seq.num_output_tokens) if may_stop else self.num_scheduler_steps
+            length = max(length, wanted)
         counts = []
         for seq in seqs:
             count = min(length, seq.token_limit - len(seq.token_ids))
