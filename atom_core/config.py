@@ -189,6 +189,7 @@ def kv_cache_format(name: str, model_dtype: torch.dtype) -> KVCacheFormat:
 
 PREFILL_PACING_MIN_TOKENS = 512
 MIXED_STEP_MIN_TOKENS = 256
+PREFILL_HOLD_MAX_STEPS = 16
 
 
 @dataclass(frozen=True)
@@ -208,7 +209,17 @@ class SchedulerConfig:
     A loaded server then runs steps of a few hundred tokens whose decodes ride along compute-bound
     prompt chunks, instead of full-budget prompt steps that stall every decode (TPOT) and end the
     streams in lock-step; the cap grows with the load (256 streams get 4x the step of 64). Steps with
-    nothing decoding take the whole budget. Exclusive with pacing. 0 = off."""
+    nothing decoding take the whole budget. Exclusive with pacing. 0 = off.
+
+    prefill_hold_fraction F > 0: while sequences decode, prompts wait until at least F of the live
+    requests are starting (waiting, or part-way through their prompt), until no request has joined the
+    queue for two steps (scheduler.HOLD_QUIET_STEPS), or until the oldest has waited
+    prefill_hold_max_steps schedule calls; then prompts take the whole budget beside the decodes until
+    none is starting. A closed-loop load then prefills its returning requests in waves of full-budget
+    steps while few streams decode, instead of stalling nearly every stream for each prompt that
+    comes back: time per output token falls and the time to first token rises by the wait; a lone
+    request under light load waits the two quiet steps. Exclusive with pacing and the mixed-step cap.
+    0 = off."""
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
@@ -219,6 +230,8 @@ class SchedulerConfig:
     prefill_pacing_min_tokens: int = PREFILL_PACING_MIN_TOKENS
     mixed_step_tokens_per_seq: int = 0
     mixed_step_min_tokens: int = MIXED_STEP_MIN_TOKENS
+    prefill_hold_fraction: float = 0.0
+    prefill_hold_max_steps: int = PREFILL_HOLD_MAX_STEPS
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -234,6 +247,19 @@ class SchedulerConfig:
         if self.mixed_step_tokens_per_seq and self.prefill_pacing_steps:
             _fail(self, "mixed_step_tokens_per_seq", "cannot be combined with prefill_pacing_steps "
                   "(--prefill-pacing-steps): both cap the prompt tokens beside decodes; choose one")
+        self._check_prefill_hold()
+
+    def _check_prefill_hold(self) -> None:
+        if not 0 <= self.prefill_hold_fraction <= 1:
+            _fail(self, "prefill_hold_fraction", "must be between 0 (off) and 1")
+        if self.prefill_hold_max_steps < 1:
+            _fail(self, "prefill_hold_max_steps", "must be >= 1")
+        if not self.prefill_hold_fraction and self.prefill_hold_max_steps != PREFILL_HOLD_MAX_STEPS:
+            _fail(self, "prefill_hold_max_steps", "applies only with prefill_hold_fraction: set it too")
+        for other in ("prefill_pacing_steps", "mixed_step_tokens_per_seq"):
+            if self.prefill_hold_fraction and getattr(self, other):
+                _fail(self, "prefill_hold_fraction", f"cannot be combined with {other} "
+                      f"(--{other.replace('_', '-')}): both decide the prompt tokens beside decodes; choose one")
 
 
 @dataclass(frozen=True)
@@ -595,13 +621,22 @@ class EngineConfig:
 SERVE_PIECEWISE_SIZES = DEFAULT_PIECEWISE_SIZES + tuple(range(576, 2049, 64))
 
 
-# serve's mixed-step cap (SchedulerConfig.mixed_step_tokens_per_seq): tokens per live request. A
-# step's prefill chunk grows with the number of live requests, so decode tokens keep their share of
-# the step and prompts are admitted while others decode (the cap off, time to first token rises and
-# throughput drops at moderate concurrency, for a shorter time per output token); at high
-# concurrency the streams alone fill the 2,048-token step and the cap changes nothing. 8 measured
-# the best throughput and time to first token among the values tried: see docs/PERFORMANCE.md.
-SERVE_MIXED_STEP_TOKENS_PER_SEQ = 8
+# serve's prompt policy (SchedulerConfig.prefill_hold_fraction): prompts wait while fewer than this
+# fraction of the live requests are starting, then are prefilled in a wave of full-budget steps. The
+# mixed-step cap (serve's earlier default) put a prompt chunk beside nearly every stream in every step:
+# the first token came early and every later token late. The serving model (benchmarks/engine/serve_sim.py;
+# docs/SERVING.md has its table) puts the hold near vLLM's time to first token and per output token at
+# once, with a lower inter-token latency; 0.4 balanced 64 and 256 concurrent streams there.
+SERVE_PREFILL_HOLD_FRACTION = 0.4
+
+
+def serve_prompt_policy(options: dict) -> dict:
+    """serve's options with its prompt policy filled in: the prefill hold at SERVE_PREFILL_HOLD_FRACTION
+    unless the options choose a policy themselves (the hold, the mixed-step cap or pacing, 0 included)."""
+    chosen = ("prefill_hold_fraction", "mixed_step_tokens_per_seq", "prefill_pacing_steps")
+    if any(options.get(name) is not None for name in chosen):
+        return options
+    return {**options, "prefill_hold_fraction": SERVE_PREFILL_HOLD_FRACTION}
 
 
 def serving_config(**options) -> EngineConfig:
@@ -610,11 +645,8 @@ def serving_config(**options) -> EngineConfig:
       captures piecewise graphs, so the mixed prefill + decode steps of a loaded server replay graphs
       too; not where the options chose the mode or the buckets (--piecewise-capture-sizes alone sets
       them);
-    - the mixed-step cap at SERVE_MIXED_STEP_TOKENS_PER_SEQ, unless the options set it or pacing,
-      or turn chunked prefill off."""
-    if ("mixed_step_tokens_per_seq" not in options and not options.get("prefill_pacing_steps")
-            and options.get("enable_chunked_prefill", True)):
-        options = {**options, "mixed_step_tokens_per_seq": SERVE_MIXED_STEP_TOKENS_PER_SEQ}
+    - serve's prompt policy (serve_prompt_policy)."""
+    options = serve_prompt_policy(options)
     config = EngineConfig.from_kwargs(**options)
     if options.get("cudagraph_mode") or options.get("piecewise_capture_sizes") or not config.piecewise_sizes_used:
         return config

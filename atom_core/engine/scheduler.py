@@ -23,6 +23,11 @@ from atom_core.spec_decode.stats import SpecDecodeStats
 # docs/PERFORMANCE.md).
 MIXED_STEP_GRANULE = 128
 
+# The prefill hold (SchedulerConfig.prefill_hold_fraction) admits the prompts once no request has joined
+# the queue for this many steps: a closed loop's returning streams arrive about one a step while a wave
+# forms, with gaps when the client is slow, and open-loop traffic at light load rarely twice in a row.
+HOLD_QUIET_STEPS = 2
+
 
 class Scheduler:
     """FCFS continuous batching with chunked prefill and preemption by recompute.
@@ -49,6 +54,10 @@ class Scheduler:
         self.prefill_pacing_min_tokens = config.prefill_pacing_min_tokens
         self.mixed_step_tokens_per_seq = config.mixed_step_tokens_per_seq
         self.mixed_step_min_tokens = config.mixed_step_min_tokens
+        self.prefill_hold_fraction = config.prefill_hold_fraction
+        self.prefill_hold_max_steps = config.prefill_hold_max_steps
+        self._admitting_prompts = False  # the prefill hold: prompts are being admitted (a wave)
+        self.num_schedule_calls = 0  # the clock of the prefill hold
         self.max_model_len = max_model_len
         # Images: encoder outputs the worker holds; a step encodes at most as many rows as it schedules
         # tokens, or one largest image (as vLLM's encoder budget)
@@ -66,6 +75,7 @@ class Scheduler:
         max_tokens = seq.sampling_params.max_tokens
         limit = self.max_model_len if max_tokens is None else seq.num_prompt_tokens + max_tokens
         seq.token_limit = min(limit, self.max_model_len)
+        seq.queued_step = self.num_schedule_calls
         self.requests[seq.request_id] = seq
         self.waiting.append(seq)
 
@@ -82,6 +92,7 @@ class Scheduler:
 
     # ---- scheduling ----------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self.num_schedule_calls += 1
         out = SchedulerOutput()
         scheduled: list[Sequence] = []
         budget = self.max_num_batched_tokens
@@ -141,16 +152,20 @@ class Scheduler:
         """Prompt tokens this step may carry: the whole budget, unless sequences decode and a cap
         is on (SchedulerConfig): pacing, max(min tokens, outstanding prompt tokens / pacing steps);
         the mixed-step cap, what the decodes leave of R tokens per live request (to the nearest granule,
-        at least the cap's minimum, at most the budget), never less than one granule."""
-        if not (self.prefill_pacing_steps or self.mixed_step_tokens_per_seq):
+        at least the cap's minimum, at most the budget), never less than one granule; the prefill
+        hold, none while it holds and the whole budget while it admits."""
+        if not (self.prefill_pacing_steps or self.mixed_step_tokens_per_seq or self.prefill_hold_fraction):
             return self.max_num_batched_tokens
-        outstanding, decodes = 0, 0
+        outstanding, decodes, starting = 0, 0, len(self.waiting)
         for seq in self.running:
             pending = len(seq.token_ids) - seq.num_computed_tokens
             if pending > 1:
                 outstanding += pending
+                starting += 1
             elif pending == 1 and len(seq.token_ids) < seq.token_limit:
                 decodes += 1
+        if self.prefill_hold_fraction:
+            return self.max_num_batched_tokens if self._admits_prompts(starting, decodes) else 0
         if not decodes:
             return self.max_num_batched_tokens
         if self.mixed_step_tokens_per_seq:
@@ -164,22 +179,51 @@ class Scheduler:
         outstanding += sum(seq.num_tokens - seq.num_computed_tokens for seq in self.waiting)
         return max(self.prefill_pacing_min_tokens, -(-outstanding // self.prefill_pacing_steps))
 
+    def _admits_prompts(self, starting: int, decodes: int) -> bool:
+        """The prefill hold: whether prompts may run this step. A wave of admissions starts when nothing
+        decodes, when at least prefill_hold_fraction of the live requests are starting, when no request
+        has joined the queue for HOLD_QUIET_STEPS steps, or when the oldest waiting one has waited
+        prefill_hold_max_steps steps; it lasts until none is starting. Holding the first prompts back
+        while the rest of a closed loop's streams finish and return lets the wave run beside few decodes,
+        so fewer streams stall for each full-budget prompt step; a queue that stopped growing is not
+        waiting for a wave, so a lone request under light load waits only a couple of steps."""
+        last = self.num_schedule_calls - 1  # requests queued since the previous step carry this
+        queued = [seq.queued_step for seq in self.waiting]
+        if starting == queued.count(last):  # only the newcomers start: any wave before them has ended
+            self._admitting_prompts = False
+        if starting and not self._admitting_prompts:
+            live = len(self.running) + len(self.waiting)
+            quiet = last - max(queued, default=last - HOLD_QUIET_STEPS)  # steps since the newest joined
+            waited = last + 1 - min(queued, default=last + 1)  # the oldest's wait, this step included
+            self._admitting_prompts = (decodes == 0 or starting >= self.prefill_hold_fraction * live
+                                       or quiet >= HOLD_QUIET_STEPS or waited >= self.prefill_hold_max_steps)
+        return self._admitting_prompts
+
     def _plan_window(self, out: SchedulerOutput, seqs: list[Sequence]) -> None:
         """Turn a decode-only batch into a multi-step window when every sequence allows it:
         each gets extra tokens to generate (PLACEHOLDERs) and KV slots for them now.
 
-        Each sequence keeps at most the steps left to its token limit. A waiting request would
-        sit out the whole window, so there is none, and the batch is decode-only (the caller checks
-        both; a preempted sequence waits, so a preempting step never plans one); a window that does
-        not fit in free blocks falls back to one step (the blocks already added stay with their
+        The window is num_scheduler_steps long, or, while every sequence may still stop at a stop
+        token, as long as the most tokens any of them has generated (1, 2, 4, ... then the full
+        window): a stop inside a window leaves the rest of it, and the window already launched after
+        it, running for nothing, and a short answer would otherwise pay several windows for a few
+        tokens. Each sequence keeps at most the steps left to its token limit. A waiting request
+        would sit out the whole window, so there is none, and the batch is decode-only (the caller
+        checks both; a preempted sequence waits, so a preempting step never plans one); a window that
+        does not fit in free blocks falls back to one step (the blocks already added stay with their
         sequences, which fill them later).
         """
-        counts = []
+        length = 1
         for seq in seqs:
             params = seq.sampling_params
             if not params.allows_multi_step or seq.num_output_tokens < params.min_tokens:
                 return
-            count = min(self.num_scheduler_steps, seq.token_limit - len(seq.token_ids))
+            may_stop = params.stop_token_ids or (self.eos_token_ids and not params.ignore_eos)
+            wanted = min(self.num_scheduler_steps, seq.num_output_tokens) if may_stop else self.num_scheduler_steps
+            length = max(length, wanted)
+        counts = []
+        for seq in seqs:
+            count = min(length, seq.token_limit - len(seq.token_ids))
             end = seq.num_computed_tokens + count
             if end > len(seq.block_table) * self.kv.block_size:
                 if not self.kv.can_append_slots(seq, end):
@@ -259,6 +303,7 @@ class Scheduler:
         seq.draft_token_ids = []
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
+        seq.queued_step = self.num_schedule_calls
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 

@@ -50,6 +50,7 @@ class Sequence:
     num_preemptions: int = 0
     num_placeholders: int = 0  # sampled tokens still on the GPU (async scheduling), at the end
     token_limit: int = 1 << 62  # prompt + max_tokens, capped by max_model_len (set by the scheduler)
+    queued_step: int = 0  # Scheduler.num_schedule_calls when it last joined the waiting queue
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -2,23 +2,21 @@
 
 C closed-loop clients each send their next request as soon as the previous one finished. The REAL
 scheduler (Scheduler, KVCacheManager, Sequence) decides every step, driven in EngineCore.step's async
-order: step k is scheduled while step k-1 runs on the device, then k-1 is resolved. The device is a
-step-cost model (`StepCost`, `step_cost`), not a GPU: it is a MODEL, good for comparing scheduling
-policies (the mixed-step cap R, max_num_batched_tokens, windows, a new policy) in seconds, not for
-absolute numbers. Its defaults came from H100 profiles of Llama-3-8B (docs/PERFORMANCE.md, ninth to
-eleventh sessions): a 512-token mixed step 17.8 ms on the device (16.0 of kernels), a 640-token one
-~20 ms, a decode-only step of ~44 sequences ~9.9 ms; at c64 it reproduces the served runs at R = 7, 8
-and 10 within 1-5% and overstates R = 6 (by 10%); c256 at R = 8 it put at 3,657 tok/s, served 3,667-3,677
-with fresh prompts. Host time is free unless --host-overhead-ms says otherwise.
+order: step k is scheduled while step k-1 runs on the device, then k-1 is resolved. The device and the
+host's time to build a step are a cost model (benchmarks/engine/step_cost.py), not a GPU: it is a MODEL,
+good for comparing scheduling policies (the prefill hold, the mixed-step cap, the budget, windows) in
+seconds, not for absolute numbers. `--cost h200` (default) is calibrated on one H200's served runs, `h100`
+on the H100 profiles of docs/PERFORMANCE.md's history; docs/SERVING.md has the policies' table.
+Reported as bench serve does: output tok/s, TTFT p50/p99, TPOT p50 (per request), ITL p50 (every gap
+between two token chunks of a request).
 
-    python -m benchmarks.engine.serve_sim --concurrency 64 --num-prompts 320 --input-len 1024 \
-        --output-len 128 --mixed-step-tokens-per-seq 8 [--max-num-batched-tokens 8192] \
-        [--cost-json '{"gemm_ms_per_token": 0.02}'] [--sweep 0,6,8,10] [--json]
+    python -m benchmarks.engine.serve_sim --concurrency 64 [--seed 0] \
+        [--policy 'cap={"mixed_step_tokens_per_seq": 8}' --policy 'at once={"prefill_hold_fraction": 0}'] \
+        [--sweep 0,8] [--cost h200] [--cost-json '{"host_mixed_ms": 0}'] [--stop-at-eos] [--json]
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import time
 from collections import deque
@@ -27,86 +25,21 @@ from typing import NamedTuple
 
 import numpy as np
 
-from atom_core.config import SERVE_MIXED_STEP_TOKENS_PER_SEQ, SchedulerConfig
+from atom_core.config import SchedulerConfig, serve_prompt_policy
 from atom_core.engine.kv_cache import KVCacheManager
 from atom_core.engine.scheduler import Scheduler
 from atom_core.engine.sequence import Sequence
 from atom_core.sampling_params import SamplingParams
 from atom_core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from benchmarks.engine.step_cost import COST_PRESETS, StepCost, host_build_ms, step_cost
+
+__all__ = ["COST_PRESETS", "SimResult", "StepCost", "main", "simulate", "step_cost"]
 
 BLOCK_SIZE = 16
 DEFAULT_NUM_KV_BLOCKS = 450_000 // BLOCK_SIZE  # ~ an H100's KV cache for Llama-3-8B (bf16)
 VOCAB_SIZE = 128_256  # Llama-3's: random prompts of this vocabulary never share a block (no prefix hits)
-SAMPLED_TOKEN = 1  # every sampled token; not EOS, and requests ignore EOS anyway
+SAMPLED_TOKEN = 1  # every sampled token but a stopping request's last
 EOS_TOKEN = 2
-
-
-@dataclass
-class StepCost:
-    """Device time of one step (ms), H100 + Llama-3-8B bf16 defaults. Edit a field to ask "what if"."""
-
-    gemm_floor_ms: float = 5.4  # the weights are read once a step whatever its size
-    gemm_ms_per_token: float = 0.0190  # compute-bound linears: 19 us a token (512 rows: 9.7 ms)
-    kv_bytes_per_token: float = 131072  # 32 layers x 8 KV heads x 128 x (K, V) x 2 bytes
-    decode_attn_bytes_per_s: float = 2.4e12  # the decode kernel's KV read rate at 40-64 sequences
-    attn_flops_per_token_pair: float = 4 * 4096 * 32  # QK and PV, hidden 4,096, 32 layers
-    prefill_attn_flops: float = 300e12  # achieved by the chunk's causal attention
-    small_ms_per_token: float = 0.00225  # SiLU, norms, RoPE, piecewise copies
-    head_floor_ms: float = 0.35
-    head_ms_per_row: float = 0.0190 / 14  # LM head ~1/14 of the per-token GEMM work
-    decode_only_overhead_ms: float = 1.0  # launch gaps of a full-graph replay + sampler
-    # eager kernel boundaries between piecewise graphs and what the terms above miss: calibrated on the
-    # c64 runs of 2026-11-27 (R = 8: 3,042 modelled against 3,043-3,124 served, TPOT 17.4 / 16.7-17.1)
-    mixed_overhead_ms: float = 2.5
-
-    @classmethod
-    def from_json(cls, text: str | None) -> "StepCost":
-        overrides = json.loads(text) if text else {}
-        if not isinstance(overrides, dict):
-            raise ValueError(f"--cost-json must be a JSON object of StepCost fields, got {text!r}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(overrides) - known)
-        if unknown:
-            raise ValueError(f"unknown StepCost field(s) {unknown}; known: {', '.join(sorted(known))}")
-        bad = sorted(k for k, v in overrides.items() if isinstance(v, bool) or not isinstance(v, (int, float)))
-        if bad:
-            raise ValueError(f"StepCost field(s) {bad} need numbers")
-        return cls(**overrides)
-
-
-def forward_ms(cost: StepCost, num_tokens: int, decode_context: int, chunks: list[tuple[int, int]],
-               sampled_rows: int, decode_only: bool) -> float:
-    """One forward: num_tokens rows, decodes reading decode_context KV tokens in all, prompt chunks
-    (length n, start position p), sampled_rows rows through the LM head."""
-    gemm = max(cost.gemm_floor_ms, num_tokens * cost.gemm_ms_per_token)
-    decode_attention = decode_context * cost.kv_bytes_per_token / cost.decode_attn_bytes_per_s * 1e3
-    # causal: the chunk's token at p + i attends to p + i + 1 keys, n (p + n / 2) pairs in all
-    pairs = sum(n * (p + n / 2) for n, p in chunks)
-    prefill_attention = pairs * cost.attn_flops_per_token_pair / cost.prefill_attn_flops * 1e3
-    small_ops = num_tokens * cost.small_ms_per_token
-    head = max(cost.head_floor_ms, sampled_rows * cost.head_ms_per_row)
-    overhead = cost.decode_only_overhead_ms if decode_only else cost.mixed_overhead_ms
-    return gemm + decode_attention + prefill_attention + small_ops + head + overhead
-
-
-def step_cost(out: SchedulerOutput, num_sampled: list[int], cost: StepCost) -> float:
-    """Device ms of a scheduled step. num_sampled[i]: tokens entry i samples (0: a prompt chunk short
-    of its prompt's end). Entries of one token are decodes (context: their position + 1). A decode
-    window is its forwards back to back, each costed as a decode-only step (overhead included)."""
-    if out.is_window:
-        # out.num_steps forwards of every row; a row past its own count re-runs its last position
-        counts = [1 + len(extra) for extra in out.extra_tokens]
-        contexts = [sum(p + 1 + min(f, c - 1) for p, c in zip(out.num_computed_tokens, counts))
-                    for f in range(out.num_steps)]
-        return sum(forward_ms(cost, len(out), context, [], len(out), True) for context in contexts)
-    decode_context, chunks = 0, []
-    for n, p in zip(out.num_scheduled_tokens, out.num_computed_tokens):
-        if n == 1:
-            decode_context += p + 1
-        else:
-            chunks.append((n, p))
-    sampled_rows = sum(1 for k in num_sampled if k)
-    return forward_ms(cost, out.total_tokens, decode_context, chunks, sampled_rows, out.is_decode_only)
 
 
 class StepRecord(NamedTuple):
@@ -126,6 +59,7 @@ class SimResult:
     output_tokens: int  # as the finished sequences hold them
     ttft_ms: list[float]
     tpot_ms: list[float]
+    itl_ms: list[float]  # bench serve's ITL: all requests' gaps between consecutive token arrivals
     steps: list[StepRecord]
     num_preemptions: int
     sim_seconds: float  # CPU wall time of the simulation itself
@@ -146,6 +80,8 @@ class SimResult:
             "ttft_p50_ms": round(float(np.percentile(self.ttft_ms, 50)), 1),
             "ttft_p99_ms": round(float(np.percentile(self.ttft_ms, 99)), 1),
             "tpot_p50_ms": round(float(np.percentile(self.tpot_ms, 50)), 2) if self.tpot_ms else None,
+            "itl_p50_ms": round(float(np.percentile(self.itl_ms, 50)), 2) if self.itl_ms else None,
+            "itl_p99_ms": round(float(np.percentile(self.itl_ms, 99)), 2) if self.itl_ms else None,
             "duration_s": round(self.duration_ms / 1e3, 2),
             "steps": len(self.steps),
             "prefill_steps": len(prefill),
@@ -183,9 +119,13 @@ class _ServeSim:
     client_latency_ms: float
     host_overhead_ms: float
     rng: np.random.Generator
+    stop_at_eos: bool = False  # answers end at EOS after output_len tokens, max_tokens unset (else ignore EOS)
+    request_rate: float | None = None  # requests a second, Poisson, sent whatever finishes (else the closed loop)
     arrivals: deque = field(default_factory=deque)  # (time ms, request index), in time order
     arrival_ms: dict = field(default_factory=dict)
     first_ms: dict = field(default_factory=dict)
+    last_token_ms: dict = field(default_factory=dict)  # request id -> when its latest tokens arrived
+    itl_ms: list = field(default_factory=list)  # every gap between two arrivals of one request's tokens
     finish_ms: dict = field(default_factory=dict)
     steps: list = field(default_factory=list)
     num_submitted: int = 0
@@ -199,7 +139,8 @@ class _ServeSim:
 
     def admit(self, host_ms: float) -> None:
         """The server has received every request sent by host_ms."""
-        params = SamplingParams(max_tokens=self.output_len, ignore_eos=True)
+        params = (SamplingParams(max_tokens=None) if self.stop_at_eos
+                  else SamplingParams(max_tokens=self.output_len, ignore_eos=True))
         while self.arrivals and self.arrivals[0][0] <= host_ms:
             t, i = self.arrivals.popleft()
             prompt = self.rng.integers(3, VOCAB_SIZE, size=self.input_len).tolist()
@@ -223,17 +164,35 @@ class _ServeSim:
         first tokens and finished requests are stamped t, and those requests' clients send their next."""
         out = step.out
         for rid, k in zip(out.req_ids, step.num_sampled):
-            if k and rid not in self.first_ms and rid in self.scheduler.requests:
-                self.first_ms[rid] = t
-        sampled = [[SAMPLED_TOKEN] * k for k in step.num_sampled]
+            if k and rid in self.scheduler.requests:  # its tokens arrive as one chunk (bench serve's ITL)
+                if rid in self.first_ms:
+                    self.itl_ms.append(t - self.last_token_ms[rid])
+                else:
+                    self.first_ms[rid] = t
+                self.last_token_ms[rid] = t
+        sampled = [self._tokens(rid, k) for rid, k in zip(out.req_ids, step.num_sampled)]
         for seq in self.scheduler.resolve(out, ModelRunnerOutput(list(out.req_ids), sampled)):
             self.finish_ms[seq.request_id] = t
             self.output_tokens += seq.num_output_tokens
-            self.submit(t + self.client_latency_ms)
+            if self.request_rate is None:
+                self.submit(t + self.client_latency_ms)
+
+    def _tokens(self, rid: str, k: int) -> list[int]:
+        """The k tokens a step sampled for request rid: EOS as its output_len-th output when answers stop at EOS."""
+        seq = self.scheduler.requests.get(rid)
+        if not self.stop_at_eos or seq is None:
+            return [SAMPLED_TOKEN] * k
+        first = seq.num_known_output_tokens + 1  # the output number of the chunk's first token
+        return [EOS_TOKEN if first + j == self.output_len else SAMPLED_TOKEN for j in range(k)]
 
     def run(self, concurrency: int) -> None:
-        for _ in range(concurrency):
-            self.submit(0.0)
+        if self.request_rate is None:
+            for _ in range(concurrency):
+                self.submit(0.0)
+        else:  # bench serve --request-rate R: exponential gaps, the first request at 0
+            gaps = self.rng.exponential(1e3 / self.request_rate, size=self.num_requests - 1)
+            for t in np.concatenate([[0.0], np.cumsum(gaps)]):
+                self.submit(float(t))
         host_ms, device_free_ms = 0.0, 0.0
         pending: _Pending | None = None
         while len(self.finish_ms) < self.num_requests:
@@ -249,6 +208,7 @@ class _ServeSim:
                 else:
                     raise RuntimeError("requests wait but none can be scheduled (KV cache too small?)")
                 continue
+            host_ms += host_build_ms(self.cost, out)
             step = self.launch(out, host_ms, device_free_ms)
             device_free_ms = step.end_ms
             if pending is not None:  # the host waits for step k-1 while step k runs, then resolves it
@@ -269,31 +229,61 @@ def _record(out: SchedulerOutput, ms: float) -> StepRecord:
 
 def simulate(sched_config: SchedulerConfig, cost: StepCost, concurrency: int, num_requests: int, input_len: int,
              output_len: int, num_kv_blocks: int = DEFAULT_NUM_KV_BLOCKS, client_latency_ms: float = 1.0,
-             host_overhead_ms: float = 0.0, seed: int = 0, max_model_len: int | None = None) -> SimResult:
+             host_overhead_ms: float = 0.0, seed: int = 0, max_model_len: int | None = None,
+             stop_at_eos: bool = False, request_rate: float | None = None) -> SimResult:
     """Run num_requests requests of input_len random prompt tokens and output_len output tokens
-    through C closed-loop clients; times in ms of the model's clock."""
+    through C closed-loop clients; times in ms of the model's clock. stop_at_eos: each answer ends with
+    EOS as its output_len-th token and sets no max_tokens, so the scheduler cannot see the end coming
+    (else it ignores EOS and max_tokens ends it, as bench serve's --ignore-eos runs do). request_rate:
+    open loop, requests sent at Poisson times at this rate a second (concurrency is then ignored)."""
+    if request_rate is not None and not request_rate > 0:
+        raise ValueError(f"--request-rate must be > 0 requests a second, got {request_rate}")
     start = time.perf_counter()
     kv = KVCacheManager(num_kv_blocks, BLOCK_SIZE, enable_prefix_caching=True)
     max_model_len = max_model_len or max(4096, input_len + output_len)
     scheduler = Scheduler(sched_config, kv, max_model_len, [EOS_TOKEN])
     sim = _ServeSim(scheduler, cost, num_requests, input_len, output_len, client_latency_ms, host_overhead_ms,
-                    np.random.default_rng(seed))
+                    np.random.default_rng(seed), stop_at_eos, request_rate)
     sim.run(concurrency)
     rids = sorted(sim.finish_ms, key=lambda rid: int(rid.split("-")[1]))
     ttft = [sim.first_ms[rid] - sim.arrival_ms[rid] for rid in rids]
     tpot = [(sim.finish_ms[rid] - sim.first_ms[rid]) / (output_len - 1) for rid in rids] if output_len > 1 else []
     return SimResult(concurrency, len(rids), output_len, max(sim.finish_ms.values()), sim.output_tokens, ttft, tpot,
-                     sim.steps, scheduler.num_preemptions, time.perf_counter() - start)
+                     sim.itl_ms, sim.steps, scheduler.num_preemptions, time.perf_counter() - start)
 
 
 # ---- command line ----------------------------------------------------------------------
-_COLUMNS = (("R", "{}"), ("output_tok_s", "{:.0f}"), ("ttft_p50_ms", "{:.0f}"), ("ttft_p99_ms", "{:.0f}"),
-            ("tpot_p50_ms", "{:.2f}"), ("steps", "{}"), ("mixed_steps", "{}"), ("decode_steps", "{}"),
-            ("mixed_tokens", "{:.0f}"), ("mixed_step_ms", "{:.1f}"), ("decode_forward_ms", "{:.1f}"), ("sim_s", "{}"))
+_COLUMNS = (("policy", "{}"), ("output_tok_s", "{:.0f}"), ("ttft_p50_ms", "{:.0f}"), ("ttft_p99_ms", "{:.0f}"),
+            ("tpot_p50_ms", "{:.2f}"), ("itl_p50_ms", "{:.2f}"), ("steps", "{}"), ("mixed_steps", "{}"),
+            ("decode_steps", "{}"), ("mixed_tokens", "{:.0f}"), ("mixed_step_ms", "{:.1f}"),
+            ("decode_forward_ms", "{:.1f}"), ("sim_s", "{}"))
 
 
 def _row(summary: dict) -> str:
     return " | ".join("-" if summary[k] is None else fmt.format(summary[k]) for k, fmt in _COLUMNS)
+
+
+def _policies(args) -> list[tuple[str, dict]]:
+    """(label, SchedulerConfig overrides) per row: each --policy, each swept R, else serve's default."""
+    rows = []
+    for spec in args.policy or []:
+        cut = spec.find("={")  # the label may hold '=' itself ("R=8")
+        if cut < 1 or not isinstance(fields := json.loads(spec[cut + 1:]), dict):
+            raise ValueError(f"--policy takes LABEL=JSON (an object of SchedulerConfig fields), got {spec!r}")
+        rows.append((spec[:cut], fields))
+    if args.sweep:
+        try:
+            rows += [(f"R={r}", {"mixed_step_tokens_per_seq": int(r)}) for r in args.sweep.split(",")]
+        except ValueError:
+            raise ValueError(f"--sweep takes a comma list of integers R, got {args.sweep!r}") from None
+    return rows or [("serve default", {})]
+
+
+def _config(args, fields: dict) -> SchedulerConfig:
+    """The row's scheduler: the flags, then its fields, with serve's prompt policy where it names none."""
+    base = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+            "num_scheduler_steps": args.num_scheduler_steps}
+    return SchedulerConfig(**serve_prompt_policy({**base, **fields}))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -302,37 +292,40 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-prompts", type=int, default=None, help="default: 5 x concurrency")
     parser.add_argument("--input-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--mixed-step-tokens-per-seq", type=int, default=SERVE_MIXED_STEP_TOKENS_PER_SEQ,
-                        help="the cap R (0 = off); serve's default")
-    parser.add_argument("--sweep", default=None, help="comma list of R values, a row each")
+    parser.add_argument("--request-rate", type=float, default=None,
+                        help="open loop: requests a second at Poisson times (--concurrency then only sizes --num-prompts)")
+    parser.add_argument("--stop-at-eos", action="store_true",
+                        help="answers end at EOS after --output-len tokens, no max_tokens (default: ignore EOS)")
+    parser.add_argument("--policy", action="append", metavar="LABEL=JSON",
+                        help="a row with these SchedulerConfig fields, e.g. 'cap={\"mixed_step_tokens_per_seq\": 8}' "
+                             "(repeatable; serve's prefill hold unless the fields choose a policy)")
+    parser.add_argument("--sweep", default=None, help="comma list of mixed-step caps R, a row each")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--num-scheduler-steps", type=int, default=8, help="decode windows (serve's default 8)")
+    parser.add_argument("--num-scheduler-steps", type=int, default=1, help="decode windows (serve's default 1)")
     parser.add_argument("--num-kv-blocks", type=int, default=DEFAULT_NUM_KV_BLOCKS)
-    parser.add_argument("--client-latency-ms", type=float, default=1.0)
-    parser.add_argument("--host-overhead-ms", type=float, default=0.0)
+    parser.add_argument("--client-latency-ms", type=float, default=20.0,
+                        help="a finished request's client to its next request in the scheduler (HTTP, tokenizing)")
+    parser.add_argument("--host-overhead-ms", type=float, default=0.0, help="host time after each resolve")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cost", choices=sorted(COST_PRESETS), default="h200", help="the GPU's step-cost calibration")
     parser.add_argument("--cost-json", default=None, help="StepCost field overrides, e.g. '{\"gemm_floor_ms\": 5}'")
     parser.add_argument("--json", action="store_true", help="one JSON line per run instead of a table")
     args = parser.parse_args(argv)
     try:  # bad input is a usage error (exit 2, one line), not a traceback
-        cost = StepCost.from_json(args.cost_json)
-        try:
-            sweep = [int(r) for r in args.sweep.split(",")] if args.sweep else [args.mixed_step_tokens_per_seq]
-        except ValueError:
-            raise ValueError(f"--sweep takes a comma list of integers R, got {args.sweep!r}") from None
-        configs = [SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                   num_scheduler_steps=args.num_scheduler_steps, mixed_step_tokens_per_seq=r)
-                   for r in sweep]
-    except ValueError as e:  # json.JSONDecodeError is one too
+        cost = StepCost.from_json(args.cost_json, COST_PRESETS[args.cost])
+        rows = [(label, _config(args, fields)) for label, fields in _policies(args)]
+    except (ValueError, TypeError) as e:  # json.JSONDecodeError is a ValueError; an unknown field a TypeError
         parser.error(str(e))
+    if args.request_rate is not None and not args.request_rate > 0:
+        parser.error(f"--request-rate must be > 0 requests a second, got {args.request_rate}")
     if not args.json:
         print(" | ".join(k for k, _ in _COLUMNS))
-    for r, config in zip(sweep, configs):
+    for label, config in rows:
         result = simulate(config, cost, args.concurrency, args.num_prompts or 5 * args.concurrency, args.input_len,
                           args.output_len, args.num_kv_blocks, args.client_latency_ms, args.host_overhead_ms,
-                          args.seed)
-        summary = {"R": r, **result.summary()}
+                          args.seed, stop_at_eos=args.stop_at_eos, request_rate=args.request_rate)
+        summary = {"policy": label, **result.summary()}
         print(json.dumps(summary) if args.json else _row(summary), flush=True)
 
 

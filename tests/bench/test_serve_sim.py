@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from benchmarks.engine.serve_sim import StepCost, main, simulate, step_cost
+from benchmarks.engine.serve_sim import COST_PRESETS, StepCost, main, simulate, step_cost
 from atom_core.config import SchedulerConfig
 from atom_core.scheduler_output import SchedulerOutput
 
@@ -43,6 +43,50 @@ def test_clock_and_async_order_by_hand(window):
     assert result.duration_ms == pytest.approx(141.0)
     assert result.output_tok_s == pytest.approx(10 / 0.141)
     assert len(result.steps) == 2 * (3 + (4 if window == 1 else 1))
+    # bench serve's ITL: one gap per chunk of tokens, a window's 4 tokens arriving as one
+    assert result.itl_ms == pytest.approx([10.0] * 8 if window == 1 else [40.0] * 2)
+
+
+@pytest.mark.parametrize("window", [1, 8])
+def test_answers_that_stop_at_eos_by_hand(window):
+    """As above, but each answer ends with EOS as its 5th token and sets no max_tokens. One step at a time:
+    request 0's tokens come at 30, 40, ... 70; the step launched before its EOS was read runs 70-80 for
+    nothing, so request 1 (sent at 71) starts at 80: first token at 110. Windows: they grow with the answer
+    (1, 2, 4 forwards: tokens at 40, 60, 100 with EOS in the last), and the 8-forward window launched before
+    the EOS was read holds the device to 180: request 1 arrives at 101 and gets its first token at 210."""
+    result = simulate(_config(budget=128, steps=window), FLAT_10MS, concurrency=1, num_requests=2, input_len=300,
+                      output_len=5, stop_at_eos=True)
+    assert result.output_tokens == 10
+    if window == 1:
+        assert result.ttft_ms == pytest.approx([30.0, 39.0]) and result.tpot_ms == pytest.approx([10.0, 10.0])
+        assert result.duration_ms == pytest.approx(150.0)
+    else:
+        assert result.ttft_ms == pytest.approx([30.0, 109.0]) and result.tpot_ms == pytest.approx([17.5, 17.5])
+        assert result.duration_ms == pytest.approx(280.0)
+        assert [s.forwards for s in result.steps] == [1, 1, 1, 1, 2, 4, 8] * 2
+
+
+def test_open_loop_requests_come_at_their_own_times():
+    """--request-rate: Poisson arrivals whatever finishes. At one request every ~10 s none overlaps, so
+    each sees an idle server (first token after its three chunks, 30 ms); the run lasts until the last one
+    ends, far past what a closed loop of one client would take."""
+    result = simulate(_config(budget=128, steps=1), FLAT_10MS, concurrency=1, num_requests=4, input_len=300,
+                      output_len=5, request_rate=0.1)
+    assert result.num_requests == 4 and result.output_tokens == 20
+    assert result.ttft_ms == pytest.approx([30.0] * 4) and result.tpot_ms == pytest.approx([10.0] * 4)
+    assert result.duration_ms > 1000
+    with pytest.raises(ValueError, match="request-rate"):
+        simulate(_config(), FLAT_10MS, concurrency=1, num_requests=2, input_len=30, output_len=2, request_rate=0)
+
+
+def test_host_time_of_building_a_step_delays_its_start():
+    """A mixed step takes 25 ms of host time to build, a decode-only one 2 ms, every forward 10 ms on the
+    device: the three prompt chunks start at 25, 50, 75 (host-bound), first token at 85; the decodes
+    (built while the chunk runs) follow 10 ms apart."""
+    cost = dataclasses.replace(FLAT_10MS, host_mixed_ms=25.0, host_decode_ms=2.0)
+    result = simulate(_config(budget=128, steps=1), cost, concurrency=1, num_requests=1, input_len=300, output_len=5)
+    assert result.ttft_ms == pytest.approx([85.0])
+    assert result.tpot_ms == pytest.approx([10.0])
 
 
 def test_host_bound_steps_pace_the_tokens():
@@ -95,22 +139,42 @@ def test_unknown_cost_field_is_rejected():
     assert StepCost.from_json('{"gemm_floor_ms": 5}').gemm_floor_ms == 5
 
 
+def test_cost_overrides_apply_to_the_chosen_preset():
+    cost = StepCost.from_json('{"gemm_floor_ms": 5}', COST_PRESETS["h200"])
+    assert cost.gemm_floor_ms == 5 and cost.host_mixed_ms == COST_PRESETS["h200"].host_mixed_ms > 0
+
+
+def test_the_prefill_hold_trades_first_token_for_tokens_after_it():
+    """c128 closed loop, H200 model: holding prompts until 0.4 of the streams are starting prefills them in
+    waves beside few decodes, so the time per output token falls and the first token comes later than with
+    prompts admitted at once (the same policy otherwise); the mixed-step cap gets the first token earliest."""
+    kwargs = dict(concurrency=128, num_requests=384, input_len=1024, output_len=128, client_latency_ms=20.0)
+    cost = COST_PRESETS["h200"]
+    results = {name: simulate(SchedulerConfig(num_scheduler_steps=1, **fields), cost, **kwargs).summary()
+               for name, fields in (("hold", {"prefill_hold_fraction": 0.4}), ("at once", {}),
+                                    ("cap", {"mixed_step_tokens_per_seq": 8}))}
+    hold, at_once, cap = results["hold"], results["at once"], results["cap"]
+    assert hold["tpot_p50_ms"] < 0.9 * at_once["tpot_p50_ms"] and hold["ttft_p50_ms"] > at_once["ttft_p50_ms"]
+    assert cap["ttft_p50_ms"] < at_once["ttft_p50_ms"] and cap["itl_p50_ms"] > 2 * hold["itl_p50_ms"]
+
+
 class TestCommandLine:
     """python -m benchmarks.engine.serve_sim: a table row or a JSON line per R; bad input is a usage error."""
 
     ARGS = ["--concurrency", "4", "--num-prompts", "8", "--input-len", "64", "--output-len", "4"]
 
-    def test_table_row_per_swept_r(self, capsys):
-        main(self.ARGS + ["--sweep", "0,8"])
+    def test_table_row_per_policy_and_swept_r(self, capsys):
+        main(self.ARGS + ["--policy", 'held={"prefill_hold_fraction": 0.5}', "--sweep", "0,8"])
         lines = capsys.readouterr().out.strip().splitlines()
-        assert lines[0].startswith("R | output_tok_s") and len(lines) == 3
-        assert [line.split(" | ")[0] for line in lines[1:]] == ["0", "8"]
+        assert lines[0].startswith("policy | output_tok_s") and len(lines) == 4
+        assert [line.split(" | ")[0] for line in lines[1:]] == ["held", "R=0", "R=8"]
 
-    def test_json_line_with_cost_override(self, capsys):
-        main(self.ARGS + ["--json", "--cost-json", '{"mixed_overhead_ms": 0}'])
+    def test_json_line_of_serve_default_with_cost_override(self, capsys):
+        main(self.ARGS + ["--json", "--cost", "h100", "--cost-json", '{"mixed_overhead_ms": 0}'])
         (line,) = capsys.readouterr().out.strip().splitlines()
         row = json.loads(line)
-        assert row["R"] == 8 and row["requests"] == 8 and row["output_tok_s"] > 0
+        assert row["policy"] == "serve default" and row["requests"] == 8 and row["output_tok_s"] > 0
+        assert row["itl_p50_ms"] > 0
 
     @pytest.mark.parametrize("flags,message", [
         (["--sweep", "a,8"], "--sweep takes a comma list of integers"),
@@ -119,6 +183,12 @@ class TestCommandLine:
         (["--cost-json", "[1]"], "must be a JSON object"),
         (["--cost-json", "{bad"], "Expecting property name"),
         (["--sweep", "-1"], "mixed_step_tokens_per_seq"),
+        (["--policy", "nolabel"], "LABEL=JSON"),
+        (["--policy", "x=[1]"], "LABEL=JSON"),
+        (["--policy", 'x={"no_such_field": 1}'], "no_such_field"),
+        (["--policy", 'x={"prefill_hold_fraction": 2}'], "prefill_hold_fraction"),
+        (["--cost", "h300"], "invalid choice"),
+        (["--request-rate", "-2"], "--request-rate must be > 0"),
     ])
     def test_bad_input_is_a_usage_error(self, capsys, flags, message):
         with pytest.raises(SystemExit) as exit_info:

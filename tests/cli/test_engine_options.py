@@ -95,23 +95,49 @@ def test_mixed_step_flags_reach_the_scheduler(monkeypatch):
     assert (config.scheduler.mixed_step_tokens_per_seq, config.scheduler.mixed_step_min_tokens) == (12, 384)
 
 
-def test_serve_caps_mixed_steps_by_default_and_its_help_says_how(monkeypatch):
-    from atom_core.config import SERVE_MIXED_STEP_TOKENS_PER_SEQ
+def test_serve_holds_prefills_by_default_and_its_help_says_how(monkeypatch):
+    from atom_core.config import SERVE_PREFILL_HOLD_FRACTION
     from atomctl.engine_options import ENGINE_OPTIONS
 
     result, config = _serve_config(monkeypatch, [])
     assert result.exit_code == 0, result.output
-    assert config.scheduler.mixed_step_tokens_per_seq == SERVE_MIXED_STEP_TOKENS_PER_SEQ > 0
-    assert f"serve defaults to {SERVE_MIXED_STEP_TOKENS_PER_SEQ} " in ENGINE_OPTIONS["mixed_step_tokens_per_seq"][1].help
+    assert config.scheduler.prefill_hold_fraction == SERVE_PREFILL_HOLD_FRACTION > 0
+    assert config.scheduler.mixed_step_tokens_per_seq == 0
+    assert f"serve defaults to {SERVE_PREFILL_HOLD_FRACTION} " in ENGINE_OPTIONS["prefill_hold_fraction"][1].help
 
 
-@pytest.mark.parametrize("args,want", [(["--mixed-step-tokens-per-seq", "0"], 0),
-                                       (["--prefill-pacing-steps", "16"], 0),
-                                       (["--no-enable-chunked-prefill"], 0)])
-def test_serve_keeps_the_cap_off_where_asked_or_where_it_cannot_apply(monkeypatch, args, want):
+@pytest.mark.parametrize("args,hold,cap", [(["--mixed-step-tokens-per-seq", "8"], 0, 8),
+                                           (["--mixed-step-tokens-per-seq", "0"], 0, 0),
+                                           (["--prefill-pacing-steps", "16"], 0, 0),
+                                           (["--prefill-pacing-steps", "0"], 0, 0),
+                                           (["--prefill-hold-fraction", "0"], 0, 0),
+                                           (["--prefill-hold-fraction", "0.7"], 0.7, 0),
+                                           (["--no-enable-chunked-prefill"], 0.4, 0)])
+def test_serve_keeps_its_prompt_policy_unless_one_is_chosen(monkeypatch, args, hold, cap):
     result, config = _serve_config(monkeypatch, args)
     assert result.exit_code == 0, result.output
-    assert config.scheduler.mixed_step_tokens_per_seq == want
+    assert (config.scheduler.prefill_hold_fraction, config.scheduler.mixed_step_tokens_per_seq) == (hold, cap)
+
+
+def test_prefill_hold_flags_reach_the_scheduler(monkeypatch):
+    result, config = _serve_config(monkeypatch, ["--prefill-hold-fraction", "0.5", "--prefill-hold-max-steps", "32"])
+    assert result.exit_code == 0, result.output
+    assert (config.scheduler.prefill_hold_fraction, config.scheduler.prefill_hold_max_steps) == (0.5, 32)
+
+
+@pytest.mark.parametrize("args,flag", [(["--prefill-hold-fraction", "-0.1"], "--prefill-hold-fraction"),
+                                       (["--prefill-hold-fraction", "1.5"], "--prefill-hold-fraction"),
+                                       (["--prefill-hold-max-steps", "0"], "--prefill-hold-max-steps"),
+                                       (["--prefill-hold-fraction", "0", "--prefill-hold-max-steps", "8"],
+                                        "--prefill-hold-max-steps"),
+                                       (["--prefill-hold-fraction", "0.4", "--mixed-step-tokens-per-seq", "8"],
+                                        "choose one"),
+                                       (["--prefill-hold-fraction", "0.4", "--prefill-pacing-steps", "8"],
+                                        "choose one")])
+def test_bad_prefill_hold_flags_are_refused(monkeypatch, args, flag):
+    result, config = _serve_config(monkeypatch, args)
+    assert result.exit_code != 0 and config is None
+    assert flag in result.output
 
 
 @pytest.mark.parametrize("args,flag", [(["--mixed-step-tokens-per-seq", "-1"], "--mixed-step-tokens-per-seq"),
@@ -125,10 +151,11 @@ def test_bad_mixed_step_flags_are_refused(monkeypatch, args, flag):
     assert flag in result.output
 
 
-def test_offline_engines_leave_the_cap_off():
+def test_offline_engines_leave_the_cap_and_the_hold_off():
     from atom_core.config import EngineConfig
 
-    assert EngineConfig.from_kwargs("/m").scheduler.mixed_step_tokens_per_seq == 0
+    scheduler = EngineConfig.from_kwargs("/m").scheduler
+    assert scheduler.mixed_step_tokens_per_seq == 0 and scheduler.prefill_hold_fraction == 0
 
 
 @pytest.mark.parametrize("args, field, value", [

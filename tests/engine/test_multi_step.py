@@ -66,13 +66,51 @@ class TestWindowPlanning:
         sched = make_sched(steps=4)
         seq = add(sched, 1, max_tokens=20, ignore_eos=False)
         prefill(sched)
+        for tokens in ([1], [2, 3]):  # the window grows with the answer (next test)
+            batch = sched.schedule()
+            sched.update_from_output(batch, ModelRunnerOutput(batch.req_ids, [tokens]))
         batch = sched.schedule()
+        assert step_counts(batch) == [4]
         sampled = [[5, EOS, 6, 7]]
         sched.advance(batch)
         assert sched.resolve(batch, ModelRunnerOutput(batch.req_ids, sampled)) == [seq]
-        assert sampled == [[5, EOS]] and seq.output_token_ids == [100, 5, EOS] and seq.num_placeholders == 0
+        assert sampled == [[5, EOS]] and seq.output_token_ids == [100, 1, 2, 3, 5, EOS] and seq.num_placeholders == 0
         assert seq.finish_reason is FinishReason.STOP and seq.stop_token_id == EOS
         assert not sched.has_unfinished() and sched.kv.num_free_blocks == sched.kv.num_blocks
+
+    @pytest.mark.parametrize("params", [{"ignore_eos": False}, {"stop_token_ids": [7]}])
+    def test_windows_grow_with_the_answer_while_a_stop_may_end_it(self, params):
+        """An answer that may stop at a stop token runs windows of at most the tokens it has (1, 2, 4,
+        then the full 8): a stop ends its window and the one launched after it early, so a short answer
+        must not pay two full windows. An answer only max_tokens ends gets the full window at once."""
+        sched = make_sched(steps=8)
+        add(sched, 1, max_tokens=100, **params)
+        prefill(sched)
+        lengths = []
+        for _ in range(5):
+            batch = sched.schedule()
+            lengths.append(batch.num_steps)
+            sched.update_from_output(batch, ModelRunnerOutput(batch.req_ids, [[3] * batch.num_steps]))
+        assert lengths == [1, 2, 4, 8, 8]
+
+    def test_an_answer_that_cannot_stop_sets_the_window_for_one_that_can(self):
+        sched = make_sched(steps=8)
+        add(sched, 1, max_tokens=100)  # ignore_eos, no stop ids: only max_tokens ends it
+        add(sched, 2, max_tokens=100, ignore_eos=False)
+        prefill(sched)
+        assert step_counts(sched.schedule()) == [8, 8]
+
+    def test_the_window_grows_with_the_longest_answer_in_it(self):
+        sched = make_sched(steps=8)
+        old = add(sched, 1, max_tokens=100, ignore_eos=False)
+        prefill(sched)
+        for _ in range(3):  # windows of 1, 2, 4: old has 8 tokens
+            batch = sched.schedule()
+            sched.update_from_output(batch, ModelRunnerOutput(batch.req_ids, [[3] * batch.num_steps]))
+        assert old.num_output_tokens == 8
+        new = add(sched, 2, max_tokens=100, ignore_eos=False)
+        prefill(sched)  # old decodes one token beside new's prompt
+        assert step_counts(sched.schedule()) == [8, 8] and new.num_output_tokens == 1
 
     @pytest.mark.parametrize("params", [
         {"stop": ["x"]}, {"logprobs": 0}, {"presence_penalty": 0.5}, {"repetition_penalty": 1.2}, {"min_tokens": 5},
@@ -148,6 +186,18 @@ def test_stop_token_inside_a_window(tiny_llama):
     got, _ = _generate(tiny_llama, 4, prompts, stops)
     assert got == want
     assert any(reason == "stop" and len(tokens) < 30 for tokens, reason in got)
+
+
+def test_a_short_answer_runs_few_forwards(tiny_llama):
+    """A 3-token answer that stops at a stop token: the prefill, then windows of 1 and 2 tokens, and the
+    4-token window launched before the stop was seen; full windows of 8 would have run 1 + 8 + 8."""
+    prompt = [[5, 17, 42, 9, 33]]
+    (free, _), = _generate(tiny_llama, 1, prompt, [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)])[0]
+    stop = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[free[2]])
+    want, _ = _generate(tiny_llama, 1, prompt, [stop])
+    got, windows = _generate(tiny_llama, 8, prompt, [stop])
+    assert got == want and got[0][1] == "stop" and len(got[0][0]) <= 3
+    assert sum(windows) <= 1 + 1 + 2 + 4
 
 
 def test_windows_survive_a_small_cache_with_preemption(tiny_qwen3):
