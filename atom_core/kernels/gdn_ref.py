@@ -7,6 +7,11 @@ sequence starts from zeros when has_initial_state[i] is False, else from its slo
 the final state back into the slot. A sequence with zero tokens leaves its slot untouched, and a
 negative slot (padding in a captured batch) runs from zeros and writes nothing back.
 
+Speculative verify steps also keep the state after each of a sequence's first P tokens (the recurrent
+rule and the conv take `step_state` [rows, P, ...] and `step_indices` [N], a row per sequence, -1 for
+none): after the target verifies 1 + K tokens, the state after the accepted ones is one of them
+(kv_spec.keep_verified_states copies it into the slot).
+
 Shapes: T tokens, N sequences, Hk q/k heads, Hv v heads (Hv % Hk == 0; q/k head j serves v heads
 j*(Hv//Hk) .. (j+1)*(Hv//Hk)-1), Dk, Dv head dims, C conv channels, W conv width.
 Per v head, in fp32:  S <- S * exp(g_t);  u = (v_t - S^T k_t) * beta_t;  S <- S + k_t u^T;
@@ -44,6 +49,19 @@ def check_gdn_inputs(q, k, v, g, beta, state, state_indices, cu_seqlens, has_ini
         raise ValueError(f"state {tuple(state.shape)} {state.dtype} must be a float32 "
                          f"[num_slots, {num_v_heads}, {k_dim}, {v_dim}] pool")
     check_seq_meta(state_indices, cu_seqlens, has_initial_state, num_tokens)
+
+
+def check_step_states(step_state, step_indices, state_indices, state_shape) -> None:
+    """step_state [rows, P, *state_shape] and step_indices [N] come together (or neither)."""
+    if (step_state is None) != (step_indices is None):
+        raise ValueError("step_state and step_indices come together")
+    if step_state is None:
+        return
+    if step_state.dim() != 2 + len(state_shape) or tuple(step_state.shape[2:]) != tuple(state_shape):
+        raise ValueError(f"step_state {tuple(step_state.shape)} must be [rows, P, {', '.join(map(str, state_shape))}]")
+    if step_indices.shape != state_indices.shape or step_indices.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"step_indices {tuple(step_indices.shape)} {step_indices.dtype} must be int [N] like "
+                         f"state_indices {tuple(state_indices.shape)}")
 
 
 def check_seq_meta(state_indices, cu_seqlens, has_initial_state, num_tokens: int) -> None:
@@ -95,12 +113,16 @@ def fused_recurrent_gated_delta_rule(
     *,
     scale: float,
     use_qk_l2norm: bool = True,
+    step_state: torch.Tensor | None = None,  # [rows, P, Hv, Dk, Dv] float32: the state after token t < P
+    step_indices: torch.Tensor | None = None,  # [N] int: each sequence's row in step_state (-1: none)
 ) -> torch.Tensor:
     """The gated delta rule token by token; returns o [T, Hv, Dv] in v's dtype (rows outside every
     sequence are zero)."""
     check_gdn_inputs(q, k, v, g, beta, state, state_indices, cu_seqlens, has_initial_state)
+    check_step_states(step_state, step_indices, state_indices, state.shape[1:])
+    step_rows = step_indices.tolist() if step_state is not None else None
     out = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-    for _, start, end, slot, from_slot in _sequences(state_indices, cu_seqlens, has_initial_state):
+    for i, start, end, slot, from_slot in _sequences(state_indices, cu_seqlens, has_initial_state):
         qs, ks, vs, gs, bs = _prepare(q, k, v, g, beta, start, end, scale, use_qk_l2norm)
         s = _initial_state(state, slot, from_slot)  # [Hv, Dk, Dv]
         for t in range(end - start):
@@ -108,6 +130,8 @@ def fused_recurrent_gated_delta_rule(
             u = (vs[:, t] - torch.einsum("hkv,hk->hv", s, ks[:, t])) * bs[:, t, None]
             s = s + ks[:, t, :, None] * u[:, None, :]
             out[start + t] = torch.einsum("hkv,hk->hv", s, qs[:, t])
+            if step_rows is not None and step_rows[i] >= 0 and t < step_state.shape[1]:
+                step_state[step_rows[i], t] = s
         if slot >= 0:
             state[slot] = s
     return out.to(v.dtype)
@@ -174,19 +198,26 @@ def causal_conv1d(
     cu_seqlens: torch.Tensor,  # [N + 1] int
     has_initial_state: torch.Tensor,  # [N] bool
     activation: str | None = "silu",
+    step_state: torch.Tensor | None = None,  # [rows, P, C, W - 1]: the state after token t < P
+    step_indices: torch.Tensor | None = None,  # [N] int: each sequence's row in step_state (-1: none)
 ) -> torch.Tensor:
     """Depthwise causal conv over each sequence, continuing from the last W-1 inputs in its conv
     state; y[t, c] = act(bias[c] + sum_w weight[c, w] * x[t - W + 1 + w, c]) in fp32, cast to
     x's dtype. The state gets the sequence's last W-1 inputs (older state where it is shorter)."""
     check_conv_inputs(x, weight, bias, conv_state, state_indices, cu_seqlens, has_initial_state, activation)
+    check_step_states(step_state, step_indices, state_indices, conv_state.shape[1:])
+    step_rows = step_indices.tolist() if step_state is not None else None
     out = torch.zeros_like(x)
     width = weight.shape[1]
-    for _, start, end, slot, from_slot in _sequences(state_indices, cu_seqlens, has_initial_state):
+    for i, start, end, slot, from_slot in _sequences(state_indices, cu_seqlens, has_initial_state):
         prev = conv_state[slot] if from_slot else conv_state.new_zeros(conv_state.shape[1:])
         xs = torch.cat([prev, x[start:end].t()], dim=1)  # [C, W - 1 + L]
         y = F.conv1d(xs.float()[None], weight.float()[:, None], None if bias is None else bias.float(),
                      groups=x.shape[1])[0]
         out[start:end] = (F.silu(y) if activation == "silu" else y).t().to(x.dtype)
+        if step_rows is not None and step_rows[i] >= 0:
+            for t in range(min(end - start, step_state.shape[1])):  # inputs up to token t: xs[:, :W - 1 + t + 1]
+                step_state[step_rows[i], t] = xs[:, t + 1:t + width]
         if slot >= 0:
             conv_state[slot] = xs[:, xs.shape[1] - (width - 1):]
     return out

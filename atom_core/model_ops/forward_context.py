@@ -31,6 +31,9 @@ class AttentionMetadata:
     state_slots [S] int32 (models with linear-attention layers only): each sequence's row in the
     state pools (kv_spec.StateSpec; 0 is the padding rows' scratch). A sequence starts from a zero
     state when it has no cached context (seq_lens == its query length: a prompt's first chunk).
+    state_step_rows [S] int32 (steps that verify drafts, with state_slots): each sequence's row in
+    the step-state pools (the state after each of its first tokens is kept there, so a rejected
+    draft's update can be dropped: kv_spec.keep_verified_states); -1 keeps none.
     """
 
     query_start_loc: torch.Tensor
@@ -48,6 +51,7 @@ class AttentionMetadata:
     chunk_seq_ids: torch.Tensor | None = None
     chunk_max_query_len: int = 0
     state_slots: torch.Tensor | None = None
+    state_step_rows: torch.Tensor | None = None
 
 
 _current: AttentionMetadata | None = None

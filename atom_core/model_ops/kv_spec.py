@@ -307,10 +307,14 @@ def state_bytes_per_slot(layers: list[nn.Module]) -> int:
     return sum(layer.state_spec.bytes_per_slot for layer in layers)
 
 
-def allocate_state_cache(layers: list[nn.Module], num_slots: int, device: torch.device | str) -> list[torch.Tensor]:
+def allocate_state_cache(layers: list[nn.Module], num_slots: int, device: torch.device | str,
+                         num_step_states: int = 0) -> list[torch.Tensor]:
     """Zeroed pools of num_slots + 1 rows (row 0: the padding rows' scratch) for every layer; sets
-    each layer's `recurrent_state` [rows, H, Dk, Dv] and `conv_state` [rows, C, K - 1]. Returns
-    the tensors allocated."""
+    each layer's `recurrent_state` [rows, H, Dk, Dv] and `conv_state` [rows, C, K - 1]. With
+    num_step_states P > 0 (speculative decoding verifies up to P drafts a step), also
+    `step_recurrent_state` [rows, P, H, Dk, Dv] and `step_conv_state` [rows, P, C, K - 1]: the
+    states after each of a verify step's first P tokens, one of which `keep_verified_states`
+    makes the sequence's when drafts are rejected. Returns the tensors allocated."""
     tensors = []
     for layer in layers:
         spec = layer.state_spec
@@ -318,9 +322,31 @@ def allocate_state_cache(layers: list[nn.Module], num_slots: int, device: torch.
                                             device=device)
         layer.conv_state = torch.zeros((num_slots + 1, *spec.conv_shape), dtype=spec.conv_dtype, device=device)
         tensors += [layer.recurrent_state, layer.conv_state]
+        layer.step_recurrent_state = layer.step_conv_state = None
+        if num_step_states:
+            layer.step_recurrent_state = torch.zeros((num_slots + 1, num_step_states, *spec.recurrent_shape),
+                                                     dtype=spec.recurrent_dtype, device=device)
+            layer.step_conv_state = torch.zeros((num_slots + 1, num_step_states, *spec.conv_shape),
+                                                dtype=spec.conv_dtype, device=device)
+            tensors += [layer.step_recurrent_state, layer.step_conv_state]
     return tensors
+
+
+def keep_verified_states(layers: list[nn.Module], rows: list[int], steps: list[int], device) -> None:
+    """After a verify step: pool row rows[i] takes the state after token steps[i] of that step
+    (the pending token plus steps[i] accepted drafts) from the step pools, in every layer; the
+    rows' states after the whole step saw rejected drafts. One gather a pool."""
+    if not rows:
+        return
+    index = torch.tensor([rows, steps], dtype=torch.int64).to(device)
+    for layer in layers:
+        for pool, steps_pool in ((layer.recurrent_state, layer.step_recurrent_state),
+                                 (layer.conv_state, layer.step_conv_state)):
+            assert steps_pool is not None, f"{layer.prefix}: no step states allocated"
+            pool.index_copy_(0, index[0], steps_pool[index[0], index[1]])
 
 
 def release_state_cache(layers: list[nn.Module]) -> None:
     for layer in layers:
         layer.recurrent_state = layer.conv_state = torch.empty(0)
+        layer.step_recurrent_state = layer.step_conv_state = None

@@ -89,6 +89,7 @@ class GatedDeltaNet(nn.Module):
         self.state_spec = StateSpec(self.num_v_heads, self.head_k_dim, self.head_v_dim, self.conv_dim,
                                     self.conv_kernel, conv_dtype=dtype)
         self.recurrent_state = self.conv_state = torch.empty(0)
+        self.step_recurrent_state = self.step_conv_state = None  # verify steps' per-token states (kv_spec.py)
         self.ops = kernel_ops(self.A_log.device)
         self.use_custom_op = False  # set when compiling: the core runs as atom::gated_delta_net
         self._backend: DeltaNetCore | None = None
@@ -138,8 +139,11 @@ class DeltaNetCore:
         cu_seqlens, slots = meta.query_start_loc, meta.state_slots
         has_initial_state = meta.seq_lens > (cu_seqlens[1:] - cu_seqlens[:-1])  # cached context before this step
         ops = layer.ops
+        # A step that verifies drafts keeps the state after each token (rejected drafts roll back).
+        steps = {} if meta.state_step_rows is None else {"step_indices": meta.state_step_rows}
         x = ops.causal_conv1d(mixed_qkv, layer.conv1d.weight.squeeze(1), None, layer.conv_state, slots, cu_seqlens,
-                              has_initial_state, activation="silu")
+                              has_initial_state, activation="silu",
+                              **(steps and {**steps, "step_state": layer.step_conv_state}))
         q, k, v = x.split([layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
         num_tokens = x.shape[0]
         q = q.reshape(num_tokens, layer.num_k_heads, layer.head_k_dim)
@@ -147,10 +151,15 @@ class DeltaNetCore:
         v = v.reshape(num_tokens, layer.num_v_heads, layer.head_v_dim)
         beta = b.sigmoid()
         g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias)  # HF's log-decay, float32
-        # One token per sequence (decode): the recurrent step; otherwise the chunked form.
-        rule = ops.fused_recurrent_gated_delta_rule if meta.max_query_len == 1 else ops.chunk_gated_delta_rule
+        # One token per sequence (decode) or a verify step: the recurrent step (which can keep the
+        # state after each token); otherwise the chunked form.
+        if meta.max_query_len == 1 or steps:
+            rule = ops.fused_recurrent_gated_delta_rule
+            steps = steps and {**steps, "step_state": layer.step_recurrent_state}
+        else:
+            rule = ops.chunk_gated_delta_rule
         o = rule(q, k, v, g, beta, layer.recurrent_state, slots, cu_seqlens, has_initial_state,
-                 scale=layer.head_k_dim ** -0.5, use_qk_l2norm=True)
+                 scale=layer.head_k_dim ** -0.5, use_qk_l2norm=True, **steps)
         o = ops.gated_rms_norm(o.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim), layer.norm.weight,
                                layer.eps)
         return o.reshape(num_tokens, layer.value_dim)

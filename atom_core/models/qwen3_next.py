@@ -2,8 +2,8 @@
 (model_ops/linear_attention.py) with gated full attention (q_proj twice as wide: per head the query, then
 a sigmoid gate on the attention output; q/k-norm; RoPE on the first partial_rotary_factor of each head);
 every norm is zero-centred (HF scales by 1 + weight); MLPs are high-sparsity MoE (softmax top-k) with a
-shared expert behind a sigmoid gate, or dense on mlp_only_layers. The MTP layer (`mtp.*`) is not loaded:
-speculative decoding is refused for models with linear-attention layers (worker/model_runner.py)."""
+shared expert behind a sigmoid gate, or dense on mlp_only_layers. The target skips the MTP layer (`mtp.*`);
+`--method mtp` loads it as its own module (Qwen3NextMTP below, through spec_decode/mtp.py)."""
 from __future__ import annotations
 
 import torch
@@ -134,7 +134,7 @@ class HybridDecoderLayer(nn.Module):
 
     def __init__(self, config, prefix: str, quant_config: QuantConfig | None = None):
         super().__init__()
-        kind = config.layer_types[layer_index(prefix)]
+        kind = self.layer_type(config, prefix)
         if kind == "linear_attention":
             self.linear_attn = self.linear_attn_cls(config, f"{prefix}.linear_attn", quant_config)
         elif kind == "full_attention":
@@ -144,6 +144,9 @@ class HybridDecoderLayer(nn.Module):
         self.mlp = self.make_mlp(config, f"{prefix}.mlp", quant_config)
         self.input_layernorm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def layer_type(self, config, prefix: str) -> str:
+        return config.layer_types[layer_index(prefix)]
 
     def make_mlp(self, config, prefix: str, quant_config: QuantConfig | None) -> nn.Module:
         raise NotImplementedError
@@ -173,7 +176,7 @@ class Qwen3NextDecoderLayer(HybridDecoderLayer):
 
 class HybridForCausalLM(DecoderForCausalLM):
     """The layer stack of a hybrid family; the final norm is zero-centred too; `mtp.*` tensors
-    (the multi-token-prediction layer) are skipped."""
+    (the multi-token-prediction layer, loaded by the MTP proposer) are skipped."""
 
     def __init__(self, config, prefix: str = "", quant_config: QuantConfig | None = None):
         super().__init__(config, prefix, quant_config)
@@ -186,5 +189,68 @@ class HybridForCausalLM(DecoderForCausalLM):
         return name.startswith("mtp.") or super().skip_checkpoint_weight(name)
 
 
+class Qwen3NextMTPDecoderLayer(Qwen3NextDecoderLayer):
+    """The MTP layer's block: full gated attention and the shared-expert MoE (dense without experts),
+    outside the target's layer_types numbering."""
+
+    def layer_type(self, config, prefix: str) -> str:
+        return "full_attention"
+
+    def make_mlp(self, config, prefix: str, quant_config: QuantConfig | None) -> nn.Module:
+        if getattr(config, "num_experts", 0):
+            return SharedExpertMoe(config, prefix, quant_config, hybrid_routing(config, config.norm_topk_prob))
+        return GatedMLP(config.hidden_size, config.intermediate_size, prefix, quant_config,
+                        hidden_act=config.hidden_act)
+
+
+class Qwen3NextMTPLayer(nn.Module):
+    """Qwen3-Next's multi-token-prediction layer (published layout, `mtp.*`; transformers does not run
+    it): at position t it reads the target's normed hidden state h_t and token t+1 and predicts t+2,
+
+        y_t = norm(block(fc(cat(pre_fc_norm_embedding(embed(token_{t+1})), pre_fc_norm_hidden(h_t)))))
+
+    with zero-centred norms, the target's embedding and LM head (the checkpoint has no copies)."""
+
+    def __init__(self, config, prefix: str, quant_config: QuantConfig | None):
+        super().__init__()
+        hidden = config.hidden_size
+        self.pre_fc_norm_embedding = ZeroCentredRMSNorm(hidden, config.rms_norm_eps)
+        self.pre_fc_norm_hidden = ZeroCentredRMSNorm(hidden, config.rms_norm_eps)
+        self.fc = ReplicatedLinear(2 * hidden, hidden, bias=False, prefix=f"{prefix}.fc")
+        self.layers = nn.ModuleDict({"0": Qwen3NextMTPDecoderLayer(config, f"{prefix}.layers.0", quant_config)})
+        self.norm = ZeroCentredRMSNorm(hidden, config.rms_norm_eps)
+
+    def forward_nextn(self, input_ids: torch.Tensor, positions: torch.Tensor, previous_hidden: torch.Tensor,
+                      embed: nn.Module) -> torch.Tensor:
+        """[T] next tokens, [T] positions, [T, H] previous hidden -> [T, H] normed output."""
+        x = torch.cat([self.pre_fc_norm_embedding(embed(input_ids)), self.pre_fc_norm_hidden(previous_hidden)], -1)
+        hidden, residual = self.layers["0"](positions, self.fc(x), None)
+        return self.norm(hidden, residual)[0]
+
+
+class Qwen3NextMTP(nn.Module):
+    """The MTP layer as a module the loader fills from the target's checkpoint (`mtp.*` only), for
+    spec_decode/mtp.py: `layer` drafts; the target's embedding and head serve."""
+
+    checkpoint_prefix = "mtp."
+    required_tensor = "mtp.fc.weight"  # what a checkpoint with the layer holds
+
+    def __init__(self, config, quant_config: QuantConfig | None, target_model: nn.Module):
+        super().__init__()
+        self.config = config
+        # The published checkpoints keep fc in bf16 beside FP8 experts, as DeepSeek's eh_proj.
+        self.mtp = Qwen3NextMTPLayer(config, "mtp", quant_config)
+        self.stacked_params_mapping = target_model.stacked_params_mapping
+        self.expert_params_mapping = target_model.expert_params_mapping
+
+    @property
+    def layer(self) -> Qwen3NextMTPLayer:
+        return self.mtp
+
+    def skip_checkpoint_weight(self, name: str) -> bool:
+        return not name.startswith(self.checkpoint_prefix) or "rotary_emb.inv_freq" in name
+
+
 class Qwen3NextForCausalLM(HybridForCausalLM):
     layer_cls = Qwen3NextDecoderLayer
+    mtp_class = Qwen3NextMTP

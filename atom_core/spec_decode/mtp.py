@@ -120,10 +120,35 @@ class MTPModel(nn.Module):
         return not name.startswith(self.prefix) or "rotary_emb.inv_freq" in name
 
 
+def family_mtp_class(target: "ResolvedModel") -> type[nn.Module] | None:
+    """A family whose MTP layer is not DeepSeek's nextn layout names its own module (`mtp_class`:
+    Qwen3-Next's `mtp.*`): built from (config, quant_config, target model), with `checkpoint_prefix`,
+    `required_tensor`, a `layer` that has forward_nextn, and the loader's rules."""
+    from atom_core.models.registry import resolve_model_class
+
+    return getattr(resolve_model_class(target.hf_config), "mtp_class", None)
+
+
+def check_family_mtp(target: "ResolvedModel", mtp_class: type[nn.Module]) -> None:
+    """ValueError unless the checkpoint holds the family's MTP layer (dummy weights: it is built)."""
+    if target.load_format == "dummy":
+        return
+    prefix = mtp_class.checkpoint_prefix
+    names = checkpoint_names(Path(target.path), prefix)
+    if mtp_class.required_tensor not in names:
+        raise ValueError(f"--method mtp needs the checkpoint's multi-token-prediction layer, and {target.path} "
+                         f"holds no {mtp_class.required_tensor} ({len(names)} tensors under {prefix}); "
+                         "use a checkpoint that ships it")
+
+
 def check_nextn_layer(target: "ResolvedModel") -> set[str]:
     """ValueError unless the checkpoint has a nextn layer (declared and with weights); returns
     the names of its tensors (none with dummy weights). Cheap: reads no tensor."""
     hf = target.hf_config
+    mtp_class = family_mtp_class(target)
+    if mtp_class is not None:
+        check_family_mtp(target, mtp_class)
+        return set()
     if num_nextn_layers(hf) < 1:
         hint = (" (dummy-weight cost runs: preset:DeepSeek-V2-Lite-MTP declares one)"
                 if target.load_format == "dummy" else "")
@@ -141,30 +166,42 @@ def check_nextn_layer(target: "ResolvedModel") -> set[str]:
     return names
 
 
-def build_mtp_model(target: "ResolvedModel", target_model: nn.Module) -> MTPModel:
-    """The checkpoint's first nextn layer, loaded (or dummy-filled like the target); ValueError
-    when the checkpoint has none."""
-    from atom_core.loader import init_dummy_weights, load_weights, process_weights_after_loading
-
+def build_mtp_model(target: "ResolvedModel", target_model: nn.Module) -> nn.Module:
+    """The checkpoint's first nextn layer (or the family's MTP module), loaded (or dummy-filled like
+    the target); ValueError when the checkpoint has none."""
     names = check_nextn_layer(target)
     hf = target.hf_config
+    mtp_class = getattr(target_model, "mtp_class", None)
+    if mtp_class is not None:
+        return _load(target, lambda: mtp_class(hf, target.quant_config, target_model))
     index = hf.num_hidden_layers
     layer_cls = getattr(target_model, "layer_cls", None)
     if layer_cls is None:
         raise ValueError(f"--method mtp is not supported for {target.architecture}")
     prefix = f"model.layers.{index}"
-    dummy = target.load_format == "dummy"
     # Dummy weights reuse the target's embedding and head (real checkpoints' copies equal them).
     has_embed, has_head = f"{prefix}.embed_tokens.weight" in names, f"{prefix}.shared_head.head.weight" in names
+
+    def make():
+        layer = nextn_layer_class(layer_cls)(hf, prefix, target.quant_config, has_embed, has_head)
+        return MTPModel(hf, index, layer, target_model)
+
+    return _load(target, make)
+
+
+def _load(target: "ResolvedModel", make) -> nn.Module:
+    """make() built in the target's dtype on its device, then loaded from the target's checkpoint
+    (or dummy-filled like the target)."""
+    from atom_core.loader import init_dummy_weights, load_weights, process_weights_after_loading
+
     old_dtype = torch.get_default_dtype()
     torch.set_default_dtype(target.dtype)
     try:
         with torch.device(target.device):
-            layer = nextn_layer_class(layer_cls)(hf, prefix, target.quant_config, has_embed, has_head)
-            model = MTPModel(hf, index, layer, target_model)
+            model = make()
     finally:
         torch.set_default_dtype(old_dtype)
-    if dummy:
+    if target.load_format == "dummy":
         init_dummy_weights(model, target.seed + 1)
     else:
         load_weights(model, Path(target.path))
@@ -196,6 +233,8 @@ class MTPProposer(Proposer):
         """(model, layer, embed, head): the loaded module, its layer with `forward_nextn(ids,
         positions, previous hidden, embed)`, and the embedding and head `_greedy` drafts with."""
         model = build_mtp_model(target, target_model)
+        if getattr(target_model, "mtp_class", None) is not None:  # the family's layout: the target's embed and head
+            return model, model.layer, target_model.model.embed_tokens, target_model.lm_head
         layer = next(iter(model.model.layers.values()))
         own_embed, own_head = getattr(layer, "embed_tokens", None), getattr(layer.shared_head, "head", None)
         embed = own_embed if own_embed is not None else target_model.model.embed_tokens

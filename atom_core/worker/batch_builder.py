@@ -139,6 +139,13 @@ def state_slot_rows(states: list[RequestState]) -> dict:
     return {"state_slots": np.array([s.state_slot + 1 for s in states], dtype=np.int32)}
 
 
+def state_step_rows(states: list[RequestState], verifies: list[bool]) -> dict:
+    """AttentionMetadata's state_step_rows of a step that verifies drafts: a verifying sequence keeps
+    the state after each of its tokens in its step-state row (its state slot's row), the others none."""
+    rows = [s.state_slot + 1 if v else -1 for s, v in zip(states, verifies)]
+    return {"state_step_rows": np.array(rows, dtype=np.int32)}
+
+
 def rope_positions(state: RequestState, start: int, end: int) -> np.ndarray:
     """Rotary positions [3, end - start] of a multimodal-rotary request's tokens [start, end) (models/
     common.py: mrope_positions): its prompt's own, then index + delta."""
@@ -258,7 +265,9 @@ def build_flat_batch(out: SchedulerOutput, states: list[RequestState], block_siz
         input_ids, _step_positions(positions, mrope_spans), slot_mapping, query_start_loc, seq_lens, tables,
         max_query_len, logit_rows, device,
         attn_extra={**context_split(np.diff(query_start_loc).tolist(), seq_lens),
-                    **(state_slot_rows(states) if with_state_slots else {})},
+                    **(state_slot_rows(states) if with_state_slots else {}),
+                    **(state_step_rows(states, [bool(e) and e[0] != PLACEHOLDER for e in out.extra_tokens])
+                       if with_state_slots and out.has_drafts else {})},
         sample_rows=sample_rows,
         sample_seq_idx=sample_seq_idx,
         prompt_logprob_spans=spans,

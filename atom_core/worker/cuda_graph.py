@@ -60,6 +60,8 @@ class CUDAGraphRunner(CapturedSizes):
         self.seq_order = self.row_ids.clone()  # padding rows keep their own index, last
         # Linear-attention models' state rows (model_ops/kv_spec.py): padding rows use row 0, the scratch.
         self.state_slots = torch.zeros(self.max_bs, dtype=torch.int32, device=device)
+        # Verify graphs (q > 1) keep per-token states in each sequence's step row (padding: row 0).
+        self.state_step_rows = torch.zeros(self.max_bs, dtype=torch.int32, device=device) if q > 1 else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -75,6 +77,7 @@ class CUDAGraphRunner(CapturedSizes):
             max_seq_len=self.max_model_len,
             seq_order=self.seq_order[:bs],
             state_slots=self.state_slots[:bs],
+            state_step_rows=None if self.state_step_rows is None else self.state_step_rows[:bs],
         )
 
     @torch.inference_mode()
@@ -128,8 +131,12 @@ class CUDAGraphRunner(CapturedSizes):
             self.block_tables[:bs, :width].copy_(meta.block_tables, non_blocking=True)
             if meta.state_slots is not None:
                 self.state_slots[:bs].copy_(meta.state_slots, non_blocking=True)
+            if meta.state_step_rows is not None and self.state_step_rows is not None:
+                self.state_step_rows[:bs].copy_(meta.state_step_rows, non_blocking=True)
             if padded > bs:
                 self.state_slots[bs:padded].fill_(0)
+                if self.state_step_rows is not None:
+                    self.state_step_rows[bs:padded].fill_(0)
                 self.seq_order[bs:padded].copy_(self.row_ids[bs:padded], non_blocking=True)
                 self.slot_mapping[tokens : padded * q].fill_(-1)
                 self.seq_lens[bs:padded].fill_(q)
@@ -144,4 +151,6 @@ class CUDAGraphRunner(CapturedSizes):
         self.slot_mapping[: size * q].fill_(-1)
         self.seq_lens[:size].fill_(q)
         self.state_slots[:size].fill_(0)
+        if self.state_step_rows is not None:
+            self.state_step_rows[:size].fill_(0)
         self.graphs[size].replay()

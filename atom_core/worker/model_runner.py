@@ -23,9 +23,9 @@ from atom_core.kernel_config import building
 from atom_core.kernels import kernel_ops
 from atom_core.loader import build_model
 from atom_core.model_ops.kv_spec import (allocate_kv_cache, allocate_state_cache, attention_layers,
-                                         check_attention_supported, finalize_kv_scales, release_kv_cache,
-                                         set_index_cache_dtype, set_kv_cache_dtype, state_bytes_per_slot,
-                                         state_layers, warm_up_attention)
+                                         check_attention_supported, finalize_kv_scales, keep_verified_states,
+                                         release_kv_cache, set_index_cache_dtype, set_kv_cache_dtype,
+                                         state_bytes_per_slot, state_layers, warm_up_attention)
 from atom_core.model_ops.sampler import Sampler
 from atom_core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from atom_core.spec_decode.factory import build_proposer, check_proposer
@@ -135,14 +135,18 @@ class ModelRunner:
         per schedulable sequence; what their state cannot do is refused or turned off here, once."""
         self.state_layers = state_layers(self.model)
         self.num_state_slots = self.config.scheduler.max_num_seqs if self.state_layers else 0
+        self.num_step_states = 0
         if not self.state_layers:
             return
-        if self.config.speculative.num_draft_tokens:
-            raise ValueError("speculative decoding is not supported for models with linear-attention layers: a "
-                             "rejected draft token would leave its update in the recurrent state; run without "
-                             "--speculative")
-        logger.info("%d linear-attention layers: %d state slots of %d bytes each", len(self.state_layers),
-                    self.num_state_slots, state_bytes_per_slot(self.state_layers))
+        spec = self.config.speculative
+        if spec.num_draft_tokens and spec.method not in ("mtp", "ngram"):
+            raise ValueError(f"speculative decoding with --method {spec.method} is not supported for models with "
+                             "linear-attention layers; use --method mtp (the checkpoint's MTP layer) or ngram")
+        # Verify steps keep the state after each of their first K tokens (kv_spec.allocate_state_cache).
+        self.num_step_states = spec.num_draft_tokens
+        logger.info("%d linear-attention layers: %d state slots of %d bytes each (%d more per slot for verify "
+                    "steps)", len(self.state_layers), self.num_state_slots, state_bytes_per_slot(self.state_layers),
+                    self.num_step_states)
 
     def _build_step_parts(self) -> None:
         """Samplers, the proposer (NoProposer without speculative decoding), the request states
@@ -179,7 +183,8 @@ class ModelRunner:
         layers share the target's block count."""
         start = time.perf_counter()
         # State pools first: on a GPU the sizing below counts them with the weights.
-        self.state_cache = allocate_state_cache(self.state_layers, self.num_state_slots, self.device)
+        self.state_cache = allocate_state_cache(self.state_layers, self.num_state_slots, self.device,
+                                                self.num_step_states)
         self.num_kv_blocks = num_kv_blocks(self.config, self.attention_layers + self.proposer.kv_layers(),
                                            self.max_model_len, self.device, self._run_peak_step)
         self.kv_cache = allocate_kv_cache(self.attention_layers, self.num_kv_blocks, self.block_size, self.device)
@@ -289,7 +294,7 @@ class ModelRunner:
         mm_embeds = self._multimodal_inputs(out) if self.encoder is not None else None
         if self.dispatcher.uses_verify_layout(out, states):
             flat = build_padded_verify_batch(out, states, self.dispatcher.verify.query_len, self.block_size,
-                                             self.device)
+                                             self.device, bool(self.state_layers))
         else:
             flat = build_flat_batch(out, states, self.block_size, self.device, bool(self.state_layers))
         if flat.placeholder_rows:
@@ -393,8 +398,24 @@ class ModelRunner:
         tokens = emitted_tokens(pending.sampled_host.tolist(), rows.first_rows, rows.drafts)
         for i, toks in zip(seq_idx, tokens):
             result.sampled[i] = toks
+        if self.state_layers:
+            self._keep_verified_states(pending, seq_idx, rows.drafts, tokens)
         if pending.verify_logits is not None:
             result.logprobs.update(emitted_logprobs(pending.verify_logits, rows, tokens, pending.states, seq_idx))
+
+    def _keep_verified_states(self, pending: PendingStep, seq_idx: list[int], drafts: list[list[int]],
+                              tokens: list[list[int]]) -> None:
+        """Linear-attention layers ran every row of a verifying request into its state; where some
+        rows came after the accepted tokens (rejected drafts, or a padded layout's padding), its
+        state becomes the one kept after them (the pending token is step 0)."""
+        rows_per_request = pending.flat.verify_query_len
+        slots, steps = [], []
+        for i, draft, toks in zip(seq_idx, drafts, tokens):
+            num_rows = rows_per_request or 1 + len(draft)
+            if (draft or rows_per_request) and len(toks) < num_rows:  # len(toks) - 1 drafts accepted
+                slots.append(pending.states[i].state_slot + 1)
+                steps.append(len(toks) - 1)
+        keep_verified_states(self.state_layers, slots, steps, self.device)
 
     def _propose(self, result: ModelRunnerOutput, pending: PendingStep) -> None:
         """Drafts for every request that just gained tokens (its state is up to date now)."""

@@ -13,7 +13,8 @@ import torch
 from atom_core.model_ops.sampler import SamplingBatch
 from atom_core.scheduler_output import PLACEHOLDER, SchedulerOutput
 from atom_core.spec_decode.proposer import TargetHidden
-from atom_core.worker.batch_builder import FlatBatch, assemble_flat_batch, build_sampling_batch, slot_of, to_device
+from atom_core.worker.batch_builder import (FlatBatch, assemble_flat_batch, build_sampling_batch, slot_of,
+                                           state_slot_rows, state_step_rows, to_device)
 from atom_core.worker.input_batch import RequestState
 
 
@@ -52,11 +53,13 @@ def verify_rows(out: SchedulerOutput, states: list[RequestState], flat: FlatBatc
 
 
 def build_padded_verify_batch(out: SchedulerOutput, states: list[RequestState], query_len: int, block_size: int,
-                              device: torch.device) -> FlatBatch:
+                              device: torch.device, with_state_slots: bool = False) -> FlatBatch:
     """A decode step whose requests verify up to query_len - 1 drafts each, laid out as exactly
     query_len rows per request so a CUDA graph can run it: a request with fewer drafts gets
     padding rows (token 0, slot -1: no KV stored, logits not read). Every request's seq_len is
     its position + query_len, so the causal rows line up; real rows attend only to real KV.
+    Linear-attention layers run the padding rows into the state too, so every request keeps its
+    per-token states (with_state_slots) and the runner takes the one after its accepted tokens.
     The caller checks that each request decodes and position + query_len <= max_model_len."""
     q = query_len
     input_ids, positions, slots, logit_rows, sample_rows, seq_lens = [], [], [], [], [], []
@@ -86,6 +89,7 @@ def build_padded_verify_batch(out: SchedulerOutput, states: list[RequestState], 
         placeholder_rows=[],
         placeholder_seqs=[],
         verify_query_len=q,
+        attn_extra={**state_slot_rows(states), **state_step_rows(states, [True] * num)} if with_state_slots else None,
     )
 
 

@@ -1,7 +1,7 @@
 """Hybrid linear-attention families (Qwen3-Next, Qwen3.5 dense and MoE) in the engine, greedy token for
 token against HF transformers on tiny random models, in every scheduling regime, with prompts longer than
 the gated-delta-rule kernels' 64-token chunk; and the state slots' bookkeeping (admission, abort,
-preemption, finish) and the rules these models get (no prefix reuse, no speculative decoding)."""
+preemption, finish) and the rules these models get (no prefix reuse, no draft-model speculation)."""
 import json
 import logging
 
@@ -115,6 +115,8 @@ def test_abort_frees_the_state_slot(tiny_next):
     _all_returned(engine)
 
 
-def test_speculative_decoding_is_refused(tiny_next):
-    with pytest.raises(ValueError, match="speculative decoding is not supported for models with linear-attention"):
-        LLMEngine(str(tiny_next), method="ngram", num_speculative_tokens=2, ngram_min=1, ngram_max=2)
+def test_draft_model_speculation_is_refused(tiny_next):
+    """MTP and n-gram drafts are verified with per-token state rollback (tests/spec_decode/test_hybrid_mtp.py);
+    a separate draft model is not supported on these models."""
+    with pytest.raises(ValueError, match="--method draft is not supported for models with linear-attention"):
+        LLMEngine(str(tiny_next), method="draft", draft_model=str(tiny_next), num_speculative_tokens=2)

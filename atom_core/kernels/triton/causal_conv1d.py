@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atom_core.kernels.gdn_ref import check_conv_inputs
+from atom_core.kernels.gdn_ref import check_conv_inputs, check_step_states
 from atom_core.kernels.triton.common import check_last_dim_contiguous, check_same_device, next_pow2
 
 
@@ -78,13 +78,46 @@ def _conv_state_kernel(
     tl.store(base + j[None, :], tl.where((rel >= 0)[None, :], xv, sv), mask=ok)
 
 
+@triton.jit
+def _conv_step_states_kernel(
+    x_ptr, state_ptr, step_ptr, cu_ptr, idx_ptr, has_init_ptr, step_idx_ptr, stride_xt, stride_ss, stride_sc,
+    stride_pr, stride_pp, stride_pc, channels, STATE_LEN: tl.constexpr, BS: tl.constexpr, BC: tl.constexpr,
+):
+    """Verify steps: the conv state after token p of each sequence (program axis 2), i.e. what
+    _conv_state_kernel would write for the sequence cut after p + 1 tokens, into its step row.
+    It reads the slot's old state, so it runs before _conv_state_kernel overwrites it."""
+    seq, step = tl.program_id(0), tl.program_id(2)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    bos = tl.load(cu_ptr + seq)
+    length = tl.minimum(tl.load(cu_ptr + seq + 1) - bos, step + 1)
+    row = tl.load(step_idx_ptr + seq)
+    if (step >= tl.load(cu_ptr + seq + 1) - bos) | (row < 0):
+        return
+    slot = tl.load(idx_ptr + seq)
+    from_slot = (tl.load(has_init_ptr + seq).to(tl.int32) != 0) & (slot >= 0)
+    j = tl.arange(0, BS)
+    rel = length - STATE_LEN + j
+    ok = (cols < channels)[:, None] & (j < STATE_LEN)[None, :]
+    xv = tl.load(x_ptr + (bos + rel).to(tl.int64)[None, :] * stride_xt + cols[:, None],
+                 mask=ok & (rel >= 0)[None, :], other=0.0)
+    old = state_ptr + slot.to(tl.int64) * stride_ss + cols[:, None] * stride_sc
+    sv = tl.load(old + (j + length)[None, :], mask=tl.where(from_slot, ok & (rel < 0)[None, :], False), other=0.0)
+    out = step_ptr + row.to(tl.int64) * stride_pr + step * stride_pp + cols[:, None] * stride_pc
+    tl.store(out + j[None, :], tl.where((rel >= 0)[None, :], xv, sv), mask=ok)
+
+
 def causal_conv1d(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
     state_indices: torch.Tensor, cu_seqlens: torch.Tensor, has_initial_state: torch.Tensor,
-    activation: str | None = "silu",
+    activation: str | None = "silu", step_state: torch.Tensor | None = None, step_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y [T, C] in x's dtype; conv_state updated in place. See kernels.gdn_ref.causal_conv1d."""
+    """y [T, C] in x's dtype; conv_state updated in place (and step_state, in verify steps). See
+    kernels.gdn_ref.causal_conv1d."""
     check_conv_inputs(x, weight, bias, conv_state, state_indices, cu_seqlens, has_initial_state, activation)
+    check_step_states(step_state, step_indices, state_indices, conv_state.shape[1:])
+    if step_state is not None and (step_state.stride(3) != 1 or step_state.device != conv_state.device):
+        raise ValueError(f"step_state needs a contiguous last dim on {conv_state.device}, got strides "
+                         f"{step_state.stride()} on {step_state.device}")
     check_last_dim_contiguous("x", x)
     if not weight.is_contiguous() or (bias is not None and not bias.is_contiguous()):
         raise ValueError("weight and bias must be contiguous")
@@ -107,6 +140,12 @@ def causal_conv1d(
         x.stride(0), y.stride(0), conv_state.stride(0), conv_state.stride(1), channels,
         WIDTH=width, HAS_BIAS=bias is not None, SILU=activation == "silu", BT=block_t, BC=block_c, num_warps=4,
     )
+    if num_seqs and step_state is not None and step_state.shape[1]:
+        _conv_step_states_kernel[(num_seqs, triton.cdiv(channels, block_c), step_state.shape[1])](
+            x, conv_state, step_state, cu_seqlens, state_indices, has_initial_state, step_indices, x.stride(0),
+            conv_state.stride(0), conv_state.stride(1), step_state.stride(0), step_state.stride(1),
+            step_state.stride(2), channels, STATE_LEN=width - 1, BS=next_pow2(width - 1), BC=block_c, num_warps=4,
+        )
     if num_seqs:
         _conv_state_kernel[(num_seqs, triton.cdiv(channels, block_c))](
             x, conv_state, cu_seqlens, state_indices, has_initial_state, x.stride(0), conv_state.stride(0),

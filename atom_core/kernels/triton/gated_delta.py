@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atom_core.kernels.gdn_ref import CHUNK_SIZE, L2NORM_EPS, check_gdn_inputs
+from atom_core.kernels.gdn_ref import CHUNK_SIZE, L2NORM_EPS, check_gdn_inputs, check_step_states
 from atom_core.kernels.triton.common import check_last_dim_contiguous, check_same_device, next_pow2
 
 _EPS = tl.constexpr(L2NORM_EPS)
@@ -258,16 +258,19 @@ def _gdn_chunk_output_kernel(
 
 @triton.jit
 def _gdn_recurrent_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state_ptr, idx_ptr, cu_ptr, has_init_ptr, scale,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state_ptr, idx_ptr, cu_ptr, has_init_ptr, step_ptr, step_idx_ptr,
+    scale, num_steps,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_gh, stride_bt, stride_bh,
     stride_ot, stride_oh,
     GROUP: tl.constexpr, NUM_V_HEADS: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, USE_L2NORM: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, USE_L2NORM: tl.constexpr, HAS_STEPS: tl.constexpr,
 ):
     seq, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos, slot, from_slot = _seq_meta(cu_ptr, idx_ptr, has_init_ptr, seq)
     if bos >= eos:
         return
+    if HAS_STEPS:
+        step_row = tl.load(step_idx_ptr + seq).to(tl.int64)
     kc = tl.arange(0, BK)
     vc = vb * BV + tl.arange(0, BV)
     k_ok, v_ok = kc < K_DIM, vc < V_DIM
@@ -286,6 +289,11 @@ def _gdn_recurrent_kernel(
         s = s + k[:, None] * u[None, :]
         o = tl.sum(s * (q * scale)[:, None], 0)
         tl.store(o_ptr + t * stride_ot + h * stride_oh + vc, o.to(o_ptr.dtype.element_ty), mask=v_ok)
+        if HAS_STEPS:  # the state after this token, in the step pool [rows, num_steps, Hv, Dk, Dv]
+            step = t - bos
+            if (step_row >= 0) & (step < num_steps):
+                step_offs = s_offs + (step_row * num_steps + step - slot.to(tl.int64)) * (NUM_V_HEADS * K_DIM * V_DIM)
+                tl.store(step_ptr + step_offs, s, mask=s_mask)
     if slot >= 0:
         tl.store(state_ptr + s_offs, s, mask=s_mask)
 
@@ -444,11 +452,18 @@ def chunk_stages(
 def fused_recurrent_gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state: torch.Tensor, state_indices: torch.Tensor, cu_seqlens: torch.Tensor, has_initial_state: torch.Tensor,
-    *, scale: float, use_qk_l2norm: bool = True,
+    *, scale: float, use_qk_l2norm: bool = True, step_state: torch.Tensor | None = None,
+    step_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Token-by-token step for 1..few tokens a sequence (decode, drafts); see
-    kernels.gdn_ref.fused_recurrent_gated_delta_rule. Grid from shapes only: CUDA-graph safe."""
+    """Token-by-token step for 1..few tokens a sequence (decode, drafts, verify steps, which keep the
+    state after each token in step_state); see kernels.gdn_ref.fused_recurrent_gated_delta_rule.
+    Grid from shapes only: CUDA-graph safe."""
     _check(q, k, v, g, beta, state, state_indices, cu_seqlens, has_initial_state)
+    check_step_states(step_state, step_indices, state_indices, state.shape[1:])
+    if step_state is not None:
+        check_same_device(state=state, step_state=step_state, step_indices=step_indices)
+        if not step_state.is_contiguous():
+            raise ValueError("step_state must be contiguous")
     num_k_heads, k_dim = q.shape[1:]
     num_v_heads, v_dim = v.shape[1:]
     out = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
@@ -457,10 +472,13 @@ def fused_recurrent_gated_delta_rule(
         return out
     block_v = min(32, max(16, next_pow2(v_dim)))
     _gdn_recurrent_kernel[(num_seqs, num_v_heads, triton.cdiv(v_dim, block_v))](
-        q, k, v, g, beta, out, state, state_indices, cu_seqlens, has_initial_state, scale,
+        q, k, v, g, beta, out, state, state_indices, cu_seqlens, has_initial_state,
+        state if step_state is None else step_state, state_indices if step_indices is None else step_indices,
+        scale, 0 if step_state is None else step_state.shape[1],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
         beta.stride(0), beta.stride(1), out.stride(0), out.stride(1),
         GROUP=num_v_heads // num_k_heads, NUM_V_HEADS=num_v_heads, K_DIM=k_dim, V_DIM=v_dim,
-        BK=next_pow2(k_dim), BV=block_v, USE_L2NORM=use_qk_l2norm, num_warps=4,
+        BK=next_pow2(k_dim), BV=block_v, USE_L2NORM=use_qk_l2norm, HAS_STEPS=step_state is not None,
+        num_warps=4,
     )
     return out
