@@ -621,22 +621,22 @@ class EngineConfig:
 SERVE_PIECEWISE_SIZES = DEFAULT_PIECEWISE_SIZES + tuple(range(576, 2049, 64))
 
 
-# serve's prompt policy (SchedulerConfig.prefill_hold_fraction): prompts wait while fewer than this
-# fraction of the live requests are starting, then are prefilled in a wave of full-budget steps. The
-# mixed-step cap (serve's earlier default) put a prompt chunk beside nearly every stream in every step:
-# the first token came early and every later token late. The serving model (benchmarks/engine/serve_sim.py;
-# docs/SERVING.md has its table) puts the hold near vLLM's time to first token and per output token at
-# once, with a lower inter-token latency; 0.4 balanced 64 and 256 concurrent streams there.
-SERVE_PREFILL_HOLD_FRACTION = 0.4
+# serve's prompt policy: the mixed-step cap (SchedulerConfig.mixed_step_tokens_per_seq), R tokens per
+# live request, measured on the H200 against vLLM (docs/PERFORMANCE.md): the earliest first token, at a
+# higher time per output token. The prefill hold (--prefill-hold-fraction) is the alternative the
+# serving model (benchmarks/engine/serve_sim.py, docs/SERVING.md) puts near vLLM's time per output token;
+# it becomes the default only once a served run on the GPU shows it ahead.
+SERVE_MIXED_STEP_TOKENS_PER_SEQ = 8
 
 
 def serve_prompt_policy(options: dict) -> dict:
-    """serve's options with its prompt policy filled in: the prefill hold at SERVE_PREFILL_HOLD_FRACTION
-    unless the options choose a policy themselves (the hold, the mixed-step cap or pacing, 0 included)."""
+    """serve's options with its prompt policy filled in: the mixed-step cap at
+    SERVE_MIXED_STEP_TOKENS_PER_SEQ unless the options choose a policy themselves (the hold, the cap or
+    pacing, 0 included) or turn chunked prefill off."""
     chosen = ("prefill_hold_fraction", "mixed_step_tokens_per_seq", "prefill_pacing_steps")
-    if any(options.get(name) is not None for name in chosen):
+    if any(options.get(name) is not None for name in chosen) or not options.get("enable_chunked_prefill", True):
         return options
-    return {**options, "prefill_hold_fraction": SERVE_PREFILL_HOLD_FRACTION}
+    return {**options, "mixed_step_tokens_per_seq": SERVE_MIXED_STEP_TOKENS_PER_SEQ}
 
 
 def serving_config(**options) -> EngineConfig:

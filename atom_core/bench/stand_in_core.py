@@ -86,7 +86,9 @@ class StandInCore(EngineCore):
     def _make_executor(self) -> StandInExecutor:
         return StandInExecutor(self.config, self.vocab_size, self.max_model_len, self._step_s)
 
-    def validate_request(self, prompt_token_ids, params) -> None:
+    def validate_request(self, prompt_token_ids, params, mm_items=()) -> None:
         if params.logprobs is not None or params.prompt_logprobs is not None or params.structured_outputs is not None:
             raise ValueError("the stand-in core samples random tokens: no logprobs or structured outputs")
+        if mm_items:
+            raise ValueError("the stand-in core samples random tokens: no images")
         super().validate_request(prompt_token_ids, params)

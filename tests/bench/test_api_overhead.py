@@ -54,11 +54,15 @@ class TestStandInExecutor:
 
 def test_the_stand_in_core_refuses_what_it_cannot_produce(tiny_llama):
     from atom_core.bench.stand_in_core import StandInCore
+    from atom_core.multimodal.inputs import MultimodalItem
 
     core = StandInCore(EngineConfig.from_kwargs(tiny_llama, device="cpu"), step_s=0.0)
     for params in (SamplingParams(logprobs=2), SamplingParams(prompt_logprobs=1)):
         with pytest.raises(ValueError, match="stand-in core"):
             core.add_request("r", [1, 2, 3], params)
+    image = MultimodalItem(offset=1, length=1, content_hash="h", data={})
+    with pytest.raises(ValueError, match="no images"):
+        core.add_request("r", [1, 2, 3], SamplingParams(), (image,))
     core.add_request("ok", [1, 2, 3], SamplingParams(max_tokens=2))
     assert core.has_unfinished()
 

@@ -95,15 +95,15 @@ def test_mixed_step_flags_reach_the_scheduler(monkeypatch):
     assert (config.scheduler.mixed_step_tokens_per_seq, config.scheduler.mixed_step_min_tokens) == (12, 384)
 
 
-def test_serve_holds_prefills_by_default_and_its_help_says_how(monkeypatch):
-    from atom_core.config import SERVE_PREFILL_HOLD_FRACTION
+def test_serve_caps_mixed_steps_by_default_and_its_help_says_how(monkeypatch):
+    from atom_core.config import SERVE_MIXED_STEP_TOKENS_PER_SEQ
     from atomctl.engine_options import ENGINE_OPTIONS
 
     result, config = _serve_config(monkeypatch, [])
     assert result.exit_code == 0, result.output
-    assert config.scheduler.prefill_hold_fraction == SERVE_PREFILL_HOLD_FRACTION > 0
-    assert config.scheduler.mixed_step_tokens_per_seq == 0
-    assert f"serve defaults to {SERVE_PREFILL_HOLD_FRACTION} " in ENGINE_OPTIONS["prefill_hold_fraction"][1].help
+    assert config.scheduler.mixed_step_tokens_per_seq == SERVE_MIXED_STEP_TOKENS_PER_SEQ > 0
+    assert config.scheduler.prefill_hold_fraction == 0
+    assert f"serve defaults to {SERVE_MIXED_STEP_TOKENS_PER_SEQ}" in ENGINE_OPTIONS["mixed_step_tokens_per_seq"][1].help
 
 
 @pytest.mark.parametrize("args,hold,cap", [(["--mixed-step-tokens-per-seq", "8"], 0, 8),
@@ -112,7 +112,7 @@ def test_serve_holds_prefills_by_default_and_its_help_says_how(monkeypatch):
                                            (["--prefill-pacing-steps", "0"], 0, 0),
                                            (["--prefill-hold-fraction", "0"], 0, 0),
                                            (["--prefill-hold-fraction", "0.7"], 0.7, 0),
-                                           (["--no-enable-chunked-prefill"], 0.4, 0)])
+                                           (["--no-enable-chunked-prefill"], 0, 0)])
 def test_serve_keeps_its_prompt_policy_unless_one_is_chosen(monkeypatch, args, hold, cap):
     result, config = _serve_config(monkeypatch, args)
     assert result.exit_code == 0, result.output
