@@ -269,3 +269,10 @@ def lockstep_decode(path: str, prompts_by_rank: list, max_tokens_by_rank: list[i
     core.shutdown()
     assert runner.dispatcher.full is None  # released before the group's teardown
     return {"tokens": [tokens[f"r{i}"] for i in range(len(prompts))], "graphs": captured, **calls}
+
+
+def lockstep_decode_eager_then_graphs(path: str, prompts_by_rank: list, max_tokens_by_rank: list[int]) -> tuple:
+    """lockstep_decode eagerly, then with graphs (which patches classes of this process for good), one
+    engine core after the other in one rank process (spawning costs more than the cores)."""
+    eager = lockstep_decode(path, prompts_by_rank, max_tokens_by_rank, False)
+    return eager, lockstep_decode(path, prompts_by_rank, max_tokens_by_rank, True)
