@@ -17,6 +17,10 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 # device), so other tests run the same code as without it. An explicit TRITON_INTERPRET=0 is kept.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from tests.triton_interpreter import speed_up  # noqa: E402
+
+    speed_up()  # the interpreter without its repeated patching of triton.language (same results)
 
 
 # Files that cost far more than their number of tests says (engine builds against HF references, server

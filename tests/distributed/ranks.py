@@ -81,13 +81,15 @@ def tp_greedy_jobs(jobs: list[tuple]) -> list:
     return [tp_greedy(*job) for job in jobs]
 
 
-def share_host_check(hosts: list[str] | None) -> bool:
-    """ranks_share_a_host on the TP group's host-side group, this rank naming itself hosts[rank]."""
+def share_host_checks(host_lists: list[list[str] | None]) -> list[bool]:
+    """ranks_share_a_host on the TP group's host-side group once per entry, this rank naming itself
+    hosts[rank] (None: its real host name); in one rank process (spawning costs more than the checks)."""
     from atom_core.distributed import get_tp_group
     from atom_core.distributed.symm_all_reduce import ranks_share_a_host
 
     group = get_tp_group()
-    return ranks_share_a_host(group.cpu_group, None if hosts is None else hosts[group.rank_in_group])
+    return [ranks_share_a_host(group.cpu_group, None if hosts is None else hosts[group.rank_in_group])
+            for hosts in host_lists]
 
 
 def collectives_check() -> dict:
@@ -267,3 +269,10 @@ def lockstep_decode(path: str, prompts_by_rank: list, max_tokens_by_rank: list[i
     core.shutdown()
     assert runner.dispatcher.full is None  # released before the group's teardown
     return {"tokens": [tokens[f"r{i}"] for i in range(len(prompts))], "graphs": captured, **calls}
+
+
+def lockstep_decode_eager_then_graphs(path: str, prompts_by_rank: list, max_tokens_by_rank: list[int]) -> tuple:
+    """lockstep_decode eagerly, then with graphs (which patches classes of this process for good), one
+    engine core after the other in one rank process (spawning costs more than the cores)."""
+    eager = lockstep_decode(path, prompts_by_rank, max_tokens_by_rank, False)
+    return eager, lockstep_decode(path, prompts_by_rank, max_tokens_by_rank, True)

@@ -13,7 +13,8 @@ def test_collectives_are_identities_at_world_size_one():
 
 
 def test_collectives_over_two_ranks():
-    r0, r1 = run_ranks(2, collectives_check)
+    # all_reduce=auto (the default) on gloo ranks: the process group's all-reduce, eagerly and compiled
+    r0, r1 = run_ranks(2, collectives_check, all_reduce="auto")
     x0 = torch.arange(6.0).view(2, 3)
     x1 = x0 + 10
     for out in (r0, r1):

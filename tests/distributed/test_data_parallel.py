@@ -42,17 +42,24 @@ def test_profiler_rank_dir_is_one_directory_name():
             EngineConfig.from_kwargs("m", profiler_rank_dir=bad)
 
 
-def test_each_replica_profiles_into_its_own_directory(tiny_dist_models, tmp_path):
+@pytest.fixture(scope="module")
+def dp2_server(tiny_dist_models, tmp_path_factory):
+    """(server, its profiler directory): `atomctl serve -dp 2`, shared by the tests of a served DP engine
+    (three processes to start); the profiler only records between /start_profile and /stop_profile."""
+    log_dir = tmp_path_factory.mktemp("dp2")
+    traces = log_dir / "traces"
+    srv = start_server(tiny_dist_models("llama"), log_dir, "-dp", "2", "--torch-profiler-dir", str(traces))
+    yield srv, traces
+    srv.stop()
+
+
+def test_each_replica_profiles_into_its_own_directory(dp2_server):
     """Both replicas used to write to rank_0 (a trace of one could overwrite the other's)."""
-    traces = tmp_path / "traces"
-    srv = start_server(tiny_dist_models("llama"), tmp_path, "-dp", "2", "--torch-profiler-dir", str(traces))
-    try:
-        assert httpx.post(f"{srv.url}/start_profile", timeout=30).status_code == 200
-        body = {"model": srv.model_name, "prompt": PROMPTS[0], "max_tokens": 4}
-        assert httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60).status_code == 200
-        stopped = httpx.post(f"{srv.url}/stop_profile", timeout=60).json()
-    finally:
-        srv.stop()
+    srv, traces = dp2_server
+    assert httpx.post(f"{srv.url}/start_profile", timeout=30).status_code == 200
+    body = {"model": srv.model_name, "prompt": PROMPTS[0], "max_tokens": 4}
+    assert httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60).status_code == 200
+    stopped = httpx.post(f"{srv.url}/stop_profile", timeout=60).json()
     dirs = sorted(os.path.relpath(os.path.dirname(p), traces) for p in stopped["traces"])
     assert dirs == ["dp0_tp0", "dp1_tp0"], stopped
     assert all(os.path.exists(p) for p in stopped["traces"])
@@ -98,25 +105,22 @@ def test_balancer_spreads_requests_and_a_dead_replica_fails_health(tiny_dist_mod
         engine.shutdown()
 
 
-def test_dp2_server_serves_requests(tiny_dist_models, tmp_path, reference):
-    srv = start_server(tiny_dist_models("llama"), tmp_path, "-dp", "2")
-    try:
-        results = {}
+def test_dp2_server_serves_requests(dp2_server, reference):
+    srv, _ = dp2_server
+    results = {}
 
-        def post(i):
-            body = {"model": srv.model_name, "prompt": PROMPTS[i], "max_tokens": 24, "temperature": 0,
-                    "ignore_eos": True}
-            results[i] = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)
+    def post(i):
+        body = {"model": srv.model_name, "prompt": PROMPTS[i], "max_tokens": 24, "temperature": 0,
+                "ignore_eos": True}
+        results[i] = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)
 
-        threads = [threading.Thread(target=post, args=(i,)) for i in range(len(PROMPTS))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert all(results[i].status_code == 200 for i in range(len(PROMPTS))), [r.text for r in results.values()]
-        cores = [p for p in open(f"/proc/{srv.proc.pid}/task/{srv.proc.pid}/children").read().split()
-                 if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()]
-        assert len(cores) == 2
-        assert httpx.get(f"{srv.url}/health", timeout=10).status_code == 200
-    finally:
-        srv.stop()
+    threads = [threading.Thread(target=post, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(results[i].status_code == 200 for i in range(len(PROMPTS))), [r.text for r in results.values()]
+    cores = [p for p in open(f"/proc/{srv.proc.pid}/task/{srv.proc.pid}/children").read().split()
+             if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()]
+    assert len(cores) == 2
+    assert httpx.get(f"{srv.url}/health", timeout=10).status_code == 200

@@ -18,7 +18,7 @@ from atom_core import LLMEngine, SamplingParams
 from atom_core.config import EngineConfig
 from tests.distributed.dead_engine import assert_engine_dead
 from tests.distributed.engines import ThreadedEngine
-from tests.distributed.ranks import lockstep_decode, replica_checks, run_ranks
+from tests.distributed.ranks import lockstep_decode_eager_then_graphs, replica_checks, run_ranks
 from tests.models.harness import hf_greedy
 from tests.server.conftest import start_server
 
@@ -295,10 +295,9 @@ class TestDecodeGraphs:
         lock-step run's and HF's."""
         prompts = [PROMPTS[:3], PROMPTS[3:]]
         max_tokens = [MAX_TOKENS, 3]
-        eager = run_ranks(2, lockstep_decode, str(moe_path), prompts, max_tokens, False, replica_experts=True,
-                          timeout=CALL_TIMEOUT_S)
-        graphs = run_ranks(2, lockstep_decode, str(moe_path), prompts, max_tokens, True, replica_experts=True,
-                           timeout=CALL_TIMEOUT_S)
+        by_rank = run_ranks(2, lockstep_decode_eager_then_graphs, str(moe_path), prompts, max_tokens,
+                            replica_experts=True, timeout=2 * CALL_TIMEOUT_S)
+        eager, graphs = [r[0] for r in by_rank], [r[1] for r in by_rank]
         for rank in (0, 1):
             want = [hf_tokens[tuple(p)][: max_tokens[rank]] for p in prompts[rank]]
             assert eager[rank]["tokens"] == want and graphs[rank]["tokens"] == want, rank

@@ -1,8 +1,8 @@
 """ATOM_ALL_REDUCE: NCCL or PyTorch symmetric-memory all-reduce for tensor parallelism.
-CPU: the option's parsing and errors, and auto falling back to the process group's all-reduce
-on gloo ranks. Two GPUs (ranks.symm_all_reduce_check): the sum (one-shot up to 256 KiB, two-shot
-above) equals the definition eagerly and replayed in a CUDA graph, over the sizes decode uses,
-with the larger ones left to NCCL."""
+CPU: the option's parsing and errors (auto falling back to the process group's all-reduce on gloo
+ranks: test_collectives.py). Two GPUs (ranks.symm_all_reduce_check): the sum (one-shot up to 256 KiB,
+two-shot above) equals the definition eagerly and replayed in a CUDA graph, over the sizes decode
+uses, with the larger ones left to NCCL."""
 import pytest
 import torch
 
@@ -10,7 +10,7 @@ from atom_core.distributed import symm_all_reduce
 from atom_core.distributed.symm_all_reduce import MAX_BYTES, make_symmetric_all_reduce
 from atom_core.envs import read_envs
 from atom_core.kernel_config import KernelConfig
-from tests.distributed.ranks import collectives_check, run_ranks, share_host_check, symm_all_reduce_check
+from tests.distributed.ranks import collectives_check, run_ranks, share_host_checks, symm_all_reduce_check
 
 
 def test_option_values_and_default():
@@ -29,9 +29,9 @@ def test_symm_on_cpu_ranks_is_a_clear_error_and_auto_or_nccl_use_the_group():
 
 
 def test_ranks_share_a_host_agrees_on_every_rank():
-    assert run_ranks(2, share_host_check, None) == [True, True]  # this machine's name on both
-    assert run_ranks(2, share_host_check, ["node-a", "node-a"]) == [True, True]
-    assert run_ranks(2, share_host_check, ["node-a", "node-b"]) == [False, False]
+    # this machine's name on both, then names given: one host, two hosts
+    by_rank = run_ranks(2, share_host_checks, [None, ["node-a", "node-a"], ["node-a", "node-b"]])
+    assert by_rank == [[True, True, False]] * 2
 
 
 def test_a_group_across_hosts_keeps_nccl_under_auto_and_refuses_symm(monkeypatch):
@@ -42,11 +42,8 @@ def test_a_group_across_hosts_keeps_nccl_under_auto_and_refuses_symm(monkeypatch
         make_symmetric_all_reduce("symm", None, cuda, cpu_group=object())
 
 
-def test_auto_on_gloo_ranks_keeps_the_collectives_right():
-    r0, r1 = run_ranks(2, collectives_check, all_reduce="auto")
-    x0 = torch.arange(6.0).view(2, 3)
-    assert r0["all_reduce"] == r1["all_reduce"] == (2 * x0 + 10).tolist()
-    assert r0["compiled"] == (2 * (2 * x0 + 10) + 1).tolist()
+# auto on gloo ranks keeps the collectives right: test_collectives.py::test_collectives_over_two_ranks
+# (its ranks run all_reduce=auto, eagerly and compiled).
 
 
 def test_symm_on_gloo_ranks_fails_at_join():

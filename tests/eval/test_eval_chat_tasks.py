@@ -28,7 +28,7 @@ class TestChatTask:
     def test_prompt_is_the_bare_question_and_the_rest_matches_the_text_task(self):
         from lm_eval.tasks import TaskManager
 
-        manager = TaskManager(include_path=str(TASKS_DIR))
+        manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False)  # ours (see test_eval_cmd)
         names = ["atom_arith_gen", "atom_arith_gen_chat"]
         tasks = manager.load(names)["tasks"] if hasattr(manager, "load") else manager.load_task_or_group(names)
         text, chat = tasks["atom_arith_gen"], tasks["atom_arith_gen_chat"]

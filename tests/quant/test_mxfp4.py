@@ -24,6 +24,7 @@ from torch import nn
 
 from atom_core.distributed import parallel_state, set_expert_parallel
 from atom_core.kernels import moe_ref
+from atom_core.kernels.triton.moe_mxfp4_decode import GEMV1_TILE, GEMV2_TILE
 from atom_core.model_ops.linear import ReplicatedLinear
 from atom_core.model_ops.moe import FusedMoE, MoERouting
 from atom_core.quant import get_quant_config
@@ -431,17 +432,21 @@ class TestTritonMoe:
             fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, "swigluoai")
 
 
-GEMV_SHAPES = [(4, 64, 96, 1, 1), (8, 96, 64, 2, 2), (3, 160, 32, 3, 3), (6, 64, 64, 4, 4)]
+GEMV_SHAPES = [(4, 64, 96, 1, 1), (8, 96, 64, 2, 2), (3, 160, 32, 3, 3), (6, 64, 64, 2, 4)]
 ACTIVATIONS = [("silu", None, False), ("swigluoai", 1.0, True)]
+# H and I one 32-wide group past one BLOCK_K of the GEMV each reduces over: two K blocks in both GEMVs,
+# the second a tail (the prefetch of a next block, and of one past the end, in both)
+TWO_K_BLOCKS = (5, GEMV1_TILE[1] + 32, GEMV2_TILE[1] + 32, 1, 4)
 
 
 class TestGemvPath:
     """The decode path (moe_mxfp4_decode): per-assignment GEMVs, no alignment, top-k sum fused."""
 
-    # (E, H, I, T, top_k): T 1..4, top_k 1..4, K tails (H or I not a multiple of BLOCK_K = 256); the
-    # last shape (two K blocks) in both activations on the GPU, in swigluoai (biases, the clamp) interpreted
+    # (E, H, I, T, top_k): T 1..2 (test_dropped_and_duplicate_ids: 4), top_k 1..4 (3: a padded slot),
+    # K tails (H or I not a multiple of BLOCK_K); TWO_K_BLOCKS in both activations on the GPU, in
+    # swigluoai (biases, the clamp) interpreted
     CASES = [(shape, *act) for shape in GEMV_SHAPES for act in ACTIVATIONS] + [
-        ((5, 320, 288, 1, 4), *act) for act in ACTIVATIONS[1 if INTERPRET else 0:]]
+        (TWO_K_BLOCKS, *act) for act in ACTIVATIONS[1 if INTERPRET else 0:]]
 
     @pytest.mark.parametrize("shape,activation,limit,has_bias", CASES)
     def test_matches_reference(self, device, shape, activation, limit, has_bias):
