@@ -7,7 +7,7 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-from atom_core.bench.api_overhead import ApiOverheadConfig, result_table, run_api_overhead
+from atom_core.bench.api_overhead import ApiOverheadConfig, result_table
 from atom_core.bench.stand_in_core import StandInExecutor
 from atom_core.config import EngineConfig
 from atom_core.sampling_params import SamplingParams
@@ -87,36 +87,31 @@ class TestConfig:
                 parse_concurrencies(bad)
 
 
-def test_measures_two_concurrencies_on_a_tiny_model(tiny_llama, tmp_path):
-    cfg = ApiOverheadConfig(model=str(tiny_llama), concurrencies=(2, 4), step_ms=2.0, input_len=16, output_len=8,
-                            requests_per_stream=1)
-    result = run_api_overhead(cfg, tmp_path)
-    assert [run["concurrency"] for run in result["runs"]] == [2, 4]
-    for run in result["runs"]:
-        assert RUN_KEYS <= set(run)
-        assert run["num_requests"] == run["concurrency"] and run["output_tokens"] == run["concurrency"] * 8
-        assert run["num_chunks"] >= run["concurrency"]  # at least one written chunk per request
-        assert run["client_events"] == run["num_chunks"]  # every chunk the server wrote arrived
-        assert 0 < run["sample_to_write_p50_ms"] <= run["sample_to_write_p99_ms"] < 10_000
-        # the hop is a part of each chunk's latency, so of every percentile too
-        assert 0 <= run["hop_p50_ms"] <= run["sample_to_write_p50_ms"]
-        assert run["hop_p99_ms"] <= run["sample_to_write_p99_ms"]
-        assert run["api_cpu_us_per_token"] >= 0  # CPU times tick in 10 ms: a run this small may read 0
-    assert "c4" in str(result_table(result).columns[-1].header)
-
-
 class TestCli:
-    def test_writes_the_result_json(self, tiny_llama, tmp_path):
+    def test_measures_each_concurrency_on_a_tiny_model_and_writes_the_json(self, tiny_llama, tmp_path):
+        """The whole measurement through the CLI (one server start for both): its flags reach the config,
+        each concurrency gets a run of its own, the JSON holds what run_api_overhead returned."""
         out = tmp_path / "r.json"
-        result = CliRunner().invoke(app, ["bench", "api-overhead", "--model", str(tiny_llama), "--concurrency", "2",
-                                          "--step-ms", "1", "--input-len", "8", "--output-len", "4",
+        result = CliRunner().invoke(app, ["bench", "api-overhead", "--model", str(tiny_llama), "--concurrency", "2,4",
+                                          "--step-ms", "2", "--input-len", "16", "--output-len", "8",
                                           "--requests-per-stream", "1", "--max-num-batched-tokens", "64",
                                           "--log-dir", str(tmp_path), "--output-json", str(out)])
         assert result.exit_code == 0, result.output
         data = json.loads(out.read_text())
-        assert data["step_ms"] == 1.0 and data["input_len"] == 8 and data["output_len"] == 4
-        assert RUN_KEYS <= set(data["runs"][0]) and data["runs"][0]["output_tokens"] == 8
+        assert data["step_ms"] == 2.0 and data["input_len"] == 16 and data["output_len"] == 8
         assert (tmp_path / "api_overhead_server.log").exists()
+        assert [run["concurrency"] for run in data["runs"]] == [2, 4]
+        for run in data["runs"]:
+            assert RUN_KEYS <= set(run)
+            assert run["num_requests"] == run["concurrency"] and run["output_tokens"] == run["concurrency"] * 8
+            assert run["num_chunks"] >= run["concurrency"]  # at least one written chunk per request
+            assert run["client_events"] == run["num_chunks"]  # every chunk the server wrote arrived
+            assert 0 < run["sample_to_write_p50_ms"] <= run["sample_to_write_p99_ms"] < 10_000
+            # the hop is a part of each chunk's latency, so of every percentile too
+            assert 0 <= run["hop_p50_ms"] <= run["sample_to_write_p50_ms"]
+            assert run["hop_p99_ms"] <= run["sample_to_write_p99_ms"]
+            assert run["api_cpu_us_per_token"] >= 0  # CPU times tick in 10 ms: a run this small may read 0
+        assert "c4" in str(result_table(data).columns[-1].header)
 
     @pytest.mark.parametrize("args, message", [
         (["--concurrency", "x"], "bad --concurrency"), (["--step-ms", "-2"], "--step-ms must be >= 0"),
