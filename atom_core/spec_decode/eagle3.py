@@ -267,6 +267,17 @@ class Eagle3Proposer(MTPProposer):
     def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head.greedy(hidden)
 
+    def _previous(self, source: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """g of the catch-up rows: fc over the aux hidden states of their step rows (fc is per row,
+        so only the rows that are read)."""
+        return self.model.fc(source.index_select(0, rows))
+
+    def _source(self, target: TargetHidden) -> torch.Tensor:
+        return self.aux
+
+    def _graph_source(self) -> torch.Tensor:
+        return self.aux  # one buffer, written by every forward of the target (graph replays too)
+
     @torch.inference_mode()
     def propose(self, states: list[RequestView], target: TargetHidden | None = None) -> list[list[int]]:
         assert target is not None, "the EAGLE-3 proposer drafts from the target's hidden states"
@@ -275,9 +286,8 @@ class Eagle3Proposer(MTPProposer):
         going_on = [i for i, state in enumerate(target.states) if not self._finished(state)]
         if not going_on:
             return [[] for _ in states]
-        fused = self.model.fc(self.aux[:rows])  # g_t of every row of the step
-        target = TargetHidden(fused, *([getattr(target, f)[i] for i in going_on]
-                                       for f in ("states", "row_starts", "first_positions", "num_rows")))
+        target = TargetHidden(target.hidden, *([getattr(target, f)[i] for i in going_on]
+                                               for f in ("states", "row_starts", "first_positions", "num_rows")))
         return super().propose(states, target)
 
     def _finished(self, state: RequestView) -> bool:
