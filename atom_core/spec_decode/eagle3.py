@@ -27,8 +27,9 @@ head was trained (SpecForge's test-time training loop). The residual of the laye
 hidden_norm(g) with norm_before_residual.
 
 Everything else is the MTP proposer's (spec_decode/mtp.py): every verified position gets its
-head row, prefill chunks included, in the head's own KV cache on the target's block tables; the
-padded catch-up and the later drafts replay CUDA graphs with --mtp-graphs. Drafts are greedy (a
+head row, prefill chunks included, in the head's own KV cache on the target's block tables; a
+step's draft loop runs on the device (spec_decode/draft_loop.py: fc, catch-up, K - 1 later drafts,
+one host sync) and with --mtp-graphs replays as one CUDA graph. Drafts are greedy (a
 point mass over the target vocabulary, which the rejection sampler verifies exactly at any
 temperature).
 """

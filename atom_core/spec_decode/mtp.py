@@ -21,7 +21,9 @@ attention sees the whole context: its KV lives in its own cache on the target's 
 Positions a prefix-cache hit skipped keep the MTP KV that the request which computed those
 blocks wrote (the last row of such a block paired that request's next token: drafts may be a
 little worse there, never the output). Drafts are greedy (a point mass, which the rejection
-sampler verifies exactly at any temperature).
+sampler verifies exactly at any temperature). A step's catch-up and later drafts run on the device
+from one host-to-device copy, with one host sync for the drafts (spec_decode/draft_loop.py), and
+with --mtp-graphs as one CUDA graph replay (spec_decode/mtp_graphs.py).
 """
 from __future__ import annotations
 
