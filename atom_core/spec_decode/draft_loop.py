@@ -45,16 +45,18 @@ def later_draft_metadata(positions: torch.Tensor, c: CatchUp, qsl: torch.Tensor,
 
 
 def run_drafts(layer: nn.Module, embed: nn.Module, greedy: Callable[[torch.Tensor], torch.Tensor], c: CatchUp,
-               num_drafts: int, block_size: int) -> torch.Tensor:
+               num_drafts: int, block_size: int,
+               done: Callable[[list[torch.Tensor]], bool] | None = None) -> torch.Tensor:
     """[E, num_drafts] draft ids: the catch-up forward (every row, so the layer's KV holds each
     verified position), the first draft from each request's last real row, then num_drafts - 1
-    later forwards. `layer.forward_nextn(ids, positions, previous, embed)` is the drafter's
-    forward; `greedy` maps its [E, H] outputs to target token ids."""
+    later forwards. `layer.forward_nextn(ids, positions, previous, embed, rows)` is the drafter's
+    forward (the outputs of `rows` only, every row's KV stored); `greedy` maps its [E, H] outputs
+    to target token ids. done(drafts so far) -> True ends the loop early (fewer columns): a host
+    read of the drafts, for devices where that costs no sync (the CPU); None runs all K."""
     with set_attention_metadata(c.meta):
-        out = layer.forward_nextn(c.ids, c.positions, c.previous, embed)
-    hidden = out.index_select(0, c.last)
+        hidden = layer.forward_nextn(c.ids, c.positions, c.previous, embed, c.last)
     tokens = [greedy(hidden)]
-    if num_drafts == 1:
+    if num_drafts == 1 or (done is not None and done(tokens)):
         return tokens[0].unsqueeze(1)
     positions = c.positions.index_select(0, c.last)
     if c.mask is not None:  # masked rows read position 0 (a position past the rotary table would fault)
@@ -65,4 +67,6 @@ def run_drafts(layer: nn.Module, embed: nn.Module, greedy: Callable[[torch.Tenso
         with set_attention_metadata(later_draft_metadata(positions, c, qsl, block_size)):
             hidden = layer.forward_nextn(tokens[-1], positions, hidden, embed)
         tokens.append(greedy(hidden))
+        if done is not None and done(tokens):
+            break
     return torch.stack(tokens, dim=1)

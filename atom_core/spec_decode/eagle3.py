@@ -178,13 +178,18 @@ class Eagle3Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps)
 
     def forward_nextn(self, input_ids: torch.Tensor, positions: torch.Tensor, previous_hidden: torch.Tensor,
-                      embed: nn.Module) -> torch.Tensor:
+                      embed: nn.Module, rows: torch.Tensor | None = None) -> torch.Tensor:
         """[T] next tokens, [T] positions, [T, H] g (fused target states or the previous pre-norm
-        output) -> [T, H] pre-norm output."""
+        output) -> [T, H] pre-norm output, or only `rows` of it ([R]: indices into T). Every row's
+        K and V are stored either way; o_proj and the MLP run on the wanted rows only (a catch-up
+        needs the outputs of each request's last row, the other rows only fill the KV)."""
         normed = self.hidden_norm(previous_hidden)
         residual = normed if self.norm_before_residual else previous_hidden
         x = torch.cat([self.input_layernorm(embed(input_ids)), normed], dim=-1)
-        hidden, residual = self.post_attention_layernorm(self.self_attn(positions, x), residual)
+        attended = self.self_attn.attn(self.self_attn.qkv_proj(x), positions)
+        if rows is not None:
+            attended, residual = attended.index_select(0, rows), residual.index_select(0, rows)
+        hidden, residual = self.post_attention_layernorm(self.self_attn.o_proj(attended), residual)
         return self.mlp(hidden) + residual
 
 
@@ -251,7 +256,6 @@ class Eagle3Proposer(MTPProposer):
                  block_size: int, max_num_seqs: int, max_num_tokens: int):
         # Rows the aux buffer keeps: a step's real rows (its tokens plus drafts, within the token budget).
         self.aux_rows = max(max_num_tokens, max_num_seqs * (1 + config.num_draft_tokens))
-        self.eos_token_ids = target.eos_token_ids
         super().__init__(config, target, target_model, block_size, max_num_seqs)
 
     def _build_drafter(self, config: "SpeculativeConfig", target: "ResolvedModel", target_model: nn.Module):
@@ -298,6 +302,6 @@ class Eagle3Proposer(MTPProposer):
         params, outputs = state.sampling_params, state.output_token_ids
         if params.max_tokens is not None and len(outputs) >= params.max_tokens:
             return True
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        stops, _ = self._stop_rule(state)
         first = max(len(outputs) - 1 - self.num_draft_tokens, params.min_tokens - 1, 0)
         return any(t in stops for t in outputs[first:])

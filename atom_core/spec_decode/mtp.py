@@ -98,11 +98,13 @@ def nextn_layer_class(layer_cls: type[nn.Module]) -> type[nn.Module]:
                 self.embed_tokens = VocabEmbedding(config.vocab_size, hidden)
 
         def forward_nextn(self, input_ids: torch.Tensor, positions: torch.Tensor, previous_hidden: torch.Tensor,
-                          embed: nn.Module) -> torch.Tensor:
-            """[T] next tokens, [T] positions, [T, H] previous hidden -> [T, H] normed output."""
+                          embed: nn.Module, rows: torch.Tensor | None = None) -> torch.Tensor:
+            """[T] next tokens, [T] positions, [T, H] previous hidden -> [T, H] normed output (or
+            only `rows` of it: indices into T)."""
             x = torch.cat([self.enorm(embed(input_ids)), self.hnorm(previous_hidden)], dim=-1)
             hidden, residual = self(positions, self.eh_proj(x), None)
-            return self.shared_head.norm(hidden, residual)[0]
+            out = self.shared_head.norm(hidden, residual)[0]
+            return out if rows is None else out.index_select(0, rows)
 
     NextNLayer.__name__ = NextNLayer.__qualname__ = f"{layer_cls.__name__}NextN"
     return NextNLayer
@@ -123,6 +125,25 @@ class MTPModel(nn.Module):
 
     def skip_checkpoint_weight(self, name: str) -> bool:
         return not name.startswith(self.prefix) or "rotary_emb.inv_freq" in name
+
+
+def stop_index(drafts: list[int], rule: tuple[set[int], int]) -> int | None:
+    """The index of the first draft that would end the request (MTPProposer._stop_rule), if any."""
+    stops, first = rule
+    return next((j for j, token in enumerate(drafts) if j >= first and token in stops), None)
+
+
+def cut_at_stop(drafts: list[int], rule: tuple[set[int], int]) -> list[int]:
+    """The drafts up to the first that would end the request: verifying tokens after it is wasted
+    work (the request ends there once it is accepted)."""
+    j = stop_index(drafts, rule)
+    return drafts if j is None else drafts[: j + 1]
+
+
+def all_stopped(tokens: list[torch.Tensor], rules: list[tuple[set[int], int]]) -> bool:
+    """Whether every row of the drafts so far (a list of [E] tensors) holds a token that ends its request."""
+    rows = torch.stack(tokens, dim=1).tolist()
+    return all(stop_index(row, rule) is not None for row, rule in zip(rows, rules))
 
 
 def check_nextn_layer(target: "ResolvedModel") -> set[str]:
@@ -192,6 +213,7 @@ class MTPProposer(Proposer):
         self.model, self.layer, self.embed, self.head = self._build_drafter(config, target, target_model)
         self.device = target.device
         self.max_model_len = target.max_model_len
+        self.eos_token_ids = target.eos_token_ids
         self.layers = attention_layers(self.model)
         self.kv = DraftKV(self.layers, block_size, max_num_seqs, target.device)
         self.graphs: MTPGraphs | None = None
@@ -233,6 +255,7 @@ class MTPProposer(Proposer):
         wanted = {s.req_id for s in states}
         tokens_of, counts, starts, tables, first_rows = [], [], [], [], []
         drafting: dict[str, int] = {}  # request id -> its entry in this forward
+        rules: dict[str, tuple[set[int], int]] = {}  # request id -> its _stop_rule
         for i, state in enumerate(target.states):
             n, first = target.num_rows[i], target.first_positions[i]
             if n == 0 or not can_speculate(state.sampling_params):
@@ -243,6 +266,7 @@ class MTPProposer(Proposer):
                     and self.kv.claim(rid)):
                 assert first + n + 1 == state.num_known_tokens, "a drafting request's rows end at its newest token"
                 drafting[rid] = len(counts)
+                rules[rid] = self._stop_rule(state)
             tokens_of.append(state.tokens(first + 1, first + n + 1))
             counts.append(n)
             starts.append(first)
@@ -276,19 +300,30 @@ class MTPProposer(Proposer):
         if graphs is not None:
             out = graphs.replay(dev["ids"], positions, meta, dev["rows"], dev["last"], dev["mask"], target.hidden)
             by_entry = out.tolist()  # the step's one device-to-host sync
-            by_request = {rid: by_entry[e] for rid, e in drafting.items()}
+            by_request = {rid: cut_at_stop(by_entry[e], rules[rid]) for rid, e in drafting.items()}
             return [by_request.get(s.req_id, []) for s in states]
         previous = self._previous(self._source(target), dev["rows"])
-        if not entries:  # the layer's KV of these positions only
+        if not entries:  # the layer's KV of these positions only: no output row is wanted
             with set_attention_metadata(meta):
-                self.layer.forward_nextn(dev["ids"], positions, previous, self.embed)
+                self.layer.forward_nextn(dev["ids"], positions, previous, self.embed, dev["last"])
             return drafts
         bound = max(starts[e] + counts[e] for e in entries) + self.num_draft_tokens - 1
         c = CatchUp(dev["ids"], positions, previous, meta, dev["last"],
                     meta.block_tables.index_select(0, dev["entries"]), bound)
-        out = run_drafts(self.layer, self.embed, self._greedy, c, self.num_draft_tokens, self.kv.block_size)
-        by_request = dict(zip(drafting, out.tolist()))  # the step's one device-to-host sync
+        # On the CPU reading drafts costs nothing: the loop ends once every request drafted a token
+        # that would end it. On a GPU that would be a sync a draft, so its loop runs to K.
+        row_rules = [rules[rid] for rid in drafting]
+        done = (lambda tokens: all_stopped(tokens, row_rules)) if self.device.type == "cpu" else None
+        out = run_drafts(self.layer, self.embed, self._greedy, c, self.num_draft_tokens, self.kv.block_size, done)
+        by_request = {rid: cut_at_stop(row, rules[rid]) for rid, row in zip(drafting, out.tolist())}  # one sync
         return [by_request.get(s.req_id, []) for s in states]
+
+    def _stop_rule(self, state: RequestView) -> tuple[set[int], int]:
+        """(the tokens that would end the request, the first draft index where one does): the
+        scheduler's stop rule (EOS unless ignore_eos, stop_token_ids, none before min_tokens)."""
+        params = state.sampling_params
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        return stops, params.min_tokens - 1 - len(state.output_token_ids)
 
     # ---- CUDA graphs (spec_decode/mtp_graphs.py explains the padded catch-up) ---------------
     def capture_graphs(self, decode_sizes: tuple[int, ...], capture: CaptureGraphs) -> None:

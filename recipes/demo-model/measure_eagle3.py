@@ -17,10 +17,10 @@ the CPU a launch runs its forward before returning, so async scheduling overlaps
 runs one forward past each reply's end (the step launched before the last one resolved): for
 3-token replies that is one forward in four, which "plain-1step-sync" does not pay. Speculative
 steps wait for the previous step's tokens anyway (they draft from them). Acceptance counts the
-timed rounds.
+timed rounds, per set.
 
 Usage: python recipes/demo-model/measure_eagle3.py [--head DIR] [--questions 100] [--rounds 5]
-           [--k 1 2 3] [--threads 1] [--repeat] [--out FILE.json]
+           [--k 2 3 4] [--threads 1] [--repeat] [--out FILE.json]
 """
 from __future__ import annotations
 
@@ -47,6 +47,17 @@ def timed(engine: LLMEngine, prompt: str, params: SamplingParams) -> tuple[list[
     return tokens, time.process_time() - cpu, time.perf_counter() - wall
 
 
+def add_stats(total: dict | None, before: dict, after: dict) -> dict:
+    """total plus the spec-decode counters' change from `before` to `after`."""
+    k = len(after["accepted_per_position"])
+    total = total or {**{c: 0 for c in COUNTERS}, "accepted_per_position": [0] * k}
+    out = {c: total[c] + after[c] - before[c] for c in COUNTERS}
+    out["accepted_per_position"] = [t + a - b for t, a, b in zip(total["accepted_per_position"],
+                                                                 after["accepted_per_position"],
+                                                                 before["accepted_per_position"] or [0] * k)]
+    return out
+
+
 def spread(values: list[float]) -> dict:
     return {"median": round(statistics.median(values), 3), "min": round(min(values), 3),
             "max": round(max(values), 3)}
@@ -57,7 +68,7 @@ def main() -> None:
     ap.add_argument("--head", type=Path, default=DEMO_MODEL_DIR / "eagle3")
     ap.add_argument("--questions", type=int, default=100, help="eval questions a round, one request at a time")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--k", type=int, nargs="+", default=[2, 3, 4])
     ap.add_argument("--threads", type=int, default=1, help="torch threads (fixed, so CPU time is comparable)")
     ap.add_argument("--repeat", action="store_true", help="the same questions every round (cached prompts)")
     ap.add_argument("--out", type=Path)
@@ -84,20 +95,21 @@ def main() -> None:
     cpu = {n: {"eval": [0.0] * (args.rounds + 1), "long": [0.0] * (args.rounds + 1)} for n in names}
     wall = {n: {"eval": [0.0] * (args.rounds + 1), "long": [0.0] * (args.rounds + 1)} for n in names}
     tokens = {"eval": [0] * (args.rounds + 1), "long": [0] * (args.rounds + 1)}
-    before = {n: engines[n].spec_decode_stats() for n in names}
+    counted = {n: {key: None for key in ("eval", "long")} for n in names if n.startswith("eagle3")}
     for r, (_, eval_prompts) in enumerate(sets):
-        if r == 1:  # acceptance counts the timed rounds
-            before = {n: engines[n].spec_decode_stats() for n in names}
         work = [("eval", p, short) for p in eval_prompts] + [("long", chat(q), long) for q in LONG_QUESTIONS]
         for i, (key, prompt, params) in enumerate(work):
             reference = None
             for j in range(len(names)):
                 name = names[(i + j) % len(names)]
+                before = engines[name].spec_decode_stats()
                 out, c, w = timed(engines[name], prompt, params)
                 assert reference is None or out == reference, f"{name}: output differs from plain decoding"
                 reference = out
                 cpu[name][key][r] += c
                 wall[name][key][r] += w
+                if r and name in counted:  # acceptance of the timed rounds, per set
+                    counted[name][key] = add_stats(counted[name][key], before, engines[name].spec_decode_stats())
             tokens[key][r] += len(reference)
     results: dict = {"questions_per_round": args.questions, "rounds": args.rounds, "fresh": not args.repeat,
                      "threads": args.threads, "long_prompts": LONG_QUESTIONS,
@@ -116,13 +128,8 @@ def main() -> None:
                     [cpu[base][key][r] / cpu[name][key][r] for r in rounds])
                 entry[f"{key}_wall_speedup_over_{base}"] = spread(
                     [wall[base][key][r] / wall[name][key][r] for r in rounds])
-        if name.startswith("eagle3"):
-            after = engines[name].spec_decode_stats()
-            diff = {c: after[c] - before[name][c] for c in COUNTERS}
-            diff["accepted_per_position"] = [a - b for a, b in zip(after["accepted_per_position"],
-                                                                   before[name]["accepted_per_position"] or
-                                                                   [0] * len(after["accepted_per_position"]))]
-            entry["acceptance"] = rates(diff)
+        for key in counted.get(name, {}):
+            entry[f"{key}_acceptance"] = rates(counted[name][key])
         print(name, json.dumps(entry), flush=True)
     print("\nCPU tokens/s (median of the rounds); speed-up over plain-1step and plain-1step-sync: median (min-max)")
     print("| | eval tok/s | over 1step | over 1step-sync | long tok/s | over 1step | over 1step-sync |")

@@ -243,6 +243,50 @@ class TestDraftLoop:
         _tokens(engine, prompts[:2])
         assert calls["propose"] > 2 and calls["layout"] == calls["copy"] == calls["propose"], calls
 
+    def test_drafts_end_at_a_token_that_ends_the_request(self, monkeypatch):
+        """The demo head drafts <|im_end|> after a short answer: no draft follows it (verifying one
+        would be wasted), and on the CPU the loop stops there instead of running all K forwards."""
+        from atom_core.spec_decode import eagle3
+
+        engine = LLMEngine(str(DEMO_MODEL_DIR), method="eagle3", draft_model=str(DEMO_HEAD), num_speculative_tokens=4)
+        proposer = engine.core.executor.runner.proposer
+        eos = set(proposer.eos_token_ids)
+        drafted, forwards = [], []
+        real_propose, real_forward = eagle3.Eagle3Proposer.propose, eagle3.Eagle3Layer.forward_nextn
+
+        def propose(self, states, target=None):
+            before = len(forwards)
+            out = real_propose(self, states, target)
+            drafted.extend((d, len(forwards) - before) for d in out if d)
+            return out
+
+        monkeypatch.setattr(eagle3.Eagle3Proposer, "propose", propose)
+        monkeypatch.setattr(eagle3.Eagle3Layer, "forward_nextn", lambda self, *a, **kw: forwards.append(1)
+                            or real_forward(self, *a, **kw))
+        assert _tokens(engine, _demo_prompts(6), DEMO_GREEDY) == _tokens(LLMEngine(str(DEMO_MODEL_DIR)),
+                                                                          _demo_prompts(6), DEMO_GREEDY)
+        assert all(t not in eos for d, _ in drafted for t in d[:-1])
+        cut = [(d, n) for d, n in drafted if d[-1] in eos and len(d) < 4]
+        assert cut and all(n == len(d) for d, n in cut)  # the catch-up, then one forward a later draft
+
+    def test_the_stop_rule_follows_the_scheduler(self, family):
+        from atom_core.spec_decode.mtp import cut_at_stop
+        from atom_core.worker.input_batch import RequestState
+
+        target, head, _, _ = family
+        proposer = LLMEngine(str(target), method="eagle3", draft_model=str(head),
+                             num_speculative_tokens=3).core.executor.runner.proposer
+        [eos] = list(proposer.eos_token_ids)[:1]
+
+        def rule(**params):
+            return proposer._stop_rule(RequestState("r", [5, 6], [7, 8], SamplingParams(**params)))
+
+        assert cut_at_stop([9, eos, 9], rule()) == [9, eos]
+        assert cut_at_stop([9, eos, 9], rule(ignore_eos=True)) == [9, eos, 9]
+        assert cut_at_stop([9, 4, eos], rule(ignore_eos=True, stop_token_ids=[4])) == [9, 4]
+        assert cut_at_stop([eos, 9, eos], rule(min_tokens=4)) == [eos, 9, eos]  # the 1st draft is output 3 of 4
+        assert cut_at_stop([eos, eos, 9], rule(min_tokens=4)) == [eos, eos]
+
     def test_later_draft_rows_store_in_their_tables_or_nowhere(self):
         from atom_core.model_ops.forward_context import AttentionMetadata
         from atom_core.spec_decode.draft_loop import CatchUp, later_draft_metadata
