@@ -263,8 +263,9 @@ class TestDraftLoop:
         monkeypatch.setattr(eagle3.Eagle3Proposer, "propose", propose)
         monkeypatch.setattr(eagle3.Eagle3Layer, "forward_nextn", lambda self, *a, **kw: forwards.append(1)
                             or real_forward(self, *a, **kw))
-        assert _tokens(engine, _demo_prompts(6), DEMO_GREEDY) == _tokens(LLMEngine(str(DEMO_MODEL_DIR)),
-                                                                          _demo_prompts(6), DEMO_GREEDY)
+        prompts = _demo_prompts(6)
+        plain = _tokens(LLMEngine(str(DEMO_MODEL_DIR)), prompts, DEMO_GREEDY)
+        assert [_tokens(engine, [p], DEMO_GREEDY)[0] for p in prompts] == plain  # one request a step
         assert all(t not in eos for d, _ in drafted for t in d[:-1])
         cut = [(d, n) for d, n in drafted if d[-1] in eos and len(d) < 4]
         assert cut and all(n == len(d) for d, n in cut)  # the catch-up, then one forward a later draft
@@ -424,7 +425,7 @@ class TestErrors:
 # ---- the demo model's trained head ---------------------------------------------------------
 
 DEMO_GREEDY = SamplingParams(temperature=0, max_tokens=16)
-MIN_ACCEPTANCE = 0.55  # first-draft acceptance on the first 20 eval questions (64.7% on the first 40: recipes/demo-model/eagle3.md)
+MIN_ACCEPTANCE = 0.85  # first-draft acceptance on the first 20 eval questions (95.5% measured; recipes/demo-model/eagle3.md)
 
 
 
