@@ -15,6 +15,7 @@ import torch
 
 from atom_core.model_ops.forward_context import AttentionMetadata
 from atom_core.model_ops.kv_spec import allocate_kv_cache
+from atom_core.model_ops.staging import to_device_packed
 
 if TYPE_CHECKING:
     from atom_core.spec_decode.proposer import RequestView
@@ -62,28 +63,39 @@ class DraftKV:
         first = self.first_scratch_block + NUM_SCRATCH_BLOCKS * index
         return real + list(range(first, first + NUM_SCRATCH_BLOCKS))
 
-    def metadata(self, row_counts: list[int], starts: list[int], tables: list[list[int]],
-                 num_real: list[int] | None = None):
-        """Positions [T] and the AttentionMetadata of one flat forward: request r computes
-        row_counts[r] rows from position starts[r] over its block table tables[r]. With num_real,
-        only its first num_real[r] rows store KV (the rest are padding: slot -1, as in padded verify
-        batches), and each table is padded with block 0 to cover its seq_len."""
+    def layout(self, row_counts: list[int], starts: list[int], tables: list[list[int]],
+               num_real: list[int] | None = None) -> dict[str, np.ndarray]:
+        """Host arrays of one flat forward: request r computes row_counts[r] rows from position
+        starts[r] over its block table tables[r]. With num_real, only its first num_real[r] rows
+        store KV (the rest are padding: slot -1, as in padded verify batches), and each table is
+        padded with block 0 to cover its seq_len. Keys: positions, and AttentionMetadata's
+        query_start_loc, seq_lens, block_tables, slot_mapping (device_metadata's input)."""
         bs = self.block_size
-        positions = [p for n, s in zip(row_counts, starts) for p in range(s, s + n)]
+        positions = np.concatenate([np.arange(s, s + n) for n, s in zip(row_counts, starts)])
         real = num_real or row_counts
         slots = [table[p // bs] * bs + p % bs if j < m else -1
                  for n, m, s, table in zip(row_counts, real, starts, tables) for j, p in enumerate(range(s, s + n))]
-        qsl = np.cumsum([0, *row_counts])
         seq_lens = [s + n for n, s in zip(row_counts, starts)]
         width = max(max(len(t) for t in tables), max(-(-length // bs) for length in seq_lens))
-        block_tables = np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int32)
-        dev = self.device
-        meta = AttentionMetadata(
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.from_numpy(block_tables).to(dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            max_query_len=max(row_counts),
-            max_seq_len=max(seq_lens),
-        )
-        return torch.tensor(positions, device=dev), meta
+        return {"positions": positions.astype(np.int64),
+                "query_start_loc": np.cumsum([0, *row_counts]).astype(np.int32),
+                "seq_lens": np.array(seq_lens, dtype=np.int32),
+                "block_tables": np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int32),
+                "slot_mapping": np.array(slots, dtype=np.int64)}
+
+    def metadata(self, row_counts: list[int], starts: list[int], tables: list[list[int]],
+                 num_real: list[int] | None = None):
+        """Positions [T] and the AttentionMetadata of `layout`'s forward, on the device (one copy)."""
+        host = self.layout(row_counts, starts, tables, num_real)
+        return device_metadata(host, to_device_packed(host, self.device))
+
+
+def device_metadata(host: dict[str, np.ndarray],
+                    dev: dict[str, torch.Tensor]) -> tuple[torch.Tensor, AttentionMetadata]:
+    """(positions, AttentionMetadata) of DraftKV.layout's arrays: `host` for the host-side bounds,
+    `dev` their device copies."""
+    meta = AttentionMetadata(query_start_loc=dev["query_start_loc"], seq_lens=dev["seq_lens"],
+                             block_tables=dev["block_tables"], slot_mapping=dev["slot_mapping"],
+                             max_query_len=int(np.diff(host["query_start_loc"]).max()),
+                             max_seq_len=int(host["seq_lens"].max()))
+    return dev["positions"], meta

@@ -27,8 +27,9 @@ head was trained (SpecForge's test-time training loop). The residual of the laye
 hidden_norm(g) with norm_before_residual.
 
 Everything else is the MTP proposer's (spec_decode/mtp.py): every verified position gets its
-head row, prefill chunks included, in the head's own KV cache on the target's block tables; the
-padded catch-up and the later drafts replay CUDA graphs with --mtp-graphs. Drafts are greedy (a
+head row, prefill chunks included, in the head's own KV cache on the target's block tables; a
+step's draft loop runs on the device (spec_decode/draft_loop.py: fc, catch-up, K - 1 later drafts,
+one host sync) and with --mtp-graphs replays as one CUDA graph. Drafts are greedy (a
 point mass over the target vocabulary, which the rejection sampler verifies exactly at any
 temperature).
 """
@@ -177,13 +178,18 @@ class Eagle3Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps)
 
     def forward_nextn(self, input_ids: torch.Tensor, positions: torch.Tensor, previous_hidden: torch.Tensor,
-                      embed: nn.Module) -> torch.Tensor:
+                      embed: nn.Module, rows: torch.Tensor | None = None) -> torch.Tensor:
         """[T] next tokens, [T] positions, [T, H] g (fused target states or the previous pre-norm
-        output) -> [T, H] pre-norm output."""
+        output) -> [T, H] pre-norm output, or only `rows` of it ([R]: indices into T). Every row's
+        K and V are stored either way; o_proj and the MLP run on the wanted rows only (a catch-up
+        needs the outputs of each request's last row, the other rows only fill the KV)."""
         normed = self.hidden_norm(previous_hidden)
         residual = normed if self.norm_before_residual else previous_hidden
         x = torch.cat([self.input_layernorm(embed(input_ids)), normed], dim=-1)
-        hidden, residual = self.post_attention_layernorm(self.self_attn(positions, x), residual)
+        attended = self.self_attn.attn(self.self_attn.qkv_proj(x), positions)
+        if rows is not None:
+            attended, residual = attended.index_select(0, rows), residual.index_select(0, rows)
+        hidden, residual = self.post_attention_layernorm(self.self_attn.o_proj(attended), residual)
         return self.mlp(hidden) + residual
 
 
@@ -250,7 +256,6 @@ class Eagle3Proposer(MTPProposer):
                  block_size: int, max_num_seqs: int, max_num_tokens: int):
         # Rows the aux buffer keeps: a step's real rows (its tokens plus drafts, within the token budget).
         self.aux_rows = max(max_num_tokens, max_num_seqs * (1 + config.num_draft_tokens))
-        self.eos_token_ids = target.eos_token_ids
         super().__init__(config, target, target_model, block_size, max_num_seqs)
 
     def _build_drafter(self, config: "SpeculativeConfig", target: "ResolvedModel", target_model: nn.Module):
@@ -267,6 +272,17 @@ class Eagle3Proposer(MTPProposer):
     def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head.greedy(hidden)
 
+    def _previous(self, source: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """g of the catch-up rows: fc over the aux hidden states of their step rows (fc is per row,
+        so only the rows that are read)."""
+        return self.model.fc(source.index_select(0, rows))
+
+    def _source(self, target: TargetHidden) -> torch.Tensor:
+        return self.aux
+
+    def _graph_source(self) -> torch.Tensor:
+        return self.aux  # one buffer, written by every forward of the target (graph replays too)
+
     @torch.inference_mode()
     def propose(self, states: list[RequestView], target: TargetHidden | None = None) -> list[list[int]]:
         assert target is not None, "the EAGLE-3 proposer drafts from the target's hidden states"
@@ -275,9 +291,8 @@ class Eagle3Proposer(MTPProposer):
         going_on = [i for i, state in enumerate(target.states) if not self._finished(state)]
         if not going_on:
             return [[] for _ in states]
-        fused = self.model.fc(self.aux[:rows])  # g_t of every row of the step
-        target = TargetHidden(fused, *([getattr(target, f)[i] for i in going_on]
-                                       for f in ("states", "row_starts", "first_positions", "num_rows")))
+        target = TargetHidden(target.hidden, *([getattr(target, f)[i] for i in going_on]
+                                               for f in ("states", "row_starts", "first_positions", "num_rows")))
         return super().propose(states, target)
 
     def _finished(self, state: RequestView) -> bool:
@@ -287,6 +302,6 @@ class Eagle3Proposer(MTPProposer):
         params, outputs = state.sampling_params, state.output_token_ids
         if params.max_tokens is not None and len(outputs) >= params.max_tokens:
             return True
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        stops, _ = self._stop_rule(state)
         first = max(len(outputs) - 1 - self.num_draft_tokens, params.min_tokens - 1, 0)
         return any(t in stops for t in outputs[first:])

@@ -21,7 +21,9 @@ attention sees the whole context: its KV lives in its own cache on the target's 
 Positions a prefix-cache hit skipped keep the MTP KV that the request which computed those
 blocks wrote (the last row of such a block paired that request's next token: drafts may be a
 little worse there, never the output). Drafts are greedy (a point mass, which the rejection
-sampler verifies exactly at any temperature).
+sampler verifies exactly at any temperature). A step's catch-up and later drafts run on the device
+from one host-to-device copy, with one host sync for the drafts (spec_decode/draft_loop.py), and
+with --mtp-graphs as one CUDA graph replay (spec_decode/mtp_graphs.py).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -39,7 +42,9 @@ from atom_core.model_ops.forward_context import set_attention_metadata
 from atom_core.model_ops.kv_spec import attention_layers
 from atom_core.model_ops.layernorm import RMSNorm
 from atom_core.model_ops.linear import ReplicatedLinear
-from atom_core.spec_decode.draft_kv import NUM_SCRATCH_BLOCKS, DraftKV
+from atom_core.model_ops.staging import to_device_packed
+from atom_core.spec_decode.draft_kv import NUM_SCRATCH_BLOCKS, DraftKV, device_metadata
+from atom_core.spec_decode.draft_loop import CatchUp, run_drafts
 from atom_core.spec_decode.mtp_graphs import MTPGraphs, padded_catch_up
 from atom_core.spec_decode.proposer import CaptureGraphs, Proposer, RequestView, TargetHidden, can_speculate
 
@@ -93,11 +98,13 @@ def nextn_layer_class(layer_cls: type[nn.Module]) -> type[nn.Module]:
                 self.embed_tokens = VocabEmbedding(config.vocab_size, hidden)
 
         def forward_nextn(self, input_ids: torch.Tensor, positions: torch.Tensor, previous_hidden: torch.Tensor,
-                          embed: nn.Module) -> torch.Tensor:
-            """[T] next tokens, [T] positions, [T, H] previous hidden -> [T, H] normed output."""
+                          embed: nn.Module, rows: torch.Tensor | None = None) -> torch.Tensor:
+            """[T] next tokens, [T] positions, [T, H] previous hidden -> [T, H] normed output (or
+            only `rows` of it: indices into T)."""
             x = torch.cat([self.enorm(embed(input_ids)), self.hnorm(previous_hidden)], dim=-1)
             hidden, residual = self(positions, self.eh_proj(x), None)
-            return self.shared_head.norm(hidden, residual)[0]
+            out = self.shared_head.norm(hidden, residual)[0]
+            return out if rows is None else out.index_select(0, rows)
 
     NextNLayer.__name__ = NextNLayer.__qualname__ = f"{layer_cls.__name__}NextN"
     return NextNLayer
@@ -139,6 +146,25 @@ def check_family_mtp(target: "ResolvedModel", mtp_class: type[nn.Module]) -> Non
         raise ValueError(f"--method mtp needs the checkpoint's multi-token-prediction layer, and {target.path} "
                          f"holds no {mtp_class.required_tensor} ({len(names)} tensors under {prefix}); "
                          "use a checkpoint that ships it")
+
+
+def stop_index(drafts: list[int], rule: tuple[set[int], int]) -> int | None:
+    """The index of the first draft that would end the request (MTPProposer._stop_rule), if any."""
+    stops, first = rule
+    return next((j for j, token in enumerate(drafts) if j >= first and token in stops), None)
+
+
+def cut_at_stop(drafts: list[int], rule: tuple[set[int], int]) -> list[int]:
+    """The drafts up to the first that would end the request: verifying tokens after it is wasted
+    work (the request ends there once it is accepted)."""
+    j = stop_index(drafts, rule)
+    return drafts if j is None else drafts[: j + 1]
+
+
+def all_stopped(tokens: list[torch.Tensor], rules: list[tuple[set[int], int]]) -> bool:
+    """Whether every row of the drafts so far (a list of [E] tensors) holds a token that ends its request."""
+    rows = torch.stack(tokens, dim=1).tolist()
+    return all(stop_index(row, rule) is not None for row, rule in zip(rows, rules))
 
 
 def check_nextn_layer(target: "ResolvedModel") -> set[str]:
@@ -224,6 +250,7 @@ class MTPProposer(Proposer):
         self.model, self.layer, self.embed, self.head = self._build_drafter(config, target, target_model)
         self.device = target.device
         self.max_model_len = target.max_model_len
+        self.eos_token_ids = target.eos_token_ids
         self.layers = attention_layers(self.model)
         self.kv = DraftKV(self.layers, block_size, max_num_seqs, target.device)
         self.graphs: MTPGraphs | None = None
@@ -253,12 +280,21 @@ class MTPProposer(Proposer):
     def forget(self, req_ids) -> None:
         self.kv.release(req_ids)
 
+    def _previous(self, source: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """[N, H] the hidden state each catch-up row reads: rows `rows` of `source` (_source's)."""
+        return source.index_select(0, rows)
+
+    def _source(self, target: TargetHidden) -> torch.Tensor:
+        """What _previous reads rows of: the step's final hidden states."""
+        return target.hidden
+
     @torch.inference_mode()
     def propose(self, states: list[RequestView], target: TargetHidden | None = None) -> list[list[int]]:
         assert target is not None, "the MTP proposer drafts from the target's hidden states"
         wanted = {s.req_id for s in states}
         tokens_of, counts, starts, tables, first_rows = [], [], [], [], []
         drafting: dict[str, int] = {}  # request id -> its entry in this forward
+        rules: dict[str, tuple[set[int], int]] = {}  # request id -> its _stop_rule
         for i, state in enumerate(target.states):
             n, first = target.num_rows[i], target.first_positions[i]
             if n == 0 or not can_speculate(state.sampling_params):
@@ -269,6 +305,7 @@ class MTPProposer(Proposer):
                     and self.kv.claim(rid)):
                 assert first + n + 1 == state.num_known_tokens, "a drafting request's rows end at its newest token"
                 drafting[rid] = len(counts)
+                rules[rid] = self._stop_rule(state)
             tokens_of.append(state.tokens(first + 1, first + n + 1))
             counts.append(n)
             starts.append(first)
@@ -277,45 +314,69 @@ class MTPProposer(Proposer):
         drafts: list[list[int]] = [[] for _ in states]
         if not counts:
             return drafts
-        q = 1 + self.num_draft_tokens
-        if self._pads_catch_up(counts, starts, q):
-            out, last_rows = self._catch_up_padded(tokens_of, counts, starts, tables, first_rows, target.hidden, q)
-        else:
-            rows = torch.cat([torch.arange(r, r + n) for r, n in zip(first_rows, counts)]).to(self.device)
-            token_ids = [t for toks in tokens_of for t in toks]
-            out = self._forward(token_ids, counts, starts, tables, target.hidden.index_select(0, rows))
-            last_rows = [end - 1 for end in itertools.accumulate(counts)]
-        if not drafting:
-            return drafts
         entries = list(drafting.values())
-        last = torch.tensor([last_rows[e] for e in entries], device=self.device)
-        hidden = out.index_select(0, last)
-        tokens = [self._greedy(hidden)]
-        # Later drafts: one row per request, one position further, over its scratch blocks.
-        positions = [starts[e] + counts[e] for e in entries]  # the newest token's position
-        draft_tables = [tables[e] for e in entries]
-        for _ in range(self.num_draft_tokens - 1):
-            positions_t, meta = self.kv.metadata([1] * len(entries), positions, draft_tables)
-            hidden = self._run(tokens[-1], positions_t, meta, hidden, self.draft_graphs)
-            tokens.append(self._greedy(hidden))
-            positions = [p + 1 for p in positions]
-        by_request = dict(zip(drafting, torch.stack(tokens, dim=1).tolist()))
+        q = 1 + self.num_draft_tokens
+        padded = self._pads_catch_up(counts, starts, q)
+        if padded:
+            ids, rows, last_rows = padded_catch_up(tokens_of, counts, first_rows, q)
+            host = self.kv.layout([q] * len(counts), starts, tables, num_real=counts)
+        else:
+            ids = [t for toks in tokens_of for t in toks]
+            rows = [r for first, n in zip(first_rows, counts) for r in range(first, first + n)]
+            last_rows = [end - 1 for end in itertools.accumulate(counts)]
+            host = self.kv.layout(counts, starts, tables)
+        graphs = self.graphs if padded and entries and self.graphs is not None else None
+        host.update(ids=np.array(ids, dtype=np.int64), rows=np.array(rows, dtype=np.int64))
+        if graphs is not None:  # every request of the graph drafts, masked where it may not
+            size = graphs.padded_size(len(counts))
+            host["last"], host["mask"] = np.zeros(size, dtype=np.int64), np.zeros(size, dtype=np.bool_)
+            host["last"][: len(counts)], host["mask"][entries] = last_rows, True
+        else:
+            host["last"] = np.array([last_rows[e] for e in entries], dtype=np.int64)
+            host["entries"] = np.array(entries, dtype=np.int64)
+        dev = to_device_packed(host, self.device)  # the step's one host-to-device copy
+        positions, meta = device_metadata(host, dev)
+        if graphs is not None:
+            out = graphs.replay(dev["ids"], positions, meta, dev["rows"], dev["last"], dev["mask"], target.hidden)
+            by_entry = out.tolist()  # the step's one device-to-host sync
+            by_request = {rid: cut_at_stop(by_entry[e], rules[rid]) for rid, e in drafting.items()}
+            return [by_request.get(s.req_id, []) for s in states]
+        previous = self._previous(self._source(target), dev["rows"])
+        if not entries:  # the layer's KV of these positions only: no output row is wanted
+            with set_attention_metadata(meta):
+                self.layer.forward_nextn(dev["ids"], positions, previous, self.embed, dev["last"])
+            return drafts
+        bound = max(starts[e] + counts[e] for e in entries) + self.num_draft_tokens - 1
+        c = CatchUp(dev["ids"], positions, previous, meta, dev["last"],
+                    meta.block_tables.index_select(0, dev["entries"]), bound)
+        # On the CPU reading drafts costs nothing: the loop ends once every request drafted a token
+        # that would end it. On a GPU that would be a sync a draft, so its loop runs to K.
+        row_rules = [rules[rid] for rid in drafting]
+        done = (lambda tokens: all_stopped(tokens, row_rules)) if self.device.type == "cpu" else None
+        out = run_drafts(self.layer, self.embed, self._greedy, c, self.num_draft_tokens, self.kv.block_size, done)
+        by_request = {rid: cut_at_stop(row, rules[rid]) for rid, row in zip(drafting, out.tolist())}  # one sync
         return [by_request.get(s.req_id, []) for s in states]
 
-    def _forward(self, token_ids, counts: list[int], starts: list[int], tables: list[list[int]],
-                 previous_hidden: torch.Tensor) -> torch.Tensor:
-        """The nextn layer over each request's rows; [rows, H] normed outputs."""
-        positions, meta = self.kv.metadata(counts, starts, tables)
-        ids = token_ids if isinstance(token_ids, torch.Tensor) else torch.tensor(token_ids, device=self.device)
-        return self._run(ids, positions, meta, previous_hidden, None)
+    def _stop_rule(self, state: RequestView) -> tuple[set[int], int]:
+        """(the tokens that would end the request, the first draft index where one does): the
+        scheduler's stop rule (EOS unless ignore_eos, stop_token_ids, none before min_tokens)."""
+        params = state.sampling_params
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        return stops, params.min_tokens - 1 - len(state.output_token_ids)
 
     # ---- CUDA graphs (spec_decode/mtp_graphs.py explains the padded catch-up) ---------------
     def capture_graphs(self, decode_sizes: tuple[int, ...], capture: CaptureGraphs) -> None:
-        """Graphs of the catch-up forward (q = 1 + K rows per request) and, for K >= 2, of the later
-        drafts (one row per request), made by `capture` (proposer.CaptureGraphs) in the target's pool."""
-        self.graphs = MTPGraphs(self.layer, self.embed, decode_sizes, 1 + self.num_draft_tokens,
-                                self.max_model_len + NUM_SCRATCH_BLOCKS * self.kv.block_size, self.device, capture)
+        """Graphs of the whole draft loop (spec_decode/mtp_graphs.py: the padded catch-up of
+        q = 1 + K rows per request and the K - 1 later drafts), made by `capture`
+        (proposer.CaptureGraphs) in the target's pool."""
+        span = self.max_model_len + NUM_SCRATCH_BLOCKS * self.kv.block_size
+        self.graphs = MTPGraphs(self.layer, self.embed, self._greedy, self._previous, self._graph_source(),
+                                decode_sizes, self.num_draft_tokens, self.kv.block_size, span, self.device, capture)
         self.pad_catch_up = True
+
+    def _graph_source(self) -> torch.Tensor | None:
+        """_source's tensor when it is one buffer for the engine's life (graphs read it in place), else None."""
+        return None
 
     def release_graphs(self) -> None:
         self.graphs = None
@@ -324,28 +385,10 @@ class MTPProposer(Proposer):
     def graph_capture_seconds(self) -> float:
         return 0.0 if self.graphs is None else self.graphs.capture_seconds
 
-    @property
-    def draft_graphs(self):
-        return None if self.graphs is None else self.graphs.drafts
-
     def _pads_catch_up(self, counts: list[int], starts: list[int], q: int) -> bool:
         """Whether the catch-up runs padded to q rows a request: asked for (graphs), every request
         has at most q rows (decode and verify steps; a prefill chunk has more), padding positions
         stay inside max_model_len, and a graph of that many requests exists when graphs are on."""
         if not self.pad_catch_up or max(counts) > q or max(starts) + q > self.max_model_len:
             return False
-        return self.graphs is None or self.graphs.catch_up.can_run(len(counts))
-
-    def _catch_up_padded(self, tokens_of, counts, starts, tables, first_rows, hidden: torch.Tensor, q: int):
-        """mtp_graphs.padded_catch_up's rows through the layer; (outputs, each request's last real row)."""
-        ids, rows, last_rows = padded_catch_up(tokens_of, counts, first_rows, q)
-        positions, meta = self.kv.metadata([q] * len(counts), starts, tables, num_real=counts)
-        previous = hidden.index_select(0, torch.tensor(rows, device=self.device))
-        runner = None if self.graphs is None else self.graphs.catch_up
-        return self._run(torch.tensor(ids, device=self.device), positions, meta, previous, runner), last_rows
-
-    def _run(self, ids: torch.Tensor, positions: torch.Tensor, meta, previous_hidden: torch.Tensor, runner):
-        if runner is not None and runner.can_run(ids.shape[0] // runner.query_len):
-            return self.graphs.replay(runner, ids, positions, meta, previous_hidden)
-        with set_attention_metadata(meta):
-            return self.layer.forward_nextn(ids, positions, previous_hidden, self.embed)
+        return self.graphs is None or self.graphs.can_run(len(counts))

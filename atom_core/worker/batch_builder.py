@@ -14,6 +14,7 @@ import torch
 
 from atom_core.model_ops.forward_context import AttentionMetadata
 from atom_core.model_ops.sampler import SamplingBatch
+from atom_core.model_ops.staging import to_device_packed as _to_device_packed
 from atom_core.scheduler_output import PLACEHOLDER, SchedulerOutput
 from atom_core.worker.input_batch import RequestState
 
@@ -41,29 +42,6 @@ def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor
-
-
-STAGING_ALIGN = 16  # bytes: the pointer alignment Triton specialises on, as a fresh allocation has
-
-
-def _to_device_packed(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
-    """Several host arrays to the device in ONE copy: packed into one pinned buffer, each at a
-    16-byte-aligned offset, and handed out as views of the device copy. Separate small copies
-    (~10 a step) each leave the GPU idle for a copy's launch and host round trip.
-    The CPU packs alike (its views are of the host buffer), so the CPU tests run the packing."""
-    pinned = device.type == "cuda"
-    arrays = {name: np.ascontiguousarray(a) for name, a in arrays.items()}
-    offsets, total = {}, 0
-    for name, a in arrays.items():
-        offsets[name] = total
-        total += -(-a.nbytes // STAGING_ALIGN) * STAGING_ALIGN
-    host = torch.empty(max(total, STAGING_ALIGN), dtype=torch.uint8, pin_memory=pinned)
-    staging = host.numpy()
-    for name, a in arrays.items():
-        staging[offsets[name]:offsets[name] + a.nbytes] = a.reshape(-1).view(np.uint8)
-    packed = host.to(device, non_blocking=True) if pinned else host
-    return {name: packed[offsets[name]:offsets[name] + a.nbytes].view(torch.from_numpy(a[:0]).dtype).view(a.shape)
-            for name, a in arrays.items()}
 
 
 def _block_table_array(tables: list[list[int]]) -> np.ndarray:

@@ -9,6 +9,9 @@ starts one engine with --method eagle3, and measures at batch 1 on a long decode
   draft_ms        the proposer's own time per step (the fc, catch-up and K - 1 later drafts),
                   synchronized around `Proposer.draft`
 and reports draft_ms / plain_step_ms (the issue's target: <= 0.15 for K = 3 on Llama-3-8B).
+With --mtp-graphs a step's whole draft loop is one graph replay (spec_decode/mtp_graphs.py).
+Without CUDA it runs on the CPU (no graphs: --mtp-graphs is inert there), e.g. on a tiny model
+directory to check the command before a GPU run.
 Usage:
   python -m benchmarks.engine.eagle3_overhead preset:Llama-3-8B --k 3 [--mtp-graphs] --out eagle3.json
 """
@@ -44,19 +47,24 @@ def write_head_config(target: str, out: Path, draft_vocab: int) -> Path:
     return out
 
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed_decode(engine, output_len: int) -> float:
     """Seconds per output token of one batch-1 request (after its prefill)."""
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     prompt = list(range(100, 228))
     engine.generate([prompt], SamplingParams(temperature=0, max_tokens=1))  # the same prefill, to subtract
-    torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     engine.generate([prompt], SamplingParams(temperature=0, max_tokens=1))
-    torch.cuda.synchronize()
+    sync()
     prefill = time.perf_counter() - start
     start = time.perf_counter()
     engine.generate([prompt], params)
-    torch.cuda.synchronize()
+    sync()
     return (time.perf_counter() - start - prefill) / (output_len - 1)
 
 
@@ -66,21 +74,22 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--draft-vocab", type=int, default=32000)
     ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--mtp-graphs", action="store_true", help="the head's forwards in CUDA graphs")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     head = write_head_config(args.model, Path(tempfile.mkdtemp(prefix="eagle3_head_")), args.draft_vocab)
-    engine = LLMEngine(args.model, load_format="dummy", max_model_len=4096, method="eagle3", draft_model=str(head),
+    engine = LLMEngine(args.model, load_format="dummy", max_model_len=args.max_model_len, method="eagle3", draft_model=str(head),
                        num_speculative_tokens=args.k, mtp_graphs=args.mtp_graphs)
     runner = engine.core.executor.runner
     proposer = runner.proposer
     draft_seconds = []
 
     def timed_draft(result, requests, target):
-        torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         drafts = type(proposer).draft(proposer, result, requests, target)
-        torch.cuda.synchronize()
+        sync()
         draft_seconds.append(time.perf_counter() - start)
         return drafts
 
