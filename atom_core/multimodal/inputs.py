@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
-import xxhash
 
 
 @dataclass(frozen=True, eq=False)
@@ -43,6 +42,9 @@ class MultimodalItem:
 
 def content_hash(family: str, data: dict[str, np.ndarray]) -> int:
     """xxhash64 of the family name and each array's name, dtype, shape and bytes, in name order."""
+    import xxhash  # here, not at import: model files import this module in plugin mode, where vLLM's
+    # environment holds atomctl without its dependencies (pip install --no-deps beside vLLM)
+
     h = xxhash.xxh64(family.encode())
     for name in sorted(data):
         array = np.ascontiguousarray(data[name])

