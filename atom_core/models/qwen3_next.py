@@ -221,11 +221,13 @@ class Qwen3NextMTPLayer(nn.Module):
         self.norm = ZeroCentredRMSNorm(hidden, config.rms_norm_eps)
 
     def forward_nextn(self, input_ids: torch.Tensor, positions: torch.Tensor, previous_hidden: torch.Tensor,
-                      embed: nn.Module) -> torch.Tensor:
-        """[T] next tokens, [T] positions, [T, H] previous hidden -> [T, H] normed output."""
+                      embed: nn.Module, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """[T] next tokens, [T] positions, [T, H] previous hidden -> [T, H] normed output (or only
+        `rows` of it: indices into T)."""
         x = torch.cat([self.pre_fc_norm_embedding(embed(input_ids)), self.pre_fc_norm_hidden(previous_hidden)], -1)
         hidden, residual = self.layers["0"](positions, self.fc(x), None)
-        return self.norm(hidden, residual)[0]
+        out = self.norm(hidden, residual)[0]
+        return out if rows is None else out.index_select(0, rows)
 
 
 class Qwen3NextMTP(nn.Module):
