@@ -24,19 +24,22 @@ CORPUS = [
 ] * 20
 
 
-def build_tokenizer(path: Path, vocab_size: int = 400):
+def build_tokenizer(path: Path, vocab_size: int = 400, special_tokens: list[str] | None = None,
+                    chat_template: str | None = None):
+    """A byte-level BPE tokenizer trained on CORPUS with SPECIAL (or `special_tokens`) and CHAT_TEMPLATE
+    (or `chat_template`), saved to `path`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens or SPECIAL,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    bos_token=None)
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template or CHAT_TEMPLATE
     fast.save_pretrained(str(path))
     return fast
 

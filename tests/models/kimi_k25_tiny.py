@@ -80,22 +80,9 @@ KIMI_SPECIAL = ["<|endoftext|>", "<|im_end|>", "<|im_user|>", "<|im_assistant|>"
 
 def build_kimi_tokenizer(path: Path, vocab_size: int = 400):
     """A byte-level BPE tokenizer with Kimi's chat and media special tokens and a Kimi-style chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from tests.tiny_models import build_tokenizer
 
-    from tests.tiny_models import CORPUS
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=KIMI_SPECIAL,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   bos_token=None)
-    fast.chat_template = KIMI_CHAT_TEMPLATE
-    fast.save_pretrained(str(path))
-    return fast
+    return build_tokenizer(path, vocab_size, special_tokens=KIMI_SPECIAL, chat_template=KIMI_CHAT_TEMPLATE)
 
 
 def synthetic_image(seed: int, size: tuple[int, int], mode: str = "RGB"):
