@@ -69,35 +69,45 @@ class TestEngineDeath:
     def test_dead_core_fails_health_and_requests(self, keyed_server):
         srv = keyed_server
         outcome: dict = {}
-        running = threading.Event()
+        accepted = threading.Event()
 
         def long_stream():
             body = {"prompt": "Hello", "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True, "stream": True}
             with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, headers=srv.headers, timeout=30) as r:
-                lines = []
-                for line in r.iter_lines():
-                    lines.append(line)
-                    running.set()
-                outcome["stream"] = lines
+                accepted.set()  # headers sent: from here on an error can only travel inside the stream
+                outcome["stream"] = list(r.iter_lines())
 
         def long_request():
             body = {"prompt": "Hello world", "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True}
             outcome["plain"] = httpx.post(f"{srv.url}/v1/completions", json=body, headers=srv.headers, timeout=30)
 
-        # Both must be in flight when the core dies: the plain request first (until the core counts
-        # it running), then the stream, killed at its first token (a tiny model's 496 tokens can take
-        # under 0.2 s, so waiting longer raced the stream's end).
-        threads = [threading.Thread(target=long_request), threading.Thread(target=long_stream)]
-        threads[0].start()
-        deadline = time.monotonic() + 30
-        while not re.search(r"^atom_num_requests_running\S* [1-9]", httpx.get(f"{srv.url}/metrics", timeout=10).text,
-                            re.M):
-            assert time.monotonic() < deadline, "the plain request never started running"
-            time.sleep(0.005)
-        threads[1].start()
-        assert running.wait(30)
+        # Both requests must be in flight when the core dies. A tiny model finishes a request in a
+        # fraction of a second, so the core is frozen (SIGSTOP) once the plain request runs; the
+        # stream then starts against the frozen core and the kill comes after its headers. Should the
+        # plain request have finished before the freeze (its 200 reaches the thread at once), the
+        # core is thawed and the request sent again.
+        core = srv.core_pid()
+        for _attempt in range(5):
+            plain = threading.Thread(target=long_request)
+            plain.start()
+            deadline = time.monotonic() + 30
+            while not re.search(r"^atom_num_requests_running\S* [1-9]",
+                                httpx.get(f"{srv.url}/metrics", timeout=10).text, re.M):
+                assert time.monotonic() < deadline, "the plain request never started running"
+                time.sleep(0.005)
+            os.kill(core, signal.SIGSTOP)
+            plain.join(0.5)
+            if plain.is_alive():
+                break
+            os.kill(core, signal.SIGCONT)
+        else:
+            pytest.fail("the plain request finished before the core could be frozen, five times")
+        stream = threading.Thread(target=long_stream)
+        stream.start()
+        assert accepted.wait(30), "the stream was never accepted"
+        threads = [plain, stream]
         killed = time.monotonic()
-        os.kill(srv.core_pid(), signal.SIGKILL)
+        os.kill(core, signal.SIGKILL)
         for t in threads:
             t.join(30)
             assert not t.is_alive(), "a request hung after the engine core died"
