@@ -40,6 +40,9 @@ def serve_cmd(
         None, help='Most images one request may carry, as vLLM writes it: {"image": 4} (default 16).'),
     media_fetch_timeout: float = typer.Option(10.0, help="Seconds to fetch one http(s) image_url, else 400."),
     max_media_bytes: int = typer.Option(20 * 1024 * 1024, help="Largest encoded image (any source), else 400."),
+    allowed_media_domains: Optional[list[str]] = typer.Option(
+        None, help="Fetch http(s) image_url only from this host (repeat the flag for more; redirects included); "
+                   "default any host."),
     engine_args: dict = None,
 ):
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models) plus /health and /metrics."""
@@ -51,7 +54,7 @@ def serve_cmd(
 
     engine_args = {**engine_args, "model": _model_choice(ctx, model_tag, engine_args["model"])}
     media = MediaOptions(allowed_local_media_path, parse_limit_mm_per_prompt(limit_mm_per_prompt), media_fetch_timeout,
-                         max_media_bytes)
+                         max_media_bytes, tuple(allowed_media_domains) if allowed_media_domains else None)
     options = ServerOptions(shutdown_timeout, max_request_bytes, body_read_timeout, metrics_prefix, media)
     chat_options = ChatOptions(tool_call_parser, enable_auto_tool_choice, reasoning_parser)  # bad names fail here, before the engine starts
     kwargs = engine_kwargs(engine_args)

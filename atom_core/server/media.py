@@ -1,6 +1,7 @@
 """Image URLs of a chat request -> their bytes, in the API process (the engine core never fetches):
 `data:` URLs decoded, `http(s)` URLs fetched with a size and a time limit, `file:` URLs (and bare paths)
-read only under the directory the operator allows (--allowed-local-media-path). Every refusal is an
+read only under the directory the operator allows (--allowed-local-media-path); with
+--allowed-media-domains, http(s) URLs (and every redirect they take) only from those hosts. Every refusal is an
 APIError (400) naming what was wrong; nothing here decodes the image (multimodal/media.py does).
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ class MediaOptions:
     limit_images_per_prompt: int = DEFAULT_LIMIT_PER_PROMPT
     media_fetch_timeout: float = 10.0  # seconds for one http(s) image, connect to last byte
     max_media_bytes: int = 20 * 1024 * 1024  # one image's encoded bytes, any source
+    allowed_media_domains: tuple[str, ...] | None = None  # None: any host; else exact host names
 
     def __post_init__(self):
         if self.limit_images_per_prompt < 0:
@@ -43,6 +45,13 @@ class MediaOptions:
             if not path.is_dir():
                 raise ValueError(f"--allowed-local-media-path {path} is not a directory")
             object.__setattr__(self, "allowed_local_media_path", path.resolve())
+        if self.allowed_media_domains is not None:
+            domains = tuple(d.strip().lower() for d in self.allowed_media_domains)
+            bad = [d for d in domains if not d or urllib.parse.urlsplit("//" + d).hostname != d]
+            if bad or not domains:
+                raise ValueError(f"invalid --allowed-media-domains {bad[0] if bad else ''!r}; expected host names "
+                                 "such as upload.wikimedia.org (no scheme, port or path)")
+            object.__setattr__(self, "allowed_media_domains", domains)
 
 
 def parse_limit_mm_per_prompt(value: str | None) -> int:
@@ -113,11 +122,22 @@ class MediaFetcher:
         return _error(index, f"the image is {size} bytes; at most {self.options.max_media_bytes} are accepted "
                              "(--max-media-bytes)")
 
+    def _check_host(self, index: int, url: httpx.URL | str) -> None:
+        allowed = self.options.allowed_media_domains
+        host = httpx.URL(url).host.lower()
+        if allowed is not None and host not in allowed:
+            raise _error(index, f"image host {host!r} is not in --allowed-media-domains")
+
     async def _http(self, index: int, url: str) -> bytes:
         limit = self.options.max_media_bytes
+
+        async def check_redirect(request: httpx.Request) -> None:  # every hop, the first one included
+            self._check_host(index, request.url)
+
         try:
             async with httpx.AsyncClient(timeout=self.options.media_fetch_timeout, follow_redirects=True,
-                                         max_redirects=MAX_REDIRECTS) as client:
+                                         max_redirects=MAX_REDIRECTS,
+                                         event_hooks={"request": [check_redirect]}) as client:
                 async with asyncio.timeout(self.options.media_fetch_timeout):
                     async with client.stream("GET", url) as response:
                         if response.status_code != 200:

@@ -199,6 +199,9 @@ class TestMediaOptions:
         assert (media.media_fetch_timeout, media.max_media_bytes) == (2.5, 1000)
         default = serve_calls()["options"].media
         assert default.allowed_local_media_path is None and default.limit_images_per_prompt == 16
+        assert default.allowed_media_domains is None
+        media = serve_calls("--allowed-media-domains", "Upload.Example.org", "--allowed-media-domains", "cdn.test")
+        assert media["options"].media.allowed_media_domains == ("upload.example.org", "cdn.test")
 
     @pytest.mark.parametrize("args, fragment", [
         (["--limit-mm-per-prompt", "4"], 'expected {"image": N}'),
@@ -208,6 +211,8 @@ class TestMediaOptions:
         (["--allowed-local-media-path", "/no/such/dir"], "is not a directory"),
         (["--media-fetch-timeout", "0"], "--media-fetch-timeout"),
         (["--max-media-bytes", "0"], "--max-media-bytes"),
+        (["--allowed-media-domains", "https://example.org"], "--allowed-media-domains"),
+        (["--allowed-media-domains", "example.org:8080"], "no scheme, port or path"),
     ])
     def test_bad_values_are_one_line_errors(self, monkeypatch, args, fragment):
         import atom_core.server.app as server_app

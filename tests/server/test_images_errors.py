@@ -2,9 +2,10 @@
 that are no image, a non-image data: type, an image over --max-media-bytes, a file outside
 --allowed-local-media-path (or any file without it), too many images (--limit-mm-per-prompt), an http URL
 that fails, is too slow (--media-fetch-timeout) or too large, `detail` other than auto, images to a
-text-only model. http(s) and file URLs that are allowed serve the same output as a data: URL."""
+text-only model, a host outside --allowed-media-domains (also after a redirect). http(s) and file URLs that are allowed serve the same output as a data: URL."""
 from __future__ import annotations
 
+import asyncio
 import base64
 import http.server
 import threading
@@ -13,6 +14,8 @@ import time
 import httpx
 import pytest
 
+from atom_core.server.media import MediaFetcher, MediaOptions
+from atom_core.server.protocol import APIError
 from tests.server.conftest import start_server
 from tests.server.test_images_api import data_url
 from tests.tiny_vlm import build_tiny_vlm, png_bytes, synthetic_image
@@ -27,6 +30,11 @@ class _Images(http.server.BaseHTTPRequestHandler):
     def do_GET(self):  # noqa: N802 - the stdlib's name
         if self.path == "/slow.png":
             time.sleep(3)
+        if self.path == "/to-ip.png":  # a redirect to the same server under its IP address
+            self.send_response(302)
+            self.send_header("Location", f"http://127.0.0.1:{self.server.server_port}/a.png")
+            self.end_headers()
+            return
         body = {"/a.png": PNG, "/slow.png": PNG, "/big.png": BIG}.get(self.path)
         if body is None:
             self.send_error(404)
@@ -120,6 +128,20 @@ def test_http_urls_are_fetched_with_limits(vlm_server, image_host):
         response = _post(vlm_server, [f"{image_host}{path}"])
         assert response.status_code == 400 and message in response.text, response.text
     _text(_post(vlm_server, [f"{image_host}/a.png"]))
+
+
+def test_allowed_media_domains_hold_for_every_redirect(image_host):
+    port = image_host.rsplit(":", 1)[1]
+    fetcher = MediaFetcher(MediaOptions(allowed_media_domains=("localhost",)))
+
+    async def fetch(url: str):
+        return await fetcher.fetch(0, url)
+
+    assert asyncio.run(fetch(f"http://localhost:{port}/a.png")) == PNG
+    for url in (f"http://127.0.0.1:{port}/a.png", f"http://localhost:{port}/to-ip.png"):
+        with pytest.raises(APIError, match="image host '127.0.0.1' is not in --allowed-media-domains"):
+            asyncio.run(fetch(url))
+    assert asyncio.run(MediaFetcher(MediaOptions()).fetch(0, f"http://localhost:{port}/to-ip.png")) == PNG
 
 
 def test_too_many_images_and_unsupported_detail(vlm_server):
