@@ -200,14 +200,28 @@ class ModelRunner:
         # The target alone: a proposer's layers get their KV after sizing (its peak is one MTP
         # layer or a small draft model's, next to the target's; not profiled).
         proposer, self.proposer = self.proposer, NoProposer()
+        encoder_cache = self._profile_encoder() if self.encoder is not None else None
         try:
             self.execute(out)
         finally:
             self.proposer = proposer
+        del encoder_cache
         self.input_batch.remove(out.req_ids)
         scratch = sum(t.numel() * t.element_size() for t in tensors)
         release_kv_cache(self.attention_layers)
         return scratch
+
+    def _profile_encoder(self) -> torch.Tensor:
+        """For a vision-language model, before the dummy step: encode one largest image and hold a
+        full encoder-output cache (the scheduler's budget, engine/encoder_cache.py), so the profiled
+        peak counts the encoder's activations and the cached outputs a step's forward runs beside."""
+        from atom_core.multimodal.processors import build_image_processor
+
+        processor = build_image_processor(self.model_info.path, None)
+        item = processor.largest_item()
+        (embeds,) = self.model.encode_images([item])
+        capacity = max(self.config.scheduler.max_num_batched_tokens, processor.max_tokens_per_image)
+        return embeds.new_empty(capacity, embeds.shape[-1])
 
     def _warm_up_kernels(self) -> None:
         """Compile every attention kernel variant now, not inside the first steps that need one

@@ -50,6 +50,18 @@ class ImageProcessor:
         """A PIL image (already checked and loaded, multimodal/media.py) -> the encoder's inputs."""
         raise NotImplementedError
 
+    def largest_image_size(self) -> tuple[int, int]:
+        """(height, width) in pixels of an image `preprocess` turns into (about) max_tokens_per_image
+        placeholders: what the worker encodes when it profiles memory."""
+        raise NotImplementedError
+
+    def largest_item(self) -> MultimodalItem:
+        """A noise image of the largest size, preprocessed, as an item at offset 0 (content hash 0)."""
+        height, width = self.largest_image_size()
+        noise = np.random.default_rng(0).integers(0, 256, (height, width, 3), dtype=np.uint8)
+        processed = self.preprocess(Image.fromarray(noise))
+        return MultimodalItem(0, processed.num_tokens, 0, processed.data)
+
     def process(self, token_ids: list[int], images: list) -> tuple[list[int], tuple[MultimodalItem, ...]]:
         """Chat-templated ids + the request's images (PIL images, or bytes of any format PIL reads) ->
         expanded ids and items. ValueError for an image that cannot be decoded or is too large."""

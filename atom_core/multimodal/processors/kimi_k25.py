@@ -160,6 +160,10 @@ class KimiK25ImageProcessor(ImageProcessor):
                              f"({vocab[IMAGE_TOKEN]})")
         return int(token_id)
 
+    def largest_image_size(self) -> tuple[int, int]:
+        side = self.settings.max_size_per_side * self.settings.patch_size  # navit_resize scales it to the patch budget
+        return side, side
+
     def preprocess(self, image) -> ProcessedImage:
         from transformers.image_transforms import convert_to_rgb
 

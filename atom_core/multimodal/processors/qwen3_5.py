@@ -80,6 +80,14 @@ class Qwen3_5ImageProcessor(ImageProcessor):
         factor = self.patch_size * self.merge_size
         return self.max_pixels // (factor * factor)
 
+    def largest_image_size(self) -> tuple[int, int]:
+        # a x b merged patches with a * b as near max_tokens_per_image as a near-square can be; sides
+        # already multiples of the factor, so smart_resize keeps them
+        factor = self.patch_size * self.merge_size
+        tokens = self.max_tokens_per_image
+        a = max(1, math.isqrt(tokens))
+        return a * factor, (tokens // a) * factor
+
     def resized(self, image: Image.Image) -> np.ndarray:
         """The RGB image at its processing size: uint8 [H, W, 3]."""
         factor = self.patch_size * self.merge_size
