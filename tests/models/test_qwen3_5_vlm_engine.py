@@ -87,3 +87,13 @@ def test_bad_image_requests_are_refused_before_queueing(vlm, tiny_llama):
         text_model.generate(["hi"], GREEDY, images=[[IMAGES["a"]]])
     with pytest.raises(ValueError, match="takes no images"):
         text_model.image_chat_prompt("hi")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_engine_matches_hf(vlm):
+    """On a GPU: KV sizing profiles the encoder (a largest image beside the dummy step), decode steps
+    replay graphs, image steps run eagerly; fp32 greedy tokens equal HF's on the CPU."""
+    path, tokenizer, refs = vlm
+    engine = LLMEngine(str(path), device="cuda", dtype="float32", max_num_batched_tokens=40)
+    assert _run(engine, tokenizer) == refs
