@@ -206,3 +206,11 @@ class TestFP8IndexScores:
         codes, _ = fp8_keys(iargs[2], 1)
         with pytest.raises(ValueError, match="index_scale_cache"):
             dsa_index_scores(*iargs[:2], codes, *iargs[3:])
+
+    def test_rejects_scale_groups_narrower_than_a_dot(self, device):
+        from atom_core.kernels.triton import dsa_index_scores
+
+        _, iargs = index_batch([1], [3], 4, 32, 16, torch.float32, device, seed=1)
+        codes, scales = fp8_keys(iargs[2], 4)  # groups of 8 values
+        with pytest.raises(ValueError, match="a scale group of 8 values"):
+            dsa_index_scores(*iargs[:2], codes, *iargs[3:], index_scale_cache=scales)

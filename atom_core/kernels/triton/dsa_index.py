@@ -12,8 +12,8 @@ Work split
   the row's visible positions only), then one pass writes the positions above it and the first
   ties, ascending, as cache slots through the block table. Both grids come from max_query_len
   and the host width, never from device values: no host sync.
-  FP8 keys (an index_scale_cache): the program loads the e4m3 codes and their group scales and
-  dots the query with code * scale in float32 (the query stays in the model dtype).
+  FP8 keys (an index_scale_cache): per scale group, the e4m3 codes are converted to the query's
+  dtype (exact) for one tensor-core dot, whose columns are then scaled by their keys' group scale.
 """
 from __future__ import annotations
 
@@ -57,25 +57,37 @@ def _index_scores_kernel(
         tl.store(out_row + offs_n, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=offs_n < width)
         return
     offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, HEAD_DIM)
     h_ok = offs_h < NUM_HEADS
-    q = tl.load(q_ptr + token * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :], mask=h_ok[:, None],
-                other=0.0)
     w = tl.load(w_ptr + token * stride_wt + offs_h, mask=h_ok, other=0.0).to(tl.float32)
     n_ok = offs_n <= pos
     block_ids = tl.load(block_tables_ptr + seq.to(tl.int64) * stride_bt + offs_n // KV_BLOCK_SIZE, mask=n_ok,
                         other=0).to(tl.int64)
-    k = tl.load(k_ptr + (block_ids * stride_kb + (offs_n % KV_BLOCK_SIZE) * stride_ks)[:, None] + offs_d[None, :],
-                mask=n_ok[:, None], other=0.0)
-    if FP8_GROUP > 0:  # key = code * its group's scale, in float32
-        ks = tl.load(ks_ptr + (block_ids * stride_sb + (offs_n % KV_BLOCK_SIZE) * stride_ss)[:, None]
-                     + (offs_d // FP8_GROUP)[None, :], mask=n_ok[:, None], other=0.0)
-        k = k.to(tl.float32) * ks
-        q = q.to(tl.float32)
-    elif UPCAST:
-        q = q.to(tl.float32)
-        k = k.to(tl.float32)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [H, N]
+    key_rows = block_ids * stride_kb + (offs_n % KV_BLOCK_SIZE) * stride_ks
+    q_row = q_ptr + token * stride_qt + offs_h[:, None] * stride_qh
+    if FP8_GROUP > 0:
+        # One dot a scale group: the e4m3 codes become the query's dtype exactly (3 mantissa bits),
+        # the tensor cores take them as they take bf16 keys, and each key's group scale multiplies
+        # its column of the group's dot afterwards.
+        scale_rows = block_ids * stride_sb + (offs_n % KV_BLOCK_SIZE) * stride_ss
+        s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+        for g in tl.static_range(HEAD_DIM // FP8_GROUP):
+            offs_g = g * FP8_GROUP + tl.arange(0, FP8_GROUP)
+            q = tl.load(q_row + offs_g[None, :], mask=h_ok[:, None], other=0.0)
+            k = tl.load(k_ptr + key_rows[:, None] + offs_g[None, :], mask=n_ok[:, None], other=0.0).to(q.dtype)
+            if UPCAST:
+                q = q.to(tl.float32)
+                k = k.to(tl.float32)
+            group_scale = tl.load(ks_ptr + scale_rows + g, mask=n_ok, other=0.0)
+            s += tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * group_scale[None, :]
+        s = s * scale
+    else:
+        offs_d = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_row + offs_d[None, :], mask=h_ok[:, None], other=0.0)
+        k = tl.load(k_ptr + key_rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [H, N]
     score = tl.sum(tl.maximum(s, 0.0) * w[:, None], 0)
     tl.store(out_row + offs_n, tl.where(n_ok, score, float("-inf")), mask=offs_n < width)
 
@@ -185,7 +197,7 @@ def dsa_index_scores(
         index_cache.stride(1), scales.stride(0), scales.stride(1), out.stride(0), block_tables.stride(0),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, KV_BLOCK_SIZE=index_cache.shape[1],
         BLOCK_H=max(16, next_pow2(num_heads)), BLOCK_N=block_n,
-        DOT_PRECISION="ieee" if index_q.dtype == torch.float32 or fp8_group else None,
+        DOT_PRECISION="ieee" if index_q.dtype == torch.float32 else None,
         UPCAST=_INTERPRETED and index_q.dtype != torch.float32, FP8_GROUP=fp8_group, num_warps=4,
     )
     return out
@@ -206,7 +218,11 @@ def _check_fp8_keys(index_cache: torch.Tensor, index_scale_cache: torch.Tensor |
                          f"groups) and index_scale_cache float32 [NB, BS, G], got {index_cache.dtype} "
                          f"{tuple(index_cache.shape)} and {index_scale_cache.dtype} {tuple(index_scale_cache.shape)}")
     check_same_device(index_cache=index_cache, index_scale_cache=index_scale_cache)
-    return head_dim // groups
+    group = head_dim // groups
+    if group < 16 or group != next_pow2(group):
+        raise ValueError(f"FP8 indexer keys: a scale group of {group} values; the Triton indexer needs a power of "
+                         "two >= 16 (one tensor-core dot a group)")
+    return group
 
 
 def dsa_topk(
