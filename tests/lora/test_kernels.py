@@ -154,7 +154,7 @@ class TestTritonChecks:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [1, 32, 512, 4096])
+@pytest.mark.parametrize("num_tokens", [1, 7, 32, 100, 512, 4096])
 def test_real_shapes_on_gpu(num_tokens):
     """Llama-3-8B's qkv (4096 -> 4096 + 2 x 1024) at rank 16 with 8 slots, in bf16, with A and B scaled
     as trained adapters are (x A^T and v B^T of the order of their inputs), so that bf16's rounding is

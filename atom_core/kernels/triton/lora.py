@@ -105,8 +105,8 @@ def _lora_shrink_kernel(x_ptr, a_ptr, v_ptr, sorted_ptr, count_ptr, start_ptr, N
 @triton.jit
 def _lora_expand_kernel(v_ptr, b_ptr, y_ptr, sorted_ptr, count_ptr, start_ptr, o0, o1, o2, o3, RANK,
                         BLOCKS_PER_SLICE, stride_vs, stride_vm, stride_bl, stride_bn, stride_ym,
-                        SPLIT_K: tl.constexpr, BLOCK_S: tl.constexpr, V_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_R: tl.constexpr):
+                        SPLIT_K: tl.constexpr, BLOCK_S: tl.constexpr, V_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     pid_m = tl.program_id(0)
     part = tl.program_id(1) // BLOCKS_PER_SLICE  # the output slice
     block = tl.program_id(1) % BLOCKS_PER_SLICE
