@@ -126,6 +126,8 @@ class TestTritonChecks:
         v = lora_ref.lora_shrink(x, a, meta)
         with pytest.raises(ValueError, match="slice_offsets"):
             triton_lora.lora_expand(y, v, b, meta, (0, 8), 4)
+        with pytest.raises(ValueError, match="must increase"):
+            triton_lora.lora_expand(y, v, b, meta, (0, 16, 16), 4)
 
     @pytest.mark.parametrize("plan,match", [
         (triton_lora.ShrinkPlan(16, 16, 64, 2, 100, 1), "does not cover"),
@@ -222,13 +224,13 @@ def test_kernels_compile_for_hopper_without_spills(name, num_tokens):
     shrink = compile_sm90(triton_lora._lora_shrink_kernel, sig, dict(
         SPLIT_K=p.split_k, BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k), ints[1:], p.num_stages)
     e = triton_lora.expand_plan(num_tokens, max(slices))
-    ints = ("o0", "o1", "o2", "o3", "RANK", "BLOCKS_PER_SLICE", "stride_vs", "stride_vm", "stride_bl", "stride_bn",
+    ints = ("o0", "o1", "o2", "o3", "RANK", "C1", "C2", "stride_vs", "stride_vm", "stride_bl", "stride_bn",
             "stride_ym")
     sig = {"v_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16", "sorted_ptr": "*i32", "count_ptr": "*i32",
            "start_ptr": "*i32", **{a: "i32" for a in ints}}
     expand = compile_sm90(triton_lora._lora_expand_kernel, sig, dict(
         SPLIT_K=p.split_k, BLOCK_S=triton.next_power_of_2(p.split_k), V_CHUNK=min(8, triton.next_power_of_2(p.split_k)),
-        BLOCK_M=e.block_m, BLOCK_N=e.block_n, BLOCK_R=16), ints[4:], 2)
+        BLOCK_M=e.block_m, BLOCK_N=e.block_n, BLOCK_R=16), ints[4:5] + ints[7:], 2)
     for kernel in (shrink, expand):
         assert stack_bytes(kernel) == 0
         assert re.search(r"(ld\.global[.\w]*\.v4|cp\.async[.\w]* [^;]*, 0x10)", kernel.asm["ptx"])

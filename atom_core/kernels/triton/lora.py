@@ -104,18 +104,21 @@ def _lora_shrink_kernel(x_ptr, a_ptr, v_ptr, sorted_ptr, count_ptr, start_ptr, N
 
 @triton.jit
 def _lora_expand_kernel(v_ptr, b_ptr, y_ptr, sorted_ptr, count_ptr, start_ptr, o0, o1, o2, o3, RANK,
-                        BLOCKS_PER_SLICE, stride_vs, stride_vm, stride_bl, stride_bn, stride_ym,
+                        C1, C2, stride_vs, stride_vm, stride_bl, stride_bn, stride_ym,
                         SPLIT_K: tl.constexpr, BLOCK_S: tl.constexpr, V_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     pid_m = tl.program_id(0)
-    part = tl.program_id(1) // BLOCKS_PER_SLICE  # the output slice
-    block = tl.program_id(1) % BLOCKS_PER_SLICE
+    # Axis 1 runs over the N blocks of every output slice in turn (slice i's first at C_i), so a
+    # narrow slice (k and v beside q) launches no programs that only exit.
+    pid_n = tl.program_id(1)
+    part = (pid_n >= C1).to(tl.int32) + (pid_n >= C2).to(tl.int32)
+    block = pid_n - tl.where(part == 0, 0, tl.where(part == 1, C1, C2))
     slot = tl.program_id(2)
     count = tl.load(count_ptr + slot)
+    if pid_m * BLOCK_M >= count:
+        return
     lo = tl.where(part == 0, o0, tl.where(part == 1, o1, o2))
     hi = tl.where(part == 0, o1, tl.where(part == 1, o2, o3))
-    if (pid_m * BLOCK_M >= count) | (lo + block * BLOCK_N >= hi):
-        return
     offs_n = lo + block * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < hi
     offs_r = tl.arange(0, BLOCK_R)
@@ -196,15 +199,20 @@ def lora_expand(y: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor, meta: Lo
                          f"{v.dtype} {tuple(v.shape)}")
     if y.shape[0] == 0:
         return
-    widest = max(hi - lo for lo, hi in zip(slice_offsets[:-1], slice_offsets[1:]))
-    plan = plan or expand_plan(y.shape[0], widest)
+    widths = [hi - lo for lo, hi in zip(slice_offsets[:-1], slice_offsets[1:])]
+    if min(widths) < 1:
+        raise ValueError(f"slice_offsets {slice_offsets} must increase")
+    plan = plan or expand_plan(y.shape[0], max(widths))
     if min(plan) < 16 or plan.block_m != next_pow2(plan.block_m) or plan.block_n != next_pow2(plan.block_n):
         raise ValueError(f"expand tiles {tuple(plan)} must be powers of two >= 16")
-    blocks = triton.cdiv(widest, plan.block_n)
+    firsts = [0]  # each slice's first N block on the grid's axis 1, then the total
+    for lo, hi in zip(slice_offsets[:-1], slice_offsets[1:]):
+        firsts.append(firsts[-1] + triton.cdiv(hi - lo, plan.block_n))
+    starts = firsts[1:-1] + [firsts[-1]] * (MAX_SLICES - num_slices)
     bounds = list(slice_offsets) + [slice_offsets[-1]] * (MAX_SLICES + 1 - len(slice_offsets))
-    grid = (triton.cdiv(y.shape[0], plan.block_m), blocks * num_slices, lora_b.shape[0])
+    grid = (triton.cdiv(y.shape[0], plan.block_m), firsts[-1], lora_b.shape[0])
     _lora_expand_kernel[grid](v, lora_b, y, meta.sorted_token_ids, meta.slot_num_tokens, meta.slot_start, *bounds,
-                              rank, blocks, v.stride(0), v.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0),
+                              rank, *starts, v.stride(0), v.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0),
                               SPLIT_K=v.shape[0], BLOCK_S=next_pow2(v.shape[0]),
                               V_CHUNK=min(8, next_pow2(v.shape[0])), BLOCK_M=plan.block_m,
                               BLOCK_N=plan.block_n, BLOCK_R=max(16, next_pow2(rank)))
