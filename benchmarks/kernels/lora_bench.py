@@ -57,6 +57,8 @@ def floor_us(k: int, n: int, out: int, m: int, used: int, rank: int, split_k: in
 def _time(name, m, adapters, rank, shrink_plan=None, expand_plan=None):
     k, n, out, offsets, a, b, x, y, meta = _setup(name, m, adapters, rank)
     shrink_plan = shrink_plan or triton_lora.shrink_plan(m, k, n)
+    widths = [hi - lo for lo, hi in zip(offsets[:-1], offsets[1:])]
+    expand_plan = expand_plan or triton_lora.expand_plan(m, widths, adapters)
     v = triton_lora.lora_shrink(x, a[0], meta, shrink_plan)
 
     def shrink():
@@ -74,26 +76,26 @@ def _time(name, m, adapters, rank, shrink_plan=None, expand_plan=None):
 
     copies = len(a)
     times = [_bench_us(fn) / copies for fn in (shrink, expand, both)]
-    return k, n, out, shrink_plan, times
+    return k, n, out, shrink_plan, expand_plan, times
 
 
 def _table(m: int, adapters: int, rank: int, tbs: float) -> None:
     used = min(m, adapters)
     print(f"{torch.cuda.get_device_name()}: LoRA rank {rank}, {m} tokens over {adapters} slots; us per launch "
           f"(CUDA graph medians), floor at {tbs} TB/s")
-    print(f"{'proj':8} {'shrink':>8} {'expand':>8} {'pair':>8} {'floor':>8} {'x floor':>8}  plan")
+    print(f"{'proj':8} {'shrink':>8} {'expand':>8} {'pair':>8} {'floor':>8} {'x floor':>8}  shrink plan, expand plan")
     total = 0.0
     for name in SHAPES:
-        k, n, out, plan, (t_s, t_e, t_b) = _time(name, m, adapters, rank)
+        k, n, out, plan, eplan, (t_s, t_e, t_b) = _time(name, m, adapters, rank)
         floor = floor_us(k, n, out, m, used, rank, plan.split_k, tbs)
         total += t_b
-        print(f"{name:8} {t_s:8.2f} {t_e:8.2f} {t_b:8.2f} {floor:8.2f} {t_b / floor:8.1f}  {tuple(plan)}")
+        print(f"{name:8} {t_s:8.2f} {t_e:8.2f} {t_b:8.2f} {floor:8.2f} {t_b / floor:8.1f}  {tuple(plan)} {tuple(eplan)}")
     print(f"one layer's four pairs: {total:.1f} us; x 32 layers (Llama-3-8B): {total * 32 / 1000:.2f} ms a forward")
 
 
 def sweep_plans(m: int, k: int, n: int) -> list[tuple[triton_lora.ShrinkPlan, triton_lora.ExpandPlan]]:
-    """Shrink K splits (8, 16, 32 slices of a multiple of 64) x expand N tiles (64, 128, 256)
-    around the default plans (block_m kept)."""
+    """Shrink K splits (8, 16, 32 slices of a multiple of 64) x expand N blocks (64, 128) x N blocks
+    a program (1, 2, 4, 8) around the default plans (the shrink's block_m kept, the expand's 16)."""
     base = triton_lora.shrink_plan(m, k, n)
     plans = []
     for split in (8, 16, 32):
@@ -101,16 +103,18 @@ def sweep_plans(m: int, k: int, n: int) -> list[tuple[triton_lora.ShrinkPlan, tr
         block_k = max(16, min(512, next_pow2(kps)))
         shrink = base._replace(split_k=triton.cdiv(k, kps), k_per_split=kps, block_k=block_k,
                                num_stages=1 if block_k >= kps else 3)
-        plans += [(shrink, triton_lora.ExpandPlan(base.block_m, bn)) for bn in (64, 128, 256)]
+        plans += [(shrink, triton_lora.ExpandPlan(16, bn, tiles, 1 if tiles == 1 else 2))
+                  for bn in (64, 128) for tiles in (1, 2, 4, 8)]
     return list(dict.fromkeys(plans))  # small K: several split counts round to the same slices
 
 
 def _sweep(m: int, adapters: int, rank: int) -> None:
-    print(f"{'proj':8} {'split':>5} {'bk':>4} {'exp bn':>6} {'shrink':>8} {'expand':>8} {'pair':>8}")
+    print(f"{'proj':8} {'split':>5} {'bk':>4} {'exp bn':>6} {'tiles':>5} {'shrink':>8} {'expand':>8} {'pair':>8}")
     for name, (k, slices) in SHAPES.items():
         for plan, eplan in sweep_plans(m, k, len(slices) * rank):
             *_, (t_s, t_e, t_b) = _time(name, m, adapters, rank, plan, eplan)
-            print(f"{name:8} {plan.split_k:5} {plan.block_k:4} {eplan.block_n:6} {t_s:8.2f} {t_e:8.2f} {t_b:8.2f}")
+            print(f"{name:8} {plan.split_k:5} {plan.block_k:4} {eplan.block_n:6} {eplan.tiles:5} {t_s:8.2f} {t_e:8.2f} "
+                  f"{t_b:8.2f}")
 
 
 def main() -> None:

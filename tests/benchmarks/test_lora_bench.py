@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_sweep_plans_are_distinct_valid_and_compute_the_product():
     plans = lora_bench.sweep_plans(5, 2048, 32)
-    assert len(plans) == len(set(plans)) == 9 and {s.split_k for s, _ in plans} == {8, 16, 32}
-    assert len(lora_bench.sweep_plans(5, 700, 32)) == 6  # 16 and 32 slices of 64-multiples of 700 are both 11
+    assert len(plans) == len(set(plans)) == 24 and {s.split_k for s, _ in plans} == {8, 16, 32}
+    assert len(lora_bench.sweep_plans(5, 700, 32)) == 16  # 16 and 32 slices of 64-multiples of 700 are both 11
     g = torch.Generator().manual_seed(3)
     x, a = torch.randn(5, 2048, generator=g), torch.randn(3, 32, 2048, generator=g)
     b, y = torch.randn(3, 48, 16, generator=g), torch.randn(5, 48, generator=g)

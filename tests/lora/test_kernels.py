@@ -103,9 +103,9 @@ def test_default_plans_match_reference(num_tokens, rank, slices):
 
 @interpreter_only
 @pytest.mark.parametrize("shrink,expand", [
-    (triton_lora.ShrinkPlan(16, 16, 64, 3, 200, 2), triton_lora.ExpandPlan(16, 16)),   # loops over K, mask at k_hi
-    (triton_lora.ShrinkPlan(64, 32, 512, 2, 300, 1), triton_lora.ExpandPlan(64, 64)),  # one masked step a slice
-    (triton_lora.ShrinkPlan(16, 64, 128, 1, 520, 3), triton_lora.ExpandPlan(32, 32)),  # no split
+    (triton_lora.ShrinkPlan(16, 16, 64, 3, 200, 2), triton_lora.ExpandPlan(16, 16, 3, 2)),  # K loop, k_hi mask; 3 N tiles
+    (triton_lora.ShrinkPlan(64, 32, 512, 2, 300, 1), triton_lora.ExpandPlan(64, 64, 1, 1)),  # one masked step a slice
+    (triton_lora.ShrinkPlan(16, 64, 128, 1, 520, 3), triton_lora.ExpandPlan(16, 16, 8, 1)),  # no split; tiles past a slice
 ])
 def test_other_plans_match_reference(shrink, expand):
     """Plans other than the defaults (what benchmarks/kernels/lora_bench.py sweeps) stay exact,
@@ -145,7 +145,9 @@ class TestTritonChecks:
         meta = lora_ref.lora_layout(token_slots, 2)
         v = lora_ref.lora_shrink(x, a, meta)
         with pytest.raises(ValueError, match="powers of two"):
-            triton_lora.lora_expand(y, v, b, meta, offsets, 4, triton_lora.ExpandPlan(16, 48))
+            triton_lora.lora_expand(y, v, b, meta, offsets, 4, triton_lora.ExpandPlan(16, 48, 1, 1))
+        with pytest.raises(ValueError, match="tiles and stages"):
+            triton_lora.lora_expand(y, v, b, meta, offsets, 4, triton_lora.ExpandPlan(16, 16, 0, 1))
         with pytest.raises(ValueError, match="splits"):
             triton_lora.lora_expand(y, v.expand(triton_lora.MAX_SPLIT_K + 1, -1, -1).contiguous(), b, meta, offsets, 4)
 
@@ -186,12 +188,12 @@ LLAMA3_8B = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up":
 @pytest.mark.parametrize("num_tokens", [1, 32, 256])
 def test_decode_plans_cover_k_in_one_step_a_program(name, num_tokens):
     """A small step splits K so that no program loops (its loads are one round trip), the slices
-    cover K exactly once, and one block of rows holds a whole decode batch."""
+    cover K exactly once, and a block holds 16 rows of a slot (a decode batch's tokens of one adapter)."""
     k, slices = LLAMA3_8B[name]
     plan = triton_lora.shrink_plan(num_tokens, k, 16 * len(slices))
     assert plan.block_k >= plan.k_per_split and plan.num_stages == 1
     assert (plan.split_k - 1) * plan.k_per_split < k <= plan.split_k * plan.k_per_split
-    assert plan.split_k <= triton_lora.MAX_SPLIT_K and plan.block_m >= min(num_tokens, 64)
+    assert plan.split_k <= triton_lora.MAX_SPLIT_K and plan.block_m == 16
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter replaces the compiled kernels")
@@ -223,16 +225,29 @@ def test_kernels_compile_for_hopper_without_spills(name, num_tokens):
            "start_ptr": "*i32", **{a: "i32" for a in ints}}
     shrink = compile_sm90(triton_lora._lora_shrink_kernel, sig, dict(
         SPLIT_K=p.split_k, BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k), ints[1:], p.num_stages)
-    e = triton_lora.expand_plan(num_tokens, max(slices))
+    e = triton_lora.expand_plan(num_tokens, list(slices), 8)
     ints = ("o0", "o1", "o2", "o3", "RANK", "C1", "C2", "stride_vs", "stride_vm", "stride_bl", "stride_bn",
             "stride_ym")
     sig = {"v_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16", "sorted_ptr": "*i32", "count_ptr": "*i32",
            "start_ptr": "*i32", **{a: "i32" for a in ints}}
     expand = compile_sm90(triton_lora._lora_expand_kernel, sig, dict(
         SPLIT_K=p.split_k, BLOCK_S=triton.next_power_of_2(p.split_k), V_CHUNK=min(8, triton.next_power_of_2(p.split_k)),
-        BLOCK_M=e.block_m, BLOCK_N=e.block_n, BLOCK_R=16), ints[4:5] + ints[7:], 2)
+        BLOCK_M=e.block_m, BLOCK_N=e.block_n, BLOCK_R=16, TILES=e.tiles), ints[4:5] + ints[7:], e.num_stages)
     for kernel in (shrink, expand):
         assert stack_bytes(kernel) == 0
         assert re.search(r"(ld\.global[.\w]*\.v4|cp\.async[.\w]* [^;]*, 0x10)", kernel.asm["ptx"])
     if p.num_stages == 1:
         assert "cp.async" not in shrink.asm["ptx"] and re.search(r"ld\.global[.\w]*\.v4", shrink.asm["ptx"])
+
+
+def test_expand_plans_group_n_blocks_of_a_wide_layer_only():
+    """At 8 slots and 32 tokens gate/up's 224 N blocks of 128 a slot are grouped (about
+    EXPAND_PROGRAMS programs of the busy slots); q/k/v, o and down keep one block a program, and
+    a step of one token (one busy slot) never groups."""
+    wide = triton_lora.expand_plan(32, [14336, 14336], 8)
+    assert wide.block_n == 128 and wide.tiles > 1 and wide.num_stages > 1
+    programs = 8 * 2 * -(-14336 // (128 * wide.tiles))
+    assert triton_lora.EXPAND_PROGRAMS <= programs < 2 * triton_lora.EXPAND_PROGRAMS
+    for widths in ([4096, 1024, 1024], [4096]):
+        assert triton_lora.expand_plan(32, widths, 8).tiles == 1
+    assert triton_lora.expand_plan(1, [14336, 14336], 8).tiles == 1

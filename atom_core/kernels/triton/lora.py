@@ -10,8 +10,9 @@ stream of the used slots' A tables (a few MB) that no loop over K should seriali
 split K into up to MAX_SPLIT_K slices of one BLOCK_K step each (one round trip to memory per program,
 every program's loads in flight at once). expand: sums the partials in one masked [SPLIT_K, M, R] load
 (only its slot's rows move) while it loads v, in one launch over all output slices of a merged layer
-(q/k/v, gate/up), y updated in place (each element by one program); wide N tiles keep the programs
-few enough that each streams a tile of B instead of paying the fixed cost of a program per 2 KB.
+(q/k/v, gate/up), y updated in place (each element by one program); a wide layer's programs take
+several N tiles each, so that each streams some tens of KB of B instead of paying a program's fixed
+cost (the row lookup, the partials) per 4 KB.
 """
 from __future__ import annotations
 
@@ -42,14 +43,20 @@ class ShrinkPlan(NamedTuple):
 
 
 class ExpandPlan(NamedTuple):
+    """Tiles of one expand launch: each program adds `tiles` consecutive N blocks of one output
+    slice (its rows' partials summed once for all of them), a software pipeline of `num_stages`."""
+
     block_m: int
     block_n: int
+    tiles: int
+    num_stages: int
 
 
 def _block_m(num_tokens: int) -> int:
-    # Rows of one slot in one program: a decode step's slots fit one block, so no second row of
-    # programs launches only to exit; tl.dot needs 16 at least.
-    return max(16, min(64, next_pow2(num_tokens)))
+    """Rows of one slot in one program. A small step: 16 (tl.dot's least), a decode batch's tokens of
+    one adapter; 32 rows doubled the registers of the pointer and x tiles (compiled for sm_90: 210 a
+    thread in down's shrink, 148 in the expand), leaving 2-3 programs an SM."""
+    return 16 if num_tokens <= SMALL_STEP_TOKENS else 64
 
 
 def shrink_plan(num_tokens: int, k: int, n: int) -> ShrinkPlan:
@@ -65,10 +72,20 @@ def shrink_plan(num_tokens: int, k: int, n: int) -> ShrinkPlan:
     return ShrinkPlan(_block_m(num_tokens), block_n, block_k, split_k, k_per_split, 1 if block_k >= k_per_split else 3)
 
 
-def expand_plan(num_tokens: int, widest: int) -> ExpandPlan:
-    """The expand's tiles for `num_tokens` rows and a widest output slice of `widest` columns."""
-    block_n = 128 if num_tokens <= SMALL_STEP_TOKENS else 64
-    return ExpandPlan(_block_m(num_tokens), max(16, min(block_n, next_pow2(widest))))
+EXPAND_PROGRAMS = 264  # two a Hopper SM: more N blocks than this many slots' worth are grouped in a program
+
+
+def expand_plan(num_tokens: int, widths: list[int], slots: int) -> ExpandPlan:
+    """The expand's tiles for `num_tokens` rows, output slices of `widths` columns and `slots`
+    adapter slots. A small step: 128 columns, and as many N blocks a program as keep the programs
+    of the busy slots (at most one a token) about EXPAND_PROGRAMS: gate/up's 28672 columns are 1792
+    programs of one block at 8 slots, 304 of 6."""
+    if num_tokens > SMALL_STEP_TOKENS:
+        return ExpandPlan(_block_m(num_tokens), max(16, min(64, next_pow2(max(widths)))), 1, 1)
+    block_n = max(16, min(128, next_pow2(max(widths))))
+    blocks = sum(triton.cdiv(w, block_n) for w in widths) * min(slots, num_tokens)
+    tiles = max(1, min(8, blocks // EXPAND_PROGRAMS))
+    return ExpandPlan(_block_m(num_tokens), block_n, tiles, 1 if tiles == 1 else 2)
 
 
 @triton.jit
@@ -106,10 +123,10 @@ def _lora_shrink_kernel(x_ptr, a_ptr, v_ptr, sorted_ptr, count_ptr, start_ptr, N
 def _lora_expand_kernel(v_ptr, b_ptr, y_ptr, sorted_ptr, count_ptr, start_ptr, o0, o1, o2, o3, RANK,
                         C1, C2, stride_vs, stride_vm, stride_bl, stride_bn, stride_ym,
                         SPLIT_K: tl.constexpr, BLOCK_S: tl.constexpr, V_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, TILES: tl.constexpr):
     pid_m = tl.program_id(0)
-    # Axis 1 runs over the N blocks of every output slice in turn (slice i's first at C_i), so a
-    # narrow slice (k and v beside q) launches no programs that only exit.
+    # Axis 1 runs over the groups of TILES N blocks of every output slice in turn (slice i's first
+    # at C_i), so a narrow slice (k and v beside q) launches no programs that only exit.
     pid_n = tl.program_id(1)
     part = (pid_n >= C1).to(tl.int32) + (pid_n >= C2).to(tl.int32)
     block = pid_n - tl.where(part == 0, 0, tl.where(part == 1, C1, C2))
@@ -119,13 +136,8 @@ def _lora_expand_kernel(v_ptr, b_ptr, y_ptr, sorted_ptr, count_ptr, start_ptr, o
         return
     lo = tl.where(part == 0, o0, tl.where(part == 1, o1, o2))
     hi = tl.where(part == 0, o1, tl.where(part == 1, o2, o3))
-    offs_n = lo + block * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < hi
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < RANK
-    # B first: it depends on the slot only, so its load overlaps the row lookup below.
-    b = tl.load(b_ptr + slot.to(tl.int64) * stride_bl + offs_n[:, None] * stride_bn + offs_r[None, :],
-                mask=mask_n[:, None] & mask_r[None, :], other=0.0)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < count
     rows = tl.load(sorted_ptr + tl.load(start_ptr + slot) + offs_m, mask=mask_m, other=0).to(tl.int64)
@@ -136,11 +148,16 @@ def _lora_expand_kernel(v_ptr, b_ptr, y_ptr, sorted_ptr, count_ptr, start_ptr, o
         offs_s = s0 + tl.arange(0, V_CHUNK)
         v_mask = (offs_s < SPLIT_K)[:, None, None] & mask_m[None, :, None] & mask_r[None, None, :]
         v += tl.sum(tl.load(v_rows + offs_s[:, None, None] * stride_vs, mask=v_mask, other=0.0), axis=0)
-    mask = mask_m[:, None] & mask_n[None, :]
-    out = y_ptr + rows[:, None] * stride_ym + offs_n[None, :]
-    y = tl.load(out, mask=mask, other=0.0)
-    acc = tl.dot(v.to(b.dtype), tl.trans(b))
-    tl.store(out, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
+    b_rows = b_ptr + slot.to(tl.int64) * stride_bl + offs_r[None, :]
+    for tile in range(TILES):
+        offs_n = lo + (block * TILES + tile) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < hi
+        b = tl.load(b_rows + offs_n[:, None] * stride_bn, mask=mask_n[:, None] & mask_r[None, :], other=0.0)
+        mask = mask_m[:, None] & mask_n[None, :]
+        out = y_ptr + rows[:, None] * stride_ym + offs_n[None, :]
+        y = tl.load(out, mask=mask, other=0.0)
+        acc = tl.dot(v.to(b.dtype), tl.trans(b))
+        tl.store(out, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
 
 
 def _check(x: torch.Tensor, table: torch.Tensor, meta: LoRAMeta) -> None:
@@ -202,12 +219,13 @@ def lora_expand(y: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor, meta: Lo
     widths = [hi - lo for lo, hi in zip(slice_offsets[:-1], slice_offsets[1:])]
     if min(widths) < 1:
         raise ValueError(f"slice_offsets {slice_offsets} must increase")
-    plan = plan or expand_plan(y.shape[0], max(widths))
-    if min(plan) < 16 or plan.block_m != next_pow2(plan.block_m) or plan.block_n != next_pow2(plan.block_n):
-        raise ValueError(f"expand tiles {tuple(plan)} must be powers of two >= 16")
-    firsts = [0]  # each slice's first N block on the grid's axis 1, then the total
-    for lo, hi in zip(slice_offsets[:-1], slice_offsets[1:]):
-        firsts.append(firsts[-1] + triton.cdiv(hi - lo, plan.block_n))
+    plan = plan or expand_plan(y.shape[0], widths, lora_b.shape[0])
+    if (min(plan.block_m, plan.block_n) < 16 or plan.block_m != next_pow2(plan.block_m)
+            or plan.block_n != next_pow2(plan.block_n) or plan.tiles < 1 or plan.num_stages < 1):
+        raise ValueError(f"expand plan {tuple(plan)}: blocks must be powers of two >= 16, tiles and stages >= 1")
+    firsts = [0]  # each slice's first group of N blocks on the grid's axis 1, then the total
+    for width in widths:
+        firsts.append(firsts[-1] + triton.cdiv(width, plan.block_n * plan.tiles))
     starts = firsts[1:-1] + [firsts[-1]] * (MAX_SLICES - num_slices)
     bounds = list(slice_offsets) + [slice_offsets[-1]] * (MAX_SLICES + 1 - len(slice_offsets))
     grid = (triton.cdiv(y.shape[0], plan.block_m), firsts[-1], lora_b.shape[0])
@@ -215,4 +233,5 @@ def lora_expand(y: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor, meta: Lo
                               rank, *starts, v.stride(0), v.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0),
                               SPLIT_K=v.shape[0], BLOCK_S=next_pow2(v.shape[0]),
                               V_CHUNK=min(8, next_pow2(v.shape[0])), BLOCK_M=plan.block_m,
-                              BLOCK_N=plan.block_n, BLOCK_R=max(16, next_pow2(rank)))
+                              BLOCK_N=plan.block_n, BLOCK_R=max(16, next_pow2(rank)), TILES=plan.tiles,
+                              num_stages=plan.num_stages)
