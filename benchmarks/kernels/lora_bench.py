@@ -89,7 +89,8 @@ def _table(m: int, adapters: int, rank: int, tbs: float) -> None:
         k, n, out, plan, eplan, (t_s, t_e, t_b) = _time(name, m, adapters, rank)
         floor = floor_us(k, n, out, m, used, rank, plan.split_k, tbs)
         total += t_b
-        print(f"{name:8} {t_s:8.2f} {t_e:8.2f} {t_b:8.2f} {floor:8.2f} {t_b / floor:8.1f}  {tuple(plan)} {tuple(eplan)}")
+        print(f"{name:8} {t_s:8.2f} {t_e:8.2f} {t_b:8.2f} {floor:8.2f} {t_b / floor:8.1f}  {tuple(plan)} "
+              f"{tuple(eplan)}")
     print(f"one layer's four pairs: {total:.1f} us; x 32 layers (Llama-3-8B): {total * 32 / 1000:.2f} ms a forward")
 
 

@@ -103,9 +103,10 @@ def test_default_plans_match_reference(num_tokens, rank, slices):
 
 @interpreter_only
 @pytest.mark.parametrize("shrink,expand", [
-    (triton_lora.ShrinkPlan(16, 16, 64, 3, 200, 2), triton_lora.ExpandPlan(16, 16, 3, 2)),  # K loop, k_hi mask; 3 N tiles
-    (triton_lora.ShrinkPlan(64, 32, 512, 2, 300, 1), triton_lora.ExpandPlan(64, 64, 1, 1)),  # one masked step a slice
-    (triton_lora.ShrinkPlan(16, 64, 128, 1, 520, 3), triton_lora.ExpandPlan(16, 16, 8, 1)),  # no split; tiles past a slice
+    # a K loop masked at k_hi, 3 N blocks a program / one masked step a slice / no split, blocks past a slice
+    (triton_lora.ShrinkPlan(16, 16, 64, 3, 200, 2), triton_lora.ExpandPlan(16, 16, 3, 2)),
+    (triton_lora.ShrinkPlan(64, 32, 512, 2, 300, 1), triton_lora.ExpandPlan(64, 64, 1, 1)),
+    (triton_lora.ShrinkPlan(16, 64, 128, 1, 520, 3), triton_lora.ExpandPlan(16, 16, 8, 1)),
 ])
 def test_other_plans_match_reference(shrink, expand):
     """Plans other than the defaults (what benchmarks/kernels/lora_bench.py sweeps) stay exact,
