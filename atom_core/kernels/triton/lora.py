@@ -7,8 +7,8 @@ persistent buffers and a CUDA graph replays any mix of adapters. References: ker
 shrink: v [SPLIT_K, T, N] float32, one partial product per slice of K, each written by plain stores,
 so v needs no zeroing launch and no atomics. A decode step has a few tokens per slot: the work is a
 stream of the used slots' A tables (a few MB) that no loop over K should serialize, so small steps
-split K into up to MAX_SPLIT_K slices of one BLOCK_K step each (one round trip to memory per program,
-every program's loads in flight at once). expand: sums the partials in one masked [SPLIT_K, M, R] load
+split K into slices of SHRINK_SLICE inputs, one BLOCK_K step each (one round trip to memory per
+program, every program's loads in flight at once). expand: sums the partials in one masked [SPLIT_K, M, R] load
 (only its slot's rows move) while it loads v, in one launch over all output slices of a merged layer
 (q/k/v, gate/up), y updated in place (each element by one program); a wide layer's programs take
 several N tiles each, so that each streams some tens of KB of B instead of paying a program's fixed
@@ -28,6 +28,7 @@ from atom_core.kernels.triton.common import check_dim, check_float, check_last_d
 MAX_SLICES = 3
 MAX_SPLIT_K = 32       # partials per output element that the expand sums (its v load grows with it)
 SMALL_STEP_TOKENS = 256  # at most this many tokens: K is split (more tokens fill the GPU by their blocks)
+SHRINK_SLICE = 512  # inputs of one K slice of a small step's shrink (down's K = 14336: 28 slices)
 
 
 class ShrinkPlan(NamedTuple):
@@ -64,22 +65,25 @@ def shrink_plan(num_tokens: int, k: int, n: int) -> ShrinkPlan:
     block_n = max(16, min(64, next_pow2(n)))
     if num_tokens > SMALL_STEP_TOKENS:
         return ShrinkPlan(_block_m(num_tokens), block_n, 128, 1, k, 3)
-    # Slices of a multiple of 64 inputs keep each program's loads 16-byte aligned.
-    k_per_split = triton.cdiv(triton.cdiv(k, min(MAX_SPLIT_K, triton.cdiv(k, 128))), 64) * 64
+    # Slices of a multiple of 64 inputs keep each program's loads 16-byte aligned; 512-wide slices
+    # (at most MAX_SPLIT_K of them) balance the shrink's parallelism against the partials the
+    # expand must read back (lora_bench --sweep on an H200: 8 slices of 512 beat 32 of 128 for the pair).
+    k_per_split = triton.cdiv(triton.cdiv(k, min(MAX_SPLIT_K, triton.cdiv(k, SHRINK_SLICE))), 64) * 64
     split_k = triton.cdiv(k, k_per_split)
     block_k = max(16, min(512, next_pow2(k_per_split)))
     # One step of K a program: a software pipeline would only stage the loads through shared memory.
     return ShrinkPlan(_block_m(num_tokens), block_n, block_k, split_k, k_per_split, 1 if block_k >= k_per_split else 3)
 
 
-EXPAND_PROGRAMS = 264  # two a Hopper SM: more N blocks than this many slots' worth are grouped in a program
+EXPAND_PROGRAMS = 896  # more N blocks than this are grouped in a program (gate/up at 8 slots: 2 a program,
+# the sweep's best; q/k/v, o and down keep one)
 
 
 def expand_plan(num_tokens: int, widths: list[int], slots: int) -> ExpandPlan:
     """The expand's tiles for `num_tokens` rows, output slices of `widths` columns and `slots`
     adapter slots. A small step: 128 columns, and as many N blocks a program as keep the programs
     of the busy slots (at most one a token) about EXPAND_PROGRAMS: gate/up's 28672 columns are 1792
-    programs of one block at 8 slots, 304 of 6."""
+    programs of one block at 8 slots, 896 of 2."""
     if num_tokens > SMALL_STEP_TOKENS:
         return ExpandPlan(_block_m(num_tokens), max(16, min(64, next_pow2(max(widths)))), 1, 1)
     block_n = max(16, min(128, next_pow2(max(widths))))
