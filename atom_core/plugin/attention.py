@@ -29,6 +29,7 @@ import torch
 from atom_core.model_ops.attention_backends import get_attention_backend
 from atom_core.model_ops.forward_context import AttentionMetadata, set_attention_metadata
 from atom_core.plugin import compat
+from atom_core.plugin.rehearsal import rehearse_attention
 from atom_core.worker.batch_builder import context_split
 
 
@@ -84,20 +85,24 @@ class AtomMetadataBuilder(compat.AttentionMetadataBuilder):
     def build_for_cudagraph_capture(self, common_attn_metadata) -> AttentionMetadata:
         # A captured decode launch must cover any context a replay brings: size its grid for the longest.
         self._warm_up()
-        metadata = self.build(0, common_attn_metadata)
-        return dataclasses.replace(metadata, max_seq_len=self.max_model_len)
+        metadata = dataclasses.replace(self.build(0, common_attn_metadata), max_seq_len=self.max_model_len)
+        if self.device.type == "cuda":  # the graph's kernel variants compiled now, outside it (rehearsal.py)
+            rehearse_attention(self._layers(), metadata, lambda layer: layer._backend.inner)
+        return metadata
+
+    def _layers(self) -> list:
+        return [self.forward_context[name].layer for name in self.layer_names]
 
     def _warm_up(self) -> None:
-        """Compile every attention kernel variant of this builder's layers before vLLM's first capture
-        (vLLM calls this outside the graph, with the caches bound): the eager run before each capture
-        compiles the launch it runs, not the split-KV variants a capture's longest context picks, and
-        a Triton compile inside a capture would fail it. Our engine does the same before its own."""
+        """Compile every attention kernel variant of this builder's layers once, at vLLM's first capture
+        (outside the graph, the caches bound), so no step of the run pays a compile: our engine warms
+        up the same way at start-up. What each graph holds is rehearsed per capture (rehearsal.py)."""
         if self.warmed_up or self.device.type != "cuda":
             return
         from atom_core.model_ops.kv_spec import warm_up_attention
 
-        layers = [self.forward_context[name].layer for name in self.layer_names]
-        warm_up_attention(layers, min(self.max_num_batched_tokens, self.max_model_len), min(8, os.cpu_count() or 1))
+        longest = min(self.max_num_batched_tokens, self.max_model_len)
+        warm_up_attention(self._layers(), longest, min(8, os.cpu_count() or 1))
         self.warmed_up = True
 
     def _context_split(self, cm) -> dict:
