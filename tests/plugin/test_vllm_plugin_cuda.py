@@ -27,9 +27,10 @@ FAMILIES = {  # family -> (architecture, atom_core class)
 }
 # Chunked prefill (64-token budget), prefix caching over the shared prefix, two sequences at a time (the
 # others join running decodes), vLLM's own block size; a small share of the GPU, so the runs one process
-# makes in turn each find their memory free.
+# makes in turn each find their memory free, and 512 blocks (plenty for these prompts) rather than a cache
+# of millions of tiny blocks.
 LLM_KWARGS = dict(dtype="float32", max_model_len=512, max_num_batched_tokens=64, max_num_seqs=2, seed=0,
-                  gpu_memory_utilization=0.12)
+                  gpu_memory_utilization=0.12, num_gpu_blocks_override=512)
 ENV = {"VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}  # as the GPU machine's vLLM runs (.peer/tools/run.sh)
 
 
