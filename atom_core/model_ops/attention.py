@@ -131,5 +131,6 @@ class Attention(nn.Module):
     def forward(self, qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.use_custom_op:
             return paged_attention_op(qkv, positions, self.layer_key, self.num_heads * self.head_dim)
-        assert self.k_cache.numel(), "KV cache not allocated for this attention layer"
+        assert self.k_cache.numel() or not self.backend(qkv.device).needs_allocated_cache, \
+            "KV cache not allocated for this attention layer"
         return _attend(self, qkv, positions)

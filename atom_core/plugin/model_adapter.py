@@ -12,7 +12,8 @@ rules are our model's own, and vLLM sees:
 - `embed_input_ids` (and `get_input_embeddings`, its older name), `forward(input_ids, positions,
   intermediate_tensors=None, inputs_embeds=None)` -> hidden states, `compute_logits(hidden)`.
 - `load_weights(weights) -> set[str]`: vLLM's (name, tensor) stream through our loader's name rules
-  and parameter loaders, then our quant methods' repacking; returns every parameter's name.
+  and parameter loaders, then our quant methods' repacking; returns every parameter's name. With
+  vLLM's dummy loader, which never calls it, the repacking runs at the first forward instead.
 
 This module's attributes named after an architecture are those classes (made on first access), so
 vLLM's registry imports them lazily as "atom_core.plugin.model_adapter:<architecture>".
@@ -76,6 +77,7 @@ class VllmModelAdapter:
         from atom_core.plugin.attention import register_attention_layers
 
         self.kv_bindings = register_attention_layers(self, vllm_config, device)
+        self.weights_processed = False  # our quant methods' repacking done (load_weights, or the first forward)
         check_attention_supported(attention_layers(self), model_config.max_model_len, device)
         logger.info("atom_core's %s (%s) runs %s, attention on atom_core's kernels (%s)",
                     self.atom_model_class.__name__, self.atom_model_class.__module__, hf_config.architectures[0],
@@ -94,6 +96,11 @@ class VllmModelAdapter:
         if inputs_embeds is not None:
             raise ValueError("atom_core's models in vLLM take token ids, not inputs_embeds (prompt embeddings, "
                              "multimodal inputs); set ATOM_DISABLE_VLLM_PLUGIN=1 for those")
+        if not self.weights_processed:
+            # vLLM's dummy loader (--load-format dummy) fills the parameters without load_weights; the first
+            # forward is vLLM's profiling run (eager, before any graph), so the repacking happens there.
+            process_weights_after_loading(self)
+            self.weights_processed = True
         return super().forward(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -102,7 +109,8 @@ class VllmModelAdapter:
     def load_weights(self, weights) -> set[str]:
         names = load_named_tensors(self, weights, f"(vLLM's weights of {self.config.architectures[0]})")
         process_weights_after_loading(self)
-        finalize_kv_scales(attention_layers(self))
+        self.weights_processed = True
+        finalize_kv_scales(attention_layers(self))  # a checkpoint's scales (the dummy loader's are random)
         return names
 
 

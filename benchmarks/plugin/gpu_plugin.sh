@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Plugin mode on the GPU machine (vLLM 0.20.0, CUDA): `bash benchmarks/plugin/gpu_plugin.sh [STEP...]`
+# from the project root, after `bash .peer/tools/run.sh install` (vLLM unpacked in /tmp/site; see
+# ../shared/tools/peer-vllm/README.md), with carry [".peer/vllm/whl", ".peer/tools", ".whl"].
+# STEPs (default: parity bench), each under its own `timeout`, its log in $OUT:
+#   parity  tests/plugin/test_vllm_plugin_cuda.py: tiny Llama / Qwen3-MoE / DeepSeek-V2 through vllm.LLM
+#           with our plugin (CUDA graphs, and Llama eager) equal HF token for token, our class the one
+#           built; ATOM_DISABLE_VLLM_PLUGIN=1 builds vLLM's. The vLLM runs' logs: $OUT/parity_*.log.
+#   bench   .peer/tools/vllm_bench.py llama-3-8b (dummy weights: nano workload, batch 1 and 32), the
+#           plugin on, then off (ATOM_DISABLE_VLLM_PLUGIN=1: vLLM's own classes), in one vLLM and one
+#           PYTHONPATH: one RESULT line per number, tagged "plugin": "on" / "off".
+# vLLM finds our plugin through a dist-info that benchmarks/plugin/dist_info.py writes into /tmp/atom_dist
+# (on PYTHONPATH after vLLM, the checkout and the stubs), as `pip install` would: no install there.
+# T_SETUP / T_PARITY / T_PLUGIN / T_NATIVE: each step's time limit in seconds.
+# DRY=1 (any machine, no GPU): checks the paths, the dist-info (importlib lists our entry point) and the
+# tests' collection, and prints the commands instead of running them; PEER / WHL point it at another tree's
+# .peer / .whl (e.g. DRY=1 PEER=../main/.peer WHL=../main/.whl on the CPU machine).
+set -uo pipefail
+export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} VLLM_ALLREDUCE_USE_SYMM_MEM=0 TOKENIZERS_PARALLELISM=false
+mkdir -p "$OUT"
+top=$PWD; PEER=${PEER:-$top/.peer}; WHL=${WHL:-$top/.whl}; DRY=${DRY:-}
+SITE=/tmp/site; SITE2=/tmp/site2; DIST=${DIST:-/tmp/atom_dist}
+VP="$SITE:$PEER/tools/vllm_stubs:$top:$DIST"   # the vLLM processes' path: vLLM, stubs, atom_core, our dist-info
+TP="$top:$SITE2"                               # the test process's path: atom_core and its server's wheels
+steps=${*:-parity bench}
+
+fail() { echo "gpu_plugin.sh: $*"; exit 3; }
+run() { if [ -n "$DRY" ]; then echo "DRY: $*"; else "$@"; fi; }
+gpu_idle() {  # wait (<= 30 s) until the last step's processes released the GPU
+  [ -n "$DRY" ] && return
+  for _ in $(seq 1 30); do [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader)" ] && return; sleep 1; done
+  echo "GPU still busy: $(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tr '\n' ' ')"
+}
+# step NAME LIMIT CMD...: CMD in its own process group under `timeout` (vLLM's engine-core processes are
+# killed with it), output in $OUT/NAME.log; prints rc, seconds and the log's RESULT lines.
+step() {
+  local name=$1 limit=$2; shift 2
+  if [ -n "$DRY" ]; then echo "DRY: [$name, ${limit}s] $*"; return 0; fi
+  local start=$(date +%s) pid rc
+  setsid timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1 &
+  pid=$!; wait $pid; rc=$?
+  kill -KILL -- -$pid 2>/dev/null; gpu_idle
+  echo "== $name rc=$rc $(( $(date +%s) - start ))s"
+  return $rc
+}
+
+# ---- setup: vLLM's wheels, ours, the dist-info; vLLM must list our entry point
+for p in "$PEER/vllm/whl" "$PEER/tools/vllm_bench.py" "$PEER/tools/vllm_stubs" "$WHL" benchmarks/plugin/dist_info.py \
+         tests/plugin/test_vllm_plugin_cuda.py; do
+  [ -e "$p" ] || fail "missing $p (carry .peer/vllm/whl, .peer/tools and .whl; run from the project root)"
+done
+if [ -z "$DRY" ]; then
+  [ -d $SITE/vllm ] || fail "no vLLM in $SITE: run 'bash .peer/tools/run.sh install' first (two calls, warm machine)"
+  timeout "${T_SETUP:-120}" python3 -m pip install -q --no-index --no-deps --no-compile --target $SITE "$PEER"/vllm/whl/*.whl 2>&1 | grep -v WARNING
+  timeout "${T_SETUP:-120}" python3 -m pip install -q --no-index --no-deps --no-compile --target $SITE2 "$WHL"/*.whl 2>&1 | grep -v WARNING
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+fi
+git rev-parse --short HEAD 2>/dev/null
+rm -rf "$DIST"; python3 -m benchmarks.plugin.dist_info "$DIST" || fail "could not write the dist-info"
+# importlib as vLLM's plugin loader calls it (vllm.plugins.load_plugins_by_group), over the vLLM processes' path
+PYTHONPATH=$DIST python3 -c "
+import importlib.metadata as m, sys
+found = [e.value for e in m.entry_points(group='vllm.general_plugins')]
+print('vllm.general_plugins:', found)
+sys.exit(0 if 'atom_core.plugin:register' in found else 1)" || fail "importlib does not list atom_core's entry point"
+for s in $steps; do
+  case $s in
+  parity)
+    collect=(python3 -m pytest -q -p no:cacheprovider --collect-only tests/plugin/test_vllm_plugin_cuda.py)
+    if [ -n "$DRY" ]; then PYTHONPATH=$TP "${collect[@]}" | tail -1; fi
+    rm -rf /tmp/plugin_pytest
+    step parity "${T_PARITY:-240}" env PYTHONPATH=$TP ATOM_VLLM_PYTHONPATH="$SITE:$PEER/tools/vllm_stubs:$DIST" \
+      python3 -m pytest -q -p no:cacheprovider --tb=short -rA --basetemp=/tmp/plugin_pytest \
+      tests/plugin/test_vllm_plugin_cuda.py
+    [ -z "$DRY" ] && { grep -E "passed|failed|PASSED|FAILED|ERROR|SKIPPED" "$OUT/parity.log" | tail -12
+      i=0; for f in $(find /tmp/plugin_pytest -name driver.log 2>/dev/null); do cp "$f" "$OUT/parity_$i.log"; i=$((i+1)); done; }
+    ;;
+  bench)
+    for mode in on off; do
+      off=$([ $mode = off ] && echo 1 || echo 0)
+      step "bench_plugin_$mode" "$([ $mode = on ] && echo "${T_PLUGIN:-200}" || echo "${T_NATIVE:-220}")" \
+        env PYTHONPATH=$VP ATOM_DISABLE_VLLM_PLUGIN=$off python3 "$PEER/tools/vllm_bench.py" llama-3-8b
+      [ -z "$DRY" ] && { grep -h "^RESULT " "$OUT/bench_plugin_$mode.log" | sed "s/^RESULT {/{\"plugin\": \"$mode\", /"
+        # which classes ran: our adapter's line (plugin on) or the switch's (off); the last error otherwise
+        grep -m2 -hE "atom_core's .* runs |atom_core plugin off" "$OUT/bench_plugin_$mode.log" | cut -c1-220
+        grep -q "nano_workload" "$OUT/bench_plugin_$mode.log" || tail -25 "$OUT/bench_plugin_$mode.log"; }
+    done
+    ;;
+  *) fail "unknown step $s (parity, bench)" ;;
+  esac
+done
+exit 0
