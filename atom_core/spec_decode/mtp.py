@@ -44,7 +44,7 @@ from atom_core.model_ops.layernorm import RMSNorm
 from atom_core.model_ops.linear import ReplicatedLinear
 from atom_core.model_ops.staging import to_device_packed
 from atom_core.spec_decode.draft_kv import NUM_SCRATCH_BLOCKS, DraftKV, device_metadata
-from atom_core.spec_decode.draft_loop import CatchUp, run_drafts
+from atom_core.spec_decode.draft_loop import LATER_KEYS, CatchUp, later_layout, run_drafts
 from atom_core.spec_decode.mtp_graphs import MTPGraphs, padded_catch_up
 from atom_core.spec_decode.proposer import CaptureGraphs, Proposer, RequestView, TargetHidden, can_speculate
 
@@ -327,20 +327,24 @@ class MTPProposer(Proposer):
             host = self.kv.layout(counts, starts, tables)
         graphs = self.graphs if padded and entries and self.graphs is not None else None
         host.update(ids=np.array(ids, dtype=np.int64), rows=np.array(rows, dtype=np.int64))
+        later = self.num_draft_tokens - 1
         if graphs is not None:  # every request of the graph drafts, masked where it may not
-            size = graphs.padded_size(len(counts))
-            host["last"], host["mask"] = np.zeros(size, dtype=np.int64), np.zeros(size, dtype=np.bool_)
-            host["last"][: len(counts)], host["mask"][entries] = last_rows, True
-        else:
-            host["last"] = np.array([last_rows[e] for e in entries], dtype=np.int64)
-            host["entries"] = np.array(entries, dtype=np.int64)
-        dev = to_device_packed(host, self.device)  # the step's one host-to-device copy
-        positions, meta = device_metadata(host, dev)
-        if graphs is not None:
-            out = graphs.replay(dev["ids"], positions, meta, dev["rows"], dev["last"], dev["mask"], target.hidden)
+            host["last"], host["mask"] = np.array(last_rows, dtype=np.int64), np.zeros(len(counts), dtype=np.bool_)
+            host["mask"][entries] = True
+            if later:
+                host.update(later_layout(host["positions"][host["last"]], host["block_tables"], host["mask"], later,
+                                         self.kv.block_size))
+            out = graphs.replay(host, len(counts), target.hidden)  # the step's one host-to-device copy
             by_entry = out.tolist()  # the step's one device-to-host sync
             by_request = {rid: cut_at_stop(by_entry[e], rules[rid]) for rid, e in drafting.items()}
             return [by_request.get(s.req_id, []) for s in states]
+        host["last"] = np.array([last_rows[e] for e in entries], dtype=np.int64)
+        host["entries"] = np.array(entries, dtype=np.int64)
+        if entries and later:
+            host.update(later_layout(host["positions"][host["last"]], host["block_tables"][host["entries"]], None,
+                                     later, self.kv.block_size))
+        dev = to_device_packed(host, self.device)  # the step's one host-to-device copy
+        positions, meta = device_metadata(host, dev)
         previous = self._previous(self._source(target), dev["rows"])
         if not entries:  # the layer's KV of these positions only: no output row is wanted
             with set_attention_metadata(meta):
@@ -348,12 +352,13 @@ class MTPProposer(Proposer):
             return drafts
         bound = max(starts[e] + counts[e] for e in entries) + self.num_draft_tokens - 1
         c = CatchUp(dev["ids"], positions, previous, meta, dev["last"],
-                    meta.block_tables.index_select(0, dev["entries"]), bound)
+                    meta.block_tables.index_select(0, dev["entries"]), bound,
+                    {name: dev[name] for name in LATER_KEYS} if later else None)
         # On the CPU reading drafts costs nothing: the loop ends once every request drafted a token
         # that would end it. On a GPU that would be a sync a draft, so its loop runs to K.
         row_rules = [rules[rid] for rid in drafting]
         done = (lambda tokens: all_stopped(tokens, row_rules)) if self.device.type == "cpu" else None
-        out = run_drafts(self.layer, self.embed, self._greedy, c, self.num_draft_tokens, self.kv.block_size, done)
+        out = run_drafts(self.layer, self.embed, self._greedy, c, self.num_draft_tokens, done)
         by_request = {rid: cut_at_stop(row, rules[rid]) for rid, row in zip(drafting, out.tolist())}  # one sync
         return [by_request.get(s.req_id, []) for s in states]
 

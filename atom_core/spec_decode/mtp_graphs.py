@@ -5,8 +5,9 @@ graph-replayed decode step: its time is the launch overhead of a few dozen small
 host work between them (measured on DeepSeek-V2-Lite: see docs/PERFORMANCE.md). So a step's whole
 draft loop (spec_decode/draft_loop.py) replays as ONE graph: the gather of the previous hidden
 states (EAGLE-3: and its fc), the catch-up forward, the greedy head of each draft and the K - 1
-later drafts, their positions and KV slots advanced on the device. The host copies the step's
-inputs in, replays, and reads the [requests, K] drafts once.
+later drafts. The host writes the step's inputs (the later drafts' positions and KV slots too:
+draft_loop.later_layout) into one pinned buffer, copies it to the graphs' own input buffer once,
+replays, and reads the [requests, K] drafts once.
 
 The catch-up is padded: after a decode or verify step every request has 1 <= n <= q = 1 + K
 verified rows. They run padded to q rows a request, as the target's padded verify batches
@@ -19,13 +20,15 @@ larger than the largest graph run eagerly.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 from typing import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
-from atom_core.model_ops.forward_context import AttentionMetadata, get_attention_metadata
+from atom_core.model_ops.forward_context import get_attention_metadata
+from atom_core.model_ops.staging import STAGING_ALIGN
 from atom_core.spec_decode.draft_loop import CatchUp, run_drafts
 from atom_core.spec_decode.proposer import CaptureGraphs
 
@@ -42,24 +45,94 @@ def padded_catch_up(tokens_of: list[list[int]], counts: list[int], first_rows: l
     return ids, rows, last_rows
 
 
-@dataclass
-class _Step:
-    """What CUDAGraphRunner.replay reads of a flat batch."""
-    num_tokens: int
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    attn: AttentionMetadata
+class _Staging:
+    """The graphs' per-step inputs in one device buffer at fixed offsets (what the graphs read),
+    filled from one pinned host buffer by ONE copy a replay: the step's arrays are written into the
+    host buffer in place, padding requests included, and the copy covers the prefix the replayed
+    size reads (the block tables come last, so a small batch copies a few rows of them).
+    The host buffer is rewritten only after the previous replay's drafts were read (a host sync),
+    so its earlier copy has finished."""
+
+    def __init__(self, max_bs: int, q: int, num_later: int, max_blocks: int, device: torch.device):
+        tokens = max_bs * q
+        later = max(num_later, 1)
+        self.fields = {"ids": ((tokens,), np.int64), "positions": ((tokens,), np.int64),
+                       "slot_mapping": ((tokens,), np.int64), "rows": ((tokens,), np.int64),
+                       "last": ((max_bs,), np.int64), "later_positions": ((later, max_bs), np.int64),
+                       "later_slots": ((later, max_bs), np.int64), "later_seq_lens": ((later, max_bs), np.int32),
+                       "seq_lens": ((max_bs,), np.int32), "later_qsl": ((max_bs + 1,), np.int32),
+                       "mask": ((max_bs,), np.bool_), "block_tables": ((max_bs, max_blocks), np.int32)}
+        self.offsets, total = {}, 0
+        for name, (shape, dtype) in self.fields.items():
+            self.offsets[name] = total
+            total += -(-int(np.prod(shape)) * np.dtype(dtype).itemsize // STAGING_ALIGN) * STAGING_ALIGN
+        self.host_bytes = torch.zeros(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        self.device_bytes = torch.zeros(total, dtype=torch.uint8, device=device)
+        self.host = {name: self._view(self.host_bytes.numpy(), name) for name in self.fields}
+        self.dev = {name: self._view_t(self.device_bytes, name) for name in self.fields}
+        self.q, self.max_blocks = q, max_blocks
+        self._pad(0, max_bs)
+        self.device_bytes.copy_(self.host_bytes)
+
+    def _view(self, buf: np.ndarray, name: str) -> np.ndarray:
+        shape, dtype = self.fields[name]
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        return buf[self.offsets[name]:self.offsets[name] + n].view(dtype).reshape(shape)
+
+    def _view_t(self, buf: torch.Tensor, name: str) -> torch.Tensor:
+        shape, dtype = self.fields[name]
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        return buf[self.offsets[name]:self.offsets[name] + n].view(torch.from_numpy(np.zeros(0, dtype)).dtype
+                                                                   ).view(shape)
+
+    def _pad(self, start: int, end: int) -> None:
+        """Requests start..end are padding: token 0 at position 0, no KV stored, row 0 read, masked."""
+        h, q = self.host, self.q
+        for name in ("ids", "positions", "rows"):
+            h[name][start * q:end * q] = 0
+        h["slot_mapping"][start * q:end * q] = -1
+        h["seq_lens"][start:end] = q
+        h["last"][start:end] = 0
+        h["mask"][start:end] = False
+        h["block_tables"][start:end] = 0
+        h["later_positions"][:, start:end] = np.arange(h["later_positions"].shape[0])[:, None]
+        h["later_slots"][:, start:end] = -1
+        h["later_seq_lens"][:, start:end] = h["later_positions"][:, start:end] + 1
+        h["later_qsl"][:] = np.arange(h["later_qsl"].shape[0])
+
+    def stage(self, arrays: dict[str, np.ndarray], num_requests: int, padded: int) -> None:
+        """The step's arrays (DraftKV.layout's, ids, rows, last, mask and later_layout's, for
+        `num_requests` requests of q rows) into the host buffer, requests up to `padded` padding;
+        then one copy to the device."""
+        h, n = self.host, num_requests * self.q
+        for name in ("ids", "positions", "slot_mapping", "rows"):
+            h[name][:n] = arrays[name]
+        h["seq_lens"][:num_requests] = arrays["seq_lens"]
+        for name in ("last", "mask"):
+            h[name][:num_requests] = arrays[name][:num_requests]
+        for name in ("later_positions", "later_slots", "later_seq_lens"):
+            if name in arrays:
+                h[name][:, :num_requests] = arrays[name][:, :num_requests]
+        tables = arrays["block_tables"]
+        assert tables.shape[1] <= self.max_blocks, "a draft table past the graphs' span"
+        h["block_tables"][:num_requests, :tables.shape[1]] = tables
+        h["block_tables"][:num_requests, tables.shape[1]:] = 0
+        self._pad(num_requests, padded)
+        end = self.offsets["block_tables"] + padded * self.max_blocks * 4
+        self.device_bytes[:end].copy_(self.host_bytes[:end], non_blocking=True)
 
 
 class MTPGraphs:
     """Contract: built after the draft KV cache exists (captures at once, through `capture`:
     proposer.CaptureGraphs); `replay(...)` for `can_run(requests)`, its drafts a view valid until
-    the next replay.
+    the next replay, which must come only after they were read (the staging buffer's reuse).
 
     previous(source, rows) -> [N, H] is the drafter's input hidden states for flat rows `rows` of
     `source`. With `source` given (EAGLE-3's aux buffer: one address for the engine's life) the
     graph gathers from it in place; without (MTP: the target's hidden states live in the step's
-    own buffers) each replay first copies the rows into a buffer of the graphs'."""
+    own buffers) each replay first copies the rows into a buffer of the graphs'.
+    The graphs read their inputs from their own staging buffer (_Staging), not the runner's: a
+    replay is one host-to-device copy and the graph launch."""
 
     def __init__(self, layer: nn.Module, embed: nn.Module, greedy: Callable[[torch.Tensor], torch.Tensor],
                  previous: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], source: torch.Tensor | None,
@@ -73,16 +146,22 @@ class MTPGraphs:
         self.copies_source = source is None
         self.source = torch.zeros(tokens, width, dtype=embed.weight.dtype, device=device) if source is None else source
         self.rows = torch.arange(tokens, device=device)  # MTP: row i of the copied source is row i
-        self.last = torch.zeros(max(sizes), dtype=torch.int64, device=device)
-        self.mask = torch.zeros(max(sizes), dtype=torch.bool, device=device)
+        self.staging = st = _Staging(max(sizes), q, num_drafts - 1, -(-span // block_size), device)
         self.drafts = torch.zeros(max(sizes), num_drafts, dtype=torch.int64, device=device)
+        d = st.dev
 
         def forward(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            meta, n = get_attention_metadata(), ids.shape[0]
+            # The runner's buffers (ids, positions, its metadata's tensors) are not read: the staging's are.
+            runner_meta, n = get_attention_metadata(), ids.shape[0]
             bs = n // q
-            c = CatchUp(ids, positions, previous(self.source, self.rows[:n]), meta, self.last[:bs],
-                        meta.block_tables, span, self.mask[:bs])
-            self.drafts[:bs].copy_(run_drafts(layer, embed, greedy, c, num_drafts, block_size))
+            meta = dataclasses.replace(runner_meta, seq_lens=d["seq_lens"][:bs], block_tables=d["block_tables"][:bs],
+                                       slot_mapping=d["slot_mapping"][:n])
+            rows = self.rows[:n] if self.copies_source else d["rows"][:n]
+            later = {"later_qsl": d["later_qsl"][: bs + 1], **{name: d[name][:, :bs] for name in
+                                                                 ("later_positions", "later_slots", "later_seq_lens")}}
+            c = CatchUp(d["ids"][:n], d["positions"][:n], previous(self.source, rows), meta, d["last"][:bs],
+                        meta.block_tables, span, later if num_drafts > 1 else None)
+            self.drafts[:bs].copy_(run_drafts(layer, embed, greedy, c, num_drafts))
             return self.drafts[:bs]
 
         # span: draft tables reach past max_model_len into the scratch blocks (spec_decode/draft_kv.py)
@@ -98,18 +177,15 @@ class MTPGraphs:
     def padded_size(self, num_requests: int) -> int:
         return self.runner.padded_size(num_requests)
 
-    def replay(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, rows: torch.Tensor,
-               last: torch.Tensor, mask: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
-        """[requests, K] drafts of a padded catch-up of q rows a request. rows [N]: each row's row
-        of the step's hidden states `hidden` (read when the graphs copy their source); last, mask
-        [padded_size(requests)]: each request's last real row, whether it drafts (False for the
-        padding requests)."""
-        n = ids.shape[0]
+    def replay(self, arrays: dict[str, np.ndarray], num_requests: int, hidden: torch.Tensor | None) -> torch.Tensor:
+        """[requests, K] drafts of a padded catch-up of q rows a request: `arrays` (host) are
+        DraftKV.layout's with ids, rows (each row's row of the step's hidden states `hidden`, read
+        when the graphs copy their source), last and mask [padded_size(requests)] (each request's
+        last real row, whether it drafts) and, for K > 1, later_layout's over all of them."""
+        padded = self.padded_size(num_requests)
+        self.staging.stage(arrays, num_requests, padded)
+        n = num_requests * self.query_len
         if self.copies_source:
-            self.source[:n].copy_(hidden.index_select(0, rows))
-        else:
-            self.rows[:n].copy_(rows)
-        self.last[: last.shape[0]].copy_(last)
-        self.mask[: mask.shape[0]].copy_(mask)
-        self.runner.replay(_Step(n, ids, positions, meta))
-        return self.drafts[: n // self.query_len]
+            self.source[:n].copy_(hidden.index_select(0, self.staging.dev["rows"][:n]))
+        self.runner.replay_staged(padded)
+        return self.drafts[:num_requests]

@@ -143,6 +143,12 @@ class CUDAGraphRunner(CapturedSizes):
         self.graphs[padded].replay()
         return self.outputs[padded][:tokens]
 
+    def replay_staged(self, size: int) -> None:
+        """Replay the graph of `size` as it is: for a forward that reads inputs staged in buffers of
+        its own (spec_decode/mtp_graphs.py), not this runner's."""
+        assert size in self.graphs, f"no captured graph of {size}"
+        self.graphs[size].replay()
+
     def replay_padding(self, size: int) -> None:
         """Replay the graph of `size` with padding rows only (slot -1: nothing stored; the output
         is not read): an idle replica joins the MoE collectives of a step the others replay."""

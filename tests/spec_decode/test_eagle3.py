@@ -213,9 +213,9 @@ class TestDraftLoop:
         expected = (_tokens(eager, prompts), eager.spec_decode_stats())
         monkeypatch.setattr(CUDAGraphRunner, "capture_all", _capture_eagerly)
         replays = []
-        real_replay = CUDAGraphRunner.replay
-        monkeypatch.setattr(CUDAGraphRunner, "replay", lambda self, flat, **kw: replays.append(flat.num_tokens)
-                            or real_replay(self, flat, **kw))
+        real_replay = CUDAGraphRunner.replay_staged
+        monkeypatch.setattr(CUDAGraphRunner, "replay_staged", lambda self, size: replays.append(size * self.query_len)
+                            or real_replay(self, size))
         engine = LLMEngine(str(target), **options)
         runner = engine.core.executor.runner
         runner.proposer.capture_graphs((1, 2, 4, 8, 16, 32), runner.dispatcher.capture_forward)
@@ -289,20 +289,20 @@ class TestDraftLoop:
         assert cut_at_stop([eos, eos, 9], rule(min_tokens=4)) == [eos, eos]
 
     def test_later_draft_rows_store_in_their_tables_or_nowhere(self):
-        from atom_core.model_ops.forward_context import AttentionMetadata
-        from atom_core.spec_decode.draft_loop import CatchUp, later_draft_metadata
+        import numpy as np
 
-        tables = torch.tensor([[7, 8, 0], [9, 3, 5]], dtype=torch.int32)
-        meta = AttentionMetadata(torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([1, 1], dtype=torch.int32),
-                                 tables, torch.tensor([0, 0]), 1, 8)
-        c = CatchUp(torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), torch.zeros(2, 4), meta,
-                    torch.tensor([0, 1]), tables, 12, torch.tensor([True, False]))
-        qsl = torch.arange(3, dtype=torch.int32)
-        drafted = later_draft_metadata(torch.tensor([5, 9]), c, qsl, block_size=4)
-        assert drafted.slot_mapping.tolist() == [8 * 4 + 1, -1]  # the second row is masked off
-        assert drafted.seq_lens.tolist() == [6, 10] and drafted.max_query_len == 1 and drafted.max_seq_len == 12
-        c.mask = None
-        assert later_draft_metadata(torch.tensor([5, 9]), c, qsl, block_size=4).slot_mapping.tolist() == [33, 5 * 4 + 1]
+        from atom_core.spec_decode.draft_loop import later_layout
+
+        tables = np.array([[7, 8, 0], [9, 3, 5]], dtype=np.int32)
+        later = later_layout(np.array([4, 8]), tables, np.array([True, False]), 2, block_size=4)
+        assert later["later_positions"].tolist() == [[5, 0], [6, 1]]  # the masked row runs at positions j
+        assert later["later_slots"].tolist() == [[8 * 4 + 1, -1], [8 * 4 + 2, -1]]  # and stores nothing
+        assert later["later_seq_lens"].tolist() == [[6, 1], [7, 2]] and later["later_qsl"].tolist() == [0, 1, 2]
+        assert later["later_slots"].dtype == np.int64 and later["later_seq_lens"].dtype == np.int32
+        unmasked = later_layout(np.array([4, 8]), tables, None, 2, block_size=4)
+        assert unmasked["later_slots"].tolist() == [[33, 5 * 4 + 1], [34, 5 * 4 + 2]]
+        with pytest.raises(IndexError):  # a draft past the table (its scratch blocks) is a bug, not a wrap
+            later_layout(np.array([11]), tables[:1], None, 2, block_size=4)
 
 
 @pytest.fixture(scope="module")

@@ -146,7 +146,7 @@ def _capture_eagerly(runner) -> None:
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_graph_replays_through_the_runners_buffers_draft_the_same(v3_mtp, monkeypatch, k):
+def test_graph_replays_from_their_staging_draft_the_same(v3_mtp, monkeypatch, k):
     """MTPGraphs with its CUDAGraphRunner replaying eagerly (decode sizes to 16; graphs of up to
     16 / (1 + K) requests, as the verify graphs: 4 prompts fit at K = 3): same outputs and
     acceptance counts as the eager layer; one replay a step runs the catch-up and every later draft."""
@@ -156,9 +156,9 @@ def test_graph_replays_through_the_runners_buffers_draft_the_same(v3_mtp, monkey
     expected = _run(LLMEngine(str(path), method="mtp", num_speculative_tokens=k), prompts)
     monkeypatch.setattr(CUDAGraphRunner, "capture_all", _capture_eagerly)
     replays = []
-    real_replay = CUDAGraphRunner.replay
-    monkeypatch.setattr(CUDAGraphRunner, "replay", lambda self, flat, **kw: replays.append(self.query_len)
-                        or real_replay(self, flat, **kw))
+    real_replay = CUDAGraphRunner.replay_staged
+    monkeypatch.setattr(CUDAGraphRunner, "replay_staged", lambda self, size: replays.append(self.query_len)
+                        or real_replay(self, size))
     engine = LLMEngine(str(path), method="mtp", num_speculative_tokens=k)
     runner = engine.core.executor.runner
     runner.proposer.capture_graphs((1, 2, 4, 8, 16), runner.dispatcher.capture_forward)
