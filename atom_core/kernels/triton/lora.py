@@ -65,6 +65,9 @@ def shrink_plan(num_tokens: int, k: int, n: int) -> ShrinkPlan:
     block_n = max(16, min(64, next_pow2(n)))
     if num_tokens > SMALL_STEP_TOKENS:
         return ShrinkPlan(_block_m(num_tokens), block_n, 128, 1, k, 3)
+    # A 512-deep slice holds its A tile in registers: [512, 64] spills on sm_90 at 4 warps (q/k/v's
+    # 48 stacked ranks), [512, 32] does not, so wider stacks take two or more N tiles.
+    block_n = min(block_n, 32)
     # Slices of a multiple of 64 inputs keep each program's loads 16-byte aligned; 512-wide slices
     # (at most MAX_SPLIT_K of them) balance the shrink's parallelism against the partials the
     # expand must read back (lora_bench --sweep on an H200: 8 slices of 512 beat 32 of 128 for the pair).
