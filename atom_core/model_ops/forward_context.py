@@ -34,6 +34,9 @@ class AttentionMetadata:
     state_step_rows [S] int32 (steps that verify drafts, with state_slots): each sequence's row in
     the step-state pools (the state after each of its first tokens is kept there, so a rejected
     draft's update can be dropped: kv_spec.keep_verified_states); -1 keeps none.
+    state_recurrent_* / state_chunked_* (a verify step that also runs prompt chunks): the sequence
+    indices (int64), their tokens' rows (int64) and cu_seqlens (int32) of the sequences that take the
+    token-by-token rule (verifies, decodes) and of the prompt chunks, which take the chunked rule.
     """
 
     query_start_loc: torch.Tensor
@@ -52,6 +55,12 @@ class AttentionMetadata:
     chunk_max_query_len: int = 0
     state_slots: torch.Tensor | None = None
     state_step_rows: torch.Tensor | None = None
+    state_recurrent_seqs: torch.Tensor | None = None
+    state_recurrent_tokens: torch.Tensor | None = None
+    state_recurrent_cu_seqlens: torch.Tensor | None = None
+    state_chunked_seqs: torch.Tensor | None = None
+    state_chunked_tokens: torch.Tensor | None = None
+    state_chunked_cu_seqlens: torch.Tensor | None = None
 
 
 _current: AttentionMetadata | None = None

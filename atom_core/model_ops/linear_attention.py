@@ -151,18 +151,44 @@ class DeltaNetCore:
         v = v.reshape(num_tokens, layer.num_v_heads, layer.head_v_dim)
         beta = b.sigmoid()
         g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias)  # HF's log-decay, float32
-        # One token per sequence (decode) or a verify step: the recurrent step (which can keep the
-        # state after each token); otherwise the chunked form.
-        if meta.max_query_len == 1 or steps:
-            rule = ops.fused_recurrent_gated_delta_rule
-            steps = steps and {**steps, "step_state": layer.step_recurrent_state}
+        rule_args = dict(scale=layer.head_k_dim ** -0.5, use_qk_l2norm=True)
+        if steps and meta.state_chunked_seqs is not None:
+            o = self._split_step(layer, meta, (q, k, v, g, beta), has_initial_state, rule_args)
+        elif meta.max_query_len == 1 or steps:
+            # One token per sequence (decode) or a verify step: the recurrent step, which can keep
+            # the state after each token.
+            o = ops.fused_recurrent_gated_delta_rule(
+                q, k, v, g, beta, layer.recurrent_state, slots, cu_seqlens, has_initial_state, **rule_args,
+                **(steps and {**steps, "step_state": layer.step_recurrent_state}))
         else:
-            rule = ops.chunk_gated_delta_rule
-        o = rule(q, k, v, g, beta, layer.recurrent_state, slots, cu_seqlens, has_initial_state,
-                 scale=layer.head_k_dim ** -0.5, use_qk_l2norm=True, **steps)
+            o = ops.chunk_gated_delta_rule(q, k, v, g, beta, layer.recurrent_state, slots, cu_seqlens,
+                                           has_initial_state, **rule_args)
         o = ops.gated_rms_norm(o.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim), layer.norm.weight,
                                layer.eps)
         return o.reshape(num_tokens, layer.value_dim)
+
+
+    @staticmethod
+    def _split_step(layer: GatedDeltaNet, meta, qkvgb: tuple, has_initial_state: torch.Tensor,
+                    rule_args: dict) -> torch.Tensor:
+        """A verify step that also runs prompt chunks: the verifying sequences (and decodes) through
+        the token-by-token rule keeping their per-token states, the prompt chunks through the
+        chunked rule (token by token, a long chunk would take as many dependent steps as tokens)."""
+        ops = layer.ops
+        o = torch.empty_like(qkvgb[2])
+        for name in ("recurrent", "chunked"):
+            seqs = getattr(meta, f"state_{name}_seqs")
+            tokens = getattr(meta, f"state_{name}_tokens")
+            part = [t.index_select(0, tokens) for t in qkvgb]
+            common = (layer.recurrent_state, meta.state_slots.index_select(0, seqs),
+                      getattr(meta, f"state_{name}_cu_seqlens"), has_initial_state.index_select(0, seqs))
+            if name == "recurrent":
+                o[tokens] = ops.fused_recurrent_gated_delta_rule(
+                    *part, *common, **rule_args, step_state=layer.step_recurrent_state,
+                    step_indices=meta.state_step_rows.index_select(0, seqs))
+            else:
+                o[tokens] = ops.chunk_gated_delta_rule(*part, *common, **rule_args)
+        return o
 
 
 _CORE = DeltaNetCore()

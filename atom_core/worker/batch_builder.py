@@ -117,11 +117,25 @@ def state_slot_rows(states: list[RequestState]) -> dict:
     return {"state_slots": np.array([s.state_slot + 1 for s in states], dtype=np.int32)}
 
 
-def state_step_rows(states: list[RequestState], verifies: list[bool]) -> dict:
+def state_step_rows(states: list[RequestState], verifies: list[bool], query_lens: list[int] | None = None) -> dict:
     """AttentionMetadata's state_step_rows of a step that verifies drafts: a verifying sequence keeps
-    the state after each of its tokens in its step-state row (its state slot's row), the others none."""
+    the state after each of its tokens in its step-state row (its state slot's row), the others none.
+    When prompt chunks share the step, the state_recurrent_* / state_chunked_* subsets split it: the
+    verifying sequences and decodes take the token-by-token kernel, the prompt chunks the chunked one."""
     rows = [s.state_slot + 1 if v else -1 for s, v in zip(states, verifies)]
-    return {"state_step_rows": np.array(rows, dtype=np.int32)}
+    out = {"state_step_rows": np.array(rows, dtype=np.int32)}
+    chunked = [i for i, (v, n) in enumerate(zip(verifies, query_lens or [])) if not v and n > 1]
+    if not chunked:
+        return out
+    starts = np.concatenate([[0], np.cumsum(query_lens)])
+    recurrent = [i for i in range(len(states)) if i not in set(chunked)]
+    for name, seqs in (("recurrent", recurrent), ("chunked", chunked)):
+        lens = [query_lens[i] for i in seqs]
+        out[f"state_{name}_seqs"] = np.array(seqs, dtype=np.int64)
+        out[f"state_{name}_tokens"] = np.concatenate(
+            [np.arange(starts[i], starts[i + 1]) for i in seqs] or [np.zeros(0, np.int64)]).astype(np.int64)
+        out[f"state_{name}_cu_seqlens"] = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    return out
 
 
 def rope_positions(state: RequestState, start: int, end: int) -> np.ndarray:
@@ -244,7 +258,8 @@ def build_flat_batch(out: SchedulerOutput, states: list[RequestState], block_siz
         max_query_len, logit_rows, device,
         attn_extra={**context_split(np.diff(query_start_loc).tolist(), seq_lens),
                     **(state_slot_rows(states) if with_state_slots else {}),
-                    **(state_step_rows(states, [bool(e) and e[0] != PLACEHOLDER for e in out.extra_tokens])
+                    **(state_step_rows(states, [bool(e) and e[0] != PLACEHOLDER for e in out.extra_tokens],
+                                       np.diff(query_start_loc).tolist())
                        if with_state_slots and out.has_drafts else {})},
         sample_rows=sample_rows,
         sample_seq_idx=sample_seq_idx,

@@ -99,3 +99,23 @@ def test_draft_models_are_refused_on_hybrids(next_mtp, tmp_path):
     path = next_mtp[0]
     with pytest.raises(ValueError, match="--method draft is not supported for models with linear-attention"):
         LLMEngine(str(path), method="draft", draft_model=str(path), num_speculative_tokens=2)
+
+
+def test_prompt_chunks_beside_verifies_take_the_chunked_rule(next_mtp, monkeypatch):
+    """A verify step that also runs prompt chunks splits the delta rule: the chunks through the
+    chunked kernel (a long chunk token by token would serialize it), verifies through the recurrent
+    one keeping per-token states; the output stays plain decoding's."""
+    from atom_core.model_ops.linear_attention import DeltaNetCore
+
+    path, prompts, plain = next_mtp
+    splits = []
+    real = DeltaNetCore._split_step
+
+    def counting(layer, meta, qkvgb, has_initial_state, rule_args):
+        splits.append((meta.state_recurrent_tokens.numel(), meta.state_chunked_tokens.numel()))
+        return real(layer, meta, qkvgb, has_initial_state, rule_args)
+
+    monkeypatch.setattr(DeltaNetCore, "_split_step", staticmethod(counting))
+    engine = LLMEngine(str(path), method="mtp", num_speculative_tokens=3, max_num_batched_tokens=16)
+    assert _tokens(engine, prompts) == plain
+    assert splits and all(r > 0 and c > 1 for r, c in splits), splits
