@@ -14,6 +14,7 @@ from atom_core.config import ResolvedModel, SchedulerConfig
 from atom_core.engine.encoder_cache import EncoderCacheManager
 from atom_core.engine.kv_cache import KVCacheManager
 from atom_core.engine.sequence import FinishReason, Sequence, SequenceStatus
+from atom_core.multimodal.inputs import encoder_cache_rows
 from atom_core.scheduler_output import PLACEHOLDER, ModelRunnerOutput, NewRequest, SchedulerOutput
 from atom_core.spec_decode.stats import SpecDecodeStats
 
@@ -59,9 +60,8 @@ class Scheduler:
         self._admitting_prompts = False  # the prefill hold: prompts are being admitted (a wave)
         self.num_schedule_calls = 0  # the clock of the prefill hold
         self.max_model_len = max_model_len
-        # Images: encoder outputs the worker holds; a step encodes at most as many rows as it schedules
-        # tokens, or one largest image (as vLLM's encoder budget)
-        self.encoder = EncoderCacheManager(max(config.max_num_batched_tokens, max_image_tokens))
+        # Images: encoder outputs the worker holds (the worker's memory profile holds as many rows)
+        self.encoder = EncoderCacheManager(encoder_cache_rows(config.max_num_batched_tokens, max_image_tokens))
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []

@@ -167,27 +167,26 @@ class DeltaNetCore:
                                layer.eps)
         return o.reshape(num_tokens, layer.value_dim)
 
-
     @staticmethod
     def _split_step(layer: GatedDeltaNet, meta, qkvgb: tuple, has_initial_state: torch.Tensor,
                     rule_args: dict) -> torch.Tensor:
         """A verify step that also runs prompt chunks: the verifying sequences (and decodes) through
         the token-by-token rule keeping their per-token states, the prompt chunks through the
         chunked rule (token by token, a long chunk would take as many dependent steps as tokens)."""
-        ops = layer.ops
+
+        def subset(name: str):
+            seqs, tokens = getattr(meta, f"state_{name}_seqs"), getattr(meta, f"state_{name}_tokens")
+            return seqs, tokens, (*(t.index_select(0, tokens) for t in qkvgb), layer.recurrent_state,
+                                  meta.state_slots.index_select(0, seqs), getattr(meta, f"state_{name}_cu_seqlens"),
+                                  has_initial_state.index_select(0, seqs))
+
         o = torch.empty_like(qkvgb[2])
-        for name in ("recurrent", "chunked"):
-            seqs = getattr(meta, f"state_{name}_seqs")
-            tokens = getattr(meta, f"state_{name}_tokens")
-            part = [t.index_select(0, tokens) for t in qkvgb]
-            common = (layer.recurrent_state, meta.state_slots.index_select(0, seqs),
-                      getattr(meta, f"state_{name}_cu_seqlens"), has_initial_state.index_select(0, seqs))
-            if name == "recurrent":
-                o[tokens] = ops.fused_recurrent_gated_delta_rule(
-                    *part, *common, **rule_args, step_state=layer.step_recurrent_state,
-                    step_indices=meta.state_step_rows.index_select(0, seqs))
-            else:
-                o[tokens] = ops.chunk_gated_delta_rule(*part, *common, **rule_args)
+        seqs, tokens, args = subset("recurrent")
+        o[tokens] = layer.ops.fused_recurrent_gated_delta_rule(
+            *args, **rule_args, step_state=layer.step_recurrent_state,
+            step_indices=meta.state_step_rows.index_select(0, seqs))
+        _, tokens, args = subset("chunked")
+        o[tokens] = layer.ops.chunk_gated_delta_rule(*args, **rule_args)
         return o
 
 

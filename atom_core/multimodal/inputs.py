@@ -53,6 +53,12 @@ def content_hash(family: str, data: dict[str, np.ndarray]) -> int:
     return h.intdigest()
 
 
+def encoder_cache_rows(max_num_batched_tokens: int, max_image_tokens: int) -> int:
+    """The encoder-output cache's size in rows: what a step may encode (as many rows as it schedules
+    tokens) or one largest image, as vLLM's encoder budget."""
+    return max(max_num_batched_tokens, max_image_tokens)
+
+
 def check_items(items: tuple[MultimodalItem, ...] | list[MultimodalItem], num_prompt_tokens: int) -> None:
     """ValueError unless the items' placeholder runs lie in the prompt, in order, without overlap."""
     end = 0

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from atom_core.model_ops.forward_context import get_attention_metadata
-from atom_core.model_ops.staging import STAGING_ALIGN
+from atom_core.model_ops.staging import aligned_offsets, typed_view
 from atom_core.spec_decode.draft_loop import CatchUp, run_drafts
 from atom_core.spec_decode.proposer import CaptureGraphs
 
@@ -62,28 +62,17 @@ class _Staging:
                        "later_slots": ((later, max_bs), np.int64), "later_seq_lens": ((later, max_bs), np.int32),
                        "seq_lens": ((max_bs,), np.int32), "later_qsl": ((max_bs + 1,), np.int32),
                        "mask": ((max_bs,), np.bool_), "block_tables": ((max_bs, max_blocks), np.int32)}
-        self.offsets, total = {}, 0
-        for name, (shape, dtype) in self.fields.items():
-            self.offsets[name] = total
-            total += -(-int(np.prod(shape)) * np.dtype(dtype).itemsize // STAGING_ALIGN) * STAGING_ALIGN
+        self.offsets, total = aligned_offsets({name: int(np.prod(shape)) * np.dtype(dtype).itemsize
+                                               for name, (shape, dtype) in self.fields.items()})
         self.host_bytes = torch.zeros(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
         self.device_bytes = torch.zeros(total, dtype=torch.uint8, device=device)
-        self.host = {name: self._view(self.host_bytes.numpy(), name) for name in self.fields}
-        self.dev = {name: self._view_t(self.device_bytes, name) for name in self.fields}
+        views = lambda buf: {name: typed_view(buf, self.offsets[name], dtype, shape)  # noqa: E731
+                             for name, (shape, dtype) in self.fields.items()}
+        self.host = {name: view.numpy() for name, view in views(self.host_bytes).items()}
+        self.dev = views(self.device_bytes)
         self.q, self.max_blocks = q, max_blocks
         self._pad(0, max_bs)
         self.device_bytes.copy_(self.host_bytes)
-
-    def _view(self, buf: np.ndarray, name: str) -> np.ndarray:
-        shape, dtype = self.fields[name]
-        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        return buf[self.offsets[name]:self.offsets[name] + n].view(dtype).reshape(shape)
-
-    def _view_t(self, buf: torch.Tensor, name: str) -> torch.Tensor:
-        shape, dtype = self.fields[name]
-        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        return buf[self.offsets[name]:self.offsets[name] + n].view(torch.from_numpy(np.zeros(0, dtype)).dtype
-                                                                   ).view(shape)
 
     def _pad(self, start: int, end: int) -> None:
         """Requests start..end are padding: token 0 at position 0, no KV stored, row 0 read, masked."""

@@ -128,7 +128,7 @@ def state_step_rows(states: list[RequestState], verifies: list[bool], query_lens
     if not chunked:
         return out
     starts = np.concatenate([[0], np.cumsum(query_lens)])
-    recurrent = [i for i in range(len(states)) if i not in set(chunked)]
+    recurrent = sorted(set(range(len(states))) - set(chunked))
     for name, seqs in (("recurrent", recurrent), ("chunked", chunked)):
         lens = [query_lens[i] for i in seqs]
         out[f"state_{name}_seqs"] = np.array(seqs, dtype=np.int64)

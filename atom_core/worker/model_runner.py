@@ -215,13 +215,14 @@ class ModelRunner:
         """For a vision-language model, before the dummy step: encode one largest image and hold a
         full encoder-output cache (the scheduler's budget, engine/encoder_cache.py), so the profiled
         peak counts the encoder's activations and the cached outputs a step's forward runs beside."""
+        from atom_core.multimodal.inputs import encoder_cache_rows
         from atom_core.multimodal.processors import build_image_processor
 
         processor = build_image_processor(self.model_info.path, None)
         item = processor.largest_item()
         (embeds,) = self.model.encode_images([item])
-        capacity = max(self.config.scheduler.max_num_batched_tokens, processor.max_tokens_per_image)
-        return embeds.new_empty(capacity, embeds.shape[-1])
+        rows = encoder_cache_rows(self.config.scheduler.max_num_batched_tokens, processor.max_tokens_per_image)
+        return embeds.new_empty(rows, embeds.shape[-1])
 
     def _warm_up_kernels(self) -> None:
         """Compile every attention kernel variant now, not inside the first steps that need one
