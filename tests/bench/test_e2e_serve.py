@@ -23,6 +23,7 @@ class RunningSampler:
 
     def __init__(self, server):
         self.server, self.max_running, self.max_in_flight, self._stop = server, 0.0, 0.0, threading.Event()
+        self._polling = threading.Event()  # one scrape answered: the benchmark starts after it
         self.errors: list[str] = []  # a failed scrape (e.g. a timeout on a loaded box) must not end the polling
         self.thread = threading.Thread(target=self._poll, daemon=True)
 
@@ -34,10 +35,14 @@ class RunningSampler:
                 self.max_in_flight = max(self.max_in_flight, metrics["atom_num_api_requests_in_flight"])
             except Exception as exc:  # noqa: BLE001 - kept for the test's failure message
                 self.errors.append(repr(exc))
+            self._polling.set()
             time.sleep(0.01)
 
     def __enter__(self):
+        # A run of a tiny model can end within a scrape's time on a loaded box: start it only once
+        # the polling answers, so the first scrape cannot come after the last request.
         self.thread.start()
+        self._polling.wait(30)
         return self
 
     def __exit__(self, *exc):
