@@ -353,13 +353,17 @@ class TestDispatch:
 
 @pytest.mark.skipif(not INTERPRET, reason="runs the Triton GEMM under the interpreter (TRITON_INTERPRET=1)")
 @pytest.mark.parametrize("quantization", [None, "fp8"])
-def test_engine_through_the_triton_gemm_equals_the_reference_path(tmp_path, monkeypatch, quantization):
+def test_engine_through_the_triton_gemm_is_greedy_under_the_reference_path(tmp_path, monkeypatch, quantization):
     """The ops wired into a model: a tiny Llama as a block-FP8 checkpoint, or bf16 with --quantization
-    fp8, generates the same greedy tokens with the Triton GEMMs in every layer's table (interpreter) as
-    on the reference path: same codes and scales, float32 sums in another order."""
+    fp8, generates with the Triton GEMMs in every layer's table (interpreter) tokens that are greedy
+    under the reference path. Same codes and scales, float32 sums in another order: a last-bit
+    difference can flip one activation's e4m3 rounding and a near-tie with it (seen on a 2-core
+    runner), so, as in test_fp8_models, the first token must be the reference's and every token's
+    reference logit, teacher-forced over our continuation, within FLIP of the reference's best."""
     from atom_core import LLMEngine
     from atom_core.kernels.triton import fp8_gemm
-    from tests.quant.test_fp8_models import GREEDY, prompts, write_block_fp8
+    from tests.models.harness import prompt_logits
+    from tests.quant.test_fp8_models import FLIP, GREEDY, _build, prompts, write_block_fp8
     from tests.tiny_models import build_tiny_model
 
     path = build_tiny_model(tmp_path / "bf16", "llama")
@@ -367,6 +371,7 @@ def test_engine_through_the_triton_gemm_equals_the_reference_path(tmp_path, monk
         write_block_fp8(path, tmp_path / "fp8")
         path = tmp_path / "fp8"
     plist = prompts(json.loads((path / "config.json").read_text())["vocab_size"])
+    reference = _build(path, quantization)
     want = [o["token_ids"] for o in LLMEngine(str(path), quantization=quantization).generate(plist, GREEDY)]
     calls = []
     for fn in ("fp8_block_gemm", "fp8_channel_gemm"):
@@ -374,7 +379,12 @@ def test_engine_through_the_triton_gemm_equals_the_reference_path(tmp_path, monk
         monkeypatch.setattr(fp8_gemm, fn, lambda *a, _r=real, **kw: calls.append(1) or _r(*a, **kw))
     triton_gemm_tables(monkeypatch)
     got = [o["token_ids"] for o in LLMEngine(str(path), quantization=quantization).generate(plist, GREEDY)]
-    assert calls and got == want
+    assert calls
+    for prompt, g, w in zip(plist, got, want):
+        assert len(g) == len(w) and g[0] == w[0]
+        logits = prompt_logits(reference, prompt + g[:-1])[len(prompt) - 1:]
+        chosen = logits.gather(1, torch.tensor(g)[:, None]).squeeze(1)
+        assert (logits.max(1).values - chosen).max() < FLIP
 
 
 def test_bench_refuses_bad_arguments_and_runs_only_on_cuda(monkeypatch):
