@@ -29,6 +29,7 @@ import torch
 from atom_core.model_ops.attention_backends import get_attention_backend
 from atom_core.model_ops.forward_context import AttentionMetadata, set_attention_metadata
 from atom_core.plugin import compat
+from atom_core.plugin.padded_rows import attend_real_rows
 from atom_core.plugin.rehearsal import rehearse_attention
 from atom_core.worker.batch_builder import context_split
 
@@ -48,8 +49,8 @@ class VllmMetadataBackend:
         if metadata is None:  # vLLM's profiling run: no cache yet, and the output is never read
             width = layer.num_heads * (layer.v_head_dim if layer.kv_spec.kind == "mla" else layer.head_dim)
             return first.new_zeros(first.shape[0], width)
-        with set_attention_metadata(metadata):
-            return self.inner.forward(layer, first, *args)
+        with set_attention_metadata(metadata):  # a step vLLM padded past its tokens: padded_rows.py
+            return attend_real_rows(self.inner, layer, metadata, first, *args)
 
     def warm_up(self, layers: list, max_tokens: int, threads: int) -> int:
         return self.inner.warm_up(layers, max_tokens, threads)
@@ -85,6 +86,7 @@ class AtomMetadataBuilder(compat.AttentionMetadataBuilder):
     def build_for_cudagraph_capture(self, common_attn_metadata) -> AttentionMetadata:
         # A captured decode launch must cover any context a replay brings: size its grid for the longest.
         self._warm_up()
+        self._capture_prefill_graphs()
         metadata = dataclasses.replace(self.build(0, common_attn_metadata), max_seq_len=self.max_model_len)
         if self.device.type == "cuda":  # the graph's kernel variants compiled now, outside it (rehearsal.py)
             rehearse_attention(self._layers(), metadata, lambda layer: layer._backend.inner)
@@ -104,6 +106,13 @@ class AtomMetadataBuilder(compat.AttentionMetadataBuilder):
         longest = min(self.max_num_batched_tokens, self.max_model_len)
         warm_up_attention(self._layers(), longest, min(8, os.cpu_count() or 1))
         self.warmed_up = True
+
+    def _capture_prefill_graphs(self) -> None:
+        """Our piecewise graphs for the steps vLLM runs eagerly (prefill_graphs.py), once per model:
+        here the caches are bound and no vLLM step is running."""
+        graphs = getattr(self.forward_context[self.layer_names[0]], "prefill_graphs", None)
+        if graphs is not None:
+            graphs.capture()
 
     def _context_split(self, cm) -> dict:
         query_lens = np.diff(cm.query_start_loc_cpu[: cm.num_reqs + 1].numpy())
@@ -181,6 +190,7 @@ class KVCacheBinding(compat.AttentionLayerBase):
     def __init__(self, layer, layer_name: str):
         self.layer, self.layer_name = layer, layer_name
         self.impl = None  # vLLM's attention implementation object: ours lives in the layer
+        self.prefill_graphs = None  # the model's piecewise graphs (prefill_graphs.py), captured by our builder
         self._kv_cache = None
 
     def get_attn_backend(self):

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from vllm.forward_context import get_forward_context
+from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1 import kv_cache_interface
 from vllm.v1.attention.backend import AttentionBackend, AttentionCGSupport, AttentionMetadataBuilder, MultipleOf
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
+from atom_core.model_ops.forward_context import get_attention_metadata
 from atom_core.plugin import kv_layout
 
 __all__ = ["AttentionBackend", "AttentionCGSupport", "AttentionLayerBase", "AttentionMetadataBuilder", "MultipleOf",
@@ -62,7 +63,10 @@ def kv_cache_shape(kind: str, num_blocks: int, block_size: int, num_kv_heads: in
 
 def layer_metadata(layer_name: str):
     """This step's metadata for `layer_name` (what our builder built), or None in a run without it
-    (vLLM's memory profiling)."""
+    (vLLM's memory profiling). Outside any vLLM step (our piecewise graphs' capture:
+    prefill_graphs.py), our own forward context's."""
+    if not is_forward_context_available():
+        return get_attention_metadata()
     metadata = get_forward_context().attn_metadata
     if metadata is None:
         return None

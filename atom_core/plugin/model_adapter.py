@@ -8,7 +8,8 @@ rules are our model's own, and vLLM sees:
   default dtype and device vLLM set, with our quantization detection on that config (the same
   source vLLM's own reads) and our kernel choices (the ATOM_* kernel variables); our tensor-parallel
   group becomes vLLM's (`adopt_tp_group`), so our collectives run over vLLM's ranks and communicators;
-  our attention layers are announced to vLLM (plugin/attention.py).
+  our attention layers are announced to vLLM (plugin/attention.py); on CUDA our piecewise graphs
+  serve the steps vLLM runs eagerly (plugin/prefill_graphs.py).
 - `embed_input_ids` (and `get_input_embeddings`, its older name), `forward(input_ids, positions,
   intermediate_tensors=None, inputs_embeds=None)` -> hidden states, `compute_logits(hidden)`.
 - `load_weights(weights) -> set[str]`: vLLM's (name, tensor) stream through our loader's name rules
@@ -30,7 +31,7 @@ from torch import nn
 from atom_core.distributed import adopt_tp_group
 from atom_core.kernel_config import building
 from atom_core.loader import load_named_tensors, process_weights_after_loading
-from atom_core.model_ops.kv_spec import attention_layers, check_attention_supported, finalize_kv_scales
+from atom_core.model_ops.kv_spec import attention_layers, check_attention_supported, finalize_kv_scales, state_layers
 from atom_core.models.registry import resolve_model_class, supported_architectures
 from atom_core.plugin import kernel_config
 from atom_core.quant import get_quant_config
@@ -77,11 +78,31 @@ class VllmModelAdapter:
         from atom_core.plugin.attention import register_attention_layers
 
         self.kv_bindings = register_attention_layers(self, vllm_config, device)
+        self.prefill_graphs = self._prefill_graphs(vllm_config, device)
         self.weights_processed = False  # our quant methods' repacking done (load_weights, or the first forward)
         check_attention_supported(attention_layers(self), model_config.max_model_len, device)
         logger.info("atom_core's %s (%s) runs %s, attention on atom_core's kernels (%s)",
                     self.atom_model_class.__name__, self.atom_model_class.__module__, hf_config.architectures[0],
                     device.type)
+
+    def _prefill_graphs(self, vllm_config, device: torch.device):
+        """Our piecewise graphs for the steps vLLM runs eagerly (plugin/prefill_graphs.py), captured at
+        vLLM's first graph capture: none when vLLM runs eagerly (--enforce-eager), off CUDA, and for
+        hybrid models (their gated attention layers do not replay correctly in pieces yet, as in
+        our engine: worker/model_runner.py)."""
+        if device.type != "cuda" or vllm_config.model_config.enforce_eager or not self.kv_bindings \
+                or state_layers(self):
+            return None
+        from atom_core.plugin import compat
+        from atom_core.plugin.prefill_graphs import PrefillGraphs
+
+        first = self.kv_bindings[0].layer_name
+        graphs = PrefillGraphs(functools.partial(self.atom_model_class.forward, self), attention_layers(self),
+                               vllm_config.scheduler_config.max_num_batched_tokens, device,
+                               lambda: compat.layer_metadata(first))
+        for binding in self.kv_bindings:
+            binding.prefill_graphs = graphs
+        return graphs
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -101,7 +122,8 @@ class VllmModelAdapter:
             # forward is vLLM's profiling run (eager, before any graph), so the repacking happens there.
             process_weights_after_loading(self)
             self.weights_processed = True
-        return super().forward(input_ids, positions)
+        hidden = self.prefill_graphs.run(input_ids, positions) if self.prefill_graphs is not None else None
+        return hidden if hidden is not None else super().forward(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return super().compute_logits(hidden_states)

@@ -11,7 +11,8 @@
 #           PYTHONPATH: one RESULT line per number, tagged "plugin": "on" / "off".
 # vLLM finds our plugin through a dist-info that benchmarks/plugin/dist_info.py writes into /tmp/atom_dist
 # (on PYTHONPATH after vLLM, the checkout and the stubs), as `pip install` would: no install there.
-# T_SETUP / T_PARITY / T_PLUGIN / T_NATIVE: each step's time limit in seconds.
+# T_SETUP / T_PARITY / T_PLUGIN / T_NATIVE: each step's time limit in seconds. PARITY_K: a pytest -k
+# expression selecting parity tests (default all); BENCH_MODES: "on off" (default), "on" or "off".
 # DRY=1 (any machine, no GPU): checks the paths, the dist-info (importlib lists our entry point) and the
 # tests' collection, and prints the commands instead of running them; PEER / WHL point it at another tree's
 # .peer / .whl (e.g. DRY=1 PEER=../main/.peer WHL=../main/.whl on the CPU machine).
@@ -70,13 +71,14 @@ for s in $steps; do
     if [ -n "$DRY" ]; then PYTHONPATH=$TP "${collect[@]}" | tail -1; fi
     rm -rf /tmp/plugin_pytest
     step parity "${T_PARITY:-240}" env PYTHONPATH=$TP ATOM_VLLM_PYTHONPATH="$SITE:$PEER/tools/vllm_stubs:$DIST" \
-      python3 -m pytest -q -p no:cacheprovider --tb=short -rA --basetemp=/tmp/plugin_pytest \
+      python3 -m pytest -q -p no:cacheprovider --tb=short -rA --basetemp=/tmp/plugin_pytest ${PARITY_K:+-k "$PARITY_K"} \
       tests/plugin/test_vllm_plugin_cuda.py
     [ -z "$DRY" ] && { grep -E "passed|failed|PASSED|FAILED|ERROR|SKIPPED" "$OUT/parity.log" | tail -12
       i=0; for f in $(find /tmp/plugin_pytest -name driver.log 2>/dev/null); do cp "$f" "$OUT/parity_$i.log"; i=$((i+1)); done; }
     ;;
   bench)
-    for mode in on off; do
+    for mode in ${BENCH_MODES:-on off}; do
+      case $mode in on|off) ;; *) fail "BENCH_MODES: on and/or off, not $mode" ;; esac
       off=$([ $mode = off ] && echo 1 || echo 0)
       step "bench_plugin_$mode" "$([ $mode = on ] && echo "${T_PLUGIN:-200}" || echo "${T_NATIVE:-220}")" \
         env PYTHONPATH=$VP ATOM_DISABLE_VLLM_PLUGIN=$off python3 "$PEER/tools/vllm_bench.py" llama-3-8b
