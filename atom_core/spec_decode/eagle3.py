@@ -208,15 +208,16 @@ class Eagle3Head(nn.Module):
         self.lm_head = LMHead(files.draft_vocab_size, hidden)
         if files.has_embed:
             self.embed_tokens = VocabEmbedding(config.vocab_size, hidden)
-        self.register_buffer("d2t", torch.zeros(files.draft_vocab_size, dtype=torch.int64), persistent=False)
+        # target id of each draft id (arange + the checkpoint's d2t offsets): the greedy head's one lookup
+        self.register_buffer("draft_to_target", torch.arange(files.draft_vocab_size, dtype=torch.int64),
+                             persistent=False)
 
     def skip_checkpoint_weight(self, name: str) -> bool:
         return name in ("d2t", "t2d") or "rotary_emb.inv_freq" in name
 
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """[R, H] pre-norm outputs -> [R] target token ids."""
-        draft = self.lm_head(self.norm(hidden)).argmax(dim=-1)
-        return draft + self.d2t[draft]
+        return self.draft_to_target[self.lm_head(self.norm(hidden)).argmax(dim=-1)]
 
 
 def build_eagle3_head(files: HeadFiles, target: "ResolvedModel") -> Eagle3Head:
@@ -243,7 +244,7 @@ def build_eagle3_head(files: HeadFiles, target: "ResolvedModel") -> Eagle3Head:
         if files.has_vocab_map:
             d2t = maps["d2t"].to(torch.int64)
             check_vocab_map(d2t, maps.get("t2d"), target.vocab_size, f"--draft-model {files.path}")
-            head.d2t.copy_(d2t)
+            head.draft_to_target.add_(d2t.to(head.draft_to_target.device))
     process_weights_after_loading(head)
     return head.eval()
 

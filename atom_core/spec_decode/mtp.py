@@ -45,7 +45,7 @@ from atom_core.model_ops.linear import ReplicatedLinear
 from atom_core.model_ops.staging import to_device_packed
 from atom_core.spec_decode.draft_kv import NUM_SCRATCH_BLOCKS, DraftKV, device_metadata
 from atom_core.spec_decode.draft_loop import LATER_KEYS, CatchUp, later_layout, run_drafts
-from atom_core.spec_decode.mtp_graphs import MTPGraphs, padded_catch_up
+from atom_core.spec_decode.mtp_graphs import MTPGraphs, PaddedStep, padded_catch_up
 from atom_core.spec_decode.proposer import CaptureGraphs, Proposer, RequestView, TargetHidden, can_speculate
 
 if TYPE_CHECKING:
@@ -317,6 +317,11 @@ class MTPProposer(Proposer):
         entries = list(drafting.values())
         q = 1 + self.num_draft_tokens
         padded = self._pads_catch_up(counts, starts, q)
+        if padded and entries and self.graphs is not None:  # every request of the graph drafts, masked where it may not
+            step = PaddedStep(counts, starts, first_rows, tables, [t for toks in tokens_of for t in toks], entries)
+            by_entry = self.graphs.replay(step, target.hidden).tolist()  # one copy in, one sync out
+            by_request = {rid: cut_at_stop(by_entry[e], rules[rid]) for rid, e in drafting.items()}
+            return [by_request.get(s.req_id, []) for s in states]
         if padded:
             ids, rows, last_rows = padded_catch_up(tokens_of, counts, first_rows, q)
             host = self.kv.layout([q] * len(counts), starts, tables, num_real=counts)
@@ -325,19 +330,8 @@ class MTPProposer(Proposer):
             rows = [r for first, n in zip(first_rows, counts) for r in range(first, first + n)]
             last_rows = [end - 1 for end in itertools.accumulate(counts)]
             host = self.kv.layout(counts, starts, tables)
-        graphs = self.graphs if padded and entries and self.graphs is not None else None
         host.update(ids=np.array(ids, dtype=np.int64), rows=np.array(rows, dtype=np.int64))
         later = self.num_draft_tokens - 1
-        if graphs is not None:  # every request of the graph drafts, masked where it may not
-            host["last"], host["mask"] = np.array(last_rows, dtype=np.int64), np.zeros(len(counts), dtype=np.bool_)
-            host["mask"][entries] = True
-            if later:
-                host.update(later_layout(host["positions"][host["last"]], host["block_tables"], host["mask"], later,
-                                         self.kv.block_size))
-            out = graphs.replay(host, len(counts), target.hidden)  # the step's one host-to-device copy
-            by_entry = out.tolist()  # the step's one device-to-host sync
-            by_request = {rid: cut_at_stop(by_entry[e], rules[rid]) for rid, e in drafting.items()}
-            return [by_request.get(s.req_id, []) for s in states]
         host["last"] = np.array([last_rows[e] for e in entries], dtype=np.int64)
         host["entries"] = np.array(entries, dtype=np.int64)
         if entries and later:

@@ -5,8 +5,8 @@ graph-replayed decode step: its time is the launch overhead of a few dozen small
 host work between them (measured on DeepSeek-V2-Lite: see docs/PERFORMANCE.md). So a step's whole
 draft loop (spec_decode/draft_loop.py) replays as ONE graph: the gather of the previous hidden
 states (EAGLE-3: and its fc), the catch-up forward, the greedy head of each draft and the K - 1
-later drafts. The host writes the step's inputs (the later drafts' positions and KV slots too:
-draft_loop.later_layout) into one pinned buffer, copies it to the graphs' own input buffer once,
+later drafts. The host lays out the step's inputs (the later drafts' positions and KV slots too, as
+draft_loop.later_layout does: _Staging.stage) in one pinned buffer, copies it to the graphs' own input buffer once,
 replays, and reads the [requests, K] drafts once.
 
 The catch-up is padded: after a decode or verify step every request has 1 <= n <= q = 1 + K
@@ -53,7 +53,8 @@ class _Staging:
     The host buffer is rewritten only after the previous replay's drafts were read (a host sync),
     so its earlier copy has finished."""
 
-    def __init__(self, max_bs: int, q: int, num_later: int, max_blocks: int, device: torch.device):
+    def __init__(self, max_bs: int, q: int, num_later: int, max_blocks: int, block_size: int,
+                 device: torch.device):
         tokens = max_bs * q
         later = max(num_later, 1)
         self.fields = {"ids": ((tokens,), np.int64), "positions": ((tokens,), np.int64),
@@ -70,7 +71,7 @@ class _Staging:
                              for name, (shape, dtype) in self.fields.items()}
         self.host = {name: view.numpy() for name, view in views(self.host_bytes).items()}
         self.dev = views(self.device_bytes)
-        self.q, self.max_blocks = q, max_blocks
+        self.q, self.max_blocks, self.num_later, self.block_size = q, max_blocks, num_later, block_size
         self._pad(0, max_bs)
         self.device_bytes.copy_(self.host_bytes)
 
@@ -89,26 +90,65 @@ class _Staging:
         h["later_seq_lens"][:, start:end] = h["later_positions"][:, start:end] + 1
         h["later_qsl"][:] = np.arange(h["later_qsl"].shape[0])
 
-    def stage(self, arrays: dict[str, np.ndarray], num_requests: int, padded: int) -> None:
-        """The step's arrays (DraftKV.layout's, ids, rows, last, mask and later_layout's, for
-        `num_requests` requests of q rows) into the host buffer, requests up to `padded` padding;
-        then one copy to the device."""
-        h, n = self.host, num_requests * self.q
-        for name in ("ids", "positions", "slot_mapping", "rows"):
-            h[name][:n] = arrays[name]
-        h["seq_lens"][:num_requests] = arrays["seq_lens"]
-        for name in ("last", "mask"):
-            h[name][:num_requests] = arrays[name][:num_requests]
-        for name in ("later_positions", "later_slots", "later_seq_lens"):
-            if name in arrays:
-                h[name][:, :num_requests] = arrays[name][:, :num_requests]
-        tables = arrays["block_tables"]
-        assert tables.shape[1] <= self.max_blocks, "a draft table past the graphs' span"
-        h["block_tables"][:num_requests, :tables.shape[1]] = tables
-        h["block_tables"][:num_requests, tables.shape[1]:] = 0
-        self._pad(num_requests, padded)
+    def stage(self, step: "PaddedStep", padded: int) -> None:
+        """A padded catch-up of q rows a request (and its later drafts) laid out with a few numpy
+        operations over [requests, q] straight into the host buffer, requests up to `padded`
+        padding; then one copy to the device. The host work before a replay is this and the
+        per-request lists of PaddedStep: no per-row Python, no intermediate arrays of a layout."""
+        h, q, num, block_size = self.host, self.q, len(step.counts), self.block_size
+        n = num * q
+        counts, starts = np.asarray(step.counts, dtype=np.int64), np.asarray(step.starts, dtype=np.int64)
+        tables = h["block_tables"][:num]
+        for r, table in enumerate(step.tables):
+            assert len(table) <= self.max_blocks, "a draft table past the graphs' span"
+            tables[r, :len(table)] = table
+            tables[r, len(table):] = 0
+        j = np.arange(q, dtype=np.int64)
+        real = j[None, :] < counts[:, None]  # [R, q]
+        positions = starts[:, None] + j[None, :]
+        h["positions"][:n] = positions.reshape(-1)
+        # padding rows look up a real position's block (they store nothing: slot -1)
+        lookup = np.minimum(positions, (starts + counts - 1)[:, None])
+        request = np.arange(num)[:, None]
+        blocks = tables[request, lookup // block_size].astype(np.int64)
+        h["slot_mapping"][:n] = np.where(real, blocks * block_size + lookup % block_size, -1).reshape(-1)
+        h["rows"][:n] = (np.asarray(step.first_rows, dtype=np.int64)[:, None]
+                         + np.minimum(j[None, :], (counts - 1)[:, None])).reshape(-1)
+        ids = h["ids"][:n].reshape(num, q)
+        ids[:] = 0
+        ids[real] = step.ids  # row-major: each request's tokens in order
+        h["seq_lens"][:num] = starts + q
+        h["last"][:num] = np.arange(num) * q + counts - 1
+        mask = h["mask"][:num]
+        mask[:] = False
+        mask[step.entries] = True
+        num_later = self.num_later
+        if num_later:  # later draft j (0-based) at last + 1 + j; masked requests at position j, no KV
+            base = np.where(mask, starts + counts - 1, -1)
+            later = base[None, :] + np.arange(1, num_later + 1, dtype=np.int64)[:, None]  # [K-1, R]
+            h["later_positions"][:, :num] = later
+            later_blocks = tables[request.T, later // block_size].astype(np.int64)
+            h["later_slots"][:, :num] = np.where(mask[None, :], later_blocks * block_size + later % block_size, -1)
+            h["later_seq_lens"][:, :num] = later + 1
+        if padded > num:
+            self._pad(num, padded)
         end = self.offsets["block_tables"] + padded * self.max_blocks * 4
         self.device_bytes[:end].copy_(self.host_bytes[:end], non_blocking=True)
+
+
+@dataclasses.dataclass
+class PaddedStep:
+    """A graph step's per-request inputs, as MTPProposer.propose collects them: request r has
+    counts[r] verified rows from position starts[r] (hidden rows first_rows[r]..), over block
+    table tables[r]; ids are every request's counts[r] tokens t+1, concatenated; entries: the
+    requests that draft (the others run masked)."""
+
+    counts: list[int]
+    starts: list[int]
+    first_rows: list[int]
+    tables: list[list[int]]
+    ids: list[int]
+    entries: list[int]
 
 
 class MTPGraphs:
@@ -135,7 +175,7 @@ class MTPGraphs:
         self.copies_source = source is None
         self.source = torch.zeros(tokens, width, dtype=embed.weight.dtype, device=device) if source is None else source
         self.rows = torch.arange(tokens, device=device)  # MTP: row i of the copied source is row i
-        self.staging = st = _Staging(max(sizes), q, num_drafts - 1, -(-span // block_size), device)
+        self.staging = st = _Staging(max(sizes), q, num_drafts - 1, -(-span // block_size), block_size, device)
         self.drafts = torch.zeros(max(sizes), num_drafts, dtype=torch.int64, device=device)
         d = st.dev
 
@@ -166,13 +206,12 @@ class MTPGraphs:
     def padded_size(self, num_requests: int) -> int:
         return self.runner.padded_size(num_requests)
 
-    def replay(self, arrays: dict[str, np.ndarray], num_requests: int, hidden: torch.Tensor | None) -> torch.Tensor:
-        """[requests, K] drafts of a padded catch-up of q rows a request: `arrays` (host) are
-        DraftKV.layout's with ids, rows (each row's row of the step's hidden states `hidden`, read
-        when the graphs copy their source), last and mask [padded_size(requests)] (each request's
-        last real row, whether it drafts) and, for K > 1, later_layout's over all of them."""
+    def replay(self, step: PaddedStep, hidden: torch.Tensor | None) -> torch.Tensor:
+        """[requests, K] drafts of a padded catch-up of q rows a request (`step`; `hidden`: the
+        step's hidden states, read when the graphs copy their source)."""
+        num_requests = len(step.counts)
         padded = self.padded_size(num_requests)
-        self.staging.stage(arrays, num_requests, padded)
+        self.staging.stage(step, padded)
         n = num_requests * self.query_len
         if self.copies_source:
             self.source[:n].copy_(hidden.index_select(0, self.staging.dev["rows"][:n]))

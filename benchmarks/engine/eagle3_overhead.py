@@ -10,6 +10,8 @@ starts one engine with --method eagle3, and measures at batch 1 on a long decode
                   synchronized around `Proposer.draft`
 and reports draft_ms / plain_step_ms (the issue's target: <= 0.15 for K = 3 on Llama-3-8B).
 With --mtp-graphs a step's whole draft loop is one graph replay (spec_decode/mtp_graphs.py).
+--profile N profiles N more spec-decode steps (torch.profiler) and reports, per draft, its wall time,
+the GPU kernel time inside it, and its kernels by total time (where a draft's time goes).
 Without CUDA it runs on the CPU (no graphs: --mtp-graphs is inert there), e.g. on a tiny model
 directory to check the command before a GPU run.
 Usage:
@@ -68,6 +70,29 @@ def timed_decode(engine, output_len: int) -> float:
     return (time.perf_counter() - start - prefill) / (output_len - 1)
 
 
+def profile_drafts(engine, steps: int) -> dict:
+    """Where a draft's time goes: over `steps` decode steps, each draft's wall time (the
+    eagle3.draft range) against the kernel time that ran inside it, and the kernels by total time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        timed_decode(engine, steps + 1)
+    events = prof.events()
+    ranges = [(e.time_range.start, e.time_range.end) for e in events if e.name == "eagle3.draft"]
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    inside: dict[str, list[float]] = {}
+    for e in kernels:
+        if any(start <= e.time_range.start <= end for start, end in ranges):
+            inside.setdefault(e.name, []).append(e.time_range.elapsed_us())
+    n = max(len(ranges), 1)
+    top = sorted(inside.items(), key=lambda kv: -sum(kv[1]))[:25]
+    return {"drafts": len(ranges), "wall_us_per_draft": round(sum(e - s for s, e in ranges) / n, 1),
+            "kernel_us_per_draft": round(sum(sum(v) for v in inside.values()) / n, 1),
+            "kernels": [{"name": name[:90], "calls_per_draft": round(len(v) / n, 2), "us_per_draft": round(sum(v) / n, 1)}
+                        for name, v in top]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", help="a target (a preset: dummy weights)")
@@ -76,6 +101,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--mtp-graphs", action="store_true", help="the head's forwards in CUDA graphs")
+    ap.add_argument("--profile", type=int, default=0, metavar="N", help="profile N spec-decode steps' drafts")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     head = write_head_config(args.model, Path(tempfile.mkdtemp(prefix="eagle3_head_")), args.draft_vocab)
@@ -88,8 +114,9 @@ def main() -> None:
     def timed_draft(result, requests, target):
         sync()
         start = time.perf_counter()
-        drafts = type(proposer).draft(proposer, result, requests, target)
-        sync()
+        with torch.profiler.record_function("eagle3.draft"):
+            drafts = type(proposer).draft(proposer, result, requests, target)
+            sync()
         draft_seconds.append(time.perf_counter() - start)
         return drafts
 
@@ -105,6 +132,8 @@ def main() -> None:
               "plain_step_ms": round(plain * 1e3, 3), "spec_step_ms": round(spec * 1e3, 3),
               "draft_ms_median": round(draft * 1e3, 3), "draft_over_plain_step": round(draft / plain, 3),
               "spec_decode": engine.spec_decode_stats()}
+    if args.profile:
+        result["profile"] = profile_drafts(engine, args.profile)
     print(json.dumps(result, indent=1))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")

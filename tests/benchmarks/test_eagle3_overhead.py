@@ -12,10 +12,12 @@ def test_reports_the_draft_cost_against_a_plain_step(tmp_path, monkeypatch):
     target = build_tiny_model(tmp_path / "target", "llama", num_layers=8)
     out = tmp_path / "eagle3.json"
     monkeypatch.setattr("sys.argv", ["eagle3_overhead", str(target), "--k", "2", "--mtp-graphs", "--output-len", "6",
-                                     "--max-model-len", "256", "--draft-vocab", "64", "--out", str(out)])
+                                     "--max-model-len", "256", "--draft-vocab", "64", "--profile", "3", "--out", str(out)])
     eagle3_overhead.main()
     result = json.loads(out.read_text())
     assert result["k"] == 2 and result["mtp_graphs"] is True
     assert result["plain_step_ms"] > 0 and result["draft_ms_median"] > 0
     assert abs(result["draft_over_plain_step"] - result["draft_ms_median"] / result["plain_step_ms"]) < 0.01
     assert result["spec_decode"]["num_drafts"] > 0 and len(result["spec_decode"]["accepted_per_position"]) == 2
+    profile = result["profile"]  # on the CPU: the draft ranges, no kernels
+    assert profile["drafts"] >= 3 and profile["wall_us_per_draft"] > 0 and profile["kernels"] == []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -166,3 +167,42 @@ def test_graph_replays_from_their_staging_draft_the_same(v3_mtp, monkeypatch, k)
     assert replays and set(replays) == {1 + k}
     runner.release_graphs()  # the runner's release reaches the proposer's graphs too
     assert runner.proposer.graphs is None and runner.proposer.graph_capture_seconds == 0.0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_graph_staging_equals_the_host_layout(seed):
+    """_Staging.stage lays out a padded step with array operations: every field the graphs read
+    equals what padded_catch_up, DraftKV.layout and later_layout give for the same requests
+    (random counts, positions, tables and drafting masks), padding requests included."""
+    from atom_core.spec_decode.draft_loop import later_layout
+    from atom_core.spec_decode.mtp_graphs import PaddedStep, _Staging
+
+    rng = np.random.default_rng(seed)
+    k, block_size, max_bs, max_blocks = 3, 4, 8, 12
+    q, num, padded = 1 + k, int(rng.integers(1, 6)), 6
+    counts = rng.integers(1, q + 1, num).tolist()
+    starts = rng.integers(0, 20, num).tolist()
+    tables = [rng.choice(100, -(-(s + n) // block_size) + 2, replace=False).tolist() for s, n in zip(starts, counts)]
+    tokens_of = [rng.integers(1, 50, n).tolist() for n in counts]
+    first_rows = np.cumsum([0, *counts])[:-1].tolist()
+    entries = sorted(rng.choice(num, int(rng.integers(1, num + 1)), replace=False).tolist())
+    staging = _Staging(max_bs, q, k - 1, max_blocks, block_size, torch.device("cpu"))
+    staging.stage(PaddedStep(counts, starts, first_rows, tables, [t for ts in tokens_of for t in ts], entries),
+                  padded)
+    ids, rows, last = padded_catch_up(tokens_of, counts, first_rows, q)
+    kv = DraftKV([], block_size=block_size, max_num_seqs=1, device=torch.device("cpu"))
+    host = kv.layout([q] * num, starts, tables, num_real=counts)
+    mask = np.isin(np.arange(num), entries)
+    later = later_layout(host["positions"][last], host["block_tables"], mask, k - 1, block_size)
+    dev, n = staging.dev, num * q
+    assert dev["ids"][:n].tolist() == ids and dev["rows"][:n].tolist() == rows and dev["last"][:num].tolist() == last
+    for name in ("positions", "slot_mapping"):
+        assert dev[name][:n].tolist() == host[name].tolist(), name
+    assert dev["seq_lens"][:num].tolist() == host["seq_lens"].tolist()
+    width = host["block_tables"].shape[1]
+    assert dev["block_tables"][:num, :width].tolist() == host["block_tables"].tolist()
+    assert not dev["block_tables"][:num, width:].any()
+    assert dev["mask"][:num].tolist() == mask.tolist() and not dev["mask"][num:padded].any()
+    for name in ("later_positions", "later_slots", "later_seq_lens"):
+        assert dev[name][:, :num].tolist() == later[name].tolist(), name
+    assert (dev["slot_mapping"][n:padded * q] == -1).all() and (dev["later_slots"][:, num:padded] == -1).all()
