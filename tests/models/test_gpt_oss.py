@@ -147,7 +147,12 @@ def mxfp4_checkpoint(tmp_path_factory):
     (path / "config.json").write_text(json.dumps(cfg))
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, cfg["vocab_size"], (n,), generator=gen).tolist() for n in (1, 9, 30)]
-    return path, prompts, hf_greedy(_hf(path), prompts, MAX_TOKENS)
+    # dequantize=True said, not left to the environment: with the `kernels` package installed (transformers
+    # 5.25 pulls it in) HF's CPU load would fetch MXFP4 kernels from the hub instead of dequantizing
+    from transformers import Mxfp4Config
+
+    hf = _hf(path, quantization_config=Mxfp4Config(dequantize=True))
+    return path, prompts, hf_greedy(hf, prompts, MAX_TOKENS)
 
 
 @NEEDS_MXFP4
