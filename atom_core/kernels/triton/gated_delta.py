@@ -4,13 +4,8 @@ semantics as `kernels.gdn_ref` (read its docstring for the recurrence and the st
 
 Chunked prefill, chunks of CHUNK_SIZE tokens from each sequence's start, in three kernels:
   1. `_gdn_chunk_prep_kernel`, one program per (chunk, v head), all chunks at once: the cumulative
-     log-decay G, A = strictly-lower(beta_i (k_i . k_j) exp(G_i - G_j)), T = (I + A)^-1 blockwise, and
-     the UT-transformed W = T (beta exp(G) k), U = T (beta v). T: forward substitution inverts the
-     CHUNK_SIZE / 16 diagonal [16, 16] blocks together, held as one [blocks, 16, 16] tile (15 dependent
-     steps of warp-local reductions; A^T is formed from the symmetric k k^T for it, not transposed in
-     registers), then each block row of T follows from the rows above it by two [64, 64] dots (3
-     dependent steps at 64). The first version substituted row by row over the whole chunk: 63 dependent
-     steps, each a [64, 64] reduction across the warps, most of the prefill's time.
+     log-decay G, A = strictly-lower(beta_i (k_i . k_j) exp(G_i - G_j)), T = (I + A)^-1 by forward
+     substitution in registers, and the UT-transformed W = T (beta exp(G) k), U = T (beta v).
   2. `_gdn_chunk_state_kernel`, one program per (sequence, v head, v block), the only serial part:
      the state in registers across the sequence's chunks; per chunk it stores the state the chunk
      starts from (H), v_new = U - W S, and S <- exp(G_last) S + (exp(G_last - G) k)^T v_new.
@@ -81,64 +76,6 @@ def _l2norm_factor(sum_sq, USE_L2NORM: tl.constexpr):
     return sum_sq * 0.0 + 1.0
 
 
-# Side of the diagonal blocks the prep kernel inverts by forward substitution: a [16, 16] block fits one
-# warp (8 values a thread). Triton 3.9's sm_90 compile gives each block of the [blocks, 16, 16] tile its
-# own warp, so a substitution step reduces within warps, with no barrier (the sm_90 compile test checks).
-_INV_BLOCK = tl.constexpr(16)
-
-
-@triton.jit
-def _dot_split_lhs(a, b, DT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr):
-    """a @ b with b rounded to DT and a kept to about twice DT's precision: a's DT part and the DT rounding
-    of the rest, two dots. With both factors of the inverse's block products rounded to bf16, W had about
-    three times the error of an fp32 inverse where keys align and decay is slow (a torch emulation); a's
-    rounding was nearly all of it."""
-    if DOT_IN_FP32 or DT == tl.float32:
-        return _dot(a, b, DT, DOT_PRECISION, DOT_IN_FP32)
-    a_hi = a.to(DT).to(tl.float32)
-    return _dot(a_hi, b, DT, DOT_PRECISION, DOT_IN_FP32) + _dot(a - a_hi, b, DT, DOT_PRECISION, DOT_IN_FP32)
-
-
-@triton.jit
-def _invert_diagonal_blocks(a_t, BT: tl.constexpr, NB: tl.constexpr):
-    """(I + A_bb)^-1 of each of the NB diagonal [16, 16] blocks of a strictly lower A, given as a_t = A^T
-    [BT, BT], as the block-diagonal [BT, BT]. The blocks are held as one [NB, 16, 16] tile, so each of the
-    15 dependent steps of forward substitution updates a row of every block;
-    taking A transposed makes row i of A_bb a reduction over the tile's last axis, whose result broadcasts
-    against T's rows without a layout conversion."""
-    SUB: tl.constexpr = _INV_BLOCK
-    blk, nb, r = tl.arange(0, BT) // SUB, tl.arange(0, NB), tl.arange(0, SUB)
-    in_blk = blk[:, None, None] == nb[None, :, None]  # [BT, NB, 1]: column block nb is row i's own
-    a_diag_t = tl.reshape(tl.sum(tl.where(in_blk, tl.reshape(a_t, [BT, NB, SUB]), 0.0), 1), [NB, SUB, SUB])
-    row = r[None, :, None]
-    t = tl.where((r[:, None] == r[None, :])[None, :, :], 1.0, a_diag_t * 0.0)  # a_diag_t's layout
-    # T[i] = e_i - sum_{j<i} A[i, j] T[j] within each block (rows j < i are final by then)
-    for i in range(1, SUB):
-        a_i = tl.sum(tl.where(r[None, None, :] == i, a_diag_t, 0.0), 2)  # [NB, SUB]: A_bb[i, j] over j
-        t = tl.where(row == i, t - tl.sum(a_i[:, :, None] * t, 1)[:, None, :], t)
-    t_rows = tl.reshape(t, [BT, SUB])  # row i: row i % 16 of block i // 16
-    return tl.reshape(tl.where(in_blk, t_rows[:, None, :], 0.0), [BT, BT])
-
-
-@triton.jit
-def _unit_lower_inverse(a, a_t, BT: tl.constexpr, DT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                        DOT_IN_FP32: tl.constexpr):
-    """(I + A)^-1 for a strictly lower [BT, BT] A (a, and a_t = A^T), blockwise: the diagonal 16-blocks by
-    forward substitution, then block row b of T from the rows above it, T_bj = -T_bb sum_{j<=k<b} A_bk T_kj,
-    as two dots over the whole tile (a_off's rows in block b reach only the final block rows k < b):
-    BT / 16 - 1 dependent block steps instead of BT - 1 row steps."""
-    tl.static_assert(BT // _INV_BLOCK * _INV_BLOCK == BT, "BT must be a multiple of 16")
-    NB: tl.constexpr = BT // _INV_BLOCK
-    blk = tl.arange(0, BT) // _INV_BLOCK
-    t_diag = _invert_diagonal_blocks(a_t, BT, NB)
-    a_off = tl.where(blk[:, None] == blk[None, :], 0.0, a)
-    t = t_diag
-    for b in tl.static_range(1, NB):
-        x = _dot_split_lhs(a_off, t, DT, DOT_PRECISION, DOT_IN_FP32)
-        t = tl.where((blk == b)[:, None], t - _dot_split_lhs(t_diag, x, DT, DOT_PRECISION, DOT_IN_FP32), t)
-    return t
-
-
 @triton.jit
 def _gdn_chunk_prep_kernel(
     k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, chunk_bounds_ptr,
@@ -171,10 +108,12 @@ def _gdn_chunk_prep_kernel(
     lower = idx[:, None] > idx[None, :]
     decay = tl.exp(tl.where(lower, cum[:, None] - cum[None, :], float("-inf")))
     a = (beta * k_inv)[:, None] * kk * k_inv[None, :] * decay  # [BT, BT], zero on and above the diagonal
-    # A^T from the same k k^T (symmetric), rather than transposed in registers
-    decay_t = tl.exp(tl.where(idx[:, None] < idx[None, :], cum[None, :] - cum[:, None], float("-inf")))
-    a_t = k_inv[:, None] * kk * (beta * k_inv)[None, :] * decay_t
-    t_inv = _unit_lower_inverse(a, a_t, BT, DT, DOT_PRECISION, DOT_IN_FP32)
+    # T = (I + A)^-1 row by row: T[i] = e_i - sum_{j<i} A[i, j] T[j] (rows j < i are final by then).
+    t_inv = tl.where(idx[:, None] == idx[None, :], 1.0, 0.0)
+    for i in range(1, BT):
+        a_i = tl.sum(tl.where(idx[:, None] == i, a, 0.0), 0)  # row i of A, over j
+        t_i = tl.sum(a_i[:, None] * t_inv, 0)
+        t_inv = tl.where(idx[:, None] == i, t_inv - t_i[None, :], t_inv)
     out_rows = rows.to(tl.int64)[:, None] * NUM_V_HEADS + h
     k_scale = k_inv * beta * tl.exp(cum)
     for k0 in tl.static_range(0, K_DIM, BK):
