@@ -58,6 +58,28 @@ def test_completions_and_chat_pick_the_adapter_by_model(lora_server, reference):
     assert chat.status_code == 200, chat.text
 
 
+def test_responses_and_messages_pick_the_adapter_by_model(lora_server):
+    """The agent APIs name an adapter the same way: each answers what chat completions answers for the same
+    turn and model, and echoes the adapter's name."""
+    url, turn = lora_server.url, [{"role": "user", "content": "hi"}]
+    for model in (lora_server.model_name, "all8"):
+        chat = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+            "model": model, "messages": turn, "max_tokens": 5, "temperature": 0}).json()
+        text = chat["choices"][0]["message"]["content"]
+        responses = httpx.post(f"{url}/v1/responses", timeout=60, json={
+            "model": model, "input": turn, "max_output_tokens": 5, "temperature": 0})
+        assert responses.status_code == 200, responses.text
+        body = responses.json()
+        assert body["model"] == model
+        assert "".join(c["text"] for item in body["output"] if item["type"] == "message"
+                       for c in item["content"]) == text
+        messages = httpx.post(f"{url}/v1/messages", timeout=60, json={
+            "model": model, "messages": turn, "max_tokens": 5, "temperature": 0})
+        assert messages.status_code == 200, messages.text
+        body = messages.json()
+        assert body["model"] == model and "".join(b["text"] for b in body["content"] if b["type"] == "text") == text
+
+
 def test_unknown_model_is_404(lora_server):
     response = _complete(lora_server, "nope")
     assert response.status_code == 404
