@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Literal, NamedTuple
 
 from atom_core.bench.offline import ThroughputWorkload
 from atom_core.loader import resolve_model_files
+from benchmarks.engine.model_dir import model_dir
 
 Engine = Literal["atom", "vllm"]
 
@@ -91,25 +91,6 @@ def run_atom(model: str, adapters: Adapters | None, requests: Requests, max_mode
     return Timing(sum(o["num_tokens_output"] for o in outputs), seconds, startup_s, "atom")
 
 
-def vllm_model_dir(model: str, work: Path) -> Path:
-    """A directory vLLM can open: the model's own when it has a tokenizer, else its config.json plus
-    the word-level tokenizer vllm_bench.py writes (token-id prompts never need real words)."""
-    files = resolve_model_files(model)
-    if files.tokenizer_path is not None:
-        return files.path
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    work.mkdir(parents=True, exist_ok=True)
-    shutil.copy(files.path / "config.json", work / "config.json")
-    vocab = {f"t{i}": i for i in range(files.hf_config.vocab_size)}
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.save(str(work / "tokenizer.json"))
-    (work / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 4096, "eos_token": "t1", "bos_token": "t2"}))
-    return work
-
-
 def run_vllm(model: str, adapters: Adapters | None, requests: Requests, max_model_len: int) -> Timing:
     # Where atom_core is installed next to vLLM its plugin would swap our model classes in (which
     # have no vLLM LoRA support), and the baseline would not be vLLM's own.
@@ -122,12 +103,12 @@ def run_vllm(model: str, adapters: Adapters | None, requests: Requests, max_mode
         raise SystemExit(f"--engine vllm needs vLLM in this Python environment ({e}); run this script with "
                          f"vLLM's Python, PYTHONPATH at this repository") from None
     with tempfile.TemporaryDirectory(prefix="lora_nano-") as tmp:
-        model_dir = vllm_model_dir(model, Path(tmp) / "model")
+        directory = model_dir(model, Path(tmp) / "model")
         lora = {} if adapters is None else dict(
             enable_lora=True, max_loras=len(adapters.names), max_lora_rank=adapters.rank,
             max_cpu_loras=len(adapters.names))
         start = time.perf_counter()
-        llm = LLM(model=str(model_dir), load_format="dummy", dtype="bfloat16", max_model_len=max_model_len,
+        llm = LLM(model=str(directory), load_format="dummy", dtype="bfloat16", max_model_len=max_model_len,
                   gpu_memory_utilization=0.9, seed=0, **lora)
         startup_s = time.perf_counter() - start
         # vLLM's adapter ids start at 1, as ours do: adapter k is id k + 1 on both engines.

@@ -9,9 +9,16 @@
 #   bench   .peer/tools/vllm_bench.py llama-3-8b (dummy weights: nano workload, batch 1 and 32), the
 #           plugin on, then off (ATOM_DISABLE_VLLM_PLUGIN=1: vLLM's own classes), in one vLLM and one
 #           PYTHONPATH: one RESULT line per number, tagged "plugin": "on" / "off".
+#   online  Llama-3-8B (dummy) served by `vllm serve` with the plugin on, off (vLLM's classes, FLASH_ATTN as
+#           run.sh's native row) and by `atomctl serve`, each driven by vLLM's `vllm bench serve`: random
+#           1,024 in / 128 out, c64, 320 prompts, seed 0, --ignore-eos (a fresh server each: no prefix hits).
+#           ONLINE_ENGINES picks among "on off atom" (default all three); results in $OUT/online_*.json.
+#   moe     the bench workload on MoE models with the plugin on and off, both loading one random
+#           checkpoint (.peer/tools/mk_ckpt.py into /dev/shm: routing, and so a step's work, depends on the
+#           weights). MOE_MODELS: vllm_bench.py names (default "qwen3-30b-a3b deepseek-v2-lite").
 # vLLM finds our plugin through a dist-info that benchmarks/plugin/dist_info.py writes into /tmp/atom_dist
 # (on PYTHONPATH after vLLM, the checkout and the stubs), as `pip install` would: no install there.
-# T_SETUP / T_PARITY / T_PLUGIN / T_NATIVE: each step's time limit in seconds. PARITY_K: a pytest -k
+# T_SETUP / T_PARITY / T_PLUGIN / T_NATIVE / T_SERVE: each step's (or server's) time limit in seconds. PARITY_K: a pytest -k
 # expression selecting parity tests (default all); BENCH_MODES: "on off" (default), "on" or "off".
 # DRY=1 (any machine, no GPU): checks the paths, the dist-info (importlib lists our entry point) and the
 # tests' collection, and prints the commands instead of running them; PEER / WHL point it at another tree's
@@ -26,6 +33,13 @@ TP="$top:$SITE2"                               # the test process's path: atom_c
 steps=${*:-parity bench}
 
 fail() { echo "gpu_plugin.sh: $*"; exit 3; }
+for s in $steps; do  # every step named right before any runs
+  case $s in parity|bench|online|moe) ;; *) fail "unknown step $s (parity, bench, online, moe)" ;; esac
+done
+for m in ${BENCH_MODES:-on off}; do case $m in on|off) ;; *) fail "BENCH_MODES: on and/or off, not $m" ;; esac; done
+for e in ${ONLINE_ENGINES:-on off atom}; do
+  case $e in on|off|atom) ;; *) fail "ONLINE_ENGINES: on, off and/or atom, not $e" ;; esac
+done
 run() { if [ -n "$DRY" ]; then echo "DRY: $*"; else "$@"; fi; }
 gpu_idle() {  # wait (<= 30 s) until the last step's processes released the GPU
   [ -n "$DRY" ] && return
@@ -43,6 +57,29 @@ step() {
   kill -KILL -- -$pid 2>/dev/null; gpu_idle
   echo "== $name rc=$rc $(( $(date +%s) - start ))s"
   return $rc
+}
+
+# serve_and_bench NAME SERVER...: SERVER in the background until /health answers (<= T_SERVE s), then
+# vLLM's bench client at c64; prints the client's summary lines, then stops the server's process group.
+serve_and_bench() {
+  local name=$1; shift
+  if [ -n "$DRY" ]; then echo "DRY: [online_$name] $* ; vllm bench serve --max-concurrency 64"; return 0; fi
+  local start=$(date +%s) spid
+  setsid "$@" > "$OUT/serve_$name.log" 2>&1 & spid=$!
+  for _ in $(seq 1 "${T_SERVE:-240}"); do
+    curl -sf 127.0.0.1:8011/health > /dev/null && break
+    kill -0 $spid 2>/dev/null || { echo "$name server died:"; tail -5 "$OUT/serve_$name.log"; return 1; }
+    sleep 1
+  done
+  echo "== online_$name ready after $(( $(date +%s) - start ))s"
+  env PYTHONPATH="$SITE:$PEER/tools/vllm_stubs" timeout 240 python3 -m vllm.entrypoints.cli.main bench serve \
+    --backend vllm --model llama --tokenizer /tmp/model-llama-3-8b --base-url http://127.0.0.1:8011 \
+    --dataset-name random --random-input-len 1024 --random-output-len 128 --num-prompts 320 --max-concurrency 64 \
+    --request-rate inf --ignore-eos --seed 0 --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 \
+    --save-result --result-dir "$OUT" --result-filename "online_$name.json" > "$OUT/online_$name.log" 2>&1
+  grep -E "Output token throughput|Median TTFT|P99 TTFT|Median TPOT|Median ITL" "$OUT/online_$name.log"
+  grep -m1 -hE "atom_core's .* runs |atom_core plugin off" "$OUT/serve_$name.log" | cut -c1-200
+  kill -TERM -- -$spid 2>/dev/null; sleep 8; kill -KILL -- -$spid 2>/dev/null; gpu_idle
 }
 
 # ---- setup: vLLM's wheels, ours, the dist-info; vLLM must list our entry point
@@ -78,7 +115,6 @@ for s in $steps; do
     ;;
   bench)
     for mode in ${BENCH_MODES:-on off}; do
-      case $mode in on|off) ;; *) fail "BENCH_MODES: on and/or off, not $mode" ;; esac
       off=$([ $mode = off ] && echo 1 || echo 0)
       step "bench_plugin_$mode" "$([ $mode = on ] && echo "${T_PLUGIN:-200}" || echo "${T_NATIVE:-220}")" \
         env PYTHONPATH=$VP ATOM_DISABLE_VLLM_PLUGIN=$off python3 "$PEER/tools/vllm_bench.py" llama-3-8b
@@ -88,7 +124,32 @@ for s in $steps; do
         grep -q "nano_workload" "$OUT/bench_plugin_$mode.log" || tail -25 "$OUT/bench_plugin_$mode.log"; }
     done
     ;;
-  *) fail "unknown step $s (parity, bench)" ;;
+  online)
+    model=/tmp/model-llama-3-8b
+    run env PYTHONPATH=$TP python3 -m benchmarks.engine.model_dir preset:Llama-3-8B $model || fail "no model directory"
+    for eng in ${ONLINE_ENGINES:-on off atom}; do
+      case $eng in
+      on) server=(env PYTHONPATH=$VP python3 -m vllm.entrypoints.cli.main serve $model) ;;
+      off) server=(env PYTHONPATH=$VP ATOM_DISABLE_VLLM_PLUGIN=1 python3 -m vllm.entrypoints.cli.main serve $model
+                   --attention-backend FLASH_ATTN) ;;
+      atom) server=(env PYTHONPATH=$TP python3 -m atomctl.main serve --model $model) ;;
+      esac
+      serve_and_bench "$eng" "${server[@]}" --load-format dummy --port 8011 --max-model-len 4096 --served-model-name llama
+    done
+    ;;
+  moe)
+    for name in ${MOE_MODELS:-qwen3-30b-a3b deepseek-v2-lite}; do
+      run env PYTHONPATH=$TP python3 "$PEER/tools/mk_ckpt.py" "$name" || fail "mk_ckpt.py $name failed"
+      for mode in ${BENCH_MODES:-on off}; do
+        off=$([ $mode = off ] && echo 1 || echo 0)
+        step "moe_${name}_$mode" "${T_PLUGIN:-260}" env PYTHONPATH=$VP ATOM_DISABLE_VLLM_PLUGIN=$off \
+          CKPT_DIR=/dev/shm/ckpt-$name python3 "$PEER/tools/vllm_bench.py" "$name"
+        [ -z "$DRY" ] && grep -h "^RESULT " "$OUT/moe_${name}_$mode.log" | sed "s/^RESULT {/{\"plugin\": \"$mode\", /"
+      done
+      run rm -rf "/dev/shm/ckpt-$name"
+    done
+    ;;
+  *) fail "unknown step $s (parity, bench, online, moe)" ;;
   esac
 done
 exit 0
