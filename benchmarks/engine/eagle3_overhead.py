@@ -11,7 +11,8 @@ starts one engine with --method eagle3, and measures at batch 1 on a long decode
 and reports draft_ms / plain_step_ms (the issue's target: <= 0.15 for K = 3 on Llama-3-8B).
 With --mtp-graphs a step's whole draft loop is one graph replay (spec_decode/mtp_graphs.py).
 --profile N profiles N more spec-decode steps (torch.profiler) and reports, per draft, its wall time,
-the GPU kernel time inside it, and its kernels by total time (where a draft's time goes).
+its span on the GPU, the kernel time and the GPU's idle time inside that span, its kernels by total
+time and the host's operators inside it by self time (where a draft's time goes).
 Without CUDA it runs on the CPU (no graphs: --mtp-graphs is inert there), e.g. on a tiny model
 directory to check the command before a GPU run.
 Usage:
@@ -70,27 +71,48 @@ def timed_decode(engine, output_len: int) -> float:
     return (time.perf_counter() - start - prefill) / (output_len - 1)
 
 
+DRAFT_RANGE = "eagle3.draft"  # the record_function around each timed draft
+
+
+def _per_draft(times: dict[str, list[float]], n: int, top: int) -> list[dict]:
+    ranked = sorted(times.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return [{"name": name[:90], "calls_per_draft": round(len(v) / n, 2), "us_per_draft": round(sum(v) / n, 1)}
+            for name, v in ranked]
+
+
 def profile_drafts(engine, steps: int) -> dict:
-    """Where a draft's time goes: over `steps` decode steps, each draft's wall time (the
-    eagle3.draft range) against the kernel time that ran inside it, and the kernels by total time."""
+    """Where a draft's time goes, over `steps` decode steps: its wall time (the DRAFT_RANGE on the host),
+    its span on the GPU's timeline (the same range as CUDA records it), the kernel time inside that span,
+    so the GPU's idle time inside a draft (span - kernels: host work and launches it waits for), and the
+    host's operators inside the range by self time. Kernels are attributed by the GPU span they start in
+    (a kernel runs after the host call that launched it); without CUDA there are neither."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
         timed_decode(engine, steps + 1)
     events = prof.events()
-    ranges = [(e.time_range.start, e.time_range.end) for e in events if e.name == "eagle3.draft"]
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-    inside: dict[str, list[float]] = {}
-    for e in kernels:
-        if any(start <= e.time_range.start <= end for start, end in ranges):
-            inside.setdefault(e.name, []).append(e.time_range.elapsed_us())
-    n = max(len(ranges), 1)
-    top = sorted(inside.items(), key=lambda kv: -sum(kv[1]))[:25]
-    return {"drafts": len(ranges), "wall_us_per_draft": round(sum(e - s for s, e in ranges) / n, 1),
-            "kernel_us_per_draft": round(sum(sum(v) for v in inside.values()) / n, 1),
-            "kernels": [{"name": name[:90], "calls_per_draft": round(len(v) / n, 2), "us_per_draft": round(sum(v) / n, 1)}
-                        for name, v in top]}
+    cpu = torch.autograd.DeviceType.CPU
+    host_ranges = [e.time_range for e in events if e.name == DRAFT_RANGE and e.device_type == cpu]
+    gpu_ranges = [e.time_range for e in events if e.name == DRAFT_RANGE and e.device_type != cpu]
+    n = max(len(host_ranges), 1)
+    kernels: dict[str, list[float]] = {}
+    for e in events:
+        if e.device_type != cpu and e.name != DRAFT_RANGE and any(
+                r.start <= e.time_range.start <= r.end for r in gpu_ranges):
+            kernels.setdefault(e.name, []).append(e.time_range.elapsed_us())
+    host_ops: dict[str, list[float]] = {}
+    for e in events:
+        if e.device_type == cpu and e.name != DRAFT_RANGE and any(
+                r.start <= e.time_range.start <= r.end for r in host_ranges):
+            host_ops.setdefault(e.name, []).append(e.self_cpu_time_total)
+    kernel_us = sum(map(sum, kernels.values())) / n
+    gpu_span_us = sum(r.elapsed_us() for r in gpu_ranges) / n if gpu_ranges else None
+    return {"drafts": len(host_ranges), "wall_us_per_draft": round(sum(r.elapsed_us() for r in host_ranges) / n, 1),
+            "gpu_span_us_per_draft": None if gpu_span_us is None else round(gpu_span_us, 1),
+            "kernel_us_per_draft": round(kernel_us, 1),
+            "gpu_idle_us_per_draft": None if gpu_span_us is None else round(gpu_span_us - kernel_us, 1),
+            "kernels": _per_draft(kernels, n, 25), "host_ops": _per_draft(host_ops, n, 15)}
 
 
 def main() -> None:
@@ -114,7 +136,7 @@ def main() -> None:
     def timed_draft(result, requests, target):
         sync()
         start = time.perf_counter()
-        with torch.profiler.record_function("eagle3.draft"):
+        with torch.profiler.record_function(DRAFT_RANGE):
             drafts = type(proposer).draft(proposer, result, requests, target)
             sync()
         draft_seconds.append(time.perf_counter() - start)

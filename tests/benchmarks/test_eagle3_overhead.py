@@ -19,5 +19,9 @@ def test_reports_the_draft_cost_against_a_plain_step(tmp_path, monkeypatch):
     assert result["plain_step_ms"] > 0 and result["draft_ms_median"] > 0
     assert abs(result["draft_over_plain_step"] - result["draft_ms_median"] / result["plain_step_ms"]) < 0.01
     assert result["spec_decode"]["num_drafts"] > 0 and len(result["spec_decode"]["accepted_per_position"]) == 2
-    profile = result["profile"]  # on the CPU: the draft ranges, no kernels
-    assert profile["drafts"] >= 3 and profile["wall_us_per_draft"] > 0 and profile["kernels"] == []
+    profile = result["profile"]  # on the CPU: the host's draft ranges and operators, no GPU span or kernels
+    assert profile["drafts"] >= 3 and profile["wall_us_per_draft"] > 0
+    assert profile["kernels"] == [] and profile["gpu_span_us_per_draft"] is None and profile["kernel_us_per_draft"] == 0
+    ops = {op["name"]: op for op in profile["host_ops"]}
+    assert ops and all(op["us_per_draft"] >= 0 for op in ops.values()) and "eagle3.draft" not in ops
+    assert sum(op["us_per_draft"] for op in ops.values()) <= profile["wall_us_per_draft"] * 1.05
