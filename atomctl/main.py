@@ -47,10 +47,11 @@ def _register() -> None:
 
     profile.register(app)
 
-    from atomctl import bench, bench_api_overhead, bench_offline
+    from atomctl import bench, bench_api_overhead, bench_offline, bench_soak
 
     bench_offline.register(bench.bench_app)
     bench_api_overhead.register(bench.bench_app)
+    bench_soak.register(bench.bench_app)
     app.add_typer(bench.bench_app, name="bench")
     from atomctl import serve
 

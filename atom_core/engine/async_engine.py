@@ -24,6 +24,7 @@ process keeps the latest (`latest_stats`), so /metrics never waits on the core.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import itertools
 import logging
@@ -208,9 +209,14 @@ def run_core(config: EngineConfig, in_q: mp.Queue, out_q: mp.Queue,
         core.shutdown()  # tensor-parallel workers end with the core
 
 
+def _stats_update(core, stats) -> StatsUpdate:
+    """The stats to push, with the core's memory read now (pushes are rarer than steps)."""
+    return StatsUpdate(dataclasses.replace(stats, memory_bytes=core.memory_bytes()))
+
+
 def _core_loop(core, in_q: mp.Queue, out_q: mp.Queue) -> None:
     parent = mp.parent_process()
-    out_q.put(StatsUpdate(core.stats()))
+    out_q.put(_stats_update(core, core.stats()))
     last_push, last_counts = 0.0, None
     while True:
         for cmd in _drain(in_q, block=not core.has_unfinished(), parent=parent):
@@ -224,7 +230,7 @@ def _core_loop(core, in_q: mp.Queue, out_q: mp.Queue) -> None:
         stats, now = core.stats(), time.monotonic()
         counts = (stats.num_running, stats.num_waiting)
         if counts != last_counts or now - last_push >= _STATS_PERIOD_S or not core.has_unfinished():
-            out_q.put(StatsUpdate(stats))  # after the step's outputs: a client never sees stale counts
+            out_q.put(_stats_update(core, stats))  # after the step's outputs: a client never sees stale counts
             last_push, last_counts = now, counts
 
 
@@ -235,7 +241,7 @@ def _lockstep_core_loop(core, in_q: mp.Queue, out_q: mp.Queue) -> None:
     command at most _LOCKSTEP_IDLE_S before the next (empty) agreement, so a replica that gets a
     request finds the others within that time. Shutdown is agreed too: the replicas leave together."""
     parent = mp.parent_process()
-    out_q.put(StatsUpdate(core.stats()))
+    out_q.put(_stats_update(core, core.stats()))
     last_push, last_counts = 0.0, None
     while not core.stopped:
         idle = core.all_idle and not core.has_unfinished()
@@ -250,7 +256,7 @@ def _lockstep_core_loop(core, in_q: mp.Queue, out_q: mp.Queue) -> None:
         stats, now = core.stats(), time.monotonic()
         counts = (stats.num_running, stats.num_waiting)
         if counts != last_counts or (core.has_unfinished() and now - last_push >= _STATS_PERIOD_S):
-            out_q.put(StatsUpdate(stats))
+            out_q.put(_stats_update(core, stats))
             last_push, last_counts = now, counts
 
 

@@ -6,6 +6,7 @@ in-process under LLMEngine and in its own process under the server.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -38,6 +39,17 @@ class CoreStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_accepted_per_position: tuple[int, ...] = ()
+    # what the core's process holds (EngineCore.memory_bytes), filled when the stats are pushed
+    memory_bytes: int = 0
+
+
+def resident_set_bytes() -> int:
+    """This process's resident set (Linux /proc; 0 where it is not there)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def validate_request(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int,
@@ -323,6 +335,17 @@ class EngineCore:
             queue_time,
             prefill_time,
         )
+
+    def memory_bytes(self) -> int:
+        """The memory the core holds, for soaks that check it stays flat: on a GPU the CUDA caching
+        allocator's reserved bytes on the core's device (what a leak grows), on the CPU the process's
+        resident set. Read when stats are pushed, not every step."""
+        device = self.config.model.torch_device
+        if device.type == "cuda":
+            import torch  # the config's device above is already a torch.device
+
+            return torch.cuda.memory_reserved(device)
+        return resident_set_bytes()
 
     def stats(self) -> CoreStats:
         spec = self.scheduler.spec_stats

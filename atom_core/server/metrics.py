@@ -164,6 +164,9 @@ class _CoreCollector:
                      used / max(stats.num_kv_blocks, 1))
         yield family(GaugeMetricFamily, "prefix_cache_hit_rate", "Prefix cache hit rate (tokens, since start).",
                      stats.prefix_hit_rate)
+        yield family(GaugeMetricFamily, "engine_memory_bytes", "Memory the engine core holds: the CUDA caching "
+                     "allocator's reserved bytes on a GPU, the core process's resident set on the CPU.",
+                     stats.memory_bytes)
         # Counters the core keeps: add more here from CoreStats (e.g. speculative decoding's
         # draft and accepted tokens), one CounterMetricFamily each.
         yield family(CounterMetricFamily, "num_preemptions", "Preempted requests.", stats.num_preemptions)
