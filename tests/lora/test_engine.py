@@ -3,6 +3,7 @@ transformers + PEFT; mixed steps, eviction, run-time loading and unloading, and 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from atom_core.engine.llm_engine import LLMEngine
 from atom_core.sampling_params import SamplingParams
@@ -65,6 +66,20 @@ def test_one_step_mixing_three_adapters_and_the_base_equals_each_alone(lora_base
     jobs = [(PROMPTS[i % 2], name) for i, name in enumerate([None, "all8", "attn4rs", "mlp16", "mlp16", None])]
     got, widest = _run_mixed(llm, jobs)
     assert widest == 3  # the three adapters ran side by side
+    assert got == [expected[name, i % 2] for i, (_, name) in enumerate(jobs)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("options", [{}, {"enforce_eager": True}], ids=["graphs", "eager"])
+def test_cuda_mixed_steps_match_hf_peft(lora_base, adapters, expected, options):
+    """The Triton shrink/expand kernels inside the engine on CUDA (fp32), decode steps replaying graphs
+    whose per-token adapter layout changes every step: three adapters and the base at once equal HF + PEFT
+    on the CPU; eagerly too."""
+    llm = _engine(lora_base, adapters, max_loras=3, device="cuda", dtype="float32", **options)
+    jobs = [(PROMPTS[i % 2], name) for i, name in enumerate([None, "all8", "attn4rs", "mlp16", "all8", None])]
+    got, widest = _run_mixed(llm, jobs)
+    assert widest == 3
     assert got == [expected[name, i % 2] for i, (_, name) in enumerate(jobs)]
 
 
