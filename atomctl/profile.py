@@ -44,7 +44,8 @@ def parse_trace_cmd(
 @friendly_errors
 @with_engine_options
 def profile_cmd(
-    input_length: int = typer.Option(128, "--input-length", help="Prompt tokens per sequence."),
+    input_length: Optional[int] = typer.Option(None, "--input-length", help="Prompt tokens per sequence (default "
+                                               "128; with --image the chat template and the images set the prompt)."),
     output_length: int = typer.Option(32, "--output-length", help="Generated tokens per sequence."),
     bs: int = typer.Option(4, "--bs", help="Sequences in the profiled batch."),
     random_input: bool = typer.Option(False, "--random-input", help="Random prompt token ids (default: a fixed pattern)."),
@@ -54,6 +55,9 @@ def profile_cmd(
     detailed: Optional[bool] = typer.Option(
         None, "--detailed/--no-detailed", help="Record shapes, stacks, memory (default: ATOM_PROFILER_DETAILED)."
     ),
+    image: List[Path] = typer.Option(None, "--image", help="An image file each profiled prompt asks about "
+                                     "(repeatable; a vision-language model): the vision encoder runs in the "
+                                     "profiled prefill, once per sequence."),
     engine_args: dict = None,
 ):
     """Profile one batch offline (after a warm-up batch) and print where the traces went."""
@@ -61,6 +65,13 @@ def profile_cmd(
     from atom_core.envs import read_envs
     from atom_core.profiling.trace_parser import find_capture_traces
 
+    from atomctl.generate import read_images
+
+    images = read_images(image or [])
+    if images and (input_length is not None or random_input):
+        flag = "--input-length" if input_length is not None else "--random-input"
+        raise ValueError(f"{flag} does not apply with --image: the chat template and the images set the prompt")
+    input_length = 128 if input_length is None else input_length
     for name, value in (("--input-length", input_length), ("--output-length", output_length), ("--bs", bs)):
         if value < 1:
             raise ValueError(f"invalid {name} {value}; must be >= 1")
@@ -69,7 +80,8 @@ def profile_cmd(
     kwargs["torch_profiler_dir"] = kwargs.get("torch_profiler_dir") or envs.torch_profiler_dir or DEFAULT_PROFILER_DIR
     kwargs["mark_trace"] = envs.mark_trace if mark_trace is None else mark_trace
     kwargs["profiler_detailed"] = envs.profiler_detailed if detailed is None else detailed
-    kwargs.setdefault("max_model_len", input_length + output_length)
+    if not images:  # an image prompt's length is the processor's: the model's limit stays
+        kwargs.setdefault("max_model_len", input_length + output_length)
     kwargs.setdefault("num_scheduler_steps", 1)  # one range per decode step, as parse-trace expects
 
     engine = LLMEngine(**kwargs)
@@ -77,11 +89,19 @@ def profile_cmd(
     params = SamplingParams(max_tokens=output_length, ignore_eos=True)
     # The warm-up prompts differ from the profiled ones so that prefix caching cannot skip the
     # profiled prefill.
-    engine.generate(prompt_token_ids(bs, input_length, vocab_size, random_input, seed=1), params)
-    engine.start_profile()
-    engine.generate(prompt_token_ids(bs, input_length, vocab_size, random_input, seed=0), params)
+    if images:
+        prompt = engine.image_chat_prompt("Describe the image.", len(images))
+        engine.generate([prompt] * bs, params, images=image_copies(images, bs, run=1))
+        engine.start_profile()
+        engine.generate([prompt] * bs, params, images=image_copies(images, bs, run=0))
+        inputs = f"{len(images)} image(s) and {len(engine.tokenizer.encode(prompt))} template and text tokens"
+    else:
+        engine.generate(prompt_token_ids(bs, input_length, vocab_size, random_input, seed=1), params)
+        engine.start_profile()
+        engine.generate(prompt_token_ids(bs, input_length, vocab_size, random_input, seed=0), params)
+        inputs = f"{input_length} tokens"
     paths = engine.stop_profile()
-    print(f"profiled bs={bs}, input {input_length} tokens, output {output_length} tokens")
+    print(f"profiled bs={bs}, input {inputs}, output {output_length} tokens")
     for path in paths:
         print(f"trace: {path}")
     for path in find_capture_traces(paths[0]) if paths else []:
@@ -102,6 +122,45 @@ def prompt_token_ids(bs: int, length: int, vocab_size: int, random_input: bool, 
             start = (seed * 7919 + i * 104729) % vocab_size
             prompts.append([(start + j) % vocab_size for j in range(length)])
     return prompts
+
+
+MARK = 4  # side of the blocks that mark an image copy: large enough to survive the processor's resizing
+
+
+def image_copies(images: list[bytes], bs: int, run: int) -> list[list[bytes]]:
+    """Per sequence, its own copy of every image: copy i of run r carries the number 2 i + r in binary, black
+    and white MARK-pixel blocks from its top-left corner (as few as 2 bs numbers need), so each copy is encoded, as different requests'
+    images are; the encoder cache and the prefix cache (keyed by the processed pixels) hit none of them.
+    The size, which sets the encoder's work, stays."""
+    import io
+
+    from PIL import Image
+
+    decoded = []
+    for data in images:
+        try:
+            decoded.append(Image.open(io.BytesIO(data)).convert("RGB"))
+        except Exception as e:  # noqa: BLE001 - PIL raises several types for a file it cannot read
+            raise ValueError(f"cannot decode the image: {e}") from None
+    bits = (2 * bs - 1).bit_length()  # every copy of both runs is marked in the same blocks
+    for picture in decoded:
+        if bits > (picture.width // MARK) * (picture.height // MARK):
+            raise ValueError(f"an image of {picture.width}x{picture.height} is too small to mark {bs} copies; "
+                             f"use a larger one or a smaller --bs")
+    out = []
+    for i in range(bs):
+        code, row = 2 * i + run, []
+        for picture in decoded:
+            columns = picture.width // MARK
+            copy = picture.copy()
+            for k in range(bits):
+                x, y = k % columns * MARK, k // columns * MARK
+                copy.paste((255, 255, 255) if code >> k & 1 else (0, 0, 0), (x, y, x + MARK, y + MARK))
+            buffer = io.BytesIO()
+            copy.save(buffer, format="PNG")
+            row.append(buffer.getvalue())
+        out.append(row)
+    return out
 
 
 def register(app: typer.Typer) -> None:

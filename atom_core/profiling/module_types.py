@@ -2,6 +2,9 @@
 
 First rule that matches wins (module = the module range name, leaf = its last component):
 
+0. vision encoder: the module path runs through a vision tower or its projector (a component named
+   visual, vision_tower, vision_model, mm_projector or multi_modal_projector): all of an image's
+   encoding, whatever its kernels, so a multimodal prefill shows the encoder as its own module.
 1. communication: kernel or module name mentions nccl/rccl, all_reduce, all_gather,
    reduce_scatter, all_to_all or a custom all-reduce.
 2. norms: the leaf contains `norm` (input_layernorm, q_norm, ...) or the kernel is an
@@ -22,8 +25,11 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-ModuleType = Literal["attention", "MLP/MoE", "norms", "GEMMs", "communication", "other"]
-MODULE_TYPES: tuple[ModuleType, ...] = ("attention", "MLP/MoE", "norms", "GEMMs", "communication", "other")
+ModuleType = Literal["attention", "MLP/MoE", "norms", "GEMMs", "communication", "vision encoder", "other"]
+MODULE_TYPES: tuple[ModuleType, ...] = ("attention", "MLP/MoE", "norms", "GEMMs", "communication", "vision encoder",
+                                        "other")
+
+_VISION = re.compile(r"(^|\.)(visual|vision_tower|vision_model|mm_projector|multi_modal_projector)(\.|$)")
 
 _COMM = re.compile(r"nccl|rccl|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|custom_?ar\b", re.I)
 # Inductor names its fused RMSNorm by the ops inside: triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0
@@ -39,6 +45,8 @@ _GEMM_KERNEL = re.compile(r"gemm|gemv|matmul|cutlass|cublas|nvjet|xmma|wgmma|ate
 def module_type(module: str, kernel: str) -> ModuleType:
     """The summary bucket of one kernel row (rules in the module doc)."""
     leaf = module.rsplit(".", 1)[-1]
+    if _VISION.search(module):
+        return "vision encoder"
     if _COMM.search(kernel) or _COMM.search(module):
         return "communication"
     if "norm" in leaf or _NORM_KERNEL.search(kernel):

@@ -329,6 +329,56 @@ class TestProfileCommand:
         steps = pd.read_excel(out / "decode_breakdown.xlsx", sheet_name="steps")
         assert len(steps) == 3  # 4 output tokens: the first comes from the prefill step
 
+    def test_profile_with_an_image_shows_the_encoder_in_the_prefill(self, tmp_path):
+        from tests.tiny_vlm import build_tiny_vlm, png_bytes, synthetic_image
+
+        model = build_tiny_vlm(tmp_path / "vlm", seed=1)
+        (tmp_path / "a.png").write_bytes(png_bytes(synthetic_image(11, (50, 37))))
+        app = typer.Typer()
+        register(app)
+        app.callback()(lambda: None)
+        traces = tmp_path / "traces"
+        result = CliRunner().invoke(app, ["profile", "--model", str(model), "--image", str(tmp_path / "a.png"),
+                                          "--output-length", "3", "--bs", "2", "--mark-trace", "--device", "cpu",
+                                          "--torch-profiler-dir", str(traces)])
+        assert result.exit_code == 0, result.output
+        assert "input 1 image(s) and" in result.output
+        (trace,) = (traces / "rank_0").glob("*.pt.trace.json.gz")
+        out = tmp_path / "out"
+        result = CliRunner().invoke(app, ["parse-trace", str(trace), "--layer", "0", "--out-dir", str(out)])
+        assert result.exit_code == 0, result.output
+        summary = pd.read_excel(out / "prefill_breakdown.xlsx", sheet_name="summary").set_index("module_type")
+        assert summary.loc["vision encoder", "num_kernels"] > 0 and summary.loc["vision encoder", "duration_us"] > 0
+        decode = pd.read_excel(out / "decode_breakdown.xlsx", sheet_name="summary").set_index("module_type")
+        assert decode.loc["vision encoder", "num_kernels"] == 0  # decode steps encode nothing
+
+    def test_image_copies_differ_within_and_across_runs(self, tmp_path):
+        from atomctl.profile import image_copies
+        from tests.tiny_vlm import png_bytes, synthetic_image
+
+        image = png_bytes(synthetic_image(3, (20, 10)))
+        copies = [c for run in (0, 1) for row in image_copies([image], 3, run) for c in row]
+        assert len(set(copies)) == 6
+        with pytest.raises(ValueError, match="an image of 8x4 is too small to mark 5 copies"):
+            image_copies([png_bytes(synthetic_image(3, (8, 4)))], 5, 0)  # 10 numbers need 4 blocks; it has 2
+
+    @pytest.mark.parametrize("args,message", [
+        (["--image", "IMG", "--input-length", "16"], "--input-length does not apply with --image"),
+        (["--image", "IMG", "--random-input"], "--random-input does not apply with --image"),
+        (["--image", "MISSING"], "image file not found"),
+    ])
+    def test_bad_image_options_are_one_line_errors(self, tiny_llama, tmp_path, args, message):
+        from tests.tiny_vlm import png_bytes, synthetic_image
+
+        (tmp_path / "a.png").write_bytes(png_bytes(synthetic_image(3, (20, 10))))
+        args = [str(tmp_path / "a.png") if a == "IMG" else str(tmp_path / "nope.png") if a == "MISSING" else a
+                for a in args]
+        app = typer.Typer()
+        register(app)
+        app.callback()(lambda: None)
+        result = CliRunner().invoke(app, ["profile", "--model", str(tiny_llama), *args])
+        assert result.exit_code == 1 and result.output.startswith("error: ") and message in result.output
+
     def test_bad_option_is_one_line_and_exit_1(self, tiny_llama, tmp_path):
         app = typer.Typer()
         register(app)

@@ -350,6 +350,12 @@ class TestConventions:
             (GRAPH_MODULE, "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "norms"),
             (GRAPH_MODULE, "triton_poi_fused_mul_silu_split_2", "MLP/MoE"),
             (GRAPH_MODULE, "triton_per_fused_mean_3", "other"),  # a mean alone is not a norm
+            # A vision tower's kernels are the encoder's, whatever they are (Qwen3.5, Kimi-K2.5, HF's names).
+            ("visual.blocks.0.attn.qkv", "nvjet_sm90_gemm", "vision encoder"),
+            ("model.visual.merger.norm", "rms_norm_kernel", "vision encoder"),
+            ("vision_tower.encoder.blocks.1.wqkv", "ncclDevKernel_AllReduce_Sum_bf16", "vision encoder"),
+            ("mm_projector.proj", "aten::addmm", "vision encoder"),
+            ("model.visualizer", "aten::addmm", "GEMMs"),  # a component named so, not a prefix of one
         ],
     )
     def test_module_types(self, module, kernel, expected):
