@@ -11,8 +11,9 @@ starts one engine with --method eagle3, and measures at batch 1 on a long decode
 and reports draft_ms / plain_step_ms (the issue's target: <= 0.15 for K = 3 on Llama-3-8B).
 With --mtp-graphs a step's whole draft loop is one graph replay (spec_decode/mtp_graphs.py).
 --profile N profiles N more spec-decode steps (torch.profiler) and reports, per draft, its wall time,
-its span on the GPU, the kernel time and the GPU's idle time inside that span, its kernels by total
-time and the host's operators inside it by self time (where a draft's time goes).
+its span on the GPU, the kernel time and the GPU's idle time inside that span, its graph and kernel
+launches (one graph launch: the draft replayed its graph), its kernels by total time and the host's
+operators inside it by self time (where a draft's time goes).
 Without CUDA it runs on the CPU (no graphs: --mtp-graphs is inert there), e.g. on a tiny model
 directory to check the command before a GPU run.
 Usage:
@@ -106,12 +107,17 @@ def profile_drafts(engine, steps: int) -> dict:
         if e.device_type == cpu and e.name != DRAFT_RANGE and any(
                 r.start <= e.time_range.start <= r.end for r in host_ranges):
             host_ops.setdefault(e.name, []).append(e.self_cpu_time_total)
+    # whether the draft replayed its graph: CUDA runtime calls inside the host ranges (an eager draft
+    # launches each kernel; a replay is one cudaGraphLaunch)
+    launches = {kind: round(sum(len(v) for name, v in host_ops.items() if kind in name) / n, 2)
+                for kind in ("GraphLaunch", "LaunchKernel")}
     kernel_us = sum(map(sum, kernels.values())) / n
     gpu_span_us = sum(r.elapsed_us() for r in gpu_ranges) / n if gpu_ranges else None
     return {"drafts": len(host_ranges), "wall_us_per_draft": round(sum(r.elapsed_us() for r in host_ranges) / n, 1),
             "gpu_span_us_per_draft": None if gpu_span_us is None else round(gpu_span_us, 1),
             "kernel_us_per_draft": round(kernel_us, 1),
             "gpu_idle_us_per_draft": None if gpu_span_us is None else round(gpu_span_us - kernel_us, 1),
+            "graph_launches_per_draft": launches["GraphLaunch"], "kernel_launches_per_draft": launches["LaunchKernel"],
             "kernels": _per_draft(kernels, n, 25), "host_ops": _per_draft(host_ops, n, 15)}
 
 

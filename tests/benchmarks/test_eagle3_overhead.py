@@ -22,6 +22,7 @@ def test_reports_the_draft_cost_against_a_plain_step(tmp_path, monkeypatch):
     profile = result["profile"]  # on the CPU: the host's draft ranges and operators, no GPU span or kernels
     assert profile["drafts"] >= 3 and profile["wall_us_per_draft"] > 0
     assert profile["kernels"] == [] and profile["gpu_span_us_per_draft"] is None and profile["kernel_us_per_draft"] == 0
+    assert profile["graph_launches_per_draft"] == profile["kernel_launches_per_draft"] == 0  # no CUDA runtime
     ops = {op["name"]: op for op in profile["host_ops"]}
     assert ops and all(op["us_per_draft"] >= 0 for op in ops.values()) and "eagle3.draft" not in ops
     assert sum(op["us_per_draft"] for op in ops.values()) <= profile["wall_us_per_draft"] * 1.05
