@@ -61,25 +61,36 @@ def test_two_local_nodes_under_torchrun(tiny_dist_models, tmp_path):
     torchrun = shutil.which("torchrun")
     if torchrun is None:
         pytest.skip("torchrun is not on PATH")
-    model, port = str(tiny_dist_models("llama")), free_port()
+    model = str(tiny_dist_models("llama"))
     engine = ["--device", "cpu", "--kv-cache-memory-gb", "0.02"]
     gen = ["generate", "-m", model, *engine, "--max-tokens", "8", "--temperature", "0", "--no-chat", "hello world"]
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN}
 
-    def node(rank, args):
+    def node(rank, port, args):
         return [torchrun, "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1",
                 "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "atomctl.main", *args]
 
-    with open(tmp_path / "node1.log", "wb") as log:
-        node1 = subprocess.Popen(node(1, ["serve", "-m", model, *engine, "-tp", "2"]), stdout=log,
-                                 stderr=subprocess.STDOUT, env=env)
-    try:
-        node0 = subprocess.run(node(0, [*gen, "-tp", "2"]), capture_output=True, text=True, env=env, timeout=150)
-        assert node0.returncode == 0, node0.stderr[-2000:]
-        assert node1.wait(30) == 0, (tmp_path / "node1.log").read_text()[-2000:]
-    finally:
-        if node1.poll() is None:
-            node1.kill()
+    # free_port's port can be taken by a test running beside this one before torchrun binds it: then
+    # (only then) the nodes start again on another port
+    for _attempt in range(3):
+        port = free_port()
+        with open(tmp_path / "node1.log", "wb") as log:
+            node1 = subprocess.Popen(node(1, port, ["serve", "-m", model, *engine, "-tp", "2"]), stdout=log,
+                                     stderr=subprocess.STDOUT, env=env)
+        try:
+            node0 = subprocess.run(node(0, port, [*gen, "-tp", "2"]), capture_output=True, text=True, env=env,
+                                   timeout=150)
+            if node0.returncode != 0 and "EADDRINUSE" in node0.stderr:
+                continue
+            assert node0.returncode == 0, node0.stderr[-2000:]
+            assert node1.wait(30) == 0, (tmp_path / "node1.log").read_text()[-2000:]
+            break
+        finally:
+            if node1.poll() is None:
+                node1.kill()
+                node1.wait(10)
+    else:
+        pytest.fail(f"the master port was taken three times: {node0.stderr[-500:]}")
     from atom_core import LLMEngine, SamplingParams
 
     single = LLMEngine(model, kv_cache_memory_gb=0.02).generate("hello world", SamplingParams(temperature=0, max_tokens=8))
