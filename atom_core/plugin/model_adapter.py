@@ -51,6 +51,15 @@ def _check_parallelism(parallel_config) -> None:
                              f"{default}, or set ATOM_DISABLE_VLLM_PLUGIN=1 to run vLLM's own model classes")
 
 
+def _check_lora(vllm_config) -> None:
+    """vLLM's LoRA wraps its own layer classes, which our models do not use: refuse it here, before the
+    weights load, rather than leave vLLM's "does not support LoRA yet" for a model it does support."""
+    if getattr(vllm_config, "lora_config", None) is not None:
+        raise ValueError("vLLM's LoRA (--enable-lora) does not run on atom_core's model classes; set "
+                         "ATOM_DISABLE_VLLM_PLUGIN=1 to serve adapters with vLLM's own classes, or serve them "
+                         "with `atomctl serve --enable-lora`")
+
+
 def _adopt_vllm_tp_group() -> None:
     from vllm.distributed import get_tp_group
 
@@ -69,6 +78,7 @@ class VllmModelAdapter:
     def __init__(self, *, vllm_config, prefix: str = ""):
         model_config = vllm_config.model_config
         _check_parallelism(vllm_config.parallel_config)
+        _check_lora(vllm_config)
         _adopt_vllm_tp_group()
         hf_config = model_config.hf_config
         quant_config = get_quant_config(hf_config, model_config.quantization)

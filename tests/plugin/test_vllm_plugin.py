@@ -173,6 +173,15 @@ class TestWithoutVllm:
         with pytest.raises(ValueError, match=f"{what}.*{field}={value}.*ATOM_DISABLE_VLLM_PLUGIN=1"):
             _check_parallelism(SimpleNamespace(**{field: value}))
 
+    def test_vllm_lora_is_refused_with_the_way_out(self):
+        from types import SimpleNamespace
+
+        from atom_core.plugin.model_adapter import _check_lora
+
+        _check_lora(SimpleNamespace(lora_config=None))
+        with pytest.raises(ValueError, match=r"--enable-lora.*ATOM_DISABLE_VLLM_PLUGIN=1.*atomctl serve --enable-lora"):
+            _check_lora(SimpleNamespace(lora_config=object()))
+
     @pytest.mark.parametrize("kwargs, what", [({"intermediate_tensors": object()}, "pipeline parallelism"),
                                               ({"inputs_embeds": torch.zeros(1, 4)}, "inputs_embeds")])
     def test_forward_refuses_what_our_models_do_not_take(self, kwargs, what):
