@@ -16,7 +16,6 @@ cache keeps are free: they are reused on demand).
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 import urllib.parse
@@ -24,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from atom_core.bench.stream_client import StreamError, _read_head
+from atom_core.bench.stream_client import StreamError, send_request, stream_events, usage_tokens
 
 _PATH = "/v1/completions"
 _ERRORS_KEPT = 5
@@ -109,25 +108,13 @@ def build_requests(cfg: SoakConfig, model: str, count: int, first_index: int, rn
 async def _send(reader, writer, host: str, request: _Request) -> int:
     """One request; returns its completion tokens (usage) or raises StreamError. With hang_up_after,
     returns after that many events without reading the rest (the caller drops the connection)."""
-    payload = json.dumps(request.body).encode()
-    writer.write(f"POST {_PATH} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
-    status, headers = await _read_head(reader)
-    if headers.get("transfer-encoding") != "chunked":
-        text = (await reader.readexactly(int(headers.get("content-length", "0")))).decode(errors="replace")
-        raise StreamError(f"HTTP {status}: {text[:200]}")
+    send_request(writer, host, _PATH, request.body)
     events, tokens, done = 0, None, False
-    while True:
-        size = int((await reader.readline()).split(b";")[0], 16)
-        chunk = await reader.readexactly(size + 2)
-        if size == 0:
-            break
-        if status != 200 or chunk.startswith(b'data: {"error"'):
-            raise StreamError(f"HTTP {status}: {chunk[:200].decode(errors='replace')}")
+    async for chunk in stream_events(reader):
         if chunk.startswith(b"data: [DONE]"):
             done = True
-        elif b'"choices":[]' in chunk:
-            tokens = json.loads(chunk[6:])["usage"]["completion_tokens"]
+        elif (usage := usage_tokens(chunk)) is not None:
+            tokens = usage
         elif chunk.startswith(b"data: {"):
             events += 1
             if request.hang_up_after is not None and events >= request.hang_up_after:
@@ -135,6 +122,12 @@ async def _send(reader, writer, host: str, request: _Request) -> int:
     if not done or tokens is None:
         raise StreamError(f"the stream ended without {'[DONE]' if not done else 'a usage event'}")
     return tokens
+
+
+def _record_failure(result: SoakResult, message: str) -> None:
+    result.failed += 1
+    if len(result.errors) < _ERRORS_KEPT:
+        result.errors.append(message[:300])
 
 
 async def _worker(host: str, port: int, requests: list[_Request], output_len: int, result: SoakResult) -> None:
@@ -146,9 +139,7 @@ async def _worker(host: str, port: int, requests: list[_Request], output_len: in
             try:
                 tokens = await _send(reader, writer, host, request)
             except (StreamError, OSError, asyncio.IncompleteReadError, ValueError) as e:
-                result.failed += 1
-                if len(result.errors) < _ERRORS_KEPT:
-                    result.errors.append(f"request {request.index}: {type(e).__name__}: {e}"[:300])
+                _record_failure(result, f"request {request.index}: {type(e).__name__}: {e}")
                 writer.close()
                 writer = None  # the connection's state is unknown after an error: a fresh one
                 continue
@@ -159,9 +150,7 @@ async def _worker(host: str, port: int, requests: list[_Request], output_len: in
             elif tokens == output_len:
                 result.completed += 1
             else:
-                result.failed += 1
-                if len(result.errors) < _ERRORS_KEPT:
-                    result.errors.append(f"request {request.index}: {tokens} of {output_len} tokens")
+                _record_failure(result, f"request {request.index}: {tokens} of {output_len} tokens")
     finally:
         if writer is not None:
             writer.close()

@@ -50,11 +50,16 @@ async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]
     return status, headers
 
 
-async def _one_request(reader, writer, host: str, path: str, body: dict) -> StreamStats:
+def send_request(writer: asyncio.StreamWriter, host: str, path: str, body: dict) -> None:
+    """Write one JSON POST on the connection (HTTP/1.1 keep-alive)."""
     payload = json.dumps(body).encode()
     writer.write(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
                  f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
-    stats = StreamStats(time.perf_counter())
+
+
+async def stream_events(reader: asyncio.StreamReader):
+    """The answer's SSE events, one chunk each as uvicorn writes them (b"data: ...\n\n"), until the
+    chunked body ends; StreamError for any answer but a 200 event stream, and for an error event."""
     status, headers = await _read_head(reader)
     if headers.get("transfer-encoding") != "chunked":
         size = int(headers.get("content-length", "0"))
@@ -64,18 +69,31 @@ async def _one_request(reader, writer, host: str, path: str, body: dict) -> Stre
         size = int((await reader.readline()).split(b";")[0], 16)
         chunk = await reader.readexactly(size + 2)  # the data and its CRLF
         if size == 0:
-            return stats
+            return
         if status != 200 or chunk.startswith(b'data: {"error"'):
             raise StreamError(f"HTTP {status}: {chunk[:300].decode(errors='replace')}")
-        # uvicorn writes each event as one chunk; the usage event has no choices; [DONE] ends it.
-        if b'"choices":[]' in chunk:
-            stats.num_tokens = json.loads(chunk[6:])["usage"]["completion_tokens"]
+        yield chunk
+
+
+def usage_tokens(chunk: bytes) -> int | None:
+    """completion_tokens of the usage event (it has no choices), None for any other event."""
+    return json.loads(chunk[6:])["usage"]["completion_tokens"] if b'"choices":[]' in chunk else None
+
+
+async def _one_request(reader, writer, host: str, path: str, body: dict) -> StreamStats:
+    send_request(writer, host, path, body)
+    stats = StreamStats(time.perf_counter())
+    async for chunk in stream_events(reader):
+        # the usage event has no choices; [DONE] ends the stream
+        if (tokens := usage_tokens(chunk)) is not None:
+            stats.num_tokens = tokens
         elif chunk.startswith(b"data: {"):
             now = time.perf_counter()
             if stats.first_event is None:
                 stats.first_event = now
             stats.last_event = now
             stats.num_events += 1
+    return stats
 
 
 async def _worker(host: str, port: int, path: str, bodies: list[dict], out: list[StreamStats]) -> None:
