@@ -90,26 +90,47 @@ def _server_args(path: Path, port: int) -> list[str]:
 SERVED_FAMILY = "deepseek_v2"
 
 
+def _start_server(vllm_python, path: Path, tmp_path: Path) -> tuple[subprocess.Popen, str, Path]:
+    """The vLLM server up and healthy. The port is free when picked but the server binds it a minute
+    later, so a port another test took meanwhile (EADDRINUSE in the log) is a start on a fresh one."""
+    started = time.monotonic()
+    for attempt in range(3):
+        port, log_path = free_port(), tmp_path / f"server{attempt}.log"
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen([str(vllm_python), *_server_args(path, port)], stdout=log,
+                                    stderr=subprocess.STDOUT, env=vllm_env(), cwd=tmp_path)
+        url = f"http://127.0.0.1:{port}"
+        while proc.poll() is None:
+            if time.monotonic() - started > SERVER_STARTUP_TIMEOUT_S:
+                _stop(proc)
+                raise AssertionError("vLLM server did not start in time")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    return proc, url, log_path
+            except httpx.TransportError:
+                pass
+            time.sleep(1)
+        if "Address already in use" not in log_path.read_text():
+            break
+    raise AssertionError(f"vLLM server exited: {log_path.read_text()[-6000:]}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 @needs_vllm
 def test_openai_server_completion_runs_our_class_and_matches_hf(vllm_python, models, tmp_path):
     family = SERVED_FAMILY
     path, prompts, ref = models[family]
-    port, log_path = free_port(), tmp_path / "server.log"
     started = time.monotonic()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([str(vllm_python), *_server_args(path, port)], stdout=log, stderr=subprocess.STDOUT,
-                                env=vllm_env(), cwd=tmp_path)
+    proc, url, log_path = _start_server(vllm_python, path, tmp_path)
     try:
-        url = f"http://127.0.0.1:{port}"
-        while True:
-            assert proc.poll() is None, f"vLLM server exited: {log_path.read_text()[-6000:]}"
-            assert time.monotonic() - started < SERVER_STARTUP_TIMEOUT_S, "vLLM server did not start in time"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(1)
         print(f"\nvLLM server ({family}) ready in {time.monotonic() - started:.0f} s")
         body = {"model": "tiny", "prompt": prompts[2], "max_tokens": MAX_TOKENS, "temperature": 0,
                 "ignore_eos": True, "return_token_ids": True}
@@ -117,12 +138,7 @@ def test_openai_server_completion_runs_our_class_and_matches_hf(vllm_python, mod
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["token_ids"] == ref[2]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        _stop(proc)
     architecture, atom_class = FAMILIES[family]
     module, name = atom_class.split(":")
     assert f"atom_core's {name} ({module}) runs {architecture}" in log_path.read_text()
