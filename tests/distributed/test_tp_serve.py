@@ -67,13 +67,21 @@ def test_tp2_server_serves_then_fails_fast_when_a_worker_dies(tiny_dist_models, 
 def test_two_local_nodes(tiny_dist_models, tmp_path, reference_text):
     """Node 1 is a second `atomctl serve --node-rank 1` that runs rank 1 only; killing it fails
     node 0's engine at its next step."""
-    model, port = tiny_dist_models("llama"), free_port()
-    multi = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-port", str(port)]
-    log = open(tmp_path / "node1.log", "wb")
-    node1 = subprocess.Popen([*atomctl_cmd(), "serve", "--model", str(model), *ENGINE_ARGS, *multi, "--node-rank", "1"],
-                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    model = tiny_dist_models("llama")
+    for attempt in range(3):  # the master port is free when picked, bound seconds later: taken, try another
+        multi = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-port", str(free_port())]
+        log = open(tmp_path / f"node1_{attempt}.log", "wb")
+        node1 = subprocess.Popen([*atomctl_cmd(), "serve", "--model", str(model), *ENGINE_ARGS, *multi,
+                                  "--node-rank", "1"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            srv = start_server(model, tmp_path, *multi, "--node-rank", "0")
+            break
+        except AssertionError as e:
+            os.killpg(node1.pid, signal.SIGKILL)
+            node1.wait(10)
+            if "EADDRINUSE" not in str(e) or attempt == 2:
+                raise
     try:
-        srv = start_server(model, tmp_path, *multi, "--node-rank", "0")
         try:
             assert _workers_under(srv.proc.pid) == []  # rank 1 lives on "node 1"
             assert _complete(srv) == reference_text

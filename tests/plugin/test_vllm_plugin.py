@@ -17,7 +17,7 @@ import torch
 
 from tests.plugin.conftest import vllm_env
 from tests.plugin.vllm_runs import MAX_TOKENS, assert_ours_matched, build_models, run_driver
-from tests.server.conftest import free_port
+from tests.server.conftest import start_on_free_port
 
 needs_vllm = pytest.mark.vllm_plugin  # the tests that run vLLM (CI may deselect them: -m "not vllm_plugin")
 
@@ -91,28 +91,14 @@ SERVED_FAMILY = "deepseek_v2"
 
 
 def _start_server(vllm_python, path: Path, tmp_path: Path) -> tuple[subprocess.Popen, str, Path]:
-    """The vLLM server up and healthy. The port is free when picked but the server binds it a minute
-    later, so a port another test took meanwhile (EADDRINUSE in the log) is a start on a fresh one."""
-    started = time.monotonic()
-    for attempt in range(3):
-        port, log_path = free_port(), tmp_path / f"server{attempt}.log"
+    """The vLLM server up and healthy (started again on a fresh port when its port was taken)."""
+    def launch(port: int, log_path: Path) -> subprocess.Popen:
         with open(log_path, "w") as log:
-            proc = subprocess.Popen([str(vllm_python), *_server_args(path, port)], stdout=log,
+            return subprocess.Popen([str(vllm_python), *_server_args(path, port)], stdout=log,
                                     stderr=subprocess.STDOUT, env=vllm_env(), cwd=tmp_path)
-        url = f"http://127.0.0.1:{port}"
-        while proc.poll() is None:
-            if time.monotonic() - started > SERVER_STARTUP_TIMEOUT_S:
-                _stop(proc)
-                raise AssertionError("vLLM server did not start in time")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    return proc, url, log_path
-            except httpx.TransportError:
-                pass
-            time.sleep(1)
-        if "Address already in use" not in log_path.read_text():
-            break
-    raise AssertionError(f"vLLM server exited: {log_path.read_text()[-6000:]}")
+
+    proc, port, log_path = start_on_free_port(launch, tmp_path, "vllm_server", SERVER_STARTUP_TIMEOUT_S)
+    return proc, f"http://127.0.0.1:{port}", log_path
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -10,6 +10,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import httpx
 import pytest
@@ -84,28 +85,53 @@ class ServerProcess:
         return self.proc.returncode
 
 
+# What a server's log says when its port was taken between free_port() and its bind (uvicorn, asyncio).
+PORT_TAKEN = ("Address already in use", "error while attempting to bind")
+
+
+def start_on_free_port(launch: Callable[[int, Path], subprocess.Popen], log_dir: Path, name: str,
+                       timeout_s: float, attempts: int = 3) -> tuple[subprocess.Popen, int, Path]:
+    """(process, port, log) of the server `launch(port, log_path)` starts, once GET /health answers 200.
+    A port is free when picked and bound seconds later; when another process took it meanwhile (the
+    server exits and its log says so: PORT_TAKEN) the server starts again on a fresh one."""
+    deadline = time.monotonic() + timeout_s
+    for _ in range(attempts):
+        port = free_port()
+        log_path = log_dir / f"{name}_{port}.log"
+        proc = launch(port, log_path)
+        while proc.poll() is None:
+            if time.monotonic() > deadline:
+                _kill(proc)
+                raise AssertionError(f"{name} not healthy after {timeout_s:.0f} s:\n{log_path.read_text(errors='replace')}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    return proc, port, log_path
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        log = log_path.read_text(errors="replace")
+        if not any(marker in log for marker in PORT_TAKEN):
+            break
+    raise AssertionError(f"{name} exited with {proc.returncode}:\n{log}")
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    proc.kill()
+    proc.wait(10)
+
+
 def start_server(model: Path, log_dir: Path, *extra: str, api_key: str | None = None) -> ServerProcess:
-    port = free_port()
-    log_path = log_dir / f"serve_{port}.log"
-    cmd = [*atomctl_cmd(), "serve", "--model", str(model), "--port", str(port), *ENGINE_ARGS, *extra]
-    if api_key:
-        cmd += ["--api-key", api_key]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    server = ServerProcess(proc, port, log_path, str(model), api_key)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"atomctl serve exited with {proc.returncode}:\n{server.log()}")
-        try:
-            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
-                return server
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    server.stop(signal.SIGKILL)
-    raise AssertionError(f"atomctl serve not healthy after {STARTUP_TIMEOUT_S} s:\n{server.log()}")
+
+    def launch(port: int, log_path: Path) -> subprocess.Popen:
+        cmd = [*atomctl_cmd(), "serve", "--model", str(model), "--port", str(port), *ENGINE_ARGS, *extra]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        with open(log_path, "wb") as log:
+            return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    proc, port, log_path = start_on_free_port(launch, log_dir, "serve", STARTUP_TIMEOUT_S)
+    return ServerProcess(proc, port, log_path, str(model), api_key)
 
 
 @pytest.fixture(scope="module")
