@@ -86,7 +86,7 @@ SETS: dict[str, BenchSet] = {
         Step("eagle3-l8-k3", "python -m benchmarks.engine.eagle3_overhead preset:Llama-3-8B --k 3 --out {out}/eagle3_l8.json",
              300),
         Step("eagle3-l8-k3-graphs", "python -m benchmarks.engine.eagle3_overhead preset:Llama-3-8B --k 3 --mtp-graphs"
-                                    " --out {out}/eagle3_l8_graphs.json", 300),
+                                    " --profile 20 --out {out}/eagle3_l8_graphs.json", 300),
     )),
     "serve": BenchSet("online serving of Llama-3-8B at serve's defaults: c64 and c256, five requests a stream", (
         Step("serve-l8-c64", f"{SERVE_L8} --num-prompts 320 --max-concurrency 64 --seed 0"
@@ -94,6 +94,11 @@ SETS: dict[str, BenchSet] = {
         # another seed: c64's prompts are still in the prefix cache
         Step("serve-l8-c256", f"{SERVE_L8} --num-prompts 1280 --max-concurrency 256 --seed 1"
                               " --save-result --result-dir {out} --result-filename serve_l8_c256.json", 300),
+    ), server=f"atomctl serve {L8} --port {SERVE_PORT}"),
+    "soak": BenchSet("the serving soak of Llama-3-8B at serve's defaults: 2,000 streams at concurrency 512, a fifth"
+                     " of the clients hanging up mid-stream; checks whole answers, free KV blocks, flat memory", (
+        Step("soak-l8-c512", "atomctl bench soak --base-url http://127.0.0.1:{port} --vocab-size 128000"
+                             " --output-json {out}/soak_l8.json".replace("{port}", str(SERVE_PORT)), 540),
     ), server=f"atomctl serve {L8} --port {SERVE_PORT}"),
     "profile": BenchSet("where decode steps go: per-kernel breakdowns of batch-1 / batch-128 steps", (
         *_profile("l8-bs1", L8, "--bs 1 --input-length 512 --output-length 8"),
