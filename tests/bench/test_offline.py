@@ -104,6 +104,28 @@ class TestCommands:
                                                     "graph_capture", "other"}
         assert sum(data["startup_breakdown_s"].values()) == pytest.approx(data["startup_s"])
 
+    def test_workload_seed_draws_another_workload(self, tiny_llama, tmp_path):
+        """--workload-seed seeds the prompts and lengths: the same seed twice is one workload, another seed
+        another (output tokens and the recorded seed follow ThroughputWorkload.build's draw)."""
+        def run(seed: str, name: str) -> dict:
+            out = tmp_path / name
+            res = runner.invoke(app, ["bench", "offline", "--model", str(tiny_llama), "--device", "cpu",
+                                      "--num-prompts", "4", "--min-input-len", "5", "--max-input-len", "30",
+                                      "--min-output-len", "2", "--max-output-len", "9", "--workload-seed", seed,
+                                      "--output-json", str(out)])
+            assert res.exit_code == 0, res.output
+            return json.loads(out.read_text())
+
+        first, again, other = run("7", "a.json"), run("7", "b.json"), run("8", "c.json")
+        vocab = json.loads((tiny_llama / "config.json").read_text())["vocab_size"]  # run_throughput's id bound
+        expected = {seed: sum(p.max_tokens for p in ThroughputWorkload(
+            num_prompts=4, min_input_len=5, max_input_len=30, min_output_len=2, max_output_len=9, seed=seed,
+            max_token_id=vocab - 1).build()[1]) for seed in (7, 8)}
+        assert expected[7] != expected[8]
+        assert first["workload"]["seed"] == again["workload"]["seed"] == 7 and other["workload"]["seed"] == 8
+        assert first["output_tokens"] == again["output_tokens"] == expected[7]
+        assert other["output_tokens"] == expected[8]
+
     def test_offline_with_multi_step_windows(self, tiny_llama, tmp_path):
         out = tmp_path / "off.json"
         res = runner.invoke(app, ["bench", "offline", "--model", str(tiny_llama), "--device", "cpu", "--num-prompts", "4",

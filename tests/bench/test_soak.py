@@ -55,10 +55,11 @@ def test_same_seed_hangs_up_the_same_clients(tiny_server, tmp_path):
 
 class _LeakyServer:
     """/v1/completions streams `output_len` token events, one short for odd first prompt ids below 20;
-    /metrics keeps 10 of 100 KV blocks used and grows the memory gauge 100 MB a scrape."""
+    /metrics keeps 10 of 100 KV blocks used and grows the memory gauge 100 MB a scrape; busy: whole answers,
+    and a running request at every scrape (a server that never goes idle)."""
 
-    def __init__(self) -> None:
-        self.scrapes = 0
+    def __init__(self, busy: bool = False) -> None:
+        self.scrapes, self.busy = 0, busy
         self.app = FastAPI()
         self.app.get("/v1/models")(lambda: {"data": [{"id": "fake"}]})
         self.app.post("/v1/completions")(self.completions)
@@ -67,7 +68,7 @@ class _LeakyServer:
     async def completions(self, request: Request):
         body = await request.json()
         first, n = body["prompt"][0], body["max_tokens"]
-        n -= first < 20 and first % 2
+        n -= not self.busy and first < 20 and first % 2
 
         async def events():
             for _ in range(n):
@@ -79,18 +80,17 @@ class _LeakyServer:
     def metrics(self):
         self.scrapes += 1
         labels = '{model_name="fake"}'
-        lines = [f"atom_num_requests_running{labels} 0.0", f"atom_num_requests_waiting{labels} 0.0",
+        lines = [f"atom_num_requests_running{labels} {float(self.busy)}", f"atom_num_requests_waiting{labels} 0.0",
                  f"atom_num_api_requests_in_flight{labels} 0.0", f"atom_kv_cache_blocks_total{labels} 100.0",
                  f"atom_kv_cache_blocks_free{labels} 90.0", f"atom_engine_memory_bytes{labels} {self.scrapes * 100 * 2**20}"]
         return PlainTextResponse("\n".join(lines) + "\n")
 
 
-@pytest.fixture
-def leaky_server():
+def _serve(app: FastAPI):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(128)
-    server = uvicorn.Server(uvicorn.Config(_LeakyServer().app, log_level="critical", lifespan="off"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="critical", lifespan="off"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     while not server.started:
@@ -98,6 +98,16 @@ def leaky_server():
     yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     server.should_exit = True
     thread.join(timeout=10)
+
+
+@pytest.fixture
+def leaky_server():
+    yield from _serve(_LeakyServer().app)
+
+
+@pytest.fixture
+def busy_server():
+    yield from _serve(_LeakyServer(busy=True).app)
 
 
 def test_soak_names_short_answers_held_blocks_and_memory_growth(leaky_server, tmp_path):
@@ -110,6 +120,15 @@ def test_soak_names_short_answers_held_blocks_and_memory_growth(leaky_server, tm
     assert len(failed) == 3
     assert "10 requests not abandoned failed" in failed[0] and "5 of 6 tokens" in failed[0]
     assert "10 of 100 KV blocks still held" in failed[1] and "memory grew 100.0 MB" in failed[2]
+
+
+def test_settle_timeout_bounds_the_wait_for_an_idle_server(busy_server, tmp_path):
+    started = time.monotonic()
+    run, result = soak(busy_server, tmp_path, "--num-prompts", "4", "--max-concurrency", "2", "--input-len", "4",
+                       "--output-len", "30", "--disconnect-fraction", "0", "--settle-timeout", "0.5")
+    assert run.returncode == 3, run.stdout + run.stderr
+    assert not result["settled"] and time.monotonic() - started < 60
+    assert "the server still had requests 0.5 s after the last client finished" in run.stdout
 
 
 @pytest.mark.parametrize("args,message", [

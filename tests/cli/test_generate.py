@@ -116,6 +116,26 @@ class TestOutput:
         assert out["latency"] >= out["ttft"] >= 0 and out["tpot"] >= 0
         assert STATS.search(result.stderr)
 
+    def test_sampling_seed_reproduces_a_sampled_answer(self, model, tiny_llama):
+        """--sampling-seed is the request's seed: the same seed twice samples the same tokens, which are the
+        library's for SamplingParams(seed=...); other seeds sample others."""
+        from atom_core import LLMEngine, SamplingParams
+
+        def run(seed: str) -> list[int]:
+            result = invoke(["generate", *model, "--max-tokens", "12", "--ignore-eos", "--temperature", "1.0",
+                             "--json", "--sampling-seed", seed, "Hello"])
+            assert result.exit_code == 0, result.output
+            return json.loads(result.stdout)[0]["token_ids"]
+
+        first = run("3")
+        assert run("3") == first
+        engine = LLMEngine(str(tiny_llama), device="cpu", num_kv_blocks=64)
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=True,
+                                                      tokenize=False)
+        params = SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
+        assert engine.generate([prompt], params)[0]["token_ids"] == first
+        assert any(run(seed) != first for seed in ("4", "5"))
+
     def test_prompts_from_a_file(self, model, tmp_path):
         path = tmp_path / "prompts.txt"
         path.write_text("Hello\n\nThe quick brown fox\nnaïve café 🚀\n")
