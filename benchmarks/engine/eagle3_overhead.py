@@ -6,9 +6,13 @@ fills the head with random weights too, so acceptance is ~0 and every step draft
 starts one engine with --method eagle3, and measures at batch 1 on a long decode:
   plain_step_ms   a decode step with the proposer off (decode graphs, one host round trip a step)
   spec_step_ms    a step with drafting on (verify of 1 + K tokens, then the head's K drafts)
+  verify_step_ms  the same speculative steps with drafts that cost nothing (a proposer handing back K
+                  fixed tokens: verified and rejected as the random head's are), so
+                  spec_step_ms - verify_step_ms is what the head's drafting adds to a step, host included
   draft_ms        the proposer's own time per step (the fc, catch-up and K - 1 later drafts),
                   synchronized around `Proposer.draft`
-and reports draft_ms / plain_step_ms (the issue's target: <= 0.15 for K = 3 on Llama-3-8B).
+and reports draft_ms / plain_step_ms (the issue's target: <= 0.15 for K = 3 on Llama-3-8B) and the
+added cost over plain_step_ms beside it.
 With --mtp-graphs a step's whole draft loop is one graph replay (spec_decode/mtp_graphs.py).
 --profile N profiles N more spec-decode steps (torch.profiler) and reports, per draft, its wall time,
 its span on the GPU, the kernel time and the GPU's idle time inside that span, its graph and kernel
@@ -31,7 +35,7 @@ import torch
 
 from atom_core import LLMEngine, SamplingParams
 from atom_core.loader import resolve_model_files
-from atom_core.spec_decode.proposer import NoProposer
+from atom_core.spec_decode.proposer import NoProposer, Proposer
 
 
 def write_head_config(target: str, out: Path, draft_vocab: int) -> Path:
@@ -73,6 +77,18 @@ def timed_decode(engine, output_len: int) -> float:
 
 
 DRAFT_RANGE = "eagle3.draft"  # the record_function around each timed draft
+
+
+class FixedDrafts(Proposer):
+    """K drafts of one fixed token for every request, at no cost: the verify steps of speculation
+    without the head's work (a random head's drafts are rejected too, so both emit a token a step)."""
+
+    def __init__(self, num_draft_tokens: int, token: int = 0):
+        super().__init__(num_draft_tokens)
+        self.token = token
+
+    def propose(self, states, target=None) -> list[list[int]]:
+        return [[self.token] * self.num_draft_tokens for _ in states]
 
 
 def _per_draft(times: dict[str, list[float]], n: int, top: int) -> list[dict]:
@@ -151,6 +167,8 @@ def main() -> None:
     timed_decode(engine, 32)  # warm-up
     runner.proposer = NoProposer()
     plain = timed_decode(engine, args.output_len)
+    runner.proposer = FixedDrafts(args.k)
+    verify = timed_decode(engine, args.output_len)
     runner.proposer = proposer
     spec = timed_decode(engine, args.output_len)
     proposer.draft = timed_draft
@@ -158,6 +176,8 @@ def main() -> None:
     draft = sorted(draft_seconds)[len(draft_seconds) // 2]
     result = {"model": args.model, "k": args.k, "mtp_graphs": args.mtp_graphs,
               "plain_step_ms": round(plain * 1e3, 3), "spec_step_ms": round(spec * 1e3, 3),
+              "verify_step_ms": round(verify * 1e3, 3), "drafting_adds_ms": round((spec - verify) * 1e3, 3),
+              "drafting_adds_over_plain_step": round((spec - verify) / plain, 3),
               "draft_ms_median": round(draft * 1e3, 3), "draft_over_plain_step": round(draft / plain, 3),
               "spec_decode": engine.spec_decode_stats()}
     if args.profile:

@@ -18,6 +18,9 @@ def test_reports_the_draft_cost_against_a_plain_step(tmp_path, monkeypatch):
     assert result["k"] == 2 and result["mtp_graphs"] is True
     assert result["plain_step_ms"] > 0 and result["draft_ms_median"] > 0
     assert abs(result["draft_over_plain_step"] - result["draft_ms_median"] / result["plain_step_ms"]) < 0.01
+    assert result["verify_step_ms"] > 0
+    assert abs(result["drafting_adds_ms"] - (result["spec_step_ms"] - result["verify_step_ms"])) < 0.002
+    assert abs(result["drafting_adds_over_plain_step"] - result["drafting_adds_ms"] / result["plain_step_ms"]) < 0.01
     assert result["spec_decode"]["num_drafts"] > 0 and len(result["spec_decode"]["accepted_per_position"]) == 2
     profile = result["profile"]  # on the CPU: the host's draft ranges and operators, no GPU span or kernels
     assert profile["drafts"] >= 3 and profile["wall_us_per_draft"] > 0
