@@ -57,3 +57,19 @@ def test_a_server_that_never_answers_is_killed_at_the_deadline(tmp_path):
     launch, started = _launcher(["import time; print('loading'); time.sleep(60)"])
     with pytest.raises(AssertionError, match="fake not healthy after 1 s:\n.*loading"):
         start_on_free_port(launch, tmp_path, "fake", timeout_s=1)
+
+
+def test_atomctl_serve_on_a_taken_port_says_what_the_start_looks_for(tiny_llama, tmp_path):
+    """The marker start_on_free_port retries on is what `atomctl serve` prints for a port in use."""
+    import socket
+
+    from tests.server.conftest import ENGINE_ARGS, PORT_TAKEN, atomctl_cmd
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        port = held.getsockname()[1]
+        run = subprocess.run([*atomctl_cmd(), "serve", "--model", str(tiny_llama), "--port", str(port), *ENGINE_ARGS],
+                             capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1
+    assert any(marker in run.stdout + run.stderr for marker in PORT_TAKEN), run.stdout + run.stderr
