@@ -21,6 +21,9 @@ class SamplingParams:
     `seed` makes the request's samples reproducible whatever else shares its batch.
     `logprobs` = k returns the chosen token's logprob and the top-k per step (0: chosen only);
     `prompt_logprobs` = k returns the same for every prompt token (first one is None).
+    `logit_bias` {token id: bias in [-100, 100]} adds each bias to that token's logit before every
+    sample (OpenAI's logit_bias: -100 bans a token in practice, +100 all but forces it); the ids must be
+    below the model's vocabulary size (checked when the request is added).
     `structured_outputs` constrains the output to a grammar (JSON schema, regex, choice, ...).
     `lora_request` names the LoRA adapter the request runs with (None: the base model); it rides here so
     every boundary a request crosses carries it unchanged.
@@ -43,6 +46,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     lora_request: LoRARequest | None = None
 
@@ -83,6 +87,14 @@ class SamplingParams:
             fail("seed", "must be a non-negative 64-bit integer")
         if any(not isinstance(s, str) or not s for s in self.stop):
             fail("stop", "stop strings must be non-empty strings")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                fail("logit_bias", "must be a mapping of token ids to biases")
+            for token, bias in self.logit_bias.items():
+                if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                    fail("logit_bias", f"token ids must be integers >= 0, got {token!r}")
+                if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+                    fail("logit_bias", f"the bias of token {token} must be a number in [-100, 100], got {bias!r}")
         if self.structured_outputs is not None and self.min_tokens > 0:
             # min_tokens bans EOS where the grammar may allow nothing else.
             fail("min_tokens", "must be 0 with structured outputs")

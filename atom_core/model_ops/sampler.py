@@ -61,6 +61,7 @@ class SamplingBatch:
     prompt_mask: torch.Tensor | None = None  # [B, V] bool
     output_counts: torch.Tensor | None = None  # [B, V] float32
     banned_mask: torch.Tensor | None = None  # [B, V] bool: EOS/stop ids before min_tokens
+    logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None  # ([2, N] int64 (row, token), [N] float32 bias)
     grammar_bitmask: torch.Tensor | None = None  # [B, ceil(V / 32)] int32 allowed tokens (structured outputs)
     max_num_logprobs: int = -1  # -1: none requested
 
@@ -71,6 +72,12 @@ class SamplerOutput:
     logprobs: torch.Tensor | None = None  # [B] logprob of the chosen token (raw model distribution)
     top_logprobs: torch.Tensor | None = None  # [B, k]
     top_token_ids: torch.Tensor | None = None  # [B, k]
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """logits [B, V] (float32, a copy) plus the requests' sparse logit_bias: values[i] at (row, token) index[:, i]."""
+    index, values = bias
+    return logits.float().index_put((index[0], index[1]), values, accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -156,6 +163,8 @@ class Sampler(nn.Module):
             raw = logits.log_softmax(dim=-1, dtype=torch.float32)
         if batch.repetition_penalties is not None or batch.frequency_penalties is not None or batch.presence_penalties is not None:
             logits = apply_penalties(logits.float(), batch)
+        if batch.logit_bias is not None:
+            logits = apply_logit_bias(logits, batch.logit_bias)
         if batch.banned_mask is not None:
             logits = logits.masked_fill(batch.banned_mask, float("-inf"))
         if batch.grammar_bitmask is not None:

@@ -1,8 +1,8 @@
 """OpenAI request models, their translation into SamplingParams, and the OpenAI error body.
 
 Requests are strict: a field this server does not know is a 400 naming it, and fields it knows
-but does not implement are accepted only at their no-op value (`best_of: 1`, empty
-`logit_bias`, `response_format: {"type": "text"}`, ...). A field that would change results
+but does not implement are accepted only at their no-op value (`best_of: 1`,
+`response_format: {"type": "text"}`, ...). A field that would change results
 is never silently ignored.
 """
 from __future__ import annotations
@@ -154,9 +154,10 @@ class _SamplingRequest(_Strict):
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     service_tier: str | None = None
+    logit_bias: dict[str, float] | None = Field(
+        None, description="Token id (a decimal string) -> bias in [-100, 100], added to that token's logit.")
     # Known but not implemented: only their no-op value passes (see _reject_unsupported).
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="1 or n (no-op values only).")
-    logit_bias: dict[str, float] | None = None
     # Output constraints (structured outputs); at most one per request.
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -193,8 +194,6 @@ class _SamplingRequest(_Strict):
     def _reject_unsupported(self):
         if self.best_of not in (None, 1, self.n):
             raise _field_error("best_of", "best_of other than n is not supported")
-        if self.logit_bias:
-            raise _field_error("logit_bias", "logit_bias is not supported")
         if self.stream_options is not None and not self.stream:
             raise _field_error("stream_options", "stream_options is only allowed with stream=true")
         return self
@@ -205,6 +204,15 @@ class _SamplingRequest(_Strict):
             self._structured = structured_params(self)
         except ConstraintError as e:
             raise _field_error(e.param, str(e)) from None
+        return self
+
+    @model_validator(mode="after")
+    def _check_logit_bias(self):
+        for key, bias in (self.logit_bias or {}).items():
+            if not re.fullmatch(r"[0-9]+", key):
+                raise _field_error("logit_bias", f"logit_bias keys are token ids as decimal strings, got {key!r}")
+            if not -100 <= bias <= 100:
+                raise _field_error("logit_bias", f"logit_bias[{key}] = {bias} is outside [-100, 100]")
         return self
 
     @property
@@ -223,6 +231,7 @@ class _SamplingRequest(_Strict):
                 repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens, structured_outputs=self._structured,
+                logit_bias={int(k): float(v) for k, v in self.logit_bias.items()} if self.logit_bias else None,
             )
         except ValueError as e:
             raise sampling_error(e) from None

@@ -30,7 +30,7 @@ from atom_core.server.chat_output import ChatOptions, ChatOutputParser
 from atom_core.server.logprobs import LogprobFormatter
 from atom_core.server.media import MediaFetcher, MediaOptions
 from atom_core.server.metrics import ServerMetrics
-from atom_core.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from atom_core.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body, sampling_error
 from atom_core.server.tokenizer_pool import TokenizerPool
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -247,7 +247,8 @@ class OpenAIServing:
             return APIError(str(e), param=prompt_param, code="context_length_exceeded")
         if params.max_tokens is not None and len(ids) + params.max_tokens > max_len:
             return APIError(str(e), param=limit_param, code="context_length_exceeded")
-        return APIError(str(e), param=prompt_param)
+        named = sampling_error(e)  # a sampling parameter the core's check names (logit_bias ids past the vocabulary)
+        return named if named.param is not None else APIError(str(e), param=prompt_param)
 
     # ---- running ----------------------------------------------------------------------
     async def _merged(self, subs: list[EngineRequest]) -> AsyncIterator[tuple[EngineRequest, RequestState]]:

@@ -9,7 +9,7 @@ as the target's (Leviathan et al. 2023). Greedy rows accept d iff d is the argma
 argmax, so greedy output equals non-speculative decoding token for token.
 
 p_j is exactly what the Sampler samples from: penalties (over the outputs including the drafts
-before row j), the min_tokens ban, a grammar's mask, temperature, top-k, top-p, min-p. Randomness: seeded rows
+before row j), logit_bias, the min_tokens ban, a grammar's mask, temperature, top-k, top-p, min-p. Randomness: seeded rows
 hash (seed, output index) as the Sampler does, so seeded requests are reproducible.
 """
 from __future__ import annotations
@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from atom_core.model_ops.sampler import (SamplingBatch, apply_penalties, hashed_exponential, mix32,
-                                         sampling_probs, unit_interval)
+from atom_core.model_ops.sampler import (SamplingBatch, apply_logit_bias, apply_penalties, hashed_exponential,
+                                         mix32, sampling_probs, unit_interval)
 
 _MASK32 = 0xFFFFFFFF
 
@@ -35,6 +35,8 @@ def _adjusted_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
     if batch.repetition_penalties is not None or batch.frequency_penalties is not None \
             or batch.presence_penalties is not None:
         logits = apply_penalties(logits, batch)
+    if batch.logit_bias is not None:
+        logits = apply_logit_bias(logits, batch.logit_bias)
     if batch.banned_mask is not None:
         logits = logits.masked_fill(batch.banned_mask, float("-inf"))
     if getattr(batch, "grammar_bitmask", None) is not None:  # a grammar request sharing the step

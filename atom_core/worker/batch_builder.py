@@ -300,6 +300,11 @@ def build_sampling_batch(out: SchedulerOutput, states: list[RequestState], seq_i
             sb.positions = to_device(np.array(num_outputs, dtype=np.int64), device)
     if any(p.has_penalties for p in params):
         _add_penalties(sb, seqs, vocab_size, device)
+    if any(p.logit_bias for p in params):
+        entries = [(r, t, b) for r, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
+        rows, tokens, biases = zip(*entries)
+        sb.logit_bias = (to_device(np.array([rows, tokens], dtype=np.int64), device),
+                         to_device(np.array(biases, dtype=np.float32), device))
     banned = [(r, s) for r, (s, k) in enumerate(zip(seqs, num_outputs)) if k < s.sampling_params.min_tokens]
     if banned:
         mask = np.zeros((len(seqs), vocab_size), dtype=bool)

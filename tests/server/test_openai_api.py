@@ -164,6 +164,23 @@ class TestCompletions:
         assert batch.usage.prompt_tokens == len(ids) + 2
         assert strings.choices[0].text == by_text.choices[0].text and len(strings.choices) == 2
 
+    def test_logit_bias_equals_llm_engine_with_the_same_bias(self, server, reference_engine):
+        """The SDK's logit_bias ({token id string: bias}) reaches the sampler: a banned first pick and a
+        forced token, as LLMEngine with SamplingParams(logit_bias=...) gives them, chat and completions."""
+        client = server.openai()
+        [plain] = reference_engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        first = plain["token_ids"][0]
+        bias = {first: -100.0, 7: 3.0}
+        [ref] = reference_engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                                   logit_bias=bias))
+        resp = client.completions.create(model=server.model_name, prompt=PROMPT, max_tokens=6, temperature=0,
+                                         logit_bias={str(k): v for k, v in bias.items()},
+                                         extra_body={"ignore_eos": True})
+        assert resp.choices[0].text == ref["text"] and ref["token_ids"][0] != first
+        forced = client.chat.completions.create(model=server.model_name, messages=CHAT, max_tokens=4, temperature=0,
+                                                logit_bias={"42": 100}, extra_body={"ignore_eos": True})
+        assert forced.choices[0].message.content == reference_engine.tokenizer.decode([42] * 4)
+
     def test_stop_string_cuts_text(self, server):
         client = server.openai()
         kw = dict(model=server.model_name, prompt=PROMPT, max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
@@ -330,7 +347,12 @@ BAD_INPUTS = [
     ("tools_auto_without_server_flags", "/v1/chat/completions",
      {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice",
      "--enable-auto-tool-choice"),
-    ("logit_bias_unsupported", "/v1/completions", {"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias", ""),
+    ("logit_bias_key_not_a_token_id", "/v1/completions", {"prompt": "x", "logit_bias": {"five": 10}}, 400,
+     "logit_bias", "token ids as decimal strings, got 'five'"),
+    ("logit_bias_out_of_range", "/v1/chat/completions", {"messages": CHAT, "logit_bias": {"5": -101}}, 400,
+     "logit_bias", "logit_bias[5] = -101.0 is outside [-100, 100]"),
+    ("logit_bias_past_the_vocabulary", "/v1/completions", {"prompt": "x", "logit_bias": {"1000000": 1}}, 400,
+     "logit_bias", "out of range"),
     ("best_of_unsupported", "/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of", ""),
     ("response_format_unknown_type", "/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "yaml"}},
      400, "response_format.type", ""),

@@ -61,10 +61,15 @@ class TestChatRequest:
 
     @pytest.mark.parametrize("body, param", [
         ({"n": 0}, "n"), ({"tools": [{"type": "function"}]}, "tools.0.function"), ({"top_logprobs": 2}, "top_logprobs"),
-        ({"logit_bias": {"1": 1.0}}, "logit_bias"), ({"bogus": 1}, "bogus"), ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"logit_bias": {"x1": 1.0}}, "logit_bias"), ({"bogus": 1}, "bogus"), ({"stream_options": {"include_usage": True}}, "stream_options"),
     ])
     def test_unsupported_values_name_the_field(self, body, param):
         assert api_error_of(ChatCompletionRequest, messages=CHAT, **body).param == param
+
+    def test_logit_bias_becomes_integer_token_ids(self):
+        params = ChatCompletionRequest(messages=CHAT, logit_bias={"5": 2, "17": -100}).to_sampling_params(0)
+        assert params.logit_bias == {5: 2.0, 17: -100.0}
+        assert ChatCompletionRequest(messages=CHAT).to_sampling_params(0).logit_bias is None
 
     def test_sampling_errors_name_the_field(self):
         with pytest.raises(APIError) as e:
