@@ -149,6 +149,9 @@ class _SamplingRequest(_Strict):
     repetition_penalty: float = Field(1.0, gt=0, description="1 is off.")
     stream: bool = False
     stream_options: StreamOptions | None = None
+    return_token_ids: bool = Field(False, description=(
+        "vLLM's: each choice also carries its output token ids (`token_ids`; streamed: each chunk's new ones) and "
+        "the prompt's (`prompt_token_ids`: per choice for completions, on the response or its first chunk for chat)."))
     # Accepted for compatibility; they never change results.
     user: str | None = None
     metadata: dict[str, Any] | None = None

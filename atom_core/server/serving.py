@@ -160,6 +160,8 @@ class OpenAIServing:
         states = await self.run_to_end(raw, subs)
         choices = [choice(sub, state, req) for sub, state in zip(subs, states)]
         envelope = self._envelope(response_id, object_name, choices, self.served_name(subs[0]))
+        if req.return_token_ids and object_name == "chat.completion":  # one prompt: vLLM puts its ids on the response
+            envelope["prompt_token_ids"] = subs[0].prompt_ids
         return JSONResponse(envelope | {"usage": self._usage(subs, states)})
 
     # ---- requests ---------------------------------------------------------------------
@@ -340,8 +342,11 @@ class OpenAIServing:
         if req.logprobs:
             logprobs = {"content": self.logprobs.chat(state.token_ids, state.logprobs, req.top_logprobs or 0)}
         message = sub.output.message(state.text) if sub.output else {"role": "assistant", "content": state.text}
-        return {"index": sub.index, "message": message, "logprobs": logprobs,
-                "finish_reason": _chat_finish_reason(sub, state)}
+        choice = {"index": sub.index, "message": message, "logprobs": logprobs,
+                  "finish_reason": _chat_finish_reason(sub, state)}
+        if req.return_token_ids:
+            choice["token_ids"] = list(state.token_ids)
+        return choice
 
     def _completion_choice(self, sub: EngineRequest, state: RequestState, req: CompletionRequest) -> dict:
         text, ids, entries = state.text, list(state.token_ids), list(state.logprobs)
@@ -350,7 +355,10 @@ class OpenAIServing:
             ids = sub.prompt_ids + ids
             entries = (state.prompt_logprobs or [None] * len(sub.prompt_ids)) + entries
         logprobs = self.logprobs.completion(ids, entries, 0)[0] if req.logprobs is not None else None
-        return {"index": sub.index, "text": text, "logprobs": logprobs, "finish_reason": state.finish_reason}
+        choice = {"index": sub.index, "text": text, "logprobs": logprobs, "finish_reason": state.finish_reason}
+        if req.return_token_ids:
+            choice |= {"token_ids": list(state.token_ids), "prompt_token_ids": sub.prompt_ids}
+        return choice
 
     def _prompt_text(self, sub: EngineRequest) -> str:
         if sub.prompt_text is not None:
@@ -360,13 +368,14 @@ class OpenAIServing:
     # ---- streams ----------------------------------------------------------------------
     async def _chunks(self, response_id: str, obj: str, subs: list[EngineRequest],
                       choice_of: Callable[[EngineRequest, RequestState], dict | None], include_usage: bool,
-                      opening: tuple[dict, ...] = ()) -> AsyncIterator[str]:
+                      opening: tuple[dict, ...] = (), first: dict | None = None) -> AsyncIterator[str]:
         """One stream's SSE events: the `opening` choices, then choice_of(sub, state) per update
-        (None: nothing to send yet), the usage chunk when asked for, and [DONE]."""
+        (None: nothing to send yet), the usage chunk when asked for, and [DONE]. `first`: fields of
+        the first opening chunk's envelope (chat's prompt_token_ids)."""
         head = self._envelope(response_id, obj, [], self.served_name(subs[0]))
         events = ChoiceEvents(head)
-        for choice in opening:
-            yield events.event(choice)
+        for i, choice in enumerate(opening):
+            yield sse(head | first | {"choices": [choice]}) if i == 0 and first else events.event(choice)
         final = {}
         async for sub, state in self._merged(subs):
             choice = choice_of(sub, state)
@@ -384,13 +393,15 @@ class OpenAIServing:
     def _chat_chunks(self, response_id: str, req: ChatCompletionRequest, subs: list[EngineRequest]) -> AsyncIterator[str]:
         opening = tuple({"index": sub.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                          "finish_reason": None} for sub in subs)
+        first = {"prompt_token_ids": subs[0].prompt_ids} if req.return_token_ids else None
         return self._chunks(response_id, "chat.completion.chunk", subs, partial(self._chat_delta, req),
-                            req.include_usage, opening)
+                            req.include_usage, opening, first)
 
     def _chat_delta(self, req: ChatCompletionRequest, sub: EngineRequest, state: RequestState) -> dict | None:
         start = state.sent_tokens
         text, ids = state.take_delta()
-        if not text and not state.finished and not (req.logprobs and ids):
+        wants_ids = (req.logprobs or req.return_token_ids) and ids  # ids are sent even while their text is held back
+        if not text and not state.finished and not wants_ids:
             return None
         logprobs = None
         if req.logprobs:
@@ -398,32 +409,40 @@ class OpenAIServing:
             logprobs = {"content": self.logprobs.chat(ids, entries, req.top_logprobs or 0)}
         if sub.output is not None:  # the text released so far (stop strings held back), parsed
             delta = sub.output.delta(state.text[: state.sent_chars], state.finished)
-            if not delta and not state.finished and not logprobs:
+            if not delta and not state.finished and not wants_ids:
                 return None  # all of it held back (a marker still arriving)
         else:
             delta = {"content": text} if text else {}
-        return {"index": sub.index, "delta": delta, "logprobs": logprobs,
-                "finish_reason": _chat_finish_reason(sub, state) if state.finished else None}
+        choice = {"index": sub.index, "delta": delta, "logprobs": logprobs,
+                  "finish_reason": _chat_finish_reason(sub, state) if state.finished else None}
+        if req.return_token_ids:
+            choice["token_ids"] = ids
+        return choice
 
     def _completion_chunks(self, response_id: str, req: CompletionRequest, subs: list[EngineRequest]) -> AsyncIterator[str]:
-        offsets, echoed = {}, set()
+        offsets, opened = {}, set()  # choices whose first chunk went out
 
         def choice_of(sub: EngineRequest, state: RequestState) -> dict | None:
             start = state.sent_tokens
             text, ids = state.take_delta()
+            new_ids = ids
             entries = state.logprobs[start : start + len(ids)]
-            if req.echo and sub.index not in echoed:  # the prompt goes out with the first token
-                echoed.add(sub.index)
+            opening = sub.index not in opened
+            if req.echo and opening:  # the prompt goes out with the first token
                 text = self._prompt_text(sub) + text
                 entries = (state.prompt_logprobs or [None] * len(sub.prompt_ids)) + entries
                 ids = sub.prompt_ids + ids
-            if not text and not state.finished and not (req.logprobs is not None and ids):
+            if not text and not state.finished and not ((req.logprobs is not None or req.return_token_ids) and ids):
                 return None
+            opened.add(sub.index)
             logprobs = None
             if req.logprobs is not None:
                 logprobs, offsets[sub.index] = self.logprobs.completion(ids, entries, offsets.get(sub.index, 0))
-            return {"index": sub.index, "text": text, "logprobs": logprobs,
-                    "finish_reason": state.finish_reason if state.finished else None}
+            choice = {"index": sub.index, "text": text, "logprobs": logprobs,
+                      "finish_reason": state.finish_reason if state.finished else None}
+            if req.return_token_ids:  # the prompt's ids with the choice's first chunk
+                choice |= {"token_ids": new_ids} | ({"prompt_token_ids": sub.prompt_ids} if opening else {})
+            return choice
 
         return self._chunks(response_id, "text_completion", subs, choice_of, req.include_usage)
 

@@ -476,6 +476,48 @@ class TestDocumentedRanges:
 
 
 # ---- shutdown (stops the module's server: keep last) ------------------------------------
+class TestReturnTokenIds:
+    """vLLM's return_token_ids: output ids per choice (streamed: each chunk's new ones) and the prompt's
+    ids (completions: per choice, with its first chunk; chat: on the response, or its first chunk)."""
+
+    def _post(self, server, path: str, body: dict):
+        return httpx.post(f"{server.url}{path}", json={"model": server.model_name, **body}, timeout=60)
+
+    def _stream(self, server, path: str, body: dict) -> list[dict]:
+        with httpx.stream("POST", f"{server.url}{path}", json={"model": server.model_name, "stream": True, **body},
+                          timeout=60) as r:
+            return [e for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+
+    def test_completions(self, server, reference_engine):
+        ids = reference_engine.tokenizer.encode(PROMPT)
+        body = {"prompt": ids, "max_tokens": 8, "temperature": 0, "n": 2, "ignore_eos": True, "return_token_ids": True}
+        [ref] = reference_engine.generate([ids], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        choices = self._post(server, "/v1/completions", body).json()["choices"]
+        assert [c["token_ids"] for c in choices] == [ref["token_ids"]] * 2
+        assert all(c["prompt_token_ids"] == ids for c in choices)
+        events = self._stream(server, "/v1/completions", body)
+        for index in (0, 1):
+            mine = [e["choices"][0] for e in events if e["choices"] and e["choices"][0]["index"] == index]
+            assert [t for c in mine for t in c["token_ids"]] == ref["token_ids"]
+            assert mine[0]["prompt_token_ids"] == ids and all("prompt_token_ids" not in c for c in mine[1:])
+
+    def test_chat(self, server, reference_engine):
+        body = {"messages": CHAT, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        prompt = chat_prompt_ids(reference_engine, CHAT)
+        [ref] = reference_engine.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        resp = self._post(server, "/v1/chat/completions", body).json()
+        assert resp["prompt_token_ids"] == prompt and resp["choices"][0]["token_ids"] == ref["token_ids"]
+        events = self._stream(server, "/v1/chat/completions", body)
+        assert events[0]["prompt_token_ids"] == prompt and all("prompt_token_ids" not in e for e in events[1:])
+        assert [t for e in events for c in e["choices"] for t in c.get("token_ids", [])] == ref["token_ids"]
+
+    def test_off_by_default(self, server):
+        resp = self._post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2}).json()
+        assert "prompt_token_ids" not in resp and "token_ids" not in resp["choices"][0]
+        choice = self._post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2}).json()["choices"][0]
+        assert "token_ids" not in choice and "prompt_token_ids" not in choice
+
+
 class TestShutdown:
     def test_sigterm_drains_in_flight_streams(self, server):
         num_tokens = 40
