@@ -70,6 +70,7 @@ def test_greedy_with_biases_equals_hf(tiny_llama, reference, options):
 
 
 def test_sampling_follows_softmax_of_the_biased_logits():
+    torch.manual_seed(0)  # the sampler's unseeded noise: one fixed draw
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(N := 20000, 1)
     bias = {0: -1.5, 3: 2.0}
     batch = SamplingBatch(temperatures=torch.ones(N), top_ks=None, top_ps=None, min_ps=None, seeds=None,
