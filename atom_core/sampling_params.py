@@ -26,7 +26,8 @@ class SamplingParams:
     below the model's vocabulary size (checked when the request is added).
     `structured_outputs` constrains the output to a grammar (JSON schema, regex, choice, ...).
     `lora_request` names the LoRA adapter the request runs with (None: the base model); it rides here so
-    every boundary a request crosses carries it unchanged.
+    every boundary a request crosses carries it unchanged. So does `cache_salt` (vLLM's): requests with
+    different salts (or one without) never share prefix-cache blocks, whatever their prompts.
     """
 
     temperature: float = 1.0
@@ -49,6 +50,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     lora_request: LoRARequest | None = None
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -95,6 +97,8 @@ class SamplingParams:
                     fail("logit_bias", f"token ids must be integers >= 0, got {token!r}")
                 if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
                     fail("logit_bias", f"the bias of token {token} must be a number in [-100, 100], got {bias!r}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            fail("cache_salt", "must be a non-empty string")
         if self.structured_outputs is not None and self.min_tokens > 0:
             # min_tokens bans EOS where the grammar may allow nothing else.
             fail("min_tokens", "must be 0 with structured outputs")

@@ -96,10 +96,15 @@ class Sequence:
 
     @property
     def block_hash_seed(self) -> int | None:
-        """Where the chain of prefix-cache block hashes starts: requests of different adapters
-        (and the base model, None) never share KV."""
-        lora_id = self.lora_int_id
-        return None if lora_id is None else xxhash.xxh64(b"lora" + lora_id.to_bytes(8, "little")).intdigest()
+        """Where the chain of prefix-cache block hashes starts: requests of different adapters (and the
+        base model) or different cache salts (and none) never share KV; None for the base model unsalted."""
+        lora_id, salt = self.lora_int_id, self.sampling_params.cache_salt
+        if lora_id is None and salt is None:
+            return None
+        key = b"" if lora_id is None else b"lora" + lora_id.to_bytes(8, "little")
+        if salt is not None:
+            key += b"salt" + salt.encode()
+        return xxhash.xxh64(key).intdigest()
 
     @property
     def is_finished(self) -> bool:

@@ -149,6 +149,8 @@ class _SamplingRequest(_Strict):
     repetition_penalty: float = Field(1.0, gt=0, description="1 is off.")
     stream: bool = False
     stream_options: StreamOptions | None = None
+    cache_salt: NonEmptyStr | None = Field(None, description=(
+        "vLLM's: requests with different salts (or one without) never share prefix-cache blocks."))
     return_token_ids: bool = Field(False, description=(
         "vLLM's: each choice also carries its output token ids (`token_ids`; streamed: each chunk's new ones) and "
         "the prompt's (`prompt_token_ids`: per choice for completions, on the response or its first chunk for chat)."))
@@ -235,6 +237,7 @@ class _SamplingRequest(_Strict):
                 frequency_penalty=self.frequency_penalty, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens, structured_outputs=self._structured,
                 logit_bias={int(k): float(v) for k, v in self.logit_bias.items()} if self.logit_bias else None,
+                cache_salt=self.cache_salt,
             )
         except ValueError as e:
             raise sampling_error(e) from None

@@ -95,6 +95,20 @@ class TestPrefixReuse:
         assert kv.num_used_blocks == 5
         release(kv, a, b)
 
+    def test_cache_salts_keep_their_blocks_apart(self, kv):
+        """Only a request with the same salt (or none with none) reuses a prefix; a salt also parts
+        requests of one adapter (the salt and the adapter both seed the hash chain)."""
+        prefix = list(range(1, 13))
+
+        def salted(rid, salt):
+            return Sequence(rid, prefix + [50], SamplingParams(max_tokens=4, cache_salt=salt))
+
+        seqs = [salted("a", "tenant-a"), salted("b", "tenant-b"), salted("n", None), salted("a2", "tenant-a"),
+                salted("n2", None)]
+        assert [run_prefill(kv, seq) for seq in seqs] == [0, 0, 0, 12, 12]
+        assert len({seq.block_hash_seed for seq in seqs[:3]}) == 3 and seqs[2].block_hash_seed is None
+        release(kv, *seqs)
+
     def test_reset_forgets_free_blocks_but_keeps_running_ones(self, kv):
         prefix = list(range(1, 13))
         a, b = make_seq("a", prefix + [50]), make_seq("b", [7] * 8 + [1])

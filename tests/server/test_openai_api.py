@@ -518,6 +518,24 @@ class TestReturnTokenIds:
         assert "token_ids" not in choice and "prompt_token_ids" not in choice
 
 
+class TestCacheSalt:
+    def test_server_reports_cached_tokens_per_salt(self, server):
+        """vLLM's cache_salt: only a repeat with the same salt finds the prompt cached; an empty salt is a 400."""
+        long_prompt = " ".join(["token"] * 60)
+
+        def cached(salt: str) -> int:
+            body = {"model": server.model_name, "prompt": long_prompt, "max_tokens": 2, "cache_salt": salt}
+            r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        counts = [cached(s) for s in ("s1", "s2", "s1")]
+        assert counts[0] == counts[1] == 0 and counts[2] > 0
+        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=30,
+                       json={"model": server.model_name, "messages": CHAT, "cache_salt": ""})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+
+
 class TestShutdown:
     def test_sigterm_drains_in_flight_streams(self, server):
         num_tokens = 40
