@@ -149,6 +149,8 @@ class _SamplingRequest(_Strict):
     repetition_penalty: float = Field(1.0, gt=0, description="1 is off.")
     stream: bool = False
     stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = Field(
+        None, description="Token id (a decimal string) -> bias in [-100, 100], added to that token's logit.")
     cache_salt: NonEmptyStr | None = Field(None, description=(
         "vLLM's: requests with different salts (or one without) never share prefix-cache blocks."))
     return_token_ids: bool = Field(False, description=(
@@ -159,8 +161,6 @@ class _SamplingRequest(_Strict):
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    logit_bias: dict[str, float] | None = Field(
-        None, description="Token id (a decimal string) -> bias in [-100, 100], added to that token's logit.")
     # Known but not implemented: only their no-op value passes (see _reject_unsupported).
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="1 or n (no-op values only).")
     # Output constraints (structured outputs); at most one per request.

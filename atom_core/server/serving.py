@@ -343,7 +343,7 @@ class OpenAIServing:
             logprobs = {"content": self.logprobs.chat(state.token_ids, state.logprobs, req.top_logprobs or 0)}
         message = sub.output.message(state.text) if sub.output else {"role": "assistant", "content": state.text}
         choice = {"index": sub.index, "message": message, "logprobs": logprobs,
-                  "finish_reason": _chat_finish_reason(sub, state)}
+                  "finish_reason": _chat_finish_reason(sub, state), "stop_reason": self._stop_reason(sub, state)}
         if req.return_token_ids:
             choice["token_ids"] = list(state.token_ids)
         return choice
@@ -355,10 +355,20 @@ class OpenAIServing:
             ids = sub.prompt_ids + ids
             entries = (state.prompt_logprobs or [None] * len(sub.prompt_ids)) + entries
         logprobs = self.logprobs.completion(ids, entries, 0)[0] if req.logprobs is not None else None
-        choice = {"index": sub.index, "text": text, "logprobs": logprobs, "finish_reason": state.finish_reason}
+        choice = {"index": sub.index, "text": text, "logprobs": logprobs, "finish_reason": state.finish_reason,
+                  "stop_reason": self._stop_reason(sub, state)}
         if req.return_token_ids:
             choice |= {"token_ids": list(state.token_ids), "prompt_token_ids": sub.prompt_ids}
         return choice
+
+    def _stop_reason(self, sub: EngineRequest, state: RequestState) -> str | int | None:
+        """vLLM's stop_reason: the stop string or stop token id that ended the choice; None when it ended
+        otherwise (its length, or an end-of-sequence token the request did not list)."""
+        reason = state.stop_reason
+        if isinstance(reason, int) and (reason not in sub.params.stop_token_ids
+                                        or (reason in self.engine.info.eos_token_ids and not sub.params.ignore_eos)):
+            return None
+        return reason
 
     def _prompt_text(self, sub: EngineRequest) -> str:
         if sub.prompt_text is not None:
@@ -415,6 +425,8 @@ class OpenAIServing:
             delta = {"content": text} if text else {}
         choice = {"index": sub.index, "delta": delta, "logprobs": logprobs,
                   "finish_reason": _chat_finish_reason(sub, state) if state.finished else None}
+        if state.finished:
+            choice["stop_reason"] = self._stop_reason(sub, state)
         if req.return_token_ids:
             choice["token_ids"] = ids
         return choice
@@ -440,6 +452,8 @@ class OpenAIServing:
                 logprobs, offsets[sub.index] = self.logprobs.completion(ids, entries, offsets.get(sub.index, 0))
             choice = {"index": sub.index, "text": text, "logprobs": logprobs,
                       "finish_reason": state.finish_reason if state.finished else None}
+            if state.finished:
+                choice["stop_reason"] = self._stop_reason(sub, state)
             if req.return_token_ids:  # the prompt's ids with the choice's first chunk
                 choice |= {"token_ids": new_ids} | ({"prompt_token_ids": sub.prompt_ids} if opening else {})
             return choice

@@ -190,10 +190,26 @@ class TestCompletions:
         stop = full[k:k + 2]
         resp = client.completions.create(**kw, stop=[stop])
         assert resp.choices[0].text == full[:k] and resp.choices[0].finish_reason == "stop"
+        assert resp.choices[0].stop_reason == stop  # vLLM's field: the stop string that matched
         streamed = list(client.completions.create(**kw, stop=stop, stream=True))
         assert "".join(c.choices[0].text for c in streamed) == full[:k]
-        assert streamed[-1].choices[0].finish_reason == "stop"
+        assert streamed[-1].choices[0].finish_reason == "stop" and streamed[-1].choices[0].stop_reason == stop
         assert wait_until(lambda: engine_idle(server), what="the stopped request to leave the core")
+
+    def test_stop_reason_names_the_stop_token_and_is_none_otherwise(self, server, reference_engine):
+        """vLLM's stop_reason: a listed stop token's id; None for a length (or an unlisted end of sequence)."""
+        [ref] = reference_engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        ids = ref["token_ids"]
+        k = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i])
+        client = server.openai()
+        kw = dict(model=server.model_name, prompt=PROMPT, max_tokens=8, temperature=0)
+        stopped = client.completions.create(**kw, extra_body={"ignore_eos": True, "stop_token_ids": [ids[k]]})
+        assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].stop_reason == ids[k]
+        chat = client.chat.completions.create(model=server.model_name, messages=CHAT, max_tokens=3, temperature=0,
+                                              extra_body={"ignore_eos": True})
+        assert chat.choices[0].finish_reason == "length" and chat.choices[0].stop_reason is None
+        long = client.completions.create(**kw, extra_body={"ignore_eos": True})
+        assert long.choices[0].finish_reason == "length" and long.choices[0].stop_reason is None
 
     def test_logprobs_shape(self, server):
         resp = server.openai().completions.create(model=server.model_name, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2)
