@@ -151,6 +151,8 @@ class _SamplingRequest(_Strict):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = Field(
         None, description="Token id (a decimal string) -> bias in [-100, 100], added to that token's logit.")
+    truncate_prompt_tokens: int | None = Field(None, ge=1, description=(
+        "vLLM's: a longer prompt keeps only its last this many tokens (left truncation)."))
     cache_salt: NonEmptyStr | None = Field(None, description=(
         "vLLM's: requests with different salts (or one without) never share prefix-cache blocks."))
     return_token_ids: bool = Field(False, description=(

@@ -221,6 +221,9 @@ class OpenAIServing:
         except EngineDeadError as e:
             raise engine_error(e) from None
         lora = self.lookup_model(getattr(req, "model", None))
+        keep = getattr(req, "truncate_prompt_tokens", None)
+        if keep is not None:
+            prompts = [_left_truncated(text, ids, keep, bool(mm_items)) for text, ids in prompts]
         response_id = f"{prefix}-{uuid.uuid4().hex}"
         subs = []
         for p, (text, ids) in enumerate(prompts):
@@ -471,6 +474,17 @@ def _completion_prompt(tok, prompt: str | list[int]) -> tuple[str | None, list[i
     if isinstance(prompt, str):
         return prompt, _require_tokenizer(tok, "text prompts").encode(prompt)
     return None, list(prompt)
+
+
+def _left_truncated(text: str | None, ids: list[int], keep: int, has_images: bool) -> tuple[str | None, list[int]]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (its text then comes from them:
+    None). Image placeholders would lose their place, so a prompt with images that is too long is an error."""
+    if len(ids) <= keep:
+        return text, ids
+    if has_images:
+        raise APIError(f"truncate_prompt_tokens={keep} would cut a prompt of {len(ids)} tokens that holds images",
+                       param="truncate_prompt_tokens")
+    return None, ids[-keep:]
 
 
 def _chat_finish_reason(sub: EngineRequest, state: RequestState) -> str | None:

@@ -151,6 +151,19 @@ def test_too_many_images_and_unsupported_detail(vlm_server):
     assert _post(vlm_server, [data_url(IMAGE)] * 2, detail="auto").status_code == 200
 
 
+def test_truncating_a_prompt_with_images_is_refused_and_a_long_enough_limit_is_kept(vlm_server):
+    parts = [{"type": "image_url", "image_url": {"url": data_url(IMAGE)}}, {"type": "text", "text": "What is it?"}]
+    body = {"messages": [{"role": "user", "content": parts}], "max_tokens": 3, "temperature": 0}
+    cut = httpx.post(f"{vlm_server.url}/v1/chat/completions", json=body | {"truncate_prompt_tokens": 4}, timeout=60)
+    assert cut.status_code == 400, cut.text
+    error = cut.json()["error"]
+    assert error["param"] == "truncate_prompt_tokens" and "holds images" in error["message"]
+    kept = httpx.post(f"{vlm_server.url}/v1/chat/completions", json=body | {"truncate_prompt_tokens": 4096},
+                      timeout=60)
+    assert kept.status_code == 200
+    assert kept.json()["choices"][0]["message"]["content"] == _text(_post(vlm_server, [data_url(IMAGE)]))
+
+
 def test_a_text_model_refuses_images_clearly(server):
     response = _post(server, [data_url(IMAGE)])
     assert response.status_code == 400

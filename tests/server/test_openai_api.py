@@ -211,6 +211,23 @@ class TestCompletions:
         long = client.completions.create(**kw, extra_body={"ignore_eos": True})
         assert long.choices[0].finish_reason == "length" and long.choices[0].stop_reason is None
 
+    def test_truncate_prompt_tokens_keeps_the_last_tokens(self, server, reference_engine):
+        """vLLM's truncate_prompt_tokens: the prompt's last k tokens are the prompt (usage counts them);
+        a shorter prompt is kept whole; 0 is a 400 naming the field."""
+        ids = reference_engine.tokenizer.encode(PROMPT * 3)
+        client = server.openai()
+        kw = dict(model=server.model_name, max_tokens=6, temperature=0)
+        [ref] = reference_engine.generate([ids[-5:]], SamplingParams(temperature=0, max_tokens=6))
+        cut = client.completions.create(prompt=ids, extra_body={"truncate_prompt_tokens": 5}, **kw)
+        assert cut.usage.prompt_tokens == 5 and cut.choices[0].text == ref["text"]
+        whole = client.completions.create(prompt=ids[:4], extra_body={"truncate_prompt_tokens": 5}, **kw)
+        assert whole.usage.prompt_tokens == 4
+        chat = client.chat.completions.create(messages=CHAT, extra_body={"truncate_prompt_tokens": 3}, **kw)
+        assert chat.usage.prompt_tokens == 3
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(prompt=ids, extra_body={"truncate_prompt_tokens": 0}, **kw)
+        assert e.value.body["param"] == "truncate_prompt_tokens"
+
     def test_logprobs_shape(self, server):
         resp = server.openai().completions.create(model=server.model_name, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2)
         lp = resp.choices[0].logprobs
