@@ -23,7 +23,8 @@ class SamplingParams:
     `prompt_logprobs` = k returns the same for every prompt token (first one is None).
     `logit_bias` {token id: bias in [-100, 100]} adds each bias to that token's logit before every
     sample (OpenAI's logit_bias: -100 bans a token in practice, +100 all but forces it); the ids must be
-    below the model's vocabulary size (checked when the request is added).
+    below the model's vocabulary size (checked when the request is added). `allowed_token_ids` (vLLM's)
+    samples only among those ids (the min_tokens ban still applies within them).
     `structured_outputs` constrains the output to a grammar (JSON schema, regex, choice, ...).
     `lora_request` names the LoRA adapter the request runs with (None: the base model); it rides here so
     every boundary a request crosses carries it unchanged. So does `cache_salt` (vLLM's): requests with
@@ -48,6 +49,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     lora_request: LoRARequest | None = None
     cache_salt: str | None = None
@@ -97,6 +99,12 @@ class SamplingParams:
                     fail("logit_bias", f"token ids must be integers >= 0, got {token!r}")
                 if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
                     fail("logit_bias", f"the bias of token {token} must be a number in [-100, 100], got {bias!r}")
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple)) or not ids or any(
+                    isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+                fail("allowed_token_ids", "must be a non-empty list of token ids >= 0")
+            self.allowed_token_ids = list(ids)
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             fail("cache_salt", "must be a non-empty string")
         if self.structured_outputs is not None and self.min_tokens > 0:

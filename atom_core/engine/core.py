@@ -70,10 +70,11 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, max_mo
     bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
-    outside = sorted(t for t in params.logit_bias or {} if t >= vocab_size)
-    if outside:
-        raise ValueError(f"invalid sampling parameter logit_bias={{{outside[0]}: ...}}: token ids out of range "
-                         f"[0, {vocab_size}): {outside[:5]}")
+    for name, ids in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids", params.allowed_token_ids or [])):
+        outside = sorted(t for t in ids if t >= vocab_size)
+        if outside:
+            raise ValueError(f"invalid sampling parameter {name}=[{outside[0]}, ...]: token ids out of range "
+                             f"[0, {vocab_size}): {outside[:5]}")
     needed = min(n + (params.max_tokens or max_model_len), max_model_len)
     if num_kv_tokens is not None and needed > num_kv_tokens:
         raise ValueError(f"request needs KV for {needed} tokens but the whole cache holds {num_kv_tokens}; "

@@ -60,7 +60,7 @@ class SamplingBatch:
     frequency_penalties: torch.Tensor | None = None
     prompt_mask: torch.Tensor | None = None  # [B, V] bool
     output_counts: torch.Tensor | None = None  # [B, V] float32
-    banned_mask: torch.Tensor | None = None  # [B, V] bool: EOS/stop ids before min_tokens
+    banned_mask: torch.Tensor | None = None  # [B, V] bool: EOS/stop ids before min_tokens, ids not allowed
     logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None  # ([2, N] int64 (row, token), [N] float32 bias)
     grammar_bitmask: torch.Tensor | None = None  # [B, ceil(V / 32)] int32 allowed tokens (structured outputs)
     max_num_logprobs: int = -1  # -1: none requested

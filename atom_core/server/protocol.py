@@ -151,6 +151,8 @@ class _SamplingRequest(_Strict):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = Field(
         None, description="Token id (a decimal string) -> bias in [-100, 100], added to that token's logit.")
+    allowed_token_ids: NonEmptyTokenIds | None = Field(None, description=(
+        "vLLM's: sample only among these token ids (each below the model's vocabulary size)."))
     truncate_prompt_tokens: int | None = Field(None, ge=1, description=(
         "vLLM's: a longer prompt keeps only its last this many tokens (left truncation)."))
     cache_salt: NonEmptyStr | None = Field(None, description=(
@@ -239,7 +241,7 @@ class _SamplingRequest(_Strict):
                 frequency_penalty=self.frequency_penalty, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens, structured_outputs=self._structured,
                 logit_bias={int(k): float(v) for k, v in self.logit_bias.items()} if self.logit_bias else None,
-                cache_salt=self.cache_salt,
+                cache_salt=self.cache_salt, allowed_token_ids=self.allowed_token_ids,
             )
         except ValueError as e:
             raise sampling_error(e) from None

@@ -306,8 +306,12 @@ def build_sampling_batch(out: SchedulerOutput, states: list[RequestState], seq_i
         sb.logit_bias = (to_device(np.array([rows, tokens], dtype=np.int64), device),
                          to_device(np.array(biases, dtype=np.float32), device))
     banned = [(r, s) for r, (s, k) in enumerate(zip(seqs, num_outputs)) if k < s.sampling_params.min_tokens]
-    if banned:
+    restricted = [(r, p.allowed_token_ids) for r, p in enumerate(params) if p.allowed_token_ids is not None]
+    if banned or restricted:
         mask = np.zeros((len(seqs), vocab_size), dtype=bool)
+        for r, allowed in restricted:  # everything outside the allowed ids
+            mask[r] = True
+            mask[r, allowed] = False
         for r, s in banned:
             ids = [t for t in (*eos_token_ids, *s.sampling_params.stop_token_ids) if t < vocab_size]
             mask[r, ids] = True

@@ -102,3 +102,49 @@ def test_bad_biases_name_the_field(bias, message):
     with pytest.raises(ValueError, match="invalid sampling parameter logit_bias=") as e:
         SamplingParams(logit_bias=bias)
     assert message in str(e.value)
+
+
+# ---- allowed_token_ids (vLLM's): the same seam, a mask ------------------------------------------
+ALLOWED = [11, 42, 97, 250]
+
+
+def _allowed(ids: list[int] | None, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, allowed_token_ids=ids, **({"temperature": 0} | kw))
+
+
+@pytest.fixture(scope="module")
+def allowed_reference(tiny_llama):
+    """HF greedy with every other id suppressed, for the first two prompts; the others unconstrained."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
+    suppress = [t for t in range(model.config.vocab_size) if t not in ALLOWED]
+    ps, out = prompts(), []
+    for i, p in enumerate(ps):
+        kwargs = {"suppress_tokens": suppress} if i < 2 else {}
+        ids = model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False,
+                             pad_token_id=0, **kwargs)
+        out.append(ids[0, len(p):].tolist())
+    assert set(out[0]) <= set(ALLOWED) and len(set(out[0]) | set(out[1])) > 1
+    return ps, out
+
+
+@pytest.mark.parametrize("options", [{}, {"max_num_seqs": 2},
+                                     {"method": "ngram", "num_speculative_tokens": 3, "ngram_min": 1, "ngram_max": 3}],
+                         ids=["defaults", "two_seqs", "ngram"])
+def test_allowed_token_ids_greedy_equals_hf_suppressing_the_rest(tiny_llama, allowed_reference, options):
+    ps, expected = allowed_reference
+    params = [_allowed(ALLOWED), _allowed(ALLOWED), _allowed(None), _allowed(None)]
+    outs = LLMEngine(str(tiny_llama), **options).generate(ps, params)
+    assert [o["token_ids"] for o in outs] == expected
+
+
+def test_allowed_token_ids_bound_sampling_and_bad_ones_name_the_field(tiny_llama):
+    engine = LLMEngine(str(tiny_llama))
+    out = engine.generate([prompts()[0]], _allowed(ALLOWED[:2], temperature=1.0, seed=1))[0]["token_ids"]
+    assert set(out) <= set(ALLOWED[:2]) and len(out) == MAX_TOKENS
+    with pytest.raises(ValueError, match=r"invalid sampling parameter allowed_token_ids=.*out of range"):
+        engine.generate([[5, 6]], _allowed([3, 10**6]))
+    for bad in ([], [-1], ["7"]):
+        with pytest.raises(ValueError, match="allowed_token_ids=.*must be a non-empty list of token ids >= 0"):
+            SamplingParams(allowed_token_ids=bad)

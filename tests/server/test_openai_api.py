@@ -181,6 +181,24 @@ class TestCompletions:
                                                 logit_bias={"42": 100}, extra_body={"ignore_eos": True})
         assert forced.choices[0].message.content == reference_engine.tokenizer.decode([42] * 4)
 
+    def test_allowed_token_ids_bound_every_token(self, server, reference_engine):
+        """vLLM's allowed_token_ids: only those ids come out, sampled or greedy, as LLMEngine gives them."""
+        allowed = [11, 42, 97]
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, allowed_token_ids=allowed)
+        [ref] = reference_engine.generate([PROMPT], params)
+        resp = self._completion(server, {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+                                         "allowed_token_ids": allowed, "return_token_ids": True})
+        assert resp["choices"][0]["token_ids"] == ref["token_ids"] and set(ref["token_ids"]) <= set(allowed)
+        sampled = self._completion(server, {"prompt": PROMPT, "max_tokens": 8, "temperature": 1.0, "seed": 3,
+                                            "ignore_eos": True, "allowed_token_ids": allowed, "return_token_ids": True})
+        assert set(sampled["choices"][0]["token_ids"]) <= set(allowed)
+
+    @staticmethod
+    def _completion(server, body: dict) -> dict:
+        r = httpx.post(f"{server.url}/v1/completions", json={"model": server.model_name, **body}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+
     def test_stop_string_cuts_text(self, server):
         client = server.openai()
         kw = dict(model=server.model_name, prompt=PROMPT, max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
@@ -386,6 +404,10 @@ BAD_INPUTS = [
      "logit_bias", "logit_bias[5] = -101.0 is outside [-100, 100]"),
     ("logit_bias_past_the_vocabulary", "/v1/completions", {"prompt": "x", "logit_bias": {"1000000": 1}}, 400,
      "logit_bias", "out of range"),
+    ("allowed_token_ids_past_the_vocabulary", "/v1/completions", {"prompt": "x", "allowed_token_ids": [3, 10**6]},
+     400, "allowed_token_ids", "out of range"),
+    ("allowed_token_ids_empty", "/v1/chat/completions", {"messages": CHAT, "allowed_token_ids": []}, 400,
+     "allowed_token_ids", ""),
     ("best_of_unsupported", "/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of", ""),
     ("response_format_unknown_type", "/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "yaml"}},
      400, "response_format.type", ""),
@@ -469,10 +491,11 @@ BOUNDED = {  # fields whose bounds the document must state (so the walk cannot p
     "/v1/chat/completions": {"messages", "max_tokens", "max_completion_tokens", "top_logprobs"},
 }
 SHARED_BOUNDED = {"temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "min_tokens", "n",
-                  "presence_penalty", "frequency_penalty", "repetition_penalty", "best_of", "guided_choice"}
+                  "presence_penalty", "frequency_penalty", "repetition_penalty", "best_of", "guided_choice",
+                  "allowed_token_ids", "truncate_prompt_tokens"}
 # Limits that depend on the model or on another field: a far value is a 400, which the field's
 # description must state (context length, vocabulary size, min_tokens <= max_tokens).
-MODEL_LIMITED = {"max_tokens", "max_completion_tokens", "min_tokens", "prompt"}
+MODEL_LIMITED = {"max_tokens", "max_completion_tokens", "min_tokens", "prompt", "allowed_token_ids"}
 
 
 def companion(field: str, value) -> dict:
