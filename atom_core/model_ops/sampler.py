@@ -80,6 +80,22 @@ def apply_logit_bias(logits: torch.Tensor, bias: tuple[torch.Tensor, torch.Tenso
     return logits.float().index_put((index[0], index[1]), values, accumulate=True)
 
 
+def adjusted_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """What both samplers pick from (Sampler, and the RejectionSampler's rows): logits with the penalties,
+    logit_bias, the banned ids (min_tokens, allowed_token_ids) and a grammar's mask applied. Each step
+    upcasts to float32 where it needs to; with none of them the logits come back as they are."""
+    if batch.repetition_penalties is not None or batch.frequency_penalties is not None \
+            or batch.presence_penalties is not None:
+        logits = apply_penalties(logits.float(), batch)
+    if batch.logit_bias is not None:
+        logits = apply_logit_bias(logits, batch.logit_bias)
+    if batch.banned_mask is not None:
+        logits = logits.masked_fill(batch.banned_mask, float("-inf"))
+    if batch.grammar_bitmask is not None:
+        logits = apply_token_bitmask(logits, batch.grammar_bitmask)
+    return logits
+
+
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.repetition_penalties is not None:
         seen = batch.prompt_mask | (batch.output_counts > 0)
@@ -161,14 +177,7 @@ class Sampler(nn.Module):
         out = SamplerOutput(token_ids=torch.empty(0))
         if batch.max_num_logprobs >= 0:
             raw = logits.log_softmax(dim=-1, dtype=torch.float32)
-        if batch.repetition_penalties is not None or batch.frequency_penalties is not None or batch.presence_penalties is not None:
-            logits = apply_penalties(logits.float(), batch)
-        if batch.logit_bias is not None:
-            logits = apply_logit_bias(logits, batch.logit_bias)
-        if batch.banned_mask is not None:
-            logits = logits.masked_fill(batch.banned_mask, float("-inf"))
-        if batch.grammar_bitmask is not None:
-            logits = apply_token_bitmask(logits, batch.grammar_bitmask)
+        logits = adjusted_logits(logits, batch)
         if batch.all_greedy:
             out.token_ids = logits.argmax(dim=-1)
         elif self._can_fuse(logits, batch):

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from atom_core.model_ops.sampler import (SamplingBatch, apply_logit_bias, apply_penalties, hashed_exponential,
-                                         mix32, sampling_probs, unit_interval)
+from atom_core.model_ops.sampler import (SamplingBatch, adjusted_logits, hashed_exponential, mix32, sampling_probs,
+                                         unit_interval)
 
 _MASK32 = 0xFFFFFFFF
 
@@ -30,22 +30,6 @@ def hashed_uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor
     return unit_interval(mix32(mix32(row ^ 0x68E31DA4) ^ 0x1B56C4E9))
 
 
-def _adjusted_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    logits = logits.float()
-    if batch.repetition_penalties is not None or batch.frequency_penalties is not None \
-            or batch.presence_penalties is not None:
-        logits = apply_penalties(logits, batch)
-    if batch.logit_bias is not None:
-        logits = apply_logit_bias(logits, batch.logit_bias)
-    if batch.banned_mask is not None:
-        logits = logits.masked_fill(batch.banned_mask, float("-inf"))
-    if getattr(batch, "grammar_bitmask", None) is not None:  # a grammar request sharing the step
-        from atom_core.model_ops.sampler import apply_token_bitmask
-
-        logits = apply_token_bitmask(logits, batch.grammar_bitmask)
-    return logits
-
-
 class RejectionSampler(nn.Module):
     """logits [R, V] + a per-row SamplingBatch + draft_ids [R] (the draft verified at each row;
     -1 on a request's last row) -> [2, R] int64: (accepted, replacement). accepted[r]: row r's
@@ -54,7 +38,7 @@ class RejectionSampler(nn.Module):
     No host sync."""
 
     def forward(self, logits: torch.Tensor, batch: SamplingBatch, draft_ids: torch.Tensor) -> torch.Tensor:
-        logits = _adjusted_logits(logits, batch)
+        logits = adjusted_logits(logits.float(), batch)
         has_draft = draft_ids >= 0
         draft = draft_ids.clamp(min=0).unsqueeze(1)
         greedy_tokens = logits.argmax(dim=-1)
