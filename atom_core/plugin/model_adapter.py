@@ -8,8 +8,12 @@ rules are our model's own, and vLLM sees:
   default dtype and device vLLM set, with our quantization detection on that config (the same
   source vLLM's own reads) and our kernel choices (the ATOM_* kernel variables); our tensor-parallel
   group becomes vLLM's (`adopt_tp_group`), so our collectives run over vLLM's ranks and communicators;
-  our attention layers are announced to vLLM (plugin/attention.py); on CUDA our piecewise graphs
-  serve the steps vLLM runs eagerly (plugin/prefill_graphs.py).
+  our attention layers are announced to vLLM (plugin/attention.py); on CUDA our decoder layers are
+  compiled as our engine compiles them (worker/compile.py: the graph split at attention) unless
+  vLLM's compilation is off (`-O0`, `--enforce-eager`), and our piecewise graphs serve the steps
+  vLLM runs eagerly (plugin/prefill_graphs.py). vLLM compiles only its own classes: without ours,
+  a step past the largest piecewise bucket (a 1,024-token prompt beside the decodes) launches
+  each layer's ~11 kernels from Python and the GPU waits on the host.
 - `embed_input_ids` (and `get_input_embeddings`, its older name), `forward(input_ids, positions,
   intermediate_tensors=None, inputs_embeds=None)` -> hidden states, `compute_logits(hidden)`.
 - `load_weights(weights) -> set[str]`: vLLM's (name, tensor) stream through our loader's name rules
@@ -60,6 +64,17 @@ def _check_lora(vllm_config) -> None:
                          "with `atomctl serve --enable-lora`")
 
 
+def compiles(vllm_config, device: torch.device) -> bool:
+    """Whether our decoder layers are compiled in this vLLM: on CUDA (as in our engine, where the CPU
+    runs eagerly) unless vLLM runs eagerly or its compilation mode (`-O`, `level` before 0.11) is 0
+    or unset (a config vLLM has not resolved)."""
+    compilation = vllm_config.compilation_config
+    mode = getattr(compilation, "mode", None)
+    mode = getattr(compilation, "level", None) if mode is None else mode
+    compiled = bool(getattr(mode, "value", mode))
+    return device.type == "cuda" and not vllm_config.model_config.enforce_eager and compiled
+
+
 def _adopt_vllm_tp_group() -> None:
     from vllm.distributed import get_tp_group
 
@@ -88,6 +103,10 @@ class VllmModelAdapter:
         from atom_core.plugin.attention import register_attention_layers
 
         self.kv_bindings = register_attention_layers(self, vllm_config, device)
+        if compiles(vllm_config, device):
+            from atom_core.worker.compile import compile_model
+
+            compile_model(self)  # after the bindings: the custom ops call the backends they set
         self.prefill_graphs = self._prefill_graphs(vllm_config, device)
         self.weights_processed = False  # our quant methods' repacking done (load_weights, or the first forward)
         check_attention_supported(attention_layers(self), model_config.max_model_len, device)

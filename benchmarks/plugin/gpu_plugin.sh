@@ -13,6 +13,9 @@
 #           run.sh's native row) and by `atomctl serve`, each driven by vLLM's `vllm bench serve`: random
 #           1,024 in / 128 out, c64, 320 prompts, seed 0, --ignore-eos (a fresh server each: no prefix hits).
 #           ONLINE_ENGINES picks among "on off atom" (default all three); results in $OUT/online_*.json.
+#   steady  benchmarks/plugin/steady_steps.py on Llama-3-8B (dummy), the plugin on, then off: vLLM's engine
+#           stepped at a steady 64 requests in flight (1,024 in / 128 out), step times with and without
+#           prefill rows, and the kernels of 40 profiled steps by device time (STEADY_ARGS: its options).
 #   moe     the bench workload on MoE models with the plugin on and off, both loading one random
 #           checkpoint (.peer/tools/mk_ckpt.py into /dev/shm: routing, and so a step's work, depends on the
 #           weights). MOE_MODELS: vllm_bench.py names (default "qwen3-30b-a3b deepseek-v2-lite").
@@ -34,7 +37,7 @@ steps=${*:-parity bench}
 
 fail() { echo "gpu_plugin.sh: $*"; exit 3; }
 for s in $steps; do  # every step named right before any runs
-  case $s in parity|bench|online|moe) ;; *) fail "unknown step $s (parity, bench, online, moe)" ;; esac
+  case $s in parity|bench|online|moe|steady) ;; *) fail "unknown step $s (parity, bench, online, moe, steady)" ;; esac
 done
 for m in ${BENCH_MODES:-on off}; do case $m in on|off) ;; *) fail "BENCH_MODES: on and/or off, not $m" ;; esac; done
 for e in ${ONLINE_ENGINES:-on off atom}; do
@@ -149,7 +152,17 @@ for s in $steps; do
       run rm -rf "/dev/shm/ckpt-$name"
     done
     ;;
-  *) fail "unknown step $s (parity, bench, online, moe)" ;;
+  steady)
+    model=/tmp/model-llama-3-8b
+    run env PYTHONPATH=$TP python3 -m benchmarks.engine.model_dir preset:Llama-3-8B $model || fail "no model directory"
+    for mode in ${BENCH_MODES:-on off}; do
+      off=$([ $mode = off ] && echo 1 || echo 0)
+      step "steady_$mode" "${T_PLUGIN:-200}" env PYTHONPATH=$VP ATOM_DISABLE_VLLM_PLUGIN=$off \
+        python3 benchmarks/plugin/steady_steps.py $model ${STEADY_ARGS:-}
+      [ -z "$DRY" ] && { grep -A40 "^RESULT " "$OUT/steady_$mode.log" || tail -30 "$OUT/steady_$mode.log"; }
+    done
+    ;;
+  *) fail "unknown step $s (parity, bench, online, moe, steady)" ;;
   esac
 done
 exit 0

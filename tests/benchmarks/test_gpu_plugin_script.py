@@ -50,6 +50,15 @@ def test_online_and_moe_steps_print_each_engine_and_checkpoint(peer, tmp_path):
     assert lines[-1] == "DRY: rm -rf /dev/shm/ckpt-qwen3-30b-a3b"
 
 
+def test_steady_step_runs_the_script_with_the_plugin_on_then_off(peer, tmp_path):
+    run = dry(peer, tmp_path, "steady", STEADY_ARGS="--host --top 30")
+    assert run.returncode == 0, run.stdout + run.stderr
+    steady = [line for line in run.stdout.splitlines() if "[steady_" in line]
+    assert [line.split("]")[0] for line in steady] == ["DRY: [steady_on, 200s", "DRY: [steady_off, 200s"]
+    assert "ATOM_DISABLE_VLLM_PLUGIN=0" in steady[0] and "ATOM_DISABLE_VLLM_PLUGIN=1" in steady[1]
+    assert all(line.endswith("steady_steps.py /tmp/model-llama-3-8b --host --top 30") for line in steady)
+
+
 def test_online_engines_picks_the_servers(peer, tmp_path):
     run = dry(peer, tmp_path, "online", ONLINE_ENGINES="atom")
     assert run.returncode == 0, run.stdout + run.stderr
@@ -57,7 +66,7 @@ def test_online_engines_picks_the_servers(peer, tmp_path):
 
 
 @pytest.mark.parametrize("steps,env,message", [
-    (("bench", "bogus"), {}, "unknown step bogus (parity, bench, online, moe)"),
+    (("bench", "bogus"), {}, "unknown step bogus (parity, bench, online, moe, steady)"),
     (("online",), {"ONLINE_ENGINES": "on sglang"}, "ONLINE_ENGINES: on, off and/or atom, not sglang"),
     (("moe",), {"BENCH_MODES": "both"}, "BENCH_MODES: on and/or off, not both"),
 ])

@@ -5,6 +5,7 @@ with ATOM_DISABLE_VLLM_PLUGIN=1 vLLM's own class runs. The checks without vLLM (
 version gate, no vLLM import) run in the test environment itself."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -130,6 +131,26 @@ def test_openai_server_completion_runs_our_class_and_matches_hf(vllm_python, mod
     assert f"atom_core's {name} ({module}) runs {architecture}" in log_path.read_text()
 
 
+@needs_vllm
+def test_steady_steps_script_steps_vllm_at_a_steady_concurrency(vllm_python, models, tmp_path):
+    """benchmarks/plugin/steady_steps.py (gpu_plugin.sh's steady step) under real vLLM with our class:
+    every request finishes, the steps split into decode-only and prefill ones, a window is profiled."""
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "plugin" / "steady_steps.py"
+    result = subprocess.run([str(vllm_python), str(script), str(models["qwen3"][0]), "--concurrency", "3",
+                             "--requests", "7", "--input-len", "24", "--output-len", "6", "--max-model-len", "256",
+                             "--profile-steps", "3", "--top", "4"], capture_output=True, text=True,
+                            timeout=SERVER_STARTUP_TIMEOUT_S, env=vllm_env(), cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    row = json.loads(next(line for line in lines if line.startswith("RESULT "))[len("RESULT "):])
+    assert row["plugin"] == "on" and row["decode_only_steps"] + row["with_prefill_steps"] == row["steps"]
+    assert row["with_prefill_steps"] >= 3 and row["decode_only_steps"] >= 1  # the first wave, and the 4 added
+    first_wave_tokens = sum(max(2, (i + 1) * 6 // 3) for i in range(3))
+    assert row["out_tokens"] == first_wave_tokens + 4 * 6
+    window = lines.index(next(line for line in lines if line.startswith("kernels of 3 steps")))
+    assert len([line for line in lines[window + 1:] if " ms " in line]) == 4
+
+
 class TestWithoutVllm:
     """What holds in an environment without vLLM (the test environment)."""
 
@@ -183,6 +204,28 @@ class TestWithoutVllm:
         _check_lora(SimpleNamespace(lora_config=None))
         with pytest.raises(ValueError, match=r"--enable-lora.*ATOM_DISABLE_VLLM_PLUGIN=1.*atomctl serve --enable-lora"):
             _check_lora(SimpleNamespace(lora_config=object()))
+
+    def test_our_layers_compile_on_cuda_unless_vllm_compiles_nothing(self):
+        import enum
+        from types import SimpleNamespace
+
+        from atom_core.plugin.model_adapter import compiles
+
+        class Mode(enum.Enum):  # vLLM's CompilationMode is an enum; before 0.11 `level` was an int
+            NONE, VLLM_COMPILE = 0, 3
+
+        def config(enforce_eager=False, **compilation):
+            return SimpleNamespace(model_config=SimpleNamespace(enforce_eager=enforce_eager),
+                                   compilation_config=SimpleNamespace(**compilation))
+
+        cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+        assert compiles(config(mode=Mode.VLLM_COMPILE), cuda)
+        assert compiles(config(level=3), cuda)
+        assert not compiles(config(mode=Mode.VLLM_COMPILE), cpu)  # the CPU runs eagerly, as in our engine
+        assert not compiles(config(mode=Mode.NONE), cuda)  # -O0
+        assert not compiles(config(level=0), cuda)
+        assert not compiles(config(mode=None), cuda)  # unresolved: nothing to go by
+        assert not compiles(config(enforce_eager=True, mode=Mode.VLLM_COMPILE), cuda)
 
     @pytest.mark.parametrize("kwargs, what", [({"intermediate_tensors": object()}, "pipeline parallelism"),
                                               ({"inputs_embeds": torch.zeros(1, 4)}, "inputs_embeds")])
