@@ -650,10 +650,15 @@ def serving_config(**options) -> EngineConfig:
     config = EngineConfig.from_kwargs(**options)
     if options.get("cudagraph_mode") or options.get("piecewise_capture_sizes") or not config.piecewise_sizes_used:
         return config
-    # as the default ladder: a budget below 2,048 is the largest bucket (a full step replays)
-    budget = config.scheduler.max_num_batched_tokens
-    sizes = tuple(s for s in SERVE_PIECEWISE_SIZES if s < budget) + (min(budget, SERVE_PIECEWISE_SIZES[-1]),)
+    sizes = serve_piecewise_sizes(config.scheduler.max_num_batched_tokens)
     return EngineConfig.from_kwargs(**{**options, "piecewise_capture_sizes": sizes})
+
+
+def serve_piecewise_sizes(max_num_batched_tokens: int) -> tuple[int, ...]:
+    """SERVE_PIECEWISE_SIZES for a token budget: as the default ladder, a budget below 2,048 is the
+    largest bucket (a full step replays)."""
+    budget = max_num_batched_tokens
+    return tuple(sorted({s for s in SERVE_PIECEWISE_SIZES if s < budget} | {min(budget, SERVE_PIECEWISE_SIZES[-1])}))
 
 
 def _check_replica_graphs(config: "EngineConfig", options: dict) -> None:

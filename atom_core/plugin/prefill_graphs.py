@@ -5,16 +5,17 @@ support) but compiles and captures piecewise graphs only for the classes it comp
 step that holds a prompt would launch each layer's kernels from Python: host-bound, a lone short
 prompt's first token several times the native classes'. Our engine's own piecewise runner
 (worker/piecewise.py) fills that gap here: graphs split at attention for steps up to its largest
-bucket, captured once at vLLM's first graph capture (the KV caches are bound by then, and vLLM's
-forward context is not active, so our attention runs on the runner's padding metadata: slot -1,
-nothing stored). A step vLLM runs eagerly then replays them, each layer's attention running
+bucket (the buckets of `atomctl serve`, to 2,048 tokens: a loaded vLLM's steps carry a prompt's
+chunk beside the decodes, as our server's do), captured once at vLLM's first graph capture (the KV
+caches are bound by then, and vLLM's forward context is not active, so our attention runs on the
+runner's padding metadata: slot -1, nothing stored). A step vLLM runs eagerly then replays them, each layer's attention running
 between the graphs with the metadata vLLM built for it (plugin/attention.py reads it per layer).
 
 vLLM pads a step's rows past its tokens (to its own graph sizes) and its metadata covers the real
 tokens only: the graphs run the real rows, and the rows vLLM added come back as zeros, as
 padded_rows.py does for an eager step (nothing reads them). vLLM's memory-profiling forward (no
 metadata), a step larger than the largest bucket and a forward inside a graph vLLM is capturing run
-the model eagerly as before.
+the model without our graphs (its compiled layers on CUDA: model_adapter.py).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from atom_core.config import CompileConfig
+from atom_core.config import serve_piecewise_sizes
 from atom_core.plugin.padded_rows import pad_rows, real_rows
 
 logger = logging.getLogger("vllm.plugins.atom_core")
@@ -40,7 +41,7 @@ class PrefillGraphs:
     def __init__(self, forward: Callable, layers: list, max_num_batched_tokens: int, device: torch.device,
                  metadata_of: Callable, kit=None):
         self.forward, self.layers, self.device, self.metadata_of = forward, layers, device, metadata_of
-        self.sizes = CompileConfig().piecewise_sizes(max_num_batched_tokens)  # our engine's default ladder
+        self.sizes = serve_piecewise_sizes(max_num_batched_tokens)  # as `atomctl serve`: vLLM's steps mix too
         self.kit = kit
         self.runner = None
 

@@ -104,3 +104,14 @@ def test_steps_the_graphs_do_not_serve_run_eagerly(model, graphs):
     graphs.current["metadata"] = metadata([(0, 3)])
     with pytest.raises(ValueError, match="metadata for 3 tokens but 2 token rows"):
         graphs.run(torch.zeros(2, dtype=torch.int64), torch.arange(2))
+
+
+@pytest.mark.parametrize("budget, largest", [(8192, 2048), (2048, 2048), (1000, 1000), (8, 8)])
+def test_the_buckets_are_atomctl_serves_up_to_the_budget(budget, largest):
+    """vLLM's loaded steps mix a prompt's chunk with the decodes, as our server's: the same ladder."""
+    from atom_core.config import SERVE_PIECEWISE_SIZES
+
+    sizes = PrefillGraphs(lambda *a: None, [], budget, torch.device("cpu"), lambda: None).sizes
+    assert sizes[-1] == largest and list(sizes) == sorted(set(sizes))
+    assert set(sizes) - {budget} <= set(SERVE_PIECEWISE_SIZES)
+    assert [s for s in SERVE_PIECEWISE_SIZES if s < budget] == [s for s in sizes if s < budget]
